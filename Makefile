@@ -1,0 +1,33 @@
+# Two commands for a fresh machine: `make train` and `make test`. Both set themselves up.
+#   make install TORCH=torch          # e.g. on a CUDA box: let pip choose a CUDA build of torch
+#   make install TORCH=torch==2.11.0  # any pip requirement works
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.nanochat-installed
+
+.PHONY: install train test test-all clean
+
+# Re-install only when pyproject.toml changes or TORCH differs from what is installed.
+install:
+	@if [ ! -f $(STAMP) ] || [ pyproject.toml -nt $(STAMP) ] || [ "$$(cat $(STAMP))" != "$(TORCH)" ]; then \
+		set -e; \
+		[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV); \
+		$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"; \
+		$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'; \
+		echo "$(TORCH)" > $(STAMP); \
+	fi
+
+train: install
+	$(BIN)/python scripts/base_train.py $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+# Everything, the slow tests included (GPU tests still skip without a GPU).
+test-all: install
+	$(BIN)/python -m pytest -q -m 'not gpu' $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .cache

@@ -1,0 +1,261 @@
+"""Every entrypoint's configuration: one frozen dataclass each, the single source of `--help`.
+
+tyro turns these dataclasses into CLIs (`scripts/base_train.py`, `scripts/tok_train.py`), the
+attribute docstring under each field becomes its help text, `NanoChatTrainer(**kwargs)` takes
+the same field names, and checkpoints store the config as a plain dict (`dataclasses.asdict`)
+so a run can be resumed and inspected without unpickling anything.
+
+Flags are shown with underscores (`--fp8_mode`); tyro also accepts the hyphenated spelling
+(`--fp8-mode`). Invalid values exit with status 2 and a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+import tyro
+
+FP8Mode = Literal["e4m3", "e5m2", "auto"]
+FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Flags:
+    """The FP8 flags, shared by every entrypoint so they are spelled the same everywhere."""
+
+    fp8: Annotated[bool, tyro.conf.arg(aliases=("-f",))] = False
+    """Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
+    FP8 kernels; elsewhere it warns once and trains in high precision unless --fp8_emulate)."""
+
+    fp8_mode: FP8Mode = "e4m3"
+    """FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
+    e5m2: 2 mantissa bits, range +-57344 (more range); auto: chosen per layer and tensor role by
+    measured quantization error during the first --fp8_auto_steps steps."""
+
+    fp8_recipe: FP8Recipe = "tensorwise"
+    """torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
+    weight-gradient GEMM kept in high precision."""
+
+    fp8_emulate: bool = False
+    """Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
+    numerics studies). Implies the FP8 path even without FP8 hardware."""
+
+    fp8_opt_level: Literal[0, 1, 2] = 0
+    """Adam moments in FP8: 0 keeps both in fp32; 1 stores the first moment (momentum) in FP8;
+    2 stores both moments in FP8. Works on any device (it is only storage); needs --fp8."""
+
+    fp8_skip: tuple[str, ...] = ("lm_head",)
+    """Module-name patterns (fnmatch, matched against the full name) never converted to FP8.
+    The output head is skipped by default: its logits feed a softmax over the whole vocabulary
+    and are the most precision-sensitive matmul of the model."""
+
+    fp8_min_dim: int = 128
+    """Linear layers with min(in_features, out_features) below this stay in high precision:
+    the casts cost more than the FP8 GEMM saves (nanochat's rule; see BENCHMARKS.md)."""
+
+    fp8_auto_steps: int = 4
+    """--fp8_mode auto: number of forward+backward passes measured before formats are fixed."""
+
+    fp8_stats_every: int = 50
+    """Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
+    them off."""
+
+    fp8_max_overflows: int = 10
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
+    such step is skipped); the last good checkpoint stays intact."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(FP8Flags):
+    """Train (or continue training) a GPT on a corpus. `scripts/base_train.py`."""
+
+    model_name: str = "d4"
+    """Model: a size preset (d2, d4, d6, d8, d12, d20, d26: depth d, width 64*d), a local
+    Hugging Face directory, or a hub id found in the local Hugging Face cache."""
+
+    dataset_path: str | None = None
+    """A text file or a directory of .txt, .md, .py, .jsonl (a "text" field) or .parquet (a
+    "text" column) files. Default: this Python's own standard-library sources."""
+
+    tokenizer_dir: str | None = None
+    """A tokenizer saved by scripts/tok_train.py. Default: train one on the corpus (cached)."""
+
+    vocab_size: int = 4096
+    """Vocabulary size of a tokenizer trained on the fly (ignored with --tokenizer_dir)."""
+
+    seq_len: int = 256
+    """Tokens per training sequence (the model's context length for presets)."""
+
+    batch_size: int = 16
+    """Sequences per forward pass on each device."""
+
+    grad_accum_steps: int = 1
+    """Forward/backward passes per optimizer step (effective batch = batch_size * this * ranks)."""
+
+    num_epochs: int = 1
+    """Full passes over the training tokens (ignored when --num_iterations is set)."""
+
+    num_iterations: int = -1
+    """Optimizer steps to run; -1 means as many as --num_epochs needs."""
+
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to --lr."""
+
+    final_lr_frac: float = 0.1
+    """The learning rate decays (cosine) from --lr to this fraction of it at the last step."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay for matrices (norms, biases and embeddings get none)."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+    eval_every: int = 100
+    """Measure validation bits per byte every N steps (and at the end); 0: only at the end."""
+
+    eval_tokens: int = 32768
+    """Validation tokens per evaluation."""
+
+    save_every: int = 200
+    """Write a checkpoint every N steps (and at the end); 0: only at the end."""
+
+    run_dir: str = "runs/default"
+    """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go."""
+
+    resume: bool = False
+    """Continue from the checkpoint in --run_dir (model, optimizer, step, RNG, data position)."""
+
+    seed: int = 1337
+    """Seed for weights, data order and sampling."""
+
+    compile: bool = False
+    """torch.compile the model (after FP8 conversion)."""
+
+    device: str = "auto"
+    """cuda, cpu, mps, or auto (cuda if available)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto is bfloat16 on CUDA and float32 elsewhere."""
+
+    fsdp: bool = False
+    """Under torchrun: shard parameters with FSDP2 (fully_shard) instead of DDP."""
+
+    num_samples: int = 3
+    """Samples generated at the end of training (0: none)."""
+
+    sample_tokens: int = 64
+    """Tokens per generated sample."""
+
+    temperature: float = 0.8
+    """Sampling temperature (0: greedy)."""
+
+    top_k: int = 50
+    """Sample from the k most likely tokens (0: all)."""
+
+    def __post_init__(self) -> None:
+        if self.fp8_opt_level != 0 and not self.fp8:
+            raise ValueError(
+                f"--fp8_opt_level {self.fp8_opt_level} needs --fp8: FP8 optimizer states are part "
+                "of FP8 training. Add --fp8 (on hardware without FP8 matmuls it still stores the "
+                "moments in FP8), or use --fp8_opt_level 0."
+            )
+        _positive(self, "seq_len", "batch_size", "grad_accum_steps", "vocab_size", "eval_tokens")
+        _non_negative(self, "warmup_steps", "eval_every", "save_every", "grad_clip",
+                      "num_samples", "sample_tokens", "top_k", "weight_decay", "fp8_stats_every")
+        if self.num_iterations == 0 or self.num_iterations < -1:
+            raise ValueError(f"--num_iterations must be -1 (use --num_epochs) or positive, got {self.num_iterations}")
+        if self.num_iterations == -1 and self.num_epochs < 1:
+            raise ValueError(f"--num_epochs must be >= 1, got {self.num_epochs}")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+        if not 0 <= self.final_lr_frac <= 1:
+            raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
+        if self.vocab_size < 260:
+            raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
+        if self.fp8_auto_steps < 1:
+            raise ValueError(f"--fp8_auto_steps must be >= 1, got {self.fp8_auto_steps}")
+        if self.fp8_min_dim < 16:
+            raise ValueError(f"--fp8_min_dim must be >= 16 (FP8 GEMMs need dimensions divisible by 16), got {self.fp8_min_dim}")
+        if self.fp8_max_overflows < 1:
+            raise ValueError(f"--fp8_max_overflows must be >= 1, got {self.fp8_max_overflows}")
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""
+        d = dataclasses.asdict(self)
+        d["fp8_skip"] = list(self.fp8_skip)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Inverse of to_dict; unknown keys (from a newer version) are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"config has fields this version does not know: {unknown}")
+        d = dict(d)
+        if "fp8_skip" in d:
+            d["fp8_skip"] = tuple(d["fp8_skip"])
+        return cls(**d)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokTrainConfig(FP8Flags):
+    """Train a BPE tokenizer on a corpus and save it. `scripts/tok_train.py`.
+
+    The FP8 flags are accepted so one command line works for both scripts; they do not apply here
+    (tokenizer training has no matmuls) and the script says so.
+    """
+
+    dataset_path: str | None = None
+    """Corpus to train on (same forms as base_train's --dataset_path). Default: the Python
+    standard-library sources."""
+
+    tokenizer_dir: str = "runs/tokenizer"
+    """Directory to write the tokenizer to."""
+
+    vocab_size: int = 4096
+    """Vocabulary size including the 256 byte tokens and the special tokens."""
+
+    max_chars: int = 20_000_000
+    """Train on at most this many characters of the corpus (BPE merges converge long before)."""
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 260:
+            raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
+        _positive(self, "max_chars")
+
+
+def _positive(cfg, *names: str) -> None:
+    for n in names:
+        if getattr(cfg, n) <= 0:
+            raise ValueError(f"--{n} must be positive, got {getattr(cfg, n)}")
+
+
+def _non_negative(cfg, *names: str) -> None:
+    for n in names:
+        if getattr(cfg, n) < 0:
+            raise ValueError(f"--{n} must be >= 0, got {getattr(cfg, n)}")
+
+
+C = TypeVar("C")
+
+
+def parse_cli(cls: type[C], args: list[str] | None = None) -> C:
+    """Parse argv into `cls`; invalid values (tyro's or __post_init__'s) exit with status 2."""
+    try:
+        return tyro.cli(cls, args=args, use_underscores=True)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
