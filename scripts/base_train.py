@@ -1,0 +1,34 @@
+"""Train a GPT with nanochat: `python scripts/base_train.py --help`.
+
+Thin entrypoint: parse flags into TrainConfig (tyro), hand it to NanoChatTrainer, print results.
+"""
+
+import json
+import sys
+
+from nanochat.config import TrainConfig, parse_cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(TrainConfig, argv)
+    from nanochat.trainer import NanoChatTrainer  # after parsing: --help stays fast
+
+    try:
+        result = NanoChatTrainer.from_config(cfg).train()
+    except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\nsamples:")
+    for s in result.samples:
+        print("  " + json.dumps(s)[:400])
+    print(f"\nval bpb {result.val_bpb:.4f} | val loss {result.val_loss:.4f} | train loss "
+          f"{result.train_loss:.4f} | {result.tokens_per_sec:,.0f} tokens/s | {result.steps} steps "
+          f"({result.epochs:.3f} epochs) in {result.wall_time_s:.0f} s")
+    for f in result.fallbacks:
+        print(f"fallback: {f}")
+    print(f"results: {result.run_dir}/result.json, metrics: {result.run_dir}/metrics.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,439 @@
+"""NanoChatTrainer: the training loop, evaluation, checkpoints, logging, FP8 wiring.
+
+One object, one method: `NanoChatTrainer(**fields_of_TrainConfig).train() -> TrainResult`. The
+CLI (`scripts/base_train.py`) builds the same `TrainConfig` from flags and calls the same code,
+so anything the command line can do, Python can do with the same names.
+
+The order of operations is the part worth reading, because FP8 makes it matter:
+  1. data and tokenizer first — every data error is raised before a model is built;
+  2. the model is built in fp32 (master weights), then FP8 conversion swaps eligible nn.Linear
+     layers for torchao's Float8Linear *before* torch.compile sees the model;
+  3. the optimizer is built on the converted model's parameters (conversion keeps the same
+     Parameter objects, so the order does not actually matter for correctness — it matters for
+     `--fp8_mode auto`, whose calibration runs eagerly before compile);
+  4. evaluation and sampling run the *uncompiled* model inside `fp8_disabled`, i.e. in high
+     precision: the number we report is the model's quality, not FP8's inference noise.
+
+Mixed precision: on CUDA the forward runs under bf16 autocast with fp32 master weights;
+torchao's Float8Linear handles CUDA bf16 autocast itself (it casts its input to bf16 before
+quantizing). On CPU everything is fp32 unless --dtype says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from nanochat import engine
+from nanochat.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nanochat.common import (
+    dist_env,
+    format_bytes,
+    format_table,
+    logger,
+    print0,
+    resolve_device,
+    resolve_dtype,
+    seed_everything,
+    setup_logging,
+)
+from nanochat.config import TrainConfig
+from nanochat.data import TokenBatches, get_or_train_tokenizer, load_corpus, tokenize_docs, val_batches
+from nanochat.gpt import GPT, preset_config
+from nanochat.tokenizer import Tokenizer
+
+# Fields that must match between a checkpoint and a --resume run: they change the model, the
+# data stream or the optimizer's meaning. Everything else (num_iterations, eval_every, ...) may
+# differ, so a run can be extended.
+_RESUME_MUST_MATCH = (
+    "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len", "batch_size",
+    "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_opt_level", "fp8_skip",
+    "fp8_min_dim",
+)
+
+
+@dataclass
+class TrainResult:
+    """What a run produced; also written to `<run_dir>/result.json`."""
+
+    train_loss: float
+    """Mean training loss over the last logged steps (nats per token)."""
+    val_loss: float
+    """Validation loss at the end (nats per token, high precision)."""
+    val_bpb: float
+    """Validation bits per byte at the end: comparable across tokenizers (8 = uniform bytes)."""
+    tokens_per_sec: float
+    """Training throughput, excluding the first step (compilation, warmup)."""
+    steps: int
+    """Optimizer steps completed (including those done before a --resume)."""
+    epochs: float
+    """Passes over the training tokens completed."""
+    wall_time_s: float
+    """Seconds this call of train() took, setup included."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Every fallback the run took, with its reason (e.g. no FP8 hardware)."""
+    optimizer_state_bytes: int = 0
+    """Bytes of optimizer state (Adam moments and FP8 block scales)."""
+    num_params: int = 0
+    fp8_backend: str = "off"
+    """off, native, emulated or fallback."""
+    fp8_converted: list[str] = field(default_factory=list)
+    fp8_skipped: dict[str, str] = field(default_factory=dict)
+    fp8_choices: dict[str, dict[str, str]] | None = None
+    """--fp8_mode auto: layer -> role -> chosen dtype name."""
+    fp8_stats: dict[str, Any] | None = None
+    samples: list[str] = field(default_factory=list)
+    run_dir: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
+    """Linear warmup to 1, then cosine decay to `final_lr_frac` at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return final_lr_frac + (1 - final_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class NanoChatTrainer:
+    """Train a GPT. `NanoChatTrainer(model_name="d4", fp8=True, fp8_mode="e5m2").train()`."""
+
+    def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
+        if config is not None and kwargs:
+            raise TypeError("pass either a TrainConfig or keyword fields, not both")
+        if config is None:
+            names = {f.name for f in dataclasses.fields(TrainConfig)}
+            unknown = sorted(set(kwargs) - names)
+            if unknown:
+                raise TypeError(
+                    f"unknown NanoChatTrainer field(s) {unknown}; the fields are those of "
+                    f"TrainConfig (the CLI flags): {sorted(names)}"
+                )
+            config = TrainConfig(**kwargs)
+        self.config = config
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> "NanoChatTrainer":
+        return cls(config)
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg = self.config
+        setup_logging()
+        self.dist = dist_env()
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.run_dir = Path(cfg.run_dir)
+        self.fallbacks: list[str] = []
+        self.cache_root = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))
+        seed_everything(cfg.seed)
+
+        # 1. Data and tokenizer: every data problem surfaces here, before any model exists.
+        self.corpus = load_corpus(cfg.dataset_path)
+        logger.info("corpus: %s", self.corpus.describe())
+        if cfg.tokenizer_dir:
+            self.tokenizer = Tokenizer.load(cfg.tokenizer_dir)
+        else:
+            self.tokenizer = get_or_train_tokenizer(
+                self.corpus, cfg.vocab_size, cache_root=self.cache_root / "tokenizers"
+            )
+        token_cache = self.cache_root / "tokens"
+        self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
+        self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
+        self.token_bytes = self.tokenizer.token_bytes().to(self.device)
+        self.loader = TokenBatches(
+            self.train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
+            rank=self.dist.rank, world_size=self.dist.world_size,
+        )
+        steps_per_epoch = self.loader.steps_per_epoch // cfg.grad_accum_steps
+        if steps_per_epoch < 1:
+            raise ValueError(
+                f"one optimizer step needs {cfg.grad_accum_steps} batches but an epoch has only "
+                f"{self.loader.steps_per_epoch}; lower --grad_accum_steps or --batch_size"
+            )
+        self.steps_per_epoch = steps_per_epoch
+        if cfg.num_iterations > 0:
+            self.total_steps = cfg.num_iterations
+        else:
+            self.total_steps = cfg.num_epochs * steps_per_epoch
+
+        # 2. Model in fp32 master weights; FP8 conversion before compile.
+        model_config = preset_config(cfg.model_name, vocab_size=self.tokenizer.vocab_size, seq_len=cfg.seq_len)
+        self.model = GPT(model_config).to(self.device)
+        self.model.init_weights()
+        self.fp8_report = None
+        if cfg.fp8:
+            from nanochat.fp8 import FP8Config, convert
+
+            self.fp8_config = FP8Config.from_flags(cfg)
+            self.fp8_report = convert(self.model, self.fp8_config)
+            if self.fp8_report.fallback:
+                self.fallbacks.append(self.fp8_report.fallback)
+
+        # 3. Optimizer: AdamW, no weight decay on embeddings / norms / biases.
+        adamw = torch.optim.AdamW(
+            self.model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            eps=1e-8, **({"fused": True} if not cfg.fp8 else {}),
+        )
+        for group in adamw.param_groups:
+            group["initial_lr"] = cfg.lr
+        if cfg.fp8:
+            from nanochat.fp8 import FP8Optim
+
+            self.optimizer = FP8Optim(adamw, opt_level=cfg.fp8_opt_level)
+            self.optimizer_state_bytes = self.optimizer.state_bytes()
+        else:
+            self.optimizer = adamw
+            # torch creates the two fp32 moments lazily at the first step; count them now.
+            self.optimizer_state_bytes = sum(8 * p.numel() for g in adamw.param_groups for p in g["params"])
+
+        self.train_model = torch.compile(self.model) if cfg.compile else self.model
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.dtype != torch.float32 else contextlib.nullcontext()
+        )
+
+    def _print_header(self) -> None:
+        cfg, m = self.config, self.model
+        n_params = m.num_params()
+        rows = [
+            ["model", f"{cfg.model_name}: {m.config.n_layer} layers, width {m.config.n_embd}, "
+                      f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {n_params / 1e6:.2f}M params"],
+            ["data", f"{self.corpus.describe()}"],
+            ["tokens", f"{len(self.train_tokens):,} train / {len(self.val_tokens):,} val, "
+                       f"vocab {self.tokenizer.vocab_size}"],
+            ["schedule", f"{self.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * self.dist.world_size}"
+                         f" x {cfg.seq_len} tokens ({self.steps_per_epoch} steps/epoch)"],
+            ["device", f"{self.device} ({self.dtype}), world size {self.dist.world_size}, "
+                       f"compile {'on' if cfg.compile else 'off'}"],
+            ["optimizer", f"AdamW, {format_bytes(self.optimizer_state_bytes)} of state "
+                          f"({self.optimizer_state_bytes / n_params:.3f} bytes/param)"],
+        ]
+        if self.fp8_report is not None:
+            rows.append(["fp8", self.fp8_report.summary()])
+        print0(format_table(["run", ""], rows))
+        if self.fp8_report is not None:
+            print0(self.fp8_report.table())
+            if cfg.fp8_opt_level:
+                print0(self.optimizer.summary())
+            print0("fp8: evaluation and sampling run in high precision (fp8_disabled)")
+
+    # --------------------------------------------------------------- evaluate
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, float]:
+        """Validation loss (nats/token) and bits per byte, in high precision, uncompiled."""
+        cfg = self.config
+        was_training = self.model.training
+        self.model.eval()
+        total_nats = torch.zeros((), dtype=torch.float64, device=self.device)
+        total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
+        total_bytes = torch.zeros((), dtype=torch.float64, device=self.device)
+        with self._high_precision(), self.autocast:
+            for x, y in val_batches(self.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens):
+                x, y = x.to(self.device), y.to(self.device)
+                loss = self.model(x, y, reduction="none").view(-1).double()
+                nbytes = self.token_bytes[y.view(-1)]
+                counted = nbytes > 0  # special tokens (BOS) carry no bytes and are not scored
+                total_nats += (loss * counted).sum()
+                total_tokens += counted.sum()
+                total_bytes += nbytes.sum()
+        self.model.train(was_training)
+        if total_tokens.item() == 0:
+            raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
+        return (total_nats / total_tokens).item(), (total_nats / (math.log(2) * total_bytes)).item()
+
+    def _high_precision(self):
+        if self.fp8_report is not None and self.fp8_report.converted:
+            from nanochat.fp8 import fp8_disabled
+
+            return fp8_disabled(self.model)
+        return contextlib.nullcontext()
+
+    def sample(self, num_samples: int) -> list[str]:
+        """Continue the first tokens of a few validation documents (high precision)."""
+        cfg = self.config
+        prompts = [d for d in self.corpus.val_docs if d.strip()][:num_samples]
+        out = []
+        with self._high_precision(), self.autocast:
+            for i, doc in enumerate(prompts):
+                ids = self.tokenizer.encode(doc, prepend_bos=True)[:16]
+                gen = engine.generate(
+                    self.model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
+                    top_k=cfg.top_k, seed=cfg.seed + i,
+                )
+                out.append(self.tokenizer.decode([t for t in gen if t != self.tokenizer.bos_id]))
+        return out
+
+    # ---------------------------------------------------------------- persist
+    def _save(self, step: int) -> None:
+        if self.dist.rank != 0:
+            return
+        save_checkpoint(self.run_dir, {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.config.to_dict(),
+            "step": step,
+            "rng": rng_state(),
+            "data": self.loader.state_dict(),
+            "tokenizer_fingerprint": self.tokenizer.fingerprint,
+            "counters": dict(self.counters),
+        })
+
+    def _resume(self) -> int:
+        ckpt = load_checkpoint(self.run_dir, map_location=self.device)
+        saved = ckpt["config"]
+        now = self.config.to_dict()
+        diff = {k: (saved.get(k), now[k]) for k in _RESUME_MUST_MATCH if saved.get(k) != now[k]}
+        if diff:
+            lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise ValueError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
+                             "use the checkpoint's values or a new --run_dir")
+        if ckpt["tokenizer_fingerprint"] != self.tokenizer.fingerprint:
+            raise ValueError("--resume: the tokenizer differs from the one the checkpoint was trained "
+                             "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.loader.load_state_dict(ckpt["data"])
+        set_rng_state(ckpt["rng"])
+        self.counters.update(ckpt.get("counters", {}))
+        logger.info("resumed from %s at step %d", self.run_dir / "checkpoint.pt", ckpt["step"])
+        return int(ckpt["step"])
+
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.dist.rank == 0:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> TrainResult:
+        t_start = time.perf_counter()
+        cfg = self.config
+        self._setup()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.counters = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0}
+        start_step = self._resume() if cfg.resume else 0
+        if not cfg.resume and self.dist.rank == 0:
+            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            self.tokenizer.save(self.run_dir / "tokenizer")
+        self._print_header()
+
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        recent_losses: list[float] = []
+        consecutive_bad = 0
+        timed_tokens, timed_seconds = 0, 0.0
+        val_loss = val_bpb = float("nan")
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=start_step, disable=self.dist.rank != 0,
+                   dynamic_ncols=True, desc="train")
+        step = start_step
+        for step in range(start_step, self.total_steps):
+            t0 = time.perf_counter()
+            lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=self.device)
+            for _ in range(cfg.grad_accum_steps):
+                x, y = self.loader.next_batch(self.device)
+                with self.autocast:
+                    loss = self.train_model(x, y)
+                (loss / cfg.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+            loss_value = (loss_sum / cfg.grad_accum_steps).item()
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+
+            record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+                # Skip the update: a non-finite loss or gradient would poison the weights.
+                where = _first_nonfinite_grad(self.model)
+                self.counters["overflow_events"] += 1
+                self.counters["skipped_steps"] += 1
+                consecutive_bad += 1
+                record.update(skipped=True, nonfinite_at=where)
+                logger.warning("step %d: non-finite %s (first at %s); update skipped",
+                               step + 1, "loss" if not math.isfinite(loss_value) else "gradient", where)
+                self.optimizer.zero_grad(set_to_none=True)
+                self._log(record)
+                if consecutive_bad >= cfg.fp8_max_overflows:
+                    raise RuntimeError(
+                        f"{consecutive_bad} consecutive steps with non-finite loss or gradients "
+                        f"(first at {where}); stopping. The last good checkpoint in {self.run_dir} "
+                        "is intact: lower --lr, check the data, or try --fp8_mode e5m2 / auto"
+                    )
+                bar.update(1)
+                continue
+            consecutive_bad = 0
+            if grad_norm > max_norm:
+                self.counters["clip_events"] += 1
+                record["clip_factor"] = max_norm / grad_norm
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+            dt = time.perf_counter() - t0
+            if step > start_step:  # the first step pays for compilation and allocator warmup
+                timed_tokens += tokens_per_step
+                timed_seconds += dt
+            tok_s = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / dt
+            record["tokens_per_sec"] = tok_s
+            recent_losses = (recent_losses + [loss_value])[-20:]
+            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
+            bar.update(1)
+
+            done = step + 1
+            is_last = done == self.total_steps
+            if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
+                val_loss, val_bpb = self.evaluate()
+                record.update(val_loss=val_loss, val_bpb=val_bpb)
+                bar.write(f"step {done}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}") if self.dist.rank == 0 else None
+            self._log(record)
+            if (cfg.save_every and done % cfg.save_every == 0) or is_last:
+                self._save(done)
+        bar.close()
+
+        if not math.isfinite(val_bpb):  # resumed at the end, or the last step was skipped
+            val_loss, val_bpb = self.evaluate()
+        samples = self.sample(cfg.num_samples) if cfg.num_samples else []
+        n_params = self.model.num_params()
+        result = TrainResult(
+            train_loss=sum(recent_losses) / len(recent_losses) if recent_losses else float("nan"),
+            val_loss=val_loss,
+            val_bpb=val_bpb,
+            tokens_per_sec=timed_tokens / timed_seconds if timed_seconds else float("nan"),
+            steps=self.total_steps,
+            epochs=self.loader.epoch,
+            wall_time_s=time.perf_counter() - t_start,
+            fallbacks=list(self.fallbacks),
+            optimizer_state_bytes=self.optimizer_state_bytes,
+            num_params=n_params,
+            fp8_backend=self.fp8_report.backend if self.fp8_report is not None else "off",
+            fp8_converted=list(self.fp8_report.converted) if self.fp8_report is not None else [],
+            fp8_skipped=dict(self.fp8_report.skipped) if self.fp8_report is not None else {},
+            fp8_stats=dict(self.counters),
+            samples=samples,
+            run_dir=str(self.run_dir),
+        )
+        if self.dist.rank == 0:
+            (self.run_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
+        return result
+
+
+def _first_nonfinite_grad(model: torch.nn.Module) -> str:
+    """Name of the first parameter (in registration order ~ forward order) with a non-finite grad."""
+    for name, p in model.named_parameters():
+        if p.grad is not None and not torch.isfinite(p.grad).all():
+            return name
+    return "loss (gradients finite)"
