@@ -274,7 +274,8 @@ class NanoChatTrainer:
                     self.model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
                     top_k=cfg.top_k, seed=cfg.seed + i,
                 )
-                out.append(self.tokenizer.decode([t for t in gen if t != self.tokenizer.bos_id]))
+                # generate() returns only the new tokens; show the prompt with its continuation
+                out.append(self.tokenizer.decode([t for t in ids + gen if t != self.tokenizer.bos_id]))
         return out
 
     # ---------------------------------------------------------------- persist

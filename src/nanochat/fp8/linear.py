@@ -1,0 +1,462 @@
+"""FP8 matmuls for nn.Linear through torchao: mode + recipe -> Float8LinearConfig, filter, report.
+
+A Linear does three GEMMs per training step, and torchao casts each operand to FP8 with a
+dynamic scale (amax -> the format's max) just before it:
+
+    output      = input       @ weight.T     (forward)
+    grad_input  = grad_output @ weight       (backward)
+    grad_weight = grad_output.T @ input      (backward)
+
+The two OCP FP8 formats trade precision for range:
+
+    e4m3 (float8_e4m3fn): 3 mantissa bits, max +-448,   smallest subnormal 2^-9  (more precision)
+    e5m2 (float8_e5m2):   2 mantissa bits, max +-57344, smallest subnormal 2^-16 (more range)
+
+`--fp8_mode` picks the format of every cast (torchao's `CastConfig.target_dtype`, set here on
+the six casts of the recipe: input, weight, grad_output and their backward-time twins):
+
+    e4m3  every operand e4m3 (what torchao's rowwise recipes do);
+    e5m2  every operand e5m2 -- a numerics study: on CUDA no GEMM may take two e5m2 operands
+          (see hardware.py), so it runs with --fp8_emulate only and `convert` says so;
+    auto  per layer and tensor role, measured (fp8/auto.py); until calibrated, the standard
+          hybrid of the FP8 papers and torchao's tensorwise default: e4m3 forward operands
+          (input, weight), e5m2 gradients (grad_output).
+
+`--fp8_recipe` is torchao's scaling recipe (`Float8LinearConfig.from_recipe_name`): tensorwise,
+rowwise, or rowwise_with_gw_hp, whose grad_weight GEMM stays in high precision; those
+high-precision casts (ScalingType.DISABLED) are kept as they are.
+
+Which layers convert (first rule that applies gives the reason in the report):
+  1. the full module name matches an `--fp8_skip` pattern (fnmatch; default "lm_head": the
+     logits feed a softmax over the vocabulary and are the most precision-sensitive matmul);
+  2. in_features or out_features is not a multiple of 16: `torch._scaled_mm` requires it
+     (torch/_meta_registrations.py: "Expected both dimensions of mat2 to be divisible by 16");
+  3. min(in_features, out_features) < `--fp8_min_dim` (default 128): the casts (a read and a
+     write of each operand per GEMM) cost more than the FP8 GEMM saves on a skinny matmul.
+     torchao's `_auto_filter_for_recipe` encodes the same idea with H100-tuned thresholds
+     (tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, ...), which
+     would convert nothing in a d4-d20 model; nanochat keeps torchao's rules 1-2 and replaces
+     the size heuristic by one visible knob.
+Only plain `nn.Linear` converts: subclasses (e.g. nn.MultiheadAttention's out_proj, whose
+weight is used without calling its forward) are reported as skipped.
+
+Modules are swapped for `FP8Linear`, torchao's `Float8Linear` plus two switches: `fp8_enabled`
+(flipped by `fp8_disabled` to run F.linear in high precision: evaluation, generation) and an
+autocast check. Swapping keeps the *same* Parameter objects, so optimizer state, tied weights
+and `state_dict` keys are untouched, and `restore_fp8` hands them back to plain nn.Linear.
+
+Autocast policy (decided for nanochat: fp32 master weights, bf16 autocast on CUDA only): FP8
+layers raise a RuntimeError when they run under CPU (or MPS) autocast or under CUDA autocast
+with a dtype other than bfloat16. torchao's Float8Linear only knows CUDA autocast (it casts its
+input to `torch.get_autocast_dtype("cuda")`), so under CPU autocast it quantizes the fp32 input
+and autocast then rounds the result to bf16 (measured: 55.7 dB from the FP8 output, i.e. FP8
+numerics plus a bf16 rounding nobody asked for), and under fp16 autocast FP8 GEMM outputs
+beyond 65504 overflow. An error names the fix (--dtype float32 on CPU, bf16 autocast on CUDA,
+or `fp8_disabled` around the block); a one-time warning would let a run with the wrong
+numerics go on. The check is two C calls per FP8 layer call; dynamo traces it.
+
+Order with other tools: convert after the model is on its device (or pass `device=`) and before
+`torch.compile`; the optimizer may be built before or after (the parameters are the same
+objects). Converting twice is a no-op: the second report lists the layers as already FP8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterator, Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchao.float8.config import Float8LinearConfig, ScalingType
+from torchao.float8.float8_linear import Float8Linear
+
+from nanochat.common import format_table, logger, warn_once
+from nanochat.fp8.hardware import detect, native_gemm_problem
+
+ROLES = ("input", "weight", "grad_output")
+"""The three tensors a Linear casts to FP8; each role has one dtype in both GEMMs it feeds."""
+
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+DTYPE_NAMES = {v: k for k, v in FP8_DTYPES.items()}
+
+HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
+"""`auto` before calibration: e4m3 forward operands, e5m2 gradients (torchao's tensorwise default)."""
+
+# Float8LinearConfig's six cast fields, by the role whose tensor each one casts.
+_CAST_FIELDS = {
+    "input": ("cast_config_input", "cast_config_input_for_grad_weight"),
+    "weight": ("cast_config_weight", "cast_config_weight_for_grad_input"),
+    "grad_output": ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
+}
+
+MODES = ("e4m3", "e5m2", "auto")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Config:
+    """Everything that decides how a model is converted; `FP8Config.from_flags(train_config)`."""
+
+    mode: Literal["e4m3", "e5m2", "auto"] = "e4m3"
+    """FP8 format of every cast (e4m3, e5m2), or measured per layer and role (auto)."""
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """torchao scaling recipe (Float8LinearConfig.from_recipe_name)."""
+
+    emulate: bool = False
+    """Simulate FP8 GEMMs in high precision on any device (torchao `emulate=True`)."""
+
+    opt_level: Literal[0, 1, 2] = 0
+    """Adam moments in FP8 (FP8Optim's business; carried here so one object describes FP8)."""
+
+    skip_fqns: tuple[str, ...] = ("lm_head",)
+    """fnmatch patterns against the full module name; matching Linears stay in high precision."""
+
+    min_dim: int = 128
+    """Linears with min(in_features, out_features) below this stay in high precision."""
+
+    auto_steps: int = 4
+    """mode=auto: forward+backward passes measured before the formats are fixed."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"FP8 mode must be one of {', '.join(MODES)}, got {self.mode!r} "
+                             "(--fp8_mode e4m3 is the default)")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"FP8 recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r} "
+                             "(--fp8_recipe tensorwise is the default)")
+        if self.opt_level not in (0, 1, 2):
+            raise ValueError(f"FP8 opt_level must be 0, 1 or 2, got {self.opt_level!r}")
+        if isinstance(self.skip_fqns, str):
+            raise ValueError(f"skip_fqns must be a sequence of patterns, got the string {self.skip_fqns!r}; "
+                             f"write skip_fqns=({self.skip_fqns!r},)")
+        object.__setattr__(self, "skip_fqns", tuple(self.skip_fqns))
+        if self.min_dim < 16:
+            raise ValueError(f"FP8 min_dim must be >= 16 (FP8 GEMM dimensions are multiples of 16), "
+                             f"got {self.min_dim}")
+        if self.auto_steps < 1:
+            raise ValueError(f"FP8 auto_steps must be >= 1, got {self.auto_steps}")
+
+    @classmethod
+    def from_flags(cls, flags: object) -> "FP8Config":
+        """Read `fp8_mode`, `fp8_recipe`, ... from any object with those attributes (TrainConfig)."""
+        names = {"mode": "fp8_mode", "recipe": "fp8_recipe", "emulate": "fp8_emulate",
+                 "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
+                 "auto_steps": "fp8_auto_steps"}
+        return cls(**{k: getattr(flags, v) for k, v in names.items() if hasattr(flags, v)})
+
+    def role_dtypes(self) -> dict[str, str]:
+        """The format of each role at conversion time (auto: the hybrid until calibrated)."""
+        if self.mode == "auto":
+            return dict(HYBRID)
+        return {role: self.mode for role in ROLES}
+
+
+def float8_linear_config(recipe: str, dtypes: dict[str, str], *, emulate: bool) -> Float8LinearConfig:
+    """torchao's config for `recipe` with each role's casts retargeted to `dtypes[role]`."""
+    base = Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(with_dtypes(base, dtypes), emulate=emulate)
+
+
+def with_dtypes(config: Float8LinearConfig, dtypes: dict[str, str]) -> Float8LinearConfig:
+    """`config` with both casts of each role targeting that role's FP8 dtype.
+
+    High-precision casts (ScalingType.DISABLED, rowwise_with_gw_hp's grad_weight GEMM) keep
+    their scaling type; their target_dtype is set too, only because Float8LinearConfig checks
+    that both casts of a role name the same dtype.
+    """
+    changes = {}
+    for role, fields in _CAST_FIELDS.items():
+        dtype = FP8_DTYPES[dtypes[role]]
+        for name in fields:
+            changes[name] = dataclasses.replace(getattr(config, name), target_dtype=dtype)
+    return dataclasses.replace(config, **changes)
+
+
+def layer_dtypes(layer: Float8Linear) -> dict[str, str]:
+    """role -> 'e4m3' / 'e5m2' as the layer's config casts it."""
+    return {role: DTYPE_NAMES[getattr(layer.config, fields[0]).target_dtype]
+            for role, fields in _CAST_FIELDS.items()}
+
+
+def _check_autocast(name: str) -> None:
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("mps"):
+        where = "cpu" if torch.is_autocast_enabled("cpu") else "mps"
+        raise RuntimeError(
+            f"FP8 layer {name!r} ran under torch.autocast({where!r}). torchao's Float8Linear only "
+            "handles CUDA autocast, so its FP8 numerics would be mixed with a second precision "
+            "policy. nanochat runs FP8 layers without autocast (fp32 master weights; use --dtype "
+            "float32, the CPU default) or under torch.autocast('cuda', dtype=torch.bfloat16); wrap "
+            "high-precision work (evaluation, generation) in nanochat.fp8.fp8_disabled(model)."
+        )
+    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != torch.bfloat16:
+        raise RuntimeError(
+            f"FP8 layer {name!r} ran under CUDA autocast with {torch.get_autocast_dtype('cuda')}. "
+            "nanochat's FP8 layers support bfloat16 autocast only (fp16 would cast FP8 GEMM outputs "
+            "to a format that overflows at 65504, with no loss scaling): use "
+            "torch.autocast('cuda', dtype=torch.bfloat16) or --dtype bfloat16."
+        )
+
+
+class FP8Linear(Float8Linear):
+    """torchao's Float8Linear with a high-precision switch and nanochat's autocast check.
+
+    `fp8_enabled=False` (set by `fp8_disabled`) runs plain F.linear on the same parameters; under
+    torch.compile the flag is guarded, so each state compiles once.
+    """
+
+    fp8_name: str = ""
+    fp8_enabled: bool = True
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.fp8_enabled:
+            return F.linear(input, self.weight, self.bias)
+        _check_autocast(self.fp8_name)
+        return super().forward(input)
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One nn.Linear of the model and what conversion did with it."""
+
+    name: str
+    in_features: int
+    out_features: int
+    status: Literal["converted", "already FP8", "skipped"]
+    reason: str
+    """Why it was skipped, or the FP8 format of each role when it runs in FP8."""
+
+    @property
+    def flops(self) -> int:
+        """GEMM FLOPs per token are 6 * in * out for fwd+bwd; the common factor is dropped."""
+        return self.in_features * self.out_features
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What `convert` did: per-layer decisions, the backend, and a fallback message if any."""
+
+    layers: tuple[LayerReport, ...]
+    backend: Literal["native", "emulated", "fallback"]
+    reason: str
+    """Why this backend (hardware.detect's reason)."""
+    config: FP8Config
+    fallback: str | None = None
+    """Set when FP8 was requested but cannot run: the line for TrainResult.fallbacks."""
+    device_name: str = ""
+
+    @property
+    def converted(self) -> list[str]:
+        return [la.name for la in self.layers if la.status == "converted"]
+
+    @property
+    def already_converted(self) -> list[str]:
+        return [la.name for la in self.layers if la.status == "already FP8"]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        return {la.name: la.reason for la in self.layers if la.status == "skipped"}
+
+    @property
+    def fp8_flops_share(self) -> float:
+        """Fraction of all linear-layer FLOPs that run in FP8 (converted now or before)."""
+        total = sum(la.flops for la in self.layers)
+        fp8 = sum(la.flops for la in self.layers if la.status != "skipped")
+        return fp8 / total if total else 0.0
+
+    def summary(self) -> str:
+        n, done, before = len(self.layers), len(self.converted), len(self.already_converted)
+        what = f"{done} of {n} linear layers converted"
+        if before:
+            what += f", {before} already FP8 (nothing to do)"
+        return (f"FP8 {self.config.mode}/{self.config.recipe}: {what} "
+                f"({100 * self.fp8_flops_share:.1f}% of linear FLOPs in FP8), "
+                f"backend {self.backend}: {self.reason}")
+
+    def table(self) -> str:
+        rows = [[la.name, f"{la.in_features}->{la.out_features}", la.status, la.reason]
+                for la in self.layers]
+        return format_table(["layer", "shape (in->out)", "fp8", "formats / reason"], rows)
+
+
+def _skip_reason(name: str, layer: nn.Linear, config: FP8Config) -> str | None:
+    for pattern in config.skip_fqns:
+        if fnmatch.fnmatchcase(name, pattern):
+            return f"name matches --fp8_skip {pattern!r}"
+    if type(layer) is not nn.Linear:
+        return (f"{type(layer).__name__} is an nn.Linear subclass (its owner may use the weight "
+                "without calling forward); only plain nn.Linear converts")
+    k, n = layer.in_features, layer.out_features
+    if k % 16 or n % 16:
+        return f"{k}->{n}: FP8 GEMMs need both dims divisible by 16 (torch._scaled_mm)"
+    if min(k, n) < config.min_dim:
+        return f"min(in, out) = {min(k, n)} < --fp8_min_dim {config.min_dim}: casts cost more than FP8 saves"
+    return None
+
+
+def _format_dtypes(dtypes: dict[str, str], config: Float8LinearConfig) -> str:
+    text = ", ".join(f"{role} {dtypes[role]}" for role in ROLES)
+    if any(getattr(config, f).scaling_type is ScalingType.DISABLED
+           for fields in _CAST_FIELDS.values() for f in fields):
+        text += " (grad_weight GEMM in high precision)"
+    return text
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type == "meta":
+            raise ValueError("the model's parameters are on the meta device: pass convert(..., device=...) "
+                             "with the device it will train on")
+        return p.device
+    raise ValueError("the model has no parameters; there is nothing to convert to FP8")
+
+
+def _swap(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
+    """Point every parent's attribute at the replacement (a module may be registered twice)."""
+    for parent in model.modules():
+        for key, child in list(parent._modules.items()):
+            if child is not None and id(child) in replacements:
+                setattr(parent, key, replacements[id(child)])
+
+
+def convert(model: nn.Module, config: FP8Config | object | None = None, *,
+            device: torch.device | str | None = None, **overrides) -> ConversionReport:
+    """Swap eligible nn.Linear layers of `model` for FP8Linear, in place, and report.
+
+    `config` is an FP8Config or anything with the `fp8_*` attributes of TrainConfig; `overrides`
+    replace fields (`convert(model, mode="auto", emulate=True)`). `device` defaults to the device
+    of the model's parameters. The report is also kept on the model: `fp8_report(model)`.
+    """
+    config = _resolve_config(config, overrides)
+    if isinstance(model, nn.Linear):
+        raise ValueError("convert() swaps layers inside a model; wrap a bare nn.Linear in a module "
+                         "(e.g. nn.Sequential(linear)) to convert it")
+    hw = detect(device if device is not None else _model_device(model),
+                emulate=config.emulate, recipe=config.recipe)
+    dtypes = config.role_dtypes()
+    lin_config = float8_linear_config(config.recipe, dtypes, emulate=hw.backend != "native")
+    if hw.backend == "native":
+        problem = native_gemm_problem({r: FP8_DTYPES[d] for r, d in dtypes.items()}, recipe=config.recipe)
+        if problem:
+            raise ValueError(
+                f"--fp8_mode {config.mode} with --fp8_recipe {config.recipe} cannot run on "
+                f"{hw.device_name}: {problem}. Use --fp8_mode e4m3, or auto (e4m3 forward, e5m2 "
+                "gradients), or add --fp8_emulate to study these numerics."
+            )
+
+    layers, replacements = [], {}
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            reason = ", ".join(f"{r} {d}" for r, d in layer_dtypes(module).items())
+            layers.append(LayerReport(name, module.in_features, module.out_features, "already FP8", reason))
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = _skip_reason(name, module, config)
+        if reason is None and hw.backend == "fallback":
+            reason = f"no FP8 hardware: {hw.device_name} (see --fp8_emulate)"
+        if reason is not None:
+            layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", reason))
+            continue
+        new = FP8Linear.from_float(module, config=lin_config)
+        assert new.weight is module.weight and new.bias is module.bias
+        new.fp8_name = name
+        new.train(module.training)
+        replacements[id(module)] = new
+        layers.append(LayerReport(name, module.in_features, module.out_features, "converted",
+                                  _format_dtypes(dtypes, lin_config)))
+
+    if replacements:
+        # torchao applies this inside convert_to_float8_training, which we do not call (we swap
+        # in our subclass ourselves): it reverts inductor's Triton min/max codegen that trips a
+        # Triton FP8 store miscompile (triton-lang/triton#11111). No effect on CPU.
+        from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
+
+        _patch_inductor_min_max_codegen()
+        _swap(model, replacements)
+
+    fallback = None
+    if hw.backend == "fallback":
+        fallback = f"fp8: {hw.reason}"
+        warn_once(f"fp8-fallback:{hw.device_name}", f"FP8 requested but not available: {hw.reason}")
+    report = ConversionReport(tuple(layers), hw.backend, hw.reason, config, fallback, hw.device_name)
+    model._nanochat_fp8_report = report
+    logger.info("%s", report.summary())
+    return report
+
+
+def _resolve_config(config: FP8Config | object | None, overrides: dict) -> FP8Config:
+    if config is None:
+        config = FP8Config()
+    elif not isinstance(config, FP8Config):
+        config = FP8Config.from_flags(config)
+    return dataclasses.replace(config, **overrides) if overrides else config
+
+
+def apply_fp8(model: nn.Module, config: FP8Config | object | None = None, **overrides) -> nn.Module:
+    """`convert` and return the model (for chaining); the report is `fp8_report(model)`."""
+    convert(model, config, **overrides)
+    return model
+
+
+def fp8_report(model: nn.Module) -> ConversionReport | None:
+    """The report of the last `convert` of this model, or None (never converted, or restored)."""
+    return getattr(model, "_nanochat_fp8_report", None)
+
+
+def fp8_layers(model: nn.Module) -> dict[str, Float8Linear]:
+    """name -> FP8 layer (FP8Linear, or torchao's Float8Linear converted elsewhere)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+def is_fp8_model(model: nn.Module) -> bool:
+    return any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def restore_fp8(model: nn.Module) -> nn.Module:
+    """Swap every FP8 layer back to nn.Linear sharing the same Parameters (no copy), in place."""
+    if isinstance(model, Float8Linear):
+        raise ValueError("restore_fp8() swaps layers inside a model; a bare Float8Linear has no parent")
+    replacements = {}
+    for module in model.modules():
+        if isinstance(module, Float8Linear):
+            with torch.device("meta"):  # no allocation: the parameters are reassigned right away
+                plain = nn.Linear(module.in_features, module.out_features, bias=False)
+            plain.weight = module.weight
+            plain.bias = module.bias
+            plain.train(module.training)
+            replacements[id(module)] = plain
+    _swap(model, replacements)
+    model._nanochat_fp8_report = None
+    return model
+
+
+@contextlib.contextmanager
+def fp8_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run the block with every FP8Linear in high precision (F.linear); FP8 comes back on exit,
+    also when the block raises. Nothing is swapped, so compiled graphs and optimizers stay valid."""
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    foreign = [m for m in layers if not isinstance(m, FP8Linear)]
+    if foreign:
+        raise TypeError(f"fp8_disabled() needs layers converted by nanochat.fp8.convert; found "
+                        f"{len(foreign)} torchao Float8Linear converted elsewhere. Convert with "
+                        "nanochat.fp8.convert, or restore_fp8(model) to leave FP8 for good.")
+    previous = [m.fp8_enabled for m in layers]
+    for m in layers:
+        m.fp8_enabled = False
+    try:
+        yield model
+    finally:
+        for m, state in zip(layers, previous):
+            m.fp8_enabled = state
+
+
+__all__ = [
+    "FP8Config", "FP8Linear", "ConversionReport", "LayerReport", "convert", "apply_fp8", "restore_fp8",
+    "fp8_disabled", "fp8_report", "fp8_layers", "is_fp8_model", "float8_linear_config", "with_dtypes",
+    "layer_dtypes", "ROLES", "FP8_DTYPES", "HYBRID",
+]

@@ -1,0 +1,313 @@
+"""FP8Tensor: a float32-looking tensor stored as FP8 codes plus one fp32 scale per block.
+
+It exists to hold optimizer state (Adam moments, SGD momentum) at ~1 byte per element. It is a
+*wrapper* subclass (`torch.Tensor._make_wrapper_subclass`): the outer tensor has no storage of
+its own and only carries the appearance (shape, dtype float32, device); the data lives in two
+inner tensors,
+
+    codes  [*shape]              float8_e4m3fn or float8_e5m2, same shape as the tensor
+    scale  [numel // block_size] float32, one per block of the *flattened* tensor
+
+and element i dequantizes to `codes.flat[i].float() * scale[i // block_size]`.
+
+Why these choices
+- Block size 256 with fp32 scales: the scales cost 4/256 = 0.016 bytes per element, so two
+  FP8 moments take 2 * (1 + 4/256) = 2.031 bytes per parameter, under the 2.05 target. Block 128
+  would cost 2.0625 (over it); a bf16 or power-of-two scale would save 0.008-0.012 bytes but
+  rounds the scale, which makes the block's largest element saturate or lose precision. Smaller
+  blocks follow the data more closely; 256 is the smallest power of two that fits the budget.
+- Scale = absmax(block) / max_finite(format): the largest element lands on the format's largest
+  code (e4m3: 448, e5m2: 57344), so nothing saturates and the per-element error is the format's
+  rounding error: relative 2^-4 (e4m3, 3 mantissa bits) or 2^-3 (e5m2, 2 mantissa bits) for
+  values that land in the normal range; values below the smallest normal lose relative precision
+  and those under half the smallest subnormal flush to zero (the "zero-point problem" the
+  optimizer has to deal with for the second moment, see optim.py).
+- Encoding and decoding are written with integer bit manipulation (`encode`/`decode` below), not
+  with `.to(torch.float8_*)`: the bits are identical (tests check it), but on CPU inductor does
+  not vectorize the float8 casts (e4m3 -> fp32 of 16M elements: ~23 ms compiled, NOTES.md) while
+  it does vectorize shifts, adds and selects on int32 (~4x faster, BENCHMARKS.md). The optimizer's
+  fused step uses the same two functions on the uint8 view of `codes`.
+
+The op table holds only what the optimizer, `state_dict`/`torch.save`/`torch.load`, `.to(device)`
+and distributed checkpointing need; every other op raises NotImplementedError naming the op,
+rather than silently dequantizing (which would hide a 4x memory blow-up in someone's loop).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
+aten = torch.ops.aten
+
+DEFAULT_BLOCK_SIZE = 256
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Bit layout of the two formats: (mantissa bits, exponent bias, largest finite code magnitude).
+# e4m3fn: s eeee mmm, bias 7, max 0x7E = 448 (0x7F is NaN, there is no inf).
+# e5m2:   s eeeee mm, bias 15, max 0x7B = 57344 (0x7C is inf).
+_LAYOUT = {
+    torch.float8_e4m3fn: (3, 7, 0x7E),
+    torch.float8_e5m2: (2, 15, 0x7B),
+}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 format (e4m3fn: 448, e5m2: 57344)."""
+    return float(torch.finfo(dtype).max)
+
+
+def encode(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 values already divided by their block scale -> FP8 bit patterns as uint8.
+
+    Round-to-nearest-even, saturating at the largest finite code; bit-identical to
+    `y.clamp(-max, max).to(dtype).view(torch.uint8)`. Written with int32 ops so inductor
+    vectorizes it on CPU. NaN inputs produce garbage codes (callers never pass NaN on purpose).
+    """
+    mbits, bias, max_code = _LAYOUT[dtype]
+    shift = 23 - mbits  # fp32 mantissa bits dropped
+    bits = y.view(torch.int32)
+    sign = (bits >> 24) & 0x80  # arithmetic shift: keep only the sign bit, moved to bit 7
+    a = bits & 0x7FFFFFFF  # |y| as bits
+    # normal range: round the fp32 mantissa to `mbits` bits (RNE), then rebias the exponent
+    rounded = a + ((1 << (shift - 1)) - 1) + ((a >> shift) & 1)
+    normal = (rounded >> shift) - ((127 - bias) << mbits)
+    # subnormal range (|y| < 2^(1-bias)): code = round(|y| / smallest_subnormal), RNE
+    absy = a.view(torch.float32)
+    sub = torch.round(absy * 2.0 ** (bias + mbits - 1)).to(torch.int32)
+    mag = torch.where(a < ((128 - bias) << 23), sub, normal).clamp(max=max_code)
+    return (mag | sign).to(torch.uint8)
+
+
+def decode(codes_u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 bit patterns (uint8) -> fp32 values (unscaled). Exact; int32 ops only (vectorizes)."""
+    mbits, bias, _ = _LAYOUT[dtype]
+    u = codes_u8.to(torch.int32)
+    mag = u & 0x7F
+    # normal: move exponent+mantissa into fp32's fields and add the bias difference;
+    # the sign goes straight to bit 31
+    bits = ((mag << (23 - mbits)) + ((127 - bias) << 23)) | ((u & 0x80) << 24)
+    normal = bits.view(torch.float32)
+    # subnormal (exponent field 0): value = mantissa * smallest subnormal
+    sub = mag.to(torch.float32) * 2.0 ** (1 - bias - mbits)
+    sub = torch.where(u >= 0x80, -sub, sub)
+    return torch.where(mag < (1 << mbits), sub, normal)
+
+
+def block_scale(x_blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, B] fp32 -> [n] scales absmax / fp8_max; an all-zero block gets scale 1 (codes 0)."""
+    amax = x_blocks.abs().amax(dim=-1)
+    return torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+
+
+def _check_blocks(numel: int, block_size: int) -> None:
+    if block_size <= 0 or numel % block_size != 0:
+        raise ValueError(
+            f"FP8Tensor needs numel divisible by block_size; got numel={numel}, "
+            f"block_size={block_size}. Keep such tensors in fp32 (FP8Optim does) or pick a "
+            "block size that divides them."
+        )
+
+
+class FP8Tensor(torch.Tensor):
+    """Float32-looking tensor stored as FP8 `codes` (same shape) and fp32 `scale` per block."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    block_size: int
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: torch.Tensor, block_size: int,
+                dtype: torch.dtype = torch.float32):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, codes.shape, dtype=dtype, device=codes.device, requires_grad=False
+        )
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, block_size: int,
+                 dtype: torch.dtype = torch.float32):
+        if codes.dtype not in FP8_DTYPES:
+            raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2, got {codes.dtype}")
+        _check_blocks(codes.numel(), block_size)
+        if scale.dtype != torch.float32 or scale.shape != (codes.numel() // block_size,):
+            raise ValueError(
+                f"scale must be float32 of shape ({codes.numel() // block_size},) for "
+                f"{codes.numel()} elements in blocks of {block_size}; got {scale.dtype} "
+                f"{tuple(scale.shape)}"
+            )
+        self.codes = codes
+        self.scale = scale
+        self.block_size = block_size
+
+    # ---- constructors and conversion -------------------------------------------------------
+
+    @classmethod
+    def from_float(cls, x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> "FP8Tensor":
+        """Quantize a float tensor blockwise (absmax scaling, round to nearest even)."""
+        if dtype not in FP8_DTYPES:
+            raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
+        _check_blocks(x.numel(), block_size)
+        blocks = x.detach().to(torch.float32).reshape(-1, block_size)  # [n, B]
+        scale = block_scale(blocks, dtype)  # [n]
+        codes = encode(blocks / scale[:, None], dtype).view(dtype).view(x.shape)
+        return cls(codes, scale, block_size)
+
+    @classmethod
+    def zeros(cls, shape, *, dtype: torch.dtype = torch.float8_e4m3fn,
+              block_size: int = DEFAULT_BLOCK_SIZE, device=None) -> "FP8Tensor":
+        codes = torch.zeros(shape, dtype=dtype, device=device)
+        _check_blocks(codes.numel(), block_size)
+        scale = torch.ones(codes.numel() // block_size, dtype=torch.float32, device=device)
+        return cls(codes, scale, block_size)
+
+    def dequantize(self, output_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        values = decode(self.codes.view(torch.uint8).reshape(-1, self.block_size), self.fp8_dtype)
+        return (values * self.scale[:, None]).view(self.shape).to(output_dtype)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.codes.dtype
+
+    def nbytes_stored(self) -> int:
+        """Bytes actually held: codes plus scales."""
+        return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
+
+    def __repr__(self) -> str:
+        return (f"FP8Tensor(shape={tuple(self.shape)}, fp8={self.fp8_dtype}, "
+                f"block_size={self.block_size}, device={self.device})")
+
+    # ---- torch.compile: the subclass is traced through its inner tensors ------------------
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], (self.block_size, self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        block_size, dtype = ctx
+        return cls(inner["codes"], inner["scale"], block_size, dtype)
+
+    # ---- dispatch --------------------------------------------------------------------------
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        handler = _OPS.get(func)
+        if handler is None:
+            raise NotImplementedError(
+                f"FP8Tensor does not implement {func}. It stores optimizer state; supported ops: "
+                f"{', '.join(sorted(str(op) for op in _OPS))}. Call .dequantize() to get a "
+                "float32 tensor for anything else."
+            )
+        return handler(func, types, args, kwargs or {})
+
+
+_OPS: dict[object, Callable] = {}
+
+
+def implements(ops: list) -> Callable:
+    """Register a handler for the given aten ops; registering an op twice is an error."""
+
+    def decorator(fn: Callable) -> Callable:
+        for op in ops:
+            if op in _OPS:
+                raise RuntimeError(f"FP8Tensor: {op} is already implemented by {_OPS[op].__name__}")
+            _OPS[op] = fn
+        return fn
+
+    return decorator
+
+
+def _like(x: FP8Tensor, codes: torch.Tensor, scale: torch.Tensor) -> FP8Tensor:
+    return FP8Tensor(codes, scale, x.block_size, x.dtype)
+
+
+# needed by Tensor.detach() in torch.distributed.checkpoint save/load and state_dict helpers
+@implements([aten.detach.default, aten.alias.default])
+def _detach(func, types, args, kwargs):
+    x = args[0]
+    return return_and_correct_aliasing(func, args, kwargs, _like(x, func(x.codes), func(x.scale)))
+
+
+# needed by copy.deepcopy / Tensor.clone() of an optimizer state (checkpoint snapshots)
+@implements([aten.clone.default])
+def _clone(func, types, args, kwargs):
+    x = args[0]
+    return _like(x, x.codes.clone(), x.scale.clone())
+
+
+# needed by load paths that copy into existing state (DCP load, FP8Optim level conversion)
+@implements([aten.copy_.default])
+def _copy(func, types, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, FP8Tensor):
+        if isinstance(src, FP8Tensor) and (src.block_size, src.fp8_dtype) == (dst.block_size, dst.fp8_dtype):
+            dst.codes.copy_(src.codes)
+            dst.scale.copy_(src.scale)
+        else:  # requantize into dst's format
+            src = src.dequantize() if isinstance(src, FP8Tensor) else src
+            q = FP8Tensor.from_float(src.to(dst.device), dtype=dst.fp8_dtype, block_size=dst.block_size)
+            dst.codes.copy_(q.codes.view(dst.codes.shape))
+            dst.scale.copy_(q.scale)
+    else:  # plain tensor destination: write the values
+        dst.copy_(src.dequantize())
+    return dst
+
+
+# needed by .to(device) and by Optimizer.load_state_dict (value.to(dtype=p.dtype, device=p.device))
+@implements([aten._to_copy.default])
+def _to_copy(func, types, args, kwargs):
+    x = args[0]
+    device = kwargs.get("device") or x.device
+    dtype = kwargs.get("dtype") or x.dtype
+    if dtype not in (torch.float32,):
+        # the appearance dtype is float32 by construction; another dtype means "give me values"
+        return x.dequantize().to(dtype=dtype, device=device)
+    return _like(x, x.codes.to(device), x.scale.to(device))
+
+
+# needed by torch.empty_like(state, device=...) in DCP (planner_helpers materializes meta state)
+@implements([aten.empty_like.default])
+def _empty_like(func, types, args, kwargs):
+    x = args[0]
+    device = kwargs.get("device") or x.device
+    return _like(x, torch.empty_like(x.codes, device=device), torch.empty_like(x.scale, device=device))
+
+
+# needed by DCP save (it asks whether to pin before copying to CPU)
+@implements([aten.is_pinned.default])
+def _is_pinned(func, types, args, kwargs):
+    x = args[0]
+    return x.codes.is_pinned() and x.scale.is_pinned()
+
+
+# needed by DTensor.from_local and DCP (view to the same or a block-compatible shape)
+@implements([aten.view.default])
+def _view(func, types, args, kwargs):
+    x, shape = args[0], args[1]
+    return _like(x, x.codes.view(shape), x.scale)
+
+
+# needed by DCP resharding (narrow_tensor_by_index -> slice along dim 0, block-aligned)
+@implements([aten.slice.Tensor])
+def _slice(func, types, args, kwargs):
+    x, dim = args[0], args[1] if len(args) > 1 else 0
+    start = args[2] if len(args) > 2 else None
+    end = args[3] if len(args) > 3 else None
+    step = args[4] if len(args) > 4 else 1
+    n = x.shape[0] if x.dim() else 1
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else min(end + n if end < 0 else end, n)
+    row = math.prod(x.shape[1:])
+    if dim != 0 or step != 1 or (start * row) % x.block_size or (end * row) % x.block_size:
+        raise ValueError(
+            f"FP8Tensor slices only along dim 0 with step 1 on block boundaries (block_size="
+            f"{x.block_size}, row of {row} elements); got dim={dim}, {start}:{end}:{step}"
+        )
+    return _like(x, x.codes[start:end], x.scale[start * row // x.block_size:end * row // x.block_size])
+
+
+torch.serialization.add_safe_globals([FP8Tensor])

@@ -1,0 +1,249 @@
+"""The BPE tokenizer: trained with rustbpe, encoded with tiktoken, stored as plain data.
+
+A byte-level BPE tokenizer turns text into integers in two stages. A regex (the *split pattern*)
+first cuts the text into chunks — words with their leading space, runs of digits, runs of
+punctuation, whitespace — so that no merge ever crosses, say, a word and the space after it.
+Each chunk's UTF-8 bytes then start as 256 byte tokens and are merged pairwise, in the order the
+merges were learned, into longer tokens. Because every byte is a token, *any* string can be
+encoded and decoding is byte-exact: there is no "unknown" token.
+
+Two libraries, one job each (the split karpathy/nanochat uses, for the same reasons):
+  * rustbpe trains: it counts chunk frequencies in parallel and learns merges fast — a
+    4096-token vocabulary on the 12 MB default corpus takes ~1.5 s on 2 CPU cores (measured
+    with `scripts/tok_train.py`, which prints the time). Its `encode` is a simple reference.
+  * tiktoken encodes: given the learned ranks (token bytes -> id, lower id = earlier merge) it
+    is a fast, battle-tested encoder with a multi-threaded batch API. Training with tiktoken is
+    not possible and encoding with rustbpe is slower, hence the pair.
+
+Split pattern: GPT-4's (cl100k) pattern with one change, digits are grouped in runs of at most
+two (`\\p{N}{1,2}`) instead of three. With a small vocabulary (4096 by default) the 1,110 possible
+1-3 digit groups would compete with words for merges in number-heavy text (logs, tables); two-
+digit groups cap that at 110. This is karpathy/nanochat's choice, for the same reason. Measured
+on the default corpus (stdlib sources, 4096 vocab, trained on the train split): 3.452 bytes/token
+on validation with {1,2} against 3.464 with {1,3}, a 0.4% difference — code has few numbers, so
+here the choice barely matters; it is made for the user corpora that do.
+
+Special tokens get the ids after the learned vocabulary. Only `<|bos|>` is used by pretraining
+(it starts every document, see `nanochat.data.tokenize_docs`); three chat markers are reserved
+so a later chat fine-tune does not change the vocabulary size. Four specials, so the smallest
+vocabulary is 256 bytes + 4 = 260, the minimum `nanochat.config` enforces. Text that merely
+*contains* the characters "<|bos|>" is encoded as ordinary text (tiktoken's `encode_ordinary`):
+a document must never be able to inject a control token.
+
+On disk a tokenizer is data, never a pickle: `tokenizer.tiktoken` (tiktoken's text format, one
+`base64(token_bytes) rank` line per token) and `tokenizer_meta.json` (pattern, specials, format
+version, fingerprint). Loading checks the fingerprint, so a truncated or edited file is an error,
+not a silently different vocabulary.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import rustbpe
+import tiktoken
+import torch
+from tqdm import tqdm
+
+# GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (see the module docstring).
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
+    r"""\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+BOS = "<|bos|>"
+SPECIAL_TOKENS = (BOS, "<|user_start|>", "<|assistant_start|>", "<|end|>")
+"""In id order after the learned vocabulary. <|end|> closes a user or assistant turn."""
+
+META_FILE = "tokenizer_meta.json"
+RANKS_FILE = "tokenizer.tiktoken"
+FORMAT = "nanochat-tokenizer"
+FORMAT_VERSION = 1
+
+
+class Tokenizer:
+    """A trained byte-level BPE vocabulary plus the tiktoken encoder built from it.
+
+    Build one with `Tokenizer.train(texts, vocab_size)` or `Tokenizer.load(dir)`; the
+    constructor takes the raw pieces (used by both) and checks they form a valid vocabulary.
+    """
+
+    def __init__(self, mergeable_ranks: dict[bytes, int], pattern: str = SPLIT_PATTERN,
+                 special_tokens: Iterable[str] = SPECIAL_TOKENS) -> None:
+        n = len(mergeable_ranks)
+        if sorted(mergeable_ranks.values()) != list(range(n)):
+            raise ValueError("mergeable ranks must be exactly the ids 0..n-1, each once")
+        if any(mergeable_ranks.get(bytes([b])) is None for b in range(256)):
+            raise ValueError("mergeable ranks must contain all 256 single bytes (byte-level BPE)")
+        self.pattern = pattern
+        self.mergeable_ranks = dict(mergeable_ranks)
+        self.special_tokens = {name: n + i for i, name in enumerate(special_tokens)}
+        self._enc = tiktoken.Encoding(
+            name="nanochat", pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
+            special_tokens=self.special_tokens,
+        )
+        self.fingerprint = self._compute_fingerprint()
+        """16 hex digits of sha256 over pattern, ranks and specials: keys caches, checks resumes."""
+
+    # ------------------------------------------------------------------ train
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, *, progress: bool = True) -> "Tokenizer":
+        """Learn `vocab_size - len(SPECIAL_TOKENS) - 256` merges from `texts` with rustbpe.
+
+        `vocab_size` counts everything: 256 byte tokens, the merges and the special tokens. A
+        corpus too small to supply that many distinct merges gives a smaller vocabulary (BPE
+        stops when every pair occurs once); `vocab_size` of the result is the real size.
+        """
+        n_base = 256 + len(SPECIAL_TOKENS)
+        if vocab_size < n_base:
+            raise ValueError(
+                f"vocab_size={vocab_size} is too small: it must cover 256 byte tokens and "
+                f"{len(SPECIAL_TOKENS)} special tokens, so at least {n_base}"
+            )
+        total = len(texts) if hasattr(texts, "__len__") else None  # type: ignore[arg-type]
+        it: Iterator[str] = iter(tqdm(texts, total=total, desc="tokenizer: reading", unit="doc",
+                                      disable=not progress, leave=False))
+        bpe = rustbpe.Tokenizer()
+        bpe.train_from_iterator(it, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
+        return cls({bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}, bpe.get_pattern())
+
+    # ----------------------------------------------------------------- encode
+    def encode(self, text: str, *, prepend_bos: bool = False) -> list[int]:
+        """Token ids of `text`; special-token strings inside it are ordinary text.
+
+        Lone surrogates (e.g. "\\ud800" from a broken JSON escape) have no UTF-8 form; tiktoken
+        encodes them as U+FFFD, so they are the one input that does not round-trip.
+        """
+        ids = self._enc.encode_ordinary(text)
+        return [self.bos_id, *ids] if prepend_bos else ids
+
+    def encode_batch(self, texts: list[str], *, prepend_bos: bool = False,
+                     num_threads: int | None = None) -> list[list[int]]:
+        """`encode` over many texts with tiktoken's thread pool (its Rust core drops the GIL)."""
+        batch = self._enc.encode_ordinary_batch(list(texts), num_threads=num_threads or os.cpu_count() or 1)
+        if prepend_bos:
+            batch = [[self.bos_id, *ids] for ids in batch]
+        return batch
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`. Byte-exact for the ids of a whole string; a sequence cut inside a
+        multi-byte character decodes that fragment to U+FFFD. Special ids decode to their name."""
+        return self._enc.decode(list(ids))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return self._enc.decode_bytes(list(ids))
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_tokens[BOS]
+
+    @property
+    def vocab_size(self) -> int:
+        """Embedding rows a model needs: learned tokens plus special tokens."""
+        return len(self.mergeable_ranks) + len(self.special_tokens)
+
+    def token_bytes(self) -> torch.Tensor:
+        """[vocab_size] int64: UTF-8 bytes each id stands for; 0 for special tokens.
+
+        Validation bits per byte = sum(loss in nats) / (ln 2 * sum(token_bytes[targets])): a loss
+        that does not depend on the tokenizer, so runs with different vocabularies compare.
+        """
+        out = torch.zeros(self.vocab_size, dtype=torch.int64)
+        for tok, rank in self.mergeable_ranks.items():
+            out[rank] = len(tok)
+        return out
+
+    # ------------------------------------------------------------ persistence
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the two files into `directory` (created); each is replaced atomically."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
+        ranks_text = "".join(f"{base64.b64encode(tok).decode('ascii')} {rank}\n" for tok, rank in by_rank)
+        meta = {
+            "format": FORMAT, "version": FORMAT_VERSION, "pattern": self.pattern,
+            "special_tokens": self.special_tokens, "vocab_size": self.vocab_size,
+            "fingerprint": self.fingerprint,
+        }
+        _write_atomic(d / RANKS_FILE, ranks_text)
+        _write_atomic(d / META_FILE, json.dumps(meta, indent=2) + "\n")
+        return d
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Tokenizer":
+        d = Path(directory)
+        make_one = f"make one with: python scripts/tok_train.py --tokenizer_dir {d}"
+        if not d.is_dir():
+            raise FileNotFoundError(f"tokenizer directory {d} does not exist; {make_one}")
+        for name in (META_FILE, RANKS_FILE):
+            if not (d / name).is_file():
+                raise FileNotFoundError(
+                    f"{d} is not a nanochat tokenizer: {name} is missing (a tokenizer directory "
+                    f"holds {META_FILE} and {RANKS_FILE}); {make_one}"
+                )
+        meta = json.loads((d / META_FILE).read_text(encoding="utf-8"))
+        if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{d / META_FILE}: format {meta.get('format')!r} version {meta.get('version')!r} "
+                f"is not {FORMAT!r} version {FORMAT_VERSION}; retrain it: {make_one}"
+            )
+        ranks: dict[bytes, int] = {}
+        for lineno, line in enumerate((d / RANKS_FILE).read_text(encoding="ascii").splitlines(), 1):
+            try:
+                tok, rank = line.split()
+                ranks[base64.b64decode(tok, validate=True)] = int(rank)
+            except ValueError as e:
+                raise ValueError(f"{d / RANKS_FILE}:{lineno}: expected 'base64 rank', got {line!r} ({e})") from None
+        specials = sorted(meta["special_tokens"].items(), key=lambda kv: kv[1])
+        tok = cls(ranks, meta["pattern"], [name for name, _ in specials])
+        if tok.special_tokens != meta["special_tokens"] or tok.fingerprint != meta["fingerprint"]:
+            raise ValueError(
+                f"{d}: the files do not match the fingerprint recorded at save time "
+                f"({tok.fingerprint} != {meta['fingerprint']}); they were edited or truncated. {make_one}"
+            )
+        return tok
+
+    def _compute_fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(json.dumps([FORMAT_VERSION, self.pattern, self.special_tokens], sort_keys=True).encode())
+        for tok, _ in sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1]):
+            h.update(len(tok).to_bytes(4, "little") + tok)
+        return h.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint!r})"
+
+
+def take_chars(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+    """Yield `texts` in order until `max_chars` characters have been yielded (the last one cut)."""
+    left = max_chars
+    for text in texts:
+        if left <= 0:
+            return
+        yield text[:left]
+        left -= len(text)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Temp file in the same directory, then os.replace: readers see the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a saved tokenizer is shareable
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -1,0 +1,99 @@
+"""nanochat.fp8.hardware: the native / emulated / fallback decision and the GEMM dtype rules.
+
+There is no GPU here, so CUDA devices are faked by patching torch.cuda's queries (capability,
+name, availability) and torch.version.hip; what is checked is the decision and its message
+against the rules stated (with their torch sources) in hardware.py, and that `convert` refuses a
+mode the native kernels cannot run instead of failing mid-step.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanochat.fp8 import convert, detect, native_gemm_problem
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """fake_gpu(capability, name, hip=None) makes torch report that CUDA device."""
+    def make(capability, name="NVIDIA Fake", hip=None):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+        monkeypatch.setattr(torch.version, "hip", hip)
+    return make
+
+
+def test_cpu_falls_back_with_an_actionable_reason():
+    b = detect("cpu", emulate=False)
+    assert b.backend == "fallback" and b.capability is None
+    assert b.device_name.startswith("cpu") and "no FP8 matmul hardware" in b.reason
+    assert "--fp8_emulate" in b.reason
+
+
+def test_emulate_is_honoured_on_any_device(fake_gpu):
+    assert detect("cpu", emulate=True).backend == "emulated"
+    fake_gpu((7, 5), "Tesla T4")
+    b = detect("cuda", emulate=True, recipe="rowwise")
+    assert b.backend == "emulated" and "Tesla T4" in b.reason
+
+
+@pytest.mark.parametrize("capability,name", [((8, 0), "NVIDIA A100"), ((8, 6), "NVIDIA RTX 3090")])
+def test_pre_ada_gpus_fall_back(fake_gpu, capability, name):
+    fake_gpu(capability, name)
+    b = detect("cuda", emulate=False)
+    assert b.backend == "fallback" and b.capability == capability
+    assert name in b.reason and "8.9" in b.reason and "--fp8_emulate" in b.reason
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_gpus_are_native_for_every_recipe(fake_gpu, capability, recipe):
+    fake_gpu(capability, "NVIDIA FP8")
+    assert detect("cuda:0", emulate=False, recipe=recipe).backend == "native"
+
+
+def test_rowwise_needs_a_gpu_torch_has_a_rowwise_kernel_for(fake_gpu):
+    fake_gpu((13, 0), "NVIDIA Future")  # newer than torch's rowwise dispatch table
+    assert detect("cuda", emulate=False, recipe="tensorwise").backend == "native"
+    b = detect("cuda", emulate=False, recipe="rowwise")
+    assert b.backend == "fallback" and "rowwise" in b.reason and "tensorwise can" in b.reason
+
+
+def test_rocm_is_not_native_yet(fake_gpu):
+    fake_gpu((9, 4), "AMD Instinct MI300X", hip="6.2")
+    b = detect("cuda", emulate=False)
+    assert b.backend == "fallback"
+    assert "ROCm" in b.reason and "fnuz" in b.reason and "--fp8_emulate" in b.reason
+
+
+def test_native_gemm_rules():
+    e4 = dict(input=E4M3, weight=E4M3, grad_output=E4M3)
+    e5 = dict(input=E5M2, weight=E5M2, grad_output=E5M2)
+    hybrid = dict(input=E4M3, weight=E4M3, grad_output=E5M2)
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        assert native_gemm_problem(e4, recipe=recipe) is None
+        assert native_gemm_problem(hybrid, recipe=recipe) is None
+        assert "both in e5m2" in native_gemm_problem(e5, recipe=recipe)
+    # grad_output and input both e5m2 meet only in the grad_weight GEMM...
+    gw_only = dict(input=E5M2, weight=E4M3, grad_output=E5M2)
+    assert "grad_weight" in native_gemm_problem(gw_only, recipe="tensorwise")
+    # ...which rowwise_with_gw_hp keeps in high precision
+    assert native_gemm_problem(gw_only, recipe="rowwise_with_gw_hp") is None
+    # the CUTLASS rowwise kernel wants the weight in e4m3
+    e5_weight = dict(input=E4M3, weight=E5M2, grad_output=E4M3)
+    assert native_gemm_problem(e5_weight, recipe="tensorwise") is None
+    assert "weight" in native_gemm_problem(e5_weight, recipe="rowwise")
+
+
+def test_convert_refuses_e5m2_natively_but_emulates_it(fake_gpu):
+    fake_gpu((9, 0), "NVIDIA H100")
+    model = nn.Sequential(nn.Linear(128, 128))
+    with pytest.raises(ValueError, match="--fp8_mode e5m2 .* NVIDIA H100.*--fp8_emulate"):
+        convert(model, mode="e5m2", device="cuda")
+    assert type(model[0]) is nn.Linear  # nothing was swapped before the error
+    report = convert(model, mode="e5m2", emulate=True, device="cuda")
+    assert report.backend == "emulated" and report.converted == ["0"]

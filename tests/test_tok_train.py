@@ -1,0 +1,60 @@
+"""scripts/tok_train.py end to end on a tiny corpus: once as a user runs it (a subprocess), the
+other cases in-process through its `main(argv)` (an interpreter start costs seconds on 2 cores).
+
+Checked against: the saved directory (it must load with Tokenizer.load and have the vocabulary
+size asked for), the printed report (vocab, compression, fingerprint), the one-line FP8 note
+exactly when an FP8 flag differs from its default, and exit status 2 with a message for an
+invalid flag value and for a bad --dataset_path.
+"""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanochat.tokenizer import Tokenizer
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tok_train.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+def test_trains_saves_and_notes_fp8(small_corpus, tmp_path):
+    out_dir = tmp_path / "tok"
+    r = _run("--dataset_path", str(small_corpus), "--tokenizer_dir", str(out_dir), "--vocab_size", "300",
+             "--fp8", "--fp8_mode", "e5m2")
+    assert r.returncode == 0, r.stderr
+    notes = [line for line in r.stdout.splitlines() if "do not apply to tokenizer training" in line]
+    assert notes == ["note: --fp8, --fp8_mode do not apply to tokenizer training (it has no matmuls); ignored"]
+    assert "vocab 300 (asked 300)" in r.stdout and "bytes/token" in r.stdout
+    tok = Tokenizer.load(out_dir)
+    assert tok.vocab_size == 300 and tok.fingerprint in r.stdout
+    assert tok.decode(tok.encode("def main():\n")) == "def main():\n"
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("tok_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_no_fp8_note_without_fp8_flags(small_corpus, tmp_path, capsys):
+    assert _main()(["--dataset_path", str(small_corpus), "--tokenizer_dir", str(tmp_path / "t"),
+                    "--vocab_size", "260"]) == 0
+    out = capsys.readouterr().out
+    assert "do not apply" not in out and "vocab 260" in out
+    assert Tokenizer.load(tmp_path / "t").vocab_size == 260
+
+
+def test_bad_values_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _main()(["--fp8_mode", "e3m4", "--tokenizer_dir", str(tmp_path / "t")])
+    assert e.value.code == 2 and "e3m4" in capsys.readouterr().err
+    assert _main()(["--dataset_path", str(tmp_path / "missing"), "--tokenizer_dir", str(tmp_path / "t")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

@@ -1,0 +1,172 @@
+"""Tokenizer: encoding checked against the input itself, the UTF-8 codec and a saved copy.
+
+- round trip: decode(encode(s)) == s exactly (reference: s) for emoji, CJK, combining marks,
+  U+FFFD, NUL, control characters, special-token strings, \\r\\n runs, long digit runs, and
+  random strings over all Unicode planes; characters never seen in training included;
+- special tokens: never produced from plain text, even when the text spells "<|bos|>";
+  prepend_bos adds exactly one bos_id;
+- token_bytes: sum(token_bytes[ids]) == len(s.encode("utf-8")) (reference: Python's codec);
+  0 for specials;
+- save/load: identical ids, vocabulary and fingerprint; files are text and JSON (no pickle);
+  a directory that is not a tokenizer fails naming the missing file and the command to make one;
+  an edited file fails the fingerprint check;
+- training: deterministic (same corpus -> same fingerprint), vocab_size counts bytes + merges +
+  specials, too-small vocab_size is a ValueError (not a panic inside rustbpe);
+- the on-the-fly cache: a second get_or_train_tokenizer call loads instead of training.
+All comparisons are exact (tolerance 0): a tokenizer is integer bookkeeping.
+"""
+
+import base64
+import json
+import random
+
+import pytest
+import torch
+
+from nanochat.data import get_or_train_tokenizer, load_corpus
+from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, take_chars
+
+TRICKY = [
+    "",
+    "hello world",
+    "emoji 👋🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵",
+    "CJK 漢字とひらがなとカタカナ、한국어",
+    "combining: e\u0301 a\u0300\u0316 Z\u0351\u0357\u0306 and precomposed é",
+    "replacement char \ufffd and BOM \ufeff and nbsp\u00a0and zwsp\u200b",
+    "NUL\x00inside and controls \x01\x07\x1b[31m\x7f\x80\x9f",
+    "<|bos|> looks special <|end|><|user_start|> but is text",
+    "windows\r\nnewlines\r\n\r\n\ttabs \t \n   trailing   ",
+    "digits 3.14159265358979 1234567890 ١٢٣ ½",
+    "Привет, мир! Γειά σου Κόσμε! שלום עולם مرحبا",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 astral 𐍈 \U0010fffd",
+    "x" * 5000,
+]
+
+
+@pytest.fixture(scope="module")
+def tok(small_corpus) -> Tokenizer:
+    texts = [p.read_text(encoding="utf-8") for p in sorted(small_corpus.glob("*.py"))]
+    return Tokenizer.train(texts, 512, progress=False)
+
+
+def _random_strings(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        chars = []
+        for _ in range(rng.randint(1, 40)):
+            cp = rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0x7FF),
+                             rng.randint(0x800, 0xFFFF), rng.randint(0x10000, 0x10FFFF)])
+            if 0xD800 <= cp <= 0xDFFF:  # surrogates are not Unicode scalar values: no UTF-8 form
+                cp = 0xFFFD
+            chars.append(chr(cp))
+        out.append("".join(chars))
+    return out
+
+
+def test_round_trip_is_exact(tok):
+    for s in TRICKY + _random_strings(300):
+        ids = tok.encode(s)
+        assert tok.decode(ids) == s, repr(s)
+        assert tok.decode_bytes(ids) == s.encode("utf-8")
+
+
+def test_lone_surrogate_becomes_replacement_char(tok):
+    # Documented limit: "\ud800" has no UTF-8 encoding; tiktoken substitutes U+FFFD.
+    assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"
+
+
+def test_special_tokens_never_come_from_text(tok):
+    first_special = tok.vocab_size - len(SPECIAL_TOKENS)
+    assert tok.bos_id == first_special and tok.special_tokens["<|bos|>"] == tok.bos_id
+    for s in TRICKY:
+        assert all(i < first_special for i in tok.encode(s)), repr(s)
+    ids = tok.encode("<|bos|>")
+    assert tok.bos_id not in ids and len(ids) > 1
+
+
+def test_prepend_bos_and_batch(tok):
+    texts = TRICKY[:6]
+    assert tok.encode(texts[1], prepend_bos=True) == [tok.bos_id] + tok.encode(texts[1])
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode_batch(texts, prepend_bos=True, num_threads=2) == [
+        [tok.bos_id] + tok.encode(t) for t in texts]
+    assert tok.decode([tok.bos_id]) == "<|bos|>"
+
+
+def test_token_bytes_count_utf8_bytes(tok):
+    tb = tok.token_bytes()
+    assert tb.dtype == torch.int64 and tb.shape == (tok.vocab_size,)
+    assert tb[-len(SPECIAL_TOKENS):].tolist() == [0] * len(SPECIAL_TOKENS)
+    assert tb[:256].tolist() == [1] * 256
+    for s in TRICKY + _random_strings(50, seed=1):
+        ids = tok.encode(s, prepend_bos=True)
+        assert int(tb[torch.tensor(ids, dtype=torch.long)].sum()) == len(s.encode("utf-8"))
+
+
+def test_save_load_identical(tok, tmp_path):
+    tok.save(tmp_path / "t")
+    meta = json.loads((tmp_path / "t" / "tokenizer_meta.json").read_text())
+    assert meta["vocab_size"] == tok.vocab_size and meta["special_tokens"] == tok.special_tokens
+    lines = (tmp_path / "t" / "tokenizer.tiktoken").read_text(encoding="ascii").splitlines()
+    assert len(lines) == tok.vocab_size - len(SPECIAL_TOKENS)
+    assert base64.b64decode(lines[65].split()[0]) == b"A" and lines[65].split()[1] == "65"
+    loaded = Tokenizer.load(tmp_path / "t")
+    assert loaded.fingerprint == tok.fingerprint and loaded.vocab_size == tok.vocab_size
+    assert loaded.mergeable_ranks == tok.mergeable_ranks
+    for s in TRICKY + _random_strings(50, seed=2):
+        assert loaded.encode(s) == tok.encode(s)
+    assert torch.equal(loaded.token_bytes(), tok.token_bytes())
+
+
+def test_load_errors_name_the_missing_file_and_the_fix(tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer_meta\.json is missing.*scripts/tok_train\.py --tokenizer_dir"):
+        Tokenizer.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist.*scripts/tok_train.py"):
+        Tokenizer.load(tmp_path / "nope")
+    d = tok.save(tmp_path / "t")
+    (d / "tokenizer.tiktoken").unlink()
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.tiktoken is missing"):
+        Tokenizer.load(d)
+    d = tok.save(tmp_path / "edited")
+    lines = (d / "tokenizer.tiktoken").read_text().splitlines()
+    lines[300], lines[301] = lines[301].split()[0] + " 300", lines[300].split()[0] + " 301"  # swap two merges
+    (d / "tokenizer.tiktoken").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match="fingerprint"):
+        Tokenizer.load(d)
+
+
+def test_training_is_deterministic_and_sized(small_corpus, tok):
+    texts = [p.read_text(encoding="utf-8") for p in sorted(small_corpus.glob("*.py"))]
+    again = Tokenizer.train(texts, 512, progress=False)
+    assert again.fingerprint == tok.fingerprint
+    assert tok.vocab_size == 512
+    assert Tokenizer.train(["abc abc"], 260, progress=False).vocab_size == 260  # bytes + specials only
+    # A corpus with only a handful of distinct pairs cannot fill the vocabulary: smaller, not an error.
+    assert 260 < Tokenizer.train(["ab ab ab"], 1000, progress=False).vocab_size < 1000
+    with pytest.raises(ValueError, match="at least 260"):
+        Tokenizer.train(texts, 259, progress=False)
+
+
+def test_take_chars():
+    assert list(take_chars(["abc", "defg", "hi"], 5)) == ["abc", "de"]
+    assert list(take_chars(["abc"], 10)) == ["abc"]
+
+
+def test_get_or_train_tokenizer_caches(small_corpus, tmp_path, monkeypatch):
+    corpus = load_corpus(small_corpus)
+    first = get_or_train_tokenizer(corpus, 400, tmp_path, progress=False)
+    cached = list(tmp_path.iterdir())
+    assert [p.name for p in cached] == [f"tokenizer-{corpus.fingerprint}-400"]  # no temp dirs left
+
+    def no_training(*a, **k):
+        raise AssertionError("retrained instead of loading the cache")
+
+    monkeypatch.setattr(Tokenizer, "train", no_training)
+    second = get_or_train_tokenizer(corpus, 400, tmp_path, progress=False)
+    assert second.fingerprint == first.fingerprint
+    monkeypatch.undo()
+    # max_chars below the corpus size is part of the key: a different tokenizer, its own directory.
+    small = get_or_train_tokenizer(corpus, 400, tmp_path, max_chars=10_000, progress=False)
+    assert small.fingerprint != first.fingerprint
+    assert (tmp_path / f"tokenizer-{corpus.fingerprint}-400-10000chars").is_dir()
