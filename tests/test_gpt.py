@@ -192,6 +192,7 @@ def test_num_params_and_flops():
     assert model.num_params() == sum(p.numel() for p in model.parameters())
     matmul = model.num_params() - cfg.vocab_size * cfg.n_embd
     assert model.flops_per_token() == 6 * matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
+    assert model.flops_per_token(8) == 6 * matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * 8
 
 
 @pytest.mark.parametrize("tied", [False, True])

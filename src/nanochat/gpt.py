@@ -378,12 +378,14 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self) -> int:
+    def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, nanochat's estimate: 6 per matmul weight (forward 2, backward
         4) plus attention's QK^T and AV, 12 * n_layer * n_head * head_dim * seq_len. The
-        embedding lookup is not a matmul and is left out (unless tied: then it is the lm_head)."""
+        embedding lookup is not a matmul and is left out (unless tied: then it is the lm_head).
+        seq_len is the training sequence length (default: config.seq_len, which for a loaded
+        checkpoint is its whole context, far longer than what is trained on)."""
         cfg = self.config
         n = self.num_params()
         if not cfg.tie_embeddings:
             n -= self.transformer.wte.weight.numel()
-        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * cfg.seq_len
+        return 6 * n + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * (seq_len or cfg.seq_len)

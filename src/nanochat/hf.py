@@ -78,7 +78,9 @@ class ResolvedModel:
 
 
 def hf_cache_dirs() -> list[Path]:
-    """Hub cache directories to search, in the order huggingface_hub itself resolves them."""
+    """Hub cache directories to search: every place huggingface_hub may use, in its order of
+    precedence (it uses only the first that is set; we search them all, so a cache copied to
+    the default place is found even when HF_HOME points elsewhere)."""
     dirs = []
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
@@ -366,8 +368,8 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                 if ours == "lm_head.weight" and config.tie_embeddings:
                     continue  # some tied checkpoints store the shared matrix twice
                 if ours is None or ours not in params:
-                    raise ValueError(f"{file.name}: tensor {key!r} has no place in a {hf_config['model_type']} "
-                                     f"model as nanochat understands it ({config})")
+                    raise ValueError(f"{file.name}: tensor {key!r} has no place in nanochat's model of this "
+                                     f"{hf_config['model_type']} config (an option we do not implement?)")
                 tensor = f.get_tensor(key)  # one tensor at a time, read from the mmapped file
                 if tensor.shape != params[ours].shape:
                     raise ValueError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, config.json "
@@ -566,6 +568,32 @@ def _unwrap(model: torch.nn.Module) -> GPT:
             raise TypeError(f"export_hf needs a nanochat GPT, got {type(model).__name__}")
         model = inner
     return model
+
+
+def model_from_state_dict(model_name: str, state_dict: dict[str, torch.Tensor],
+                          tokenizer_dir: str | os.PathLike | None = None) -> tuple[GPT, HFTokenizer]:
+    """Rebuild a trained model from a training checkpoint's `model` state dict, for export.
+
+    `model_name` is the run's --model_name: it must resolve to a Hugging Face directory, whose
+    config.json gives the architecture (and whose tokenizer is used unless `tokenizer_dir`, the
+    run's saved tokenizer, has a tokenizer.json). Prefixes added by torch.compile (`_orig_mod.`)
+    and DDP (`module.`) are stripped; FP8 conversion adds none.
+    """
+    resolved = resolve_model(model_name)
+    if resolved.kind == "preset":
+        raise ValueError(
+            f"{model_name!r} is a nanochat preset: its ReLU^2 MLP, parameter-free RMSNorm, QK-norm, "
+            "embedding norm and logit softcap have no Hugging Face Llama counterpart, so it cannot be "
+            "exported for transformers; its checkpoint.pt is the way to keep it"
+        )
+    config = gpt_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+    with torch.device("meta"):
+        model = GPT(config)
+    model.materialize("cpu")
+    clean = {re.sub(r"^(_orig_mod\.|module\.)+", "", k): v for k, v in state_dict.items()}
+    model.load_state_dict(clean)
+    tok_dir = Path(tokenizer_dir) if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer.json").is_file() else resolved.path
+    return model, HFTokenizer.load(tok_dir)
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 A byte-level BPE tokenizer turns text into integers in two stages. A regex (the *split pattern*)
 first cuts the text into chunks — words with their leading space, runs of digits, runs of
-punctuation, whitespace — so that no merge ever crosses, say, a word and the space after it.
+punctuation, whitespace — so that no merge ever crosses, say, a word and the comma after it.
 Each chunk's UTF-8 bytes then start as 256 byte tokens and are merged pairwise, in the order the
 merges were learned, into longer tokens. Because every byte is a token, *any* string can be
 encoded and decoding is byte-exact: there is no "unknown" token.
@@ -107,8 +107,9 @@ class Tokenizer:
                 f"{len(SPECIAL_TOKENS)} special tokens, so at least {n_base}"
             )
         total = len(texts) if hasattr(texts, "__len__") else None  # type: ignore[arg-type]
+        # disable=None: tqdm draws only on a terminal, so logs and CI output stay clean.
         it: Iterator[str] = iter(tqdm(texts, total=total, desc="tokenizer: reading", unit="doc",
-                                      disable=not progress, leave=False))
+                                      disable=None if progress else True, leave=False))
         bpe = rustbpe.Tokenizer()
         bpe.train_from_iterator(it, vocab_size - len(SPECIAL_TOKENS), pattern=SPLIT_PATTERN)
         return cls({bytes(tok): rank for tok, rank in bpe.get_mergeable_ranks()}, bpe.get_pattern())
@@ -187,7 +188,10 @@ class Tokenizer:
                     f"{d} is not a nanochat tokenizer: {name} is missing (a tokenizer directory "
                     f"holds {META_FILE} and {RANKS_FILE}); {make_one}"
                 )
-        meta = json.loads((d / META_FILE).read_text(encoding="utf-8"))
+        try:
+            meta = json.loads((d / META_FILE).read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{d / META_FILE} is not valid JSON ({e}); {make_one}") from None
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"{d / META_FILE}: format {meta.get('format')!r} version {meta.get('version')!r} "

@@ -150,6 +150,11 @@ class NanoChatTrainer:
             self.tokenizer = get_or_train_tokenizer(
                 self.corpus, cfg.vocab_size, cache_root=self.cache_root / "tokenizers"
             )
+            if self.tokenizer.vocab_size < cfg.vocab_size:
+                self.fallbacks.append(
+                    f"tokenizer: the corpus ran out of BPE merges at {self.tokenizer.vocab_size} tokens "
+                    f"(--vocab_size {cfg.vocab_size} asked); training with the smaller vocabulary"
+                )
         token_cache = self.cache_root / "tokens"
         self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
         self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)

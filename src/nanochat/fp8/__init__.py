@@ -30,9 +30,12 @@ from .linear import (
     is_fp8_model,
     restore_fp8,
 )
+from .optim import FP8Optim
+from .tensor import FP8Tensor
 
 __all__ = [
     "FP8Backend", "detect", "native_gemm_problem",
     "ConversionReport", "FP8Config", "FP8Linear", "LayerReport", "apply_fp8", "convert",
     "fp8_disabled", "fp8_layers", "fp8_report", "is_fp8_model", "restore_fp8",
+    "FP8Optim", "FP8Tensor",
 ]

@@ -1,0 +1,427 @@
+"""FP8Optim: Adam/AdamW/SGD-momentum with the optimizer state stored in FP8.
+
+    opt = FP8Optim(torch.optim.AdamW(model.param_groups(0.1), lr=3e-4, fused=False), opt_level=2)
+    ...loss.backward(); opt.step(); opt.zero_grad()   # schedulers, state_dict: as usual
+
+It *wraps* a constructed torch optimizer instead of re-implementing one. FP8Optim is a
+`torch.optim.Optimizer` whose `param_groups` and `state` are the wrapped optimizer's own objects,
+so an LR scheduler (or the trainer writing `param_groups[i]["lr"]`) drives both, and hyper-
+parameters are read from the groups at every step. Levels:
+
+    0  both moments fp32: the wrapped optimizer steps everything itself (it is the reference)
+    1  first moment (Adam exp_avg, SGD momentum_buffer) in FP8 e4m3, second moment fp32
+    2  both moments in FP8 (~2.03 bytes/param instead of 8)
+
+Which tensors stay fp32: a parameter goes FP8 only if it has >= `min_numel` (4096, the rule of
+bitsandbytes and torchao: below that the state is negligible and the per-call cost dominates)
+elements, a multiple of `block_size` (256, see tensor.py) of them, and is contiguous. Those that
+stay fp32 are stepped by the wrapped optimizer (their grads are hidden from it while we step the
+FP8 ones), so they follow torch's math exactly; a one-time summary says how many and why.
+
+The second moment. Plain absmax-scaled e4m3 storage of v = EMA(g^2) flushes every v below
+absmax(block) * 2^-17.8 (448 / smallest subnormal 2^-9) to zero; since v is the *square*, that
+is only ~9 binary orders of |g| inside a 256-element block, and an element whose v flushed while
+its m survives gets m / (0 + eps), the low-bit optimizer "zero-point problem". We store
+r = sqrt(v) instead, in e4m3 with block scales, and never round a positive r to zero (its code is
+floored at the smallest subnormal):
+- sqrt halves the exponent range: e4m3 covers ~17.8 binary orders of |g| per block;
+- precision: 2^-4 relative on sqrt(v) (the quantity the update divides by), the same as v in
+  e5m2 (2^-3 on v is 2^-4 on sqrt(v)) with more range than e5m2's (15.9 orders of |g|);
+- the floor turns "flushed to zero" into "overestimated": the update of such an element is
+  *smaller* than Adam's, never larger, so |update| <= lr * max|m_hat / sqrt(v_hat)|, as in Adam;
+- the step needs sqrt(v) anyway for the denominator, so storing it costs no extra math.
+The alternatives (v in e4m3 as torchao does, v in e5m2, sqrt(v) without the floor) were measured
+on a stream with heavy-tailed gradients: see `scripts/bench_optim.py --study` and BENCHMARKS.md.
+
+The step. For each FP8 parameter one compiled function (torch.compile, fullgraph, one graph per
+parameter size) reads p, g and the codes, decodes them with integer bit manipulation (tensor.py:
+inductor vectorizes it, it does not vectorize the float8 casts on CPU), does the fp32 math,
+and writes p, the new codes and scales in place: one pass for the block absmax, one for
+everything else, no full-size temporaries. Hyperparameters go in as one small fp32 tensor, so a
+schedule changing lr every step does not recompile. Without a working compiler (or with
+`compile=False`) the same function runs eagerly, logged once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from nanochat.common import format_bytes, logger, warn_once
+
+from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, block_scale, decode, encode, fp8_max
+
+E4M3 = torch.float8_e4m3fn
+MIN_NUMEL = 4096  # bitsandbytes/torchao rule: smaller tensors keep fp32 state
+SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+_INV_E4M3_MAX = 1.0 / fp8_max(E4M3)
+
+# ---------------------------------------------------------------------------------------------
+# Fused per-parameter steps. All tensors are 2-D [n_blocks, B] views (codes as uint8), scales
+# [n_blocks]; `h` is a 1-D fp32 tensor of hyperparameters (a tensor so changes don't recompile).
+# ---------------------------------------------------------------------------------------------
+
+
+def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, floor: bool) -> torch.Tensor:
+    """x [n, B] fp32 -> codes (uint8 e4m3) and scale, in place; returns the new scale.
+    floor: a positive x never becomes code 0 (the smallest subnormal instead)."""
+    amax = x.abs().amax(dim=-1)  # [n]
+    new_scale = torch.where(amax > 0, amax * _INV_E4M3_MAX, 1.0)
+    inv = torch.where(amax > 0, fp8_max(E4M3) / amax, 1.0)
+    q = encode(x * inv[:, None], E4M3)
+    if floor:
+        q = torch.where((x > 0) & (q == 0), 1, q).to(torch.uint8)
+    codes.copy_(q)
+    scale.copy_(new_scale)
+    return new_scale
+
+
+def _adam_step(p, g, m_codes, m_scale, v, v_codes, v_scale, h, decoupled: bool, v_fp8: bool):
+    """Adam(W) on one parameter; m in FP8; v in FP8 as sqrt(v) (v_fp8) or fp32 in `v`."""
+    lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = (h[i] for i in range(7))
+    pf = p.float()
+    gf = g.float()
+    if not decoupled:  # Adam's L2 penalty goes into the gradient (torch: grad.add(param, alpha=wd))
+        gf = gf + wd * pf
+    m = decode(m_codes, E4M3) * m_scale[:, None]
+    m = m.lerp(gf, 1 - beta1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
+    if v_fp8:
+        r_old = decode(v_codes, E4M3) * v_scale[:, None]  # stored sqrt(v)
+        vv = r_old * r_old * beta2 + (1 - beta2) * gf * gf
+    else:
+        vv = v * beta2 + (1 - beta2) * gf * gf
+    r = vv.sqrt()
+    m_new_scale = _requantize(m, m_codes, m_scale, floor=False)
+    if v_fp8:
+        r_new_scale = _requantize(r, v_codes, v_scale, floor=True)
+    else:
+        v.copy_(vv)
+    if decoupled:  # torch: param.mul_(1 - lr * wd)
+        pf = pf * (1 - lr * wd)
+    upd = step_size * m / (r / bc2_sqrt + eps)  # torch: addcdiv_(exp_avg, denom, -step_size)
+    # `+ 0 * scale`: makes the parameter write depend on the per-block absmax, so inductor fuses
+    # it into the same loop as the code writes (one pass) instead of a third pass over p through
+    # a full-size temporary (measured 3.8x -> 2.3x fused AdamW; BENCHMARKS.md)
+    tie = 0.0 * m_new_scale[:, None]
+    if v_fp8:
+        tie = tie + 0.0 * r_new_scale[:, None]
+    p.copy_(pf - upd + tie)
+
+
+def _sgd_step(p, g, b_codes, b_scale, h, nesterov: bool):
+    """SGD with momentum on one parameter, buffer in FP8. h = lr, momentum, dampening, wd, first."""
+    lr, momentum, dampening, wd, first = (h[i] for i in range(5))
+    pf = p.float()
+    d_p = g.float() + wd * pf
+    buf = decode(b_codes, E4M3) * b_scale[:, None]
+    # torch: first step buf = clone(d_p); later buf.mul_(momentum).add_(d_p, alpha=1 - dampening)
+    buf = torch.where(first > 0, d_p, buf * momentum + (1 - dampening) * d_p)
+    new_scale = _requantize(buf, b_codes, b_scale, floor=False)
+    d = d_p + momentum * buf if nesterov else buf
+    p.copy_(pf - lr * d + 0.0 * new_scale[:, None])  # `+ 0 * scale`: see _adam_step
+
+
+def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP8Tensor:
+    """fp32 second moment v -> FP8Tensor of sqrt(v), positive values never flushed to zero."""
+    r = v.detach().float().clamp(min=0).sqrt()
+    blocks = r.reshape(-1, block_size)
+    scale = block_scale(blocks, E4M3)
+    codes = encode(blocks / scale[:, None], E4M3)
+    codes = torch.where((blocks > 0) & (codes == 0), 1, codes).to(torch.uint8)
+    return FP8Tensor(codes.view(E4M3).view(v.shape), scale, block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class FP8Optim(torch.optim.Optimizer):
+    """Takes over the step of a torch AdamW/Adam/SGD and keeps its moments in FP8.
+
+    Args:
+        optimizer: a constructed torch.optim.AdamW, Adam or SGD (its param_groups are shared).
+        opt_level: 0 fp32 moments; 1 first moment FP8; 2 both moments FP8 (SGD: 1 and 2 agree).
+        block_size: elements per scale (256: see tensor.py for the bytes/param arithmetic).
+        min_numel: parameters with fewer elements keep fp32 state.
+        compile: torch.compile the per-parameter step (falls back to eager, logged once).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, opt_level: int = 2, *,
+                 block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL,
+                 compile: bool = True) -> None:
+        kind = type(optimizer)
+        if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+            raise TypeError(
+                f"FP8Optim wraps {SUPPORTED} (exactly these classes); got {kind.__module__}."
+                f"{kind.__qualname__}. Construct one of those and pass it in."
+            )
+        if opt_level not in (0, 1, 2):
+            raise ValueError(f"opt_level must be 0 (fp32 moments), 1 (first moment FP8) or 2 "
+                             f"(both moments FP8); got {opt_level!r}")
+        if block_size <= 0 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
+        # Optimizer.__init__ installs the hook dicts and step profiling; then share the objects
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.optimizer = optimizer
+        self.opt_level = opt_level
+        self.block_size = block_size
+        self.min_numel = max(min_numel, block_size)
+        self.is_sgd = kind is torch.optim.SGD
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._compile = compile
+        self._compiled: dict[str, Any] = {}
+        self._summary_logged = False
+        self._check_groups()
+
+    # ---- configuration checks ----------------------------------------------------------------
+
+    def _check_groups(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            bad = [k for k in ("amsgrad", "maximize", "capturable", "differentiable")
+                   if group.get(k, False)]
+            if bad:
+                raise ValueError(
+                    f"FP8Optim does not support {', '.join(f'{k}=True' for k in bad)} (param group "
+                    f"{i}). Supported: {SUPPORTED} with lr/betas/eps/weight_decay (Adam, AdamW), "
+                    "momentum/dampening/nesterov/weight_decay (SGD), foreach/fused as you like. "
+                    "Turn the option off or use the plain torch optimizer."
+                )
+            for p in group["params"]:
+                if p.is_complex():
+                    raise ValueError(f"FP8Optim supports real parameters only; param group {i} has a "
+                                     f"complex {tuple(p.shape)} tensor. Use the plain torch optimizer.")
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"FP8Optim does not support sparse gradients (param group {i}, "
+                                     f"shape {tuple(p.shape)}); use dense gradients.")
+
+    def _fp8_reason(self, p: torch.Tensor) -> str | None:
+        """None if p's state goes FP8 at this level, else why it stays fp32."""
+        if self.opt_level == 0:
+            return "opt_level 0"
+        if p.numel() < self.min_numel:
+            return f"numel < {self.min_numel}"
+        if p.numel() % self.block_size:
+            return f"numel % {self.block_size} != 0"
+        if not p.is_contiguous():
+            return "not contiguous"
+        if not p.is_floating_point():
+            return "not floating point"
+        return None
+
+    def _uses_fp8(self, p: torch.Tensor, group: dict) -> bool:
+        if self.is_sgd and group["momentum"] == 0:
+            return False  # plain SGD has no state to store
+        return self._fp8_reason(p) is None
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_groups()
+        if not self._summary_logged:
+            self._summary_logged = True
+            logger.info("%s", self.summary())
+        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for group in self.param_groups:
+            h_group = None
+            for p in group["params"]:
+                if p.grad is None or not self._uses_fp8(p, group):
+                    continue
+                if self.is_sgd:
+                    self._sgd_param(p, group)
+                else:
+                    if h_group is None:
+                        h_group = self._adam_group_scalars(group)
+                    self._adam_param(p, group, h_group)
+                hidden.append((p, p.grad))
+        # the fp32-state parameters: the wrapped optimizer steps them, with the FP8 ones hidden
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        return loss
+
+    def _run(self, name: str, fn, *args, **flags) -> None:
+        key = name + repr(sorted(flags.items()))
+        if self._compile:
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False)
+            try:
+                # one graph per parameter size; a model has few sizes, so lift dynamo's limit (8)
+                with torch._dynamo.utils.disable_cache_limit():
+                    compiled(*args, **flags)
+                return
+            except Exception as e:  # no C++ compiler, unsupported backend, ...
+                self._compile = False
+                warn_once("fp8optim-eager", f"FP8Optim: torch.compile of the step failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); running the step eagerly "
+                          "(correct, several times slower). Pass compile=False to skip the attempt.")
+        fn(*args, **flags)
+
+    def _adam_group_scalars(self, group: dict) -> tuple[float, ...]:
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return float(group["lr"]), beta1, beta2, float(group["eps"]), float(group["weight_decay"])
+
+    def _adam_param(self, p: torch.Tensor, group: dict, scalars: tuple[float, ...]) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            self._init_adam_state(p, state)
+        lr, beta1, beta2, eps, wd = scalars
+        state["step"] += 1
+        step = float(state["step"])
+        # as torch's single-tensor Adam: bias corrections in float64 on the host
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+        h = torch.tensor([lr, beta1, beta2, eps, wd, lr / bias_correction1, bias_correction2_sqrt],
+                         dtype=torch.float32, device=p.device)
+        B = self.block_size
+        m = state["exp_avg"]
+        v_fp8 = "exp_avg_sq_sqrt" in state
+        vq = state["exp_avg_sq_sqrt"] if v_fp8 else None
+        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
+        self._run(
+            "adam", _adam_step, p.view(-1, B), p.grad.reshape(-1, B),
+            m.codes.view(torch.uint8).view(-1, B), m.scale,
+            None if v_fp8 else state["exp_avg_sq"].view(-1, B),
+            vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None,
+            vq.scale if v_fp8 else None, h, decoupled=decoupled, v_fp8=v_fp8,
+        )
+
+    def _sgd_param(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        first = state.get("momentum_buffer") is None
+        if first:
+            state["momentum_buffer"] = FP8Tensor.zeros(p.shape, dtype=E4M3, block_size=self.block_size,
+                                                       device=p.device)
+        buf = state["momentum_buffer"]
+        h = torch.tensor([float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
+                          float(group["weight_decay"]), 1.0 if first else 0.0],
+                         dtype=torch.float32, device=p.device)
+        B = self.block_size
+        self._run("sgd", _sgd_step, p.view(-1, B), p.grad.reshape(-1, B),
+                  buf.codes.view(torch.uint8).view(-1, B), buf.scale, h, nesterov=bool(group["nesterov"]))
+
+    def _init_adam_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch (non-capturable): host float32
+        state["exp_avg"] = FP8Tensor.zeros(p.shape, dtype=E4M3, block_size=self.block_size, device=p.device)
+        if self.opt_level >= 2:
+            state["exp_avg_sq_sqrt"] = FP8Tensor.zeros(p.shape, dtype=E4M3, block_size=self.block_size,
+                                                       device=p.device)
+        else:
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+    # ---- state conversion (loading across levels, from plain torch state) ---------------------
+
+    def _as_fp8(self, x: torch.Tensor) -> FP8Tensor:
+        if isinstance(x, FP8Tensor) and x.block_size == self.block_size and x.fp8_dtype == E4M3:
+            return x
+        x = x.dequantize() if isinstance(x, FP8Tensor) else x
+        return FP8Tensor.from_float(x.float(), dtype=E4M3, block_size=self.block_size)
+
+    @staticmethod
+    def _as_fp32(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        x = x.dequantize() if isinstance(x, FP8Tensor) else x
+        return x.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
+
+    def _convert_state(self) -> None:
+        """Bring every parameter's state to the representation this level uses."""
+        for group in self.param_groups:
+            fp8 = [self._uses_fp8(p, group) for p in group["params"]]
+            for p, want_fp8 in zip(group["params"], fp8):
+                state = self.state.get(p)
+                if not state:
+                    continue
+                if self.is_sgd:
+                    buf = state.get("momentum_buffer")
+                    if buf is not None:
+                        state["momentum_buffer"] = self._as_fp8(buf.to(p.device)) if want_fp8 else self._as_fp32(buf, p)
+                    continue
+                state["exp_avg"] = self._as_fp8(state["exp_avg"].to(p.device)) if want_fp8 \
+                    else self._as_fp32(state["exp_avg"], p)
+                if "exp_avg_sq_sqrt" in state:
+                    r = state.pop("exp_avg_sq_sqrt")
+                    r = (r.dequantize() if isinstance(r, FP8Tensor) else r).to(p.device).float()
+                    v = r * r
+                else:
+                    v = state.pop("exp_avg_sq")
+                    v = (v.dequantize() if isinstance(v, FP8Tensor) else v).to(p.device).float()
+                if want_fp8 and self.opt_level >= 2:
+                    state["exp_avg_sq_sqrt"] = quantize_sqrt_v(v, self.block_size)
+                else:
+                    state["exp_avg_sq"] = self._as_fp32(v, p)
+                if not torch.is_tensor(state.get("step")):
+                    state["step"] = torch.tensor(float(state.get("step", 0)), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of FP8Optim (any level) or of the plain wrapped optimizer.
+
+        The wrapped optimizer does the loading (param id mapping, group hyperparameters, device);
+        then each state is converted to what this level stores (FP8 <-> fp32, v <-> sqrt(v)).
+        """
+        self.optimizer.load_state_dict(state_dict)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        self._convert_state()
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not hasattr(self, "optimizer"):  # called by Optimizer.__init__ on the shared groups
+            return super().add_param_group(param_group)
+        self.optimizer.add_param_group(param_group)
+        self._summary_logged = False
+
+    # ---- reporting ----------------------------------------------------------------------------
+
+    def _state_tensors(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                for key, value in self.state.get(p, {}).items():
+                    if key != "step" and torch.is_tensor(value):
+                        yield p, value
+
+    def state_bytes(self) -> int:
+        """Bytes of moment state held now (FP8 codes + scales, or fp32), steps excluded."""
+        total = 0
+        for _, value in self._state_tensors():
+            total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.numel() * value.element_size()
+        return total
+
+    def state_bytes_per_param(self) -> float:
+        """state_bytes() / number of parameters that have state (0 before the first step)."""
+        n = sum(p.numel() for g in self.param_groups for p in g["params"] if self.state.get(p))
+        return self.state_bytes() / n if n else 0.0
+
+    def summary(self) -> str:
+        kind = type(self.optimizer).__name__
+        n_fp8 = b_fp8 = 0
+        kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # reason -> [tensors, params]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self._uses_fp8(p, group):
+                    n_fp8 += 1
+                    b_fp8 += p.numel()
+                else:
+                    reason = "SGD without momentum (no state)" if self.is_sgd and group["momentum"] == 0 \
+                        else self._fp8_reason(p)
+                    kept[reason][0] += 1
+                    kept[reason][1] += p.numel()
+        moments = 1 if self.is_sgd else 2
+        fp8_moments = min(self.opt_level, moments)
+        per_param = fp8_moments * (1 + 4 / self.block_size) + (moments - fp8_moments) * 4
+        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={self.block_size}): "
+                 f"{n_fp8} tensors / {b_fp8:,} params with FP8 state "
+                 f"({per_param:.3f} bytes/param of moments)"]
+        for reason, (n, numel) in kept.items():
+            lines.append(f"  fp32 state: {n} tensors / {numel:,} params "
+                         f"({format_bytes(numel * 4 * moments)}): {reason}")
+        return "\n".join(lines)

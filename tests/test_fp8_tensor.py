@@ -1,0 +1,157 @@
+"""FP8Tensor (nanochat.fp8.tensor) against torch's own float8 casts and against its dequantized value.
+
+- encode/decode are bit-identical to `tensor.to(float8_*)` / `codes.float()` for every code and
+  for random values including exact ties (round-to-nearest-even).
+- Blockwise quantization error per element, for values in the format's normal range after
+  scaling, is at most half an ulp: relative 2^-4 for e4m3 (3 mantissa bits), 2^-3 for e5m2 (2).
+- Every op handler gives what the same op on `dequantize()` gives (slice, view, copy_, to, ...);
+  an op outside the table raises NotImplementedError naming the op.
+- torch.compile traces a function taking an FP8Tensor (flatten/unflatten), equal to eager.
+- torch.save / torch.load(weights_only=True) round-trips codes and scales bit-exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from nanochat.fp8.tensor import FP8Tensor, decode, encode, implements
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _finite_codes(dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(dtype).float()
+    ok = torch.isfinite(values)
+    return codes[ok], values[ok]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_decode_is_torch_cast_for_every_code(dtype):
+    codes, values = _finite_codes(dtype)
+    assert torch.equal(decode(codes, dtype), values)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_encode_is_torch_cast_including_ties_and_subnormals(dtype):
+    torch.manual_seed(0)
+    fmax = torch.finfo(dtype).max
+    _, values = _finite_codes(dtype)
+    values = values.sort().values
+    y = torch.cat([
+        torch.randn(20000) * s for s in (1e-5, 1e-3, 0.1, 1.0, 30.0, fmax / 4)
+    ] + [values, (values[1:] + values[:-1]) / 2])  # every code and every midpoint (ties)
+    y = y.clamp(-fmax, fmax)
+    assert torch.equal(encode(y, dtype), y.to(dtype).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,bound,min_normal", [(E4M3, 2.0**-4, 2.0**-6), (E5M2, 2.0**-3, 2.0**-14)])
+def test_blockwise_error_within_format_bound(dtype, bound, min_normal):
+    torch.manual_seed(0)
+    # 32 blocks whose magnitudes span 1e-6..1e3 across blocks and 4 decades within each block
+    x = torch.randn(32, 256) * torch.logspace(-6, 3, 32)[:, None] * torch.logspace(-2, 2, 256)[None, :]
+    q = FP8Tensor.from_float(x, dtype=dtype, block_size=256)
+    scaled = x.abs() / q.scale[:, None]
+    normal = scaled >= min_normal
+    rel = ((q.dequantize() - x).abs() / x.abs())[normal]
+    assert normal.float().mean() > 0.5
+    assert rel.max().item() <= bound * (1 + 1e-6)
+    # the block's largest element is exact (it lands on the largest code)
+    idx = x.abs().argmax(dim=1)
+    assert torch.allclose(q.dequantize().gather(1, idx[:, None]), x.gather(1, idx[:, None]), rtol=1e-6)
+
+
+def test_zeros_and_appearance():
+    z = FP8Tensor.zeros((4, 512), dtype=E5M2, block_size=128)
+    assert z.shape == (4, 512) and z.dtype == torch.float32 and z.fp8_dtype == E5M2
+    assert z.scale.shape == (16,) and torch.equal(z.dequantize(), torch.zeros(4, 512))
+    assert z.nbytes_stored() == 4 * 512 + 16 * 4
+    with pytest.raises(ValueError, match="divisible by block_size"):
+        FP8Tensor.zeros((3, 100))
+
+
+@pytest.fixture
+def q():
+    torch.manual_seed(0)
+    return FP8Tensor.from_float(torch.randn(8, 64) * 3, block_size=128)
+
+
+def test_detach_clone_deepcopy(q):
+    for other in (q.detach(), q.clone(), copy.deepcopy(q)):
+        assert isinstance(other, FP8Tensor)
+        assert torch.equal(other.dequantize(), q.dequantize())
+    c = q.clone()
+    c.codes.zero_()
+    assert not torch.equal(c.dequantize(), q.dequantize())  # clone owns its storage
+
+
+def test_copy_between_formats_and_plain_tensors(q):
+    same = FP8Tensor.zeros(q.shape, block_size=128)
+    same.copy_(q)
+    assert torch.equal(same.dequantize(), q.dequantize())
+    x = torch.randn(8, 64)
+    into = FP8Tensor.zeros(q.shape, dtype=E5M2, block_size=128)
+    into.copy_(x)  # quantizes into the destination's format
+    assert torch.equal(into.dequantize(), FP8Tensor.from_float(x, dtype=E5M2, block_size=128).dequantize())
+    plain = torch.empty(8, 64)
+    plain.copy_(q)
+    assert torch.equal(plain, q.dequantize())
+
+
+def test_to_device_and_dtype(q):
+    m = q.to("meta")
+    assert isinstance(m, FP8Tensor) and m.device.type == "meta" and m.codes.device.type == "meta"
+    assert q.to(torch.float32) is q
+    b = q.to(torch.bfloat16)
+    assert type(b) is torch.Tensor and torch.equal(b, q.dequantize().bfloat16())
+    e = torch.empty_like(q, device="meta")
+    assert isinstance(e, FP8Tensor) and e.device.type == "meta"
+    assert q.is_pinned() is False
+
+
+def test_slice_and_view_equal_dequantize_then_op(q):
+    assert torch.equal(q[2:6].dequantize(), q.dequantize()[2:6])  # 2 rows of 64 = one block of 128
+    assert torch.equal(q.narrow(0, 4, 4).dequantize(), q.dequantize()[4:8])
+    assert torch.equal(q.view(4, 128).dequantize(), q.dequantize().view(4, 128))
+    with pytest.raises(ValueError, match="block boundaries"):
+        q[1:3]
+
+
+def test_unsupported_op_names_it(q):
+    with pytest.raises(NotImplementedError, match=r"aten\.add\.Tensor"):
+        q + 1
+    with pytest.raises(NotImplementedError, match=r"aten\.mul\.Tensor"):
+        q * q
+
+
+def test_implements_refuses_double_registration():
+    with pytest.raises(RuntimeError, match="already implemented"):
+        implements([torch.ops.aten.detach.default])(lambda *a: None)
+
+
+def test_compile_traces_subclass(q):
+    fn = lambda t, y: t.dequantize() * y + 1  # noqa: E731
+    y = torch.randn(8, 64)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(q, y), fn(q, y))
+    # flatten/unflatten round trip is what the compiler relies on
+    names, ctx = q.__tensor_flatten__()
+    back = FP8Tensor.__tensor_unflatten__({n: getattr(q, n) for n in names}, ctx, q.shape, q.stride())
+    assert torch.equal(back.dequantize(), q.dequantize())
+
+
+def test_save_load_weights_only_bit_exact(q):
+    buf = io.BytesIO()
+    torch.save({"m": q}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)["m"]
+    assert isinstance(loaded, FP8Tensor) and loaded.block_size == 128 and loaded.fp8_dtype == E4M3
+    assert torch.equal(loaded.codes.view(torch.uint8), q.codes.view(torch.uint8))
+    assert torch.equal(loaded.scale, q.scale)
+    buf.seek(0)
+    on_meta = torch.load(buf, weights_only=True, map_location="meta")["m"]
+    assert on_meta.device.type == "meta" and on_meta.codes.device.type == "meta"

@@ -1,0 +1,382 @@
+"""Tests of nanochat.hf: Hugging Face checkpoints in and out, checked against `transformers`.
+
+- Loading: tiny random Llama (plain, llama3 rope scaling, linear rope scaling, attention_bias),
+  Mistral (GQA, explicit head_dim, an active sliding window), Qwen2 (q/k/v bias, tied
+  embeddings) are written with `save_pretrained` and loaded by us; our logits must equal
+  transformers' in fp32 within atol 1e-5, rtol 1e-5 (measured: bit-identical, 0.0 difference,
+  on this CPU; the budget allows for a different reduction order elsewhere). A sharded
+  checkpoint (index.json) loads to the same weights; bf16 loading keeps fp32 rotary tables.
+- Export: our export of a loaded model, reloaded by transformers' AutoModelForCausalLM, gives
+  the same logits (same tolerance); AutoTokenizer reads the exported tokenizer and encodes the
+  same ids; exporting a nanochat preset is an error naming what does not map.
+- Tokenizer: encode against transformers' tokenizer (identical ids, no special tokens added,
+  special-token text not parsed unless allow_special), chat rendering against
+  `apply_chat_template` (identical text), token_bytes against the UTF-8 length of the text.
+- Resolution: presets, local dirs, hub ids in a fake cache (env var pointing at a tmp dir;
+  refs/main preferred over a newer snapshot); a missing model is a FileNotFoundError that lists
+  the searched paths and the download command, with HF_HUB_OFFLINE=1 and socket.connect
+  patched to fail, so any network attempt would fail the test.
+- Unsupported architectures and options are errors that name them.
+- FP8 (nanochat.fp8.convert, emulated): a loaded model converts (the SwiGLU Linears, not
+  lm_head), its FP8 forward stays close to transformers' (SQNR > 10 dB; measured 13.6 dB with
+  the deliberately large test weights) and its export carries the untouched fp32 weights.
+- scripts/export_hf.py on a run checkpoint (with torch.compile key prefixes) reloads in
+  transformers with our logits (TOL).
+"""
+
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from nanochat.gpt import GPT, preset_config  # noqa: E402
+from nanochat.hf import (  # noqa: E402
+    HFTokenizer,
+    export_hf,
+    gpt_config_from_hf,
+    load_hf_model,
+    resolve_model,
+)
+
+VOCAB = 320
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+TOL = dict(rtol=1e-5, atol=1e-5)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXTS = ["hello world, this is a tiny corpus for a tiny tokenizer.", "def f(x):\n    return x * 2\n",
+         "naïve café 日本語 ünïcödé"] * 20
+
+
+def _byte_level_tokenizer():
+    """A GPT-2/Llama-3-style byte-level BPE, trained on a few lines (vocab <= VOCAB)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
+                                  special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS, trainer)
+    return tok
+
+
+def _sentencepiece_style_tokenizer():
+    """A Llama-2/Mistral-style BPE: U+2581 for spaces, <0xNN> byte-fallback tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=40, show_progress=False, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(TEXTS[:2], trainer)  # ASCII only: the rest must fall back to bytes
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    spec["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.normalizer = normalizers.Sequence([])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def _save_tokenizer(tok, directory, **special):
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special)
+    fast.chat_template = CHATML
+    fast.save_pretrained(directory)
+
+
+MODELS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        rope_theta=500000.0, rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                               high_freq_factor=4.0, original_max_position_embeddings=16))),
+    "llama_linear_rope_bias": ("LlamaConfig", "LlamaForCausalLM", dict(
+        attention_bias=True, rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, head_dim=24)),
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+}
+
+
+def _save_model(kind: str, directory, **extra):
+    config_cls, model_cls, kw = MODELS[kind]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**COMMON, **{**kw, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # larger than HF's init (std 0.02), so attention is far from uniform
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
+    model.save_pretrained(directory)
+    if kind.startswith("qwen2"):
+        _save_tokenizer(_byte_level_tokenizer(), directory, eos_token="<|im_end|>")
+    elif kind == "mistral":
+        _save_tokenizer(_sentencepiece_style_tokenizer(), directory, bos_token="<s>", eos_token="</s>")
+    else:
+        _save_tokenizer(_byte_level_tokenizer(), directory, bos_token="<s>", eos_token="</s>")
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """kind -> (directory, the transformers model)."""
+    out = {}
+    for kind in MODELS:
+        d = tmp_path_factory.mktemp(kind)
+        out[kind] = (d, _save_model(kind, d))
+    return out
+
+
+def _ids(seed=0, n=40):
+    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_loaded_logits_match_transformers(saved, kind):
+    directory, ref = saved[kind]
+    model, tok = load_hf_model(directory)
+    assert isinstance(model, GPT) and isinstance(tok, HFTokenizer)
+    idx = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), ref(idx).logits, **TOL)
+    if kind == "qwen2_tied":
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert model.transformer.h[0].attn.c_q.bias is not None and model.transformer.h[0].attn.c_proj.bias is None
+    if kind == "llama3_rope":
+        assert model.config.rope_scaling == "llama3"
+
+
+def test_sharded_checkpoint_and_bf16(saved, tmp_path):
+    directory, ref = saved["llama"]
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(directory / f, tmp_path / f)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model, _ = load_hf_model(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()), ref(_ids()).logits, **TOL)
+    bf16, _ = load_hf_model(directory, dtype=torch.bfloat16, seq_len=32)
+    assert bf16.transformer.wte.weight.dtype == torch.bfloat16 and bf16.cos.dtype == torch.float32
+    assert bf16.config.seq_len == 32 and bf16.cos.shape[0] == 32
+
+
+def test_active_sliding_window_caps_context(tmp_path):
+    ref = _save_model("mistral", tmp_path, sliding_window=16)
+    model, _ = load_hf_model(tmp_path)
+    assert model.config.seq_len == 16  # the window, not max_position_embeddings=64
+    idx = _ids(n=16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), ref(idx).logits, **TOL)
+    with pytest.raises(ValueError, match="sliding_window 16"):
+        load_hf_model(tmp_path, seq_len=32)
+
+
+@pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_tied", "llama_linear_rope_bias"])
+def test_export_reloads_in_transformers(saved, tmp_path, kind):
+    directory, ref = saved[kind]
+    model, tok = load_hf_model(directory)
+    with torch.no_grad():
+        for p in model.parameters():  # a "fine-tuned" model: the export must carry our weights
+            p.add_(0.01 * torch.randn_like(p))
+    export_hf(model, tok, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert type(reloaded).__name__ == type(ref).__name__
+    idx = _ids(1)
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(idx).logits, model(idx), **TOL)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "hello café world"
+    assert hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
+
+
+def test_export_of_preset_names_what_does_not_map(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(preset_config("d2", vocab_size=300, seq_len=16))
+    with pytest.raises(ValueError, match=r"mlp='relu2'.*softcap.*qk_norm"):
+        export_hf(model, None, tmp_path)
+
+
+def test_fp8_converted_model_exports_plain_weights(saved, tmp_path):
+    fp8 = pytest.importorskip("nanochat.fp8")
+    directory, ref = saved["llama"]
+    model, tok = load_hf_model(directory)
+    report = fp8.convert(model, fp8.FP8Config(emulate=True, min_dim=16))
+    converted = [n for n, m in model.named_modules() if isinstance(m, fp8.FP8Linear)]
+    assert "transformer.h.0.mlp.c_gate" in converted and "lm_head" not in converted, report
+    with torch.no_grad():  # FP8 forward: close to transformers (SQNR measured 13.6 dB with these
+        out, ref_out = model(_ids()), ref(_ids()).logits  # deliberately large random weights)
+    sqnr_db = 10 * torch.log10(ref_out.pow(2).mean() / (out - ref_out).pow(2).mean())
+    assert sqnr_db > 10, sqnr_db
+    export_hf(model, tok, tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():  # the weights are the untouched master weights: exact high-precision match
+        torch.testing.assert_close(reloaded(_ids()).logits, ref(_ids()).logits, **TOL)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_matches_transformers(saved):
+    directory, _ = saved["qwen2_tied"]
+    ours = HFTokenizer.load(directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    text = "naïve café 日本語, hello world!\n  def f(x): return 2"
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == text
+    assert ours.encode_batch([text, "hi"]) == [ids, ours.encode("hi")]
+    assert ours.bos_id == ours.eos_id == theirs.convert_tokens_to_ids("<|im_end|>")  # Qwen2: no BOS
+    assert ours.encode("x", prepend_bos=True)[0] == ours.bos_id
+    im_start = theirs.convert_tokens_to_ids("<|im_start|>")
+    assert im_start not in ours.encode("<|im_start|>")            # documents cannot inject specials
+    assert ours.encode("<|im_start|>", allow_special=True) == [im_start]
+    tb = ours.token_bytes()
+    assert tb.shape == (ours.vocab_size,) and tb[im_start] == 0
+    assert int(tb[ids].sum()) == len(text.encode("utf-8"))
+
+
+def test_sentencepiece_style_token_bytes(saved):
+    directory = saved["mistral"][0]
+    ours = HFTokenizer.load(directory)
+    raw = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    text = "hello world 日本"
+    ids = ours.encode(text)
+    assert sum(raw.id_to_token(i).startswith("<0x") for i in ids) == 6  # 日本: 6 UTF-8 bytes, no merges
+    # the Metaspace pre-tokenizer adds one leading "\u2581" (a space) that the decoder strips
+    assert int(ours.token_bytes()[ids].sum()) == len(text.encode("utf-8")) + 1
+    assert ours.decode(ids) == text
+    assert ours.bos_id == 1
+
+
+def test_chat_template_matches_transformers(saved):
+    directory, _ = saved["llama"]
+    ours = HFTokenizer.load(directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "bye"}]
+    for gen in (False, True):
+        text = ours.render_chat(messages, add_generation_prompt=gen)
+        assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+    text = ours.render_chat(messages, add_generation_prompt=True)
+    assert ours.encode(text, allow_special=True) == theirs.encode(text, add_special_tokens=False)
+
+
+def test_tokenizer_save_load_roundtrip(saved, tmp_path):
+    ours = HFTokenizer.load(saved["llama"][0])
+    again = HFTokenizer.load(ours.save(tmp_path))
+    assert again.fingerprint == ours.fingerprint and again.chat_template == ours.chat_template
+
+
+# ----------------------------------------------------------------------------- resolution
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def fake_cache(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return cache
+
+
+def test_resolve_preset_and_directory(saved):
+    assert resolve_model("d4").kind == "preset" and resolve_model("d4").path is None
+    directory = saved["llama"][0]
+    r = resolve_model(str(directory))
+    assert (r.kind, r.path) == ("hf", directory)
+
+
+def test_resolve_hub_id_from_cache(saved, fake_cache, no_network):
+    repo = fake_cache / "models--tiny-org--tiny-llama"
+    main = repo / "snapshots" / "1111aaaa"
+    newer = repo / "snapshots" / "2222bbbb"
+    shutil.copytree(saved["llama"][0], main)
+    shutil.copytree(saved["llama"][0], newer)
+    os.utime(newer, (2e9, 2e9))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1111aaaa")
+    assert resolve_model("tiny-org/tiny-llama").path == main  # refs/main wins over a newer snapshot
+    (repo / "refs" / "main").unlink()
+    r = resolve_model("tiny-org/tiny-llama")
+    assert r.path == newer and r.kind == "hf"  # no ref: the latest snapshot
+    model, _ = load_hf_model(r.path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_ids()), saved["llama"][1](_ids()).logits, **TOL)
+
+
+def test_missing_model_errors_without_network(fake_cache, no_network):
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model("meta-llama/Llama-3.2-1B")
+    msg = str(e.value)
+    assert str(fake_cache / "models--meta-llama--Llama-3.2-1B") in msg
+    assert "huggingface-cli download meta-llama/Llama-3.2-1B" in msg and "d4" in msg
+
+
+def test_directory_without_config_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        resolve_model(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- unsupported
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
+    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope_type='yarn'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(mlp_bias=True), "mlp_bias"),
+])
+def test_unsupported_options_are_named(change, match):
+    hf = dict(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=64)
+    hf.update(change)
+    with pytest.raises(ValueError, match=match):
+        gpt_config_from_hf(hf)
+
+
+# ----------------------------------------------------------------------------- export script
+
+
+def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
+    """A run's checkpoint (compiled-model key prefixes included) -> scripts/export_hf.py ->
+    transformers reproduces the checkpoint's weights (logits within TOL of our model)."""
+    import runpy
+
+    from nanochat.checkpoint import save_checkpoint
+    from nanochat.hf import model_from_state_dict
+
+    directory, _ = saved["qwen2_tied"]
+    model, tok = load_hf_model(directory)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    run_dir = tmp_path / "run"
+    save_checkpoint(run_dir, {"model": {f"_orig_mod.{k}": v for k, v in model.state_dict().items()},
+                              "config": {"model_name": str(directory)}})
+    tok.save(run_dir / "tokenizer")
+    monkeypatch.setattr("sys.argv", ["export_hf.py", "--run_dir", str(run_dir), "--out_dir", str(tmp_path / "out")])
+    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)
+    with pytest.raises(ValueError, match="'d4' is a nanochat preset"):
+        model_from_state_dict("d4", {})
