@@ -8,30 +8,10 @@ always plain fp32, FP8 training or not. Only Llama-family models (loaded from a 
 checkpoint, then trained) can be exported; see nanochat/hf.py for why presets cannot.
 """
 
-from dataclasses import dataclass
-
 from nanochat.checkpoint import load_checkpoint
 from nanochat.common import print0, setup_logging
-from nanochat.config import parse_cli
+from nanochat.config import ExportConfig, parse_cli
 from nanochat.hf import export_hf, load_hf_model, model_from_state_dict, resolve_model
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportConfig:
-    """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
-
-    out_dir: str
-    """Directory to write config.json, model.safetensors and the tokenizer files to."""
-
-    run_dir: str | None = None
-    """A training run directory (its checkpoint.pt and tokenizer/) to export."""
-
-    model_name: str | None = None
-    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, exported as loaded."""
-
-    def __post_init__(self) -> None:
-        if (self.run_dir is None) == (self.model_name is None):
-            raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
 
 
 def main() -> None:

@@ -380,3 +380,24 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)
     with pytest.raises(ValueError, match="'d4' is a nanochat preset"):
         model_from_state_dict("d4", {})
+
+
+def test_trainer_fine_tunes_a_local_hf_model_with_fp8(saved, small_corpus, tmp_path):
+    """`--model_name <local HF dir> --fp8 --fp8_mode e5m2` trains through NanoChatTrainer: the
+    checkpoint's tokenizer is used, the reported conversion names the converted layers, and
+    the loss after a few steps is below the first step's (reference: the same run's step 1)."""
+    import json
+
+    from nanochat.trainer import NanoChatTrainer
+    from tests.conftest import tiny_train_kwargs
+
+    directory, _ = saved["llama"]
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "ft", model_name=str(directory), num_iterations=6,
+                           lr=3e-3, fp8=True, fp8_emulate=True, fp8_mode="e5m2", fp8_min_dim=16)
+    result = NanoChatTrainer(**kw).train()
+    assert result.fp8_backend == "emulated"
+    assert "model.layers.0.mlp.down_proj" not in result.fp8_converted  # our names, not HF's
+    assert "transformer.h.0.mlp.c_fc" in result.fp8_converted and "lm_head" in result.fp8_skipped
+    losses = [json.loads(l)["loss"] for l in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
+    assert HFTokenizer.load(tmp_path / "ft" / "tokenizer").fingerprint == HFTokenizer.load(directory).fingerprint

@@ -237,6 +237,24 @@ class TokTrainConfig(FP8Flags):
         _positive(self, "max_chars")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
+
+    out_dir: str
+    """Directory to write config.json, model.safetensors and the tokenizer files to."""
+
+    run_dir: str | None = None
+    """A training run directory (its checkpoint.pt and tokenizer/) to export."""
+
+    model_name: str | None = None
+    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, exported as loaded."""
+
+    def __post_init__(self) -> None:
+        if (self.run_dir is None) == (self.model_name is None):
+            raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
+
+
 def _positive(cfg, *names: str) -> None:
     for n in names:
         if getattr(cfg, n) <= 0:

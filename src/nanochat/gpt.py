@@ -203,7 +203,10 @@ def rotary_inv_freq(config: GPTConfig) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate channel i with channel i + head_dim/2 (the "rotate half", non-interleaved layout
-    that Hugging Face Llama uses). x: (B, H, T, D); cos, sin: (T, D), each half repeated."""
+    that Hugging Face Llama uses). x: (B, H, T, D); cos, sin: (T, D), each half repeated.
+
+    karpathy/nanochat rotates the opposite way (sin negated). Either direction encodes relative
+    position equally well; this one lets Llama-family checkpoints load without permuting q/k."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
@@ -265,6 +268,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    """The whole model; `GPT(config)` builds it, `init_weights()` (or `nanochat.hf`) fills it."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

@@ -50,6 +50,7 @@ from nanochat.common import (
 from nanochat.config import TrainConfig
 from nanochat.data import TokenBatches, get_or_train_tokenizer, load_corpus, tokenize_docs, val_batches
 from nanochat.gpt import GPT, preset_config
+from nanochat.hf import HFTokenizer, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
 
 # Fields that must match between a checkpoint and a --resume run: they change the model, the
@@ -142,9 +143,18 @@ class NanoChatTrainer:
         seed_everything(cfg.seed)
 
         # 1. Data and tokenizer: every data problem surfaces here, before any model exists.
+        #    A Hugging Face checkpoint brings its own tokenizer; a preset uses ours.
+        self.resolved = resolve_model(cfg.model_name)
         self.corpus = load_corpus(cfg.dataset_path)
         logger.info("corpus: %s", self.corpus.describe())
-        if cfg.tokenizer_dir:
+        if self.resolved.kind == "hf":
+            if cfg.tokenizer_dir:
+                raise ValueError(
+                    f"--tokenizer_dir cannot be combined with the Hugging Face model {cfg.model_name!r}: "
+                    "its own tokenizer (in the checkpoint directory) is the one its embeddings know"
+                )
+            self.tokenizer = HFTokenizer.load(self.resolved.path)
+        elif cfg.tokenizer_dir:
             self.tokenizer = Tokenizer.load(cfg.tokenizer_dir)
         else:
             self.tokenizer = get_or_train_tokenizer(
@@ -176,9 +186,13 @@ class NanoChatTrainer:
             self.total_steps = cfg.num_epochs * steps_per_epoch
 
         # 2. Model in fp32 master weights; FP8 conversion before compile.
-        model_config = preset_config(cfg.model_name, vocab_size=self.tokenizer.vocab_size, seq_len=cfg.seq_len)
-        self.model = GPT(model_config).to(self.device)
-        self.model.init_weights()
+        if self.resolved.kind == "hf":
+            # Built on the meta device and filled from memory-mapped safetensors: no 2x memory.
+            self.model, _ = load_hf_model(self.resolved.path, self.device, torch.float32, seq_len=cfg.seq_len)
+        else:
+            model_config = preset_config(cfg.model_name, vocab_size=self.tokenizer.vocab_size, seq_len=cfg.seq_len)
+            self.model = GPT(model_config).to(self.device)
+            self.model.init_weights()
         self.fp8_report = None
         if cfg.fp8:
             from nanochat.fp8 import FP8Config, convert
@@ -250,9 +264,11 @@ class NanoChatTrainer:
             for x, y in val_batches(self.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens):
                 x, y = x.to(self.device), y.to(self.device)
                 loss = self.model(x, y, reduction="none").view(-1).double()
-                nbytes = self.token_bytes[y.view(-1)]
+                y = y.view(-1)
+                scored = y >= 0  # -1: a position the loss mask excludes (instruction prompts)
+                nbytes = self.token_bytes[y.clamp(min=0)] * scored
                 counted = nbytes > 0  # special tokens (BOS) carry no bytes and are not scored
-                total_nats += (loss * counted).sum()
+                total_nats += torch.where(counted, loss, 0.0).sum()
                 total_tokens += counted.sum()
                 total_bytes += nbytes.sum()
         self.model.train(was_training)

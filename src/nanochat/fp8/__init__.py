@@ -16,6 +16,7 @@ optim.py (FP8Optim: Adam moments in FP8).
 This package imports torch, torchao and nanochat.common only: never the trainer or the model.
 """
 
+from .auto import AutoCalibration, apply_fp8_choices, fp8_choices, start_auto_calibration
 from .hardware import FP8Backend, detect, native_gemm_problem
 from .linear import (
     ConversionReport,
@@ -31,11 +32,14 @@ from .linear import (
     restore_fp8,
 )
 from .optim import FP8Optim
+from .stats import CastStats, FP8StatsSampler, collect_fp8_stats, first_nonfinite_layer, tensor_stats
 from .tensor import FP8Tensor
 
 __all__ = [
     "FP8Backend", "detect", "native_gemm_problem",
     "ConversionReport", "FP8Config", "FP8Linear", "LayerReport", "apply_fp8", "convert",
     "fp8_disabled", "fp8_layers", "fp8_report", "is_fp8_model", "restore_fp8",
+    "AutoCalibration", "apply_fp8_choices", "fp8_choices", "start_auto_calibration",
+    "CastStats", "FP8StatsSampler", "collect_fp8_stats", "first_nonfinite_layer", "tensor_stats",
     "FP8Optim", "FP8Tensor",
 ]

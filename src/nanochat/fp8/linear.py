@@ -87,7 +87,7 @@ HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 """`auto` before calibration: e4m3 forward operands, e5m2 gradients (torchao's tensorwise default)."""
 
 # Float8LinearConfig's six cast fields, by the role whose tensor each one casts.
-_CAST_FIELDS = {
+CAST_FIELDS = {
     "input": ("cast_config_input", "cast_config_input_for_grad_weight"),
     "weight": ("cast_config_weight", "cast_config_weight_for_grad_input"),
     "grad_output": ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
@@ -170,7 +170,7 @@ def with_dtypes(config: Float8LinearConfig, dtypes: dict[str, str]) -> Float8Lin
     that both casts of a role name the same dtype.
     """
     changes = {}
-    for role, fields in _CAST_FIELDS.items():
+    for role, fields in CAST_FIELDS.items():
         dtype = FP8_DTYPES[dtypes[role]]
         for name in fields:
             changes[name] = dataclasses.replace(getattr(config, name), target_dtype=dtype)
@@ -180,7 +180,7 @@ def with_dtypes(config: Float8LinearConfig, dtypes: dict[str, str]) -> Float8Lin
 def layer_dtypes(layer: Float8Linear) -> dict[str, str]:
     """role -> 'e4m3' / 'e5m2' as the layer's config casts it."""
     return {role: DTYPE_NAMES[getattr(layer.config, fields[0]).target_dtype]
-            for role, fields in _CAST_FIELDS.items()}
+            for role, fields in CAST_FIELDS.items()}
 
 
 def _check_autocast(name: str) -> None:
@@ -301,7 +301,7 @@ def _skip_reason(name: str, layer: nn.Linear, config: FP8Config) -> str | None:
 def _format_dtypes(dtypes: dict[str, str], config: Float8LinearConfig) -> str:
     text = ", ".join(f"{role} {dtypes[role]}" for role in ROLES)
     if any(getattr(config, f).scaling_type is ScalingType.DISABLED
-           for fields in _CAST_FIELDS.values() for f in fields):
+           for fields in CAST_FIELDS.values() for f in fields):
         text += " (grad_weight GEMM in high precision)"
     return text
 

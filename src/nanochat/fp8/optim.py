@@ -349,17 +349,23 @@ class FP8Optim(torch.optim.Optimizer):
                     continue
                 state["exp_avg"] = self._as_fp8(state["exp_avg"].to(p.device)) if want_fp8 \
                     else self._as_fp32(state["exp_avg"], p)
-                if "exp_avg_sq_sqrt" in state:
-                    r = state.pop("exp_avg_sq_sqrt")
-                    r = (r.dequantize() if isinstance(r, FP8Tensor) else r).to(p.device).float()
-                    v = r * r
+                want_sqrt = want_fp8 and self.opt_level >= 2
+                r = state.get("exp_avg_sq_sqrt")
+                if (want_sqrt and isinstance(r, FP8Tensor) and r.block_size == self.block_size
+                        and r.fp8_dtype == E4M3):
+                    state["exp_avg_sq_sqrt"] = r.to(p.device)  # already what we store: bit-exact
                 else:
-                    v = state.pop("exp_avg_sq")
-                    v = (v.dequantize() if isinstance(v, FP8Tensor) else v).to(p.device).float()
-                if want_fp8 and self.opt_level >= 2:
-                    state["exp_avg_sq_sqrt"] = quantize_sqrt_v(v, self.block_size)
-                else:
-                    state["exp_avg_sq"] = self._as_fp32(v, p)
+                    if r is not None:  # stored sqrt(v): v = r^2
+                        r = state.pop("exp_avg_sq_sqrt")
+                        r = (r.dequantize() if isinstance(r, FP8Tensor) else r).to(p.device).float()
+                        v = r * r
+                    else:
+                        v = state.pop("exp_avg_sq")
+                        v = (v.dequantize() if isinstance(v, FP8Tensor) else v).to(p.device).float()
+                    if want_sqrt:
+                        state["exp_avg_sq_sqrt"] = quantize_sqrt_v(v, self.block_size)
+                    else:
+                        state["exp_avg_sq"] = self._as_fp32(v, p)
                 if not torch.is_tensor(state.get("step")):
                     state["step"] = torch.tensor(float(state.get("step", 0)), dtype=torch.float32)
 

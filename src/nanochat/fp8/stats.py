@@ -1,0 +1,304 @@
+"""FP8 statistics per layer and tensor role: amax, scale, underflow, saturation, SQNR.
+
+What a cast to FP8 does to a tensor x, with torchao's dynamic scaling (float8_utils.py):
+
+    scale  = max_fmt / amax(x)            per tensor, or per row/column for rowwise recipes
+                                          (rowwise rounds it down to a power of two)
+    x_fp8  = cast(clamp(x * scale, -max_fmt, max_fmt))   round to nearest even
+    x_back = x_fp8 / scale                what the GEMM effectively multiplies
+
+and what can go wrong, which is what this file counts:
+
+* underflow: a non-zero x whose x * scale is below half the smallest subnormal (e4m3: 2^-10,
+  e5m2: 2^-17) becomes 0 (or -0, counted as 0). Reported as % of the non-zero elements. The
+  amax scale puts the largest value at the top of the format, so the format's range below it
+  decides what underflows: values more than ~18.8 binades (e4m3: 448 / 2^-10) or ~32.8 binades
+  (e5m2: 57344 / 2^-17) under the amax flush.
+* saturation: |x * scale| > max_fmt before the clamp: the value is clipped. With dynamic
+  scaling the amax element lands exactly on max_fmt, so this is ~0 unless the scale is stale
+  (computed from another tensor: delayed scaling, a scale passed in by hand). A margin of
+  2^-20 relative absorbs the fp32 rounding of amax * (max_fmt / amax).
+  Reported as % of all elements.
+* SQNR: 10 log10(sum x^2 / sum (x - x_back)^2) in dB, torchao's `compute_error` measure, the
+  figure its tests and ours use. It weighs errors by energy, so it barely notices the
+  underflow of small values -- which is why both are reported.
+
+A role (input, weight, grad_output) is cast once or twice per step (once per GEMM it feeds, e.g.
+grad_output for grad_input along rows and for grad_weight along columns); the figures aggregate
+every FP8 cast the layer's config makes of that role, with that cast's scaling axis.
+
+`FP8StatsSampler` collects them on the real tensors of a training step: it installs hooks while
+the `with` block runs (forward *and* backward must run inside it) and removes them on exit, so a
+step that is not sampled pays nothing. Run the sampled step on the uncompiled module: hooks that
+come and go would make a compiled one recompile each time. `first_nonfinite_layer` names where
+an inf/nan appeared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torchao.float8.config import ScalingGranularity, ScalingType
+from torchao.float8.float8_linear import Float8Linear
+
+from nanochat.common import format_table
+from nanochat.fp8.linear import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, FP8Linear
+
+EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
+SATURATION_MARGIN = 2.0**-20
+
+
+def cast_axes(config, role: str) -> list[tuple[int | None, bool]]:
+    """(axis of the amax reduction or None for one scale, round scale to power of 2) for every
+    FP8 cast `config` makes of `role`, with the role's tensor in its natural 2D layout:
+    input [tokens, in], weight [out, in], grad_output [tokens, out]. torchao reduces over the last
+    dim for the first GEMM a role feeds and over the first dim for the second (float8_linear.py)."""
+    out = []
+    for field, axis in zip(CAST_FIELDS[role], (-1, 0)):
+        cast = getattr(config, field)
+        if cast.scaling_type is ScalingType.DISABLED:
+            continue
+        rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+        out.append((axis if rowwise else None, config.round_scales_to_power_of_2))
+    return out
+
+
+@dataclass
+class CastCounts:
+    """Running sums for one role in one format; merge several casts and steps by adding."""
+
+    numel: int = 0
+    nonzero: int = 0
+    underflow: int = 0
+    saturated: int = 0
+    signal: float = 0.0
+    noise: float = 0.0
+    amax: float = 0.0
+    scale: float = math.inf
+    """The scale applied to the largest element (tensorwise scale; smallest row scale)."""
+
+    def add(self, x: torch.Tensor, dtype: torch.dtype, *, axis: int | None = None,
+            round_pow2: bool = False, scale: torch.Tensor | float | None = None) -> "CastCounts":
+        """Simulate the cast of x (float) to `dtype` the way torchao does it, and count."""
+        x = x.detach().float()
+        fmax = torch.finfo(dtype).max
+        if scale is None:
+            amax = x.abs().amax() if axis is None else x.abs().amax(dim=axis, keepdim=True)
+            scale = (fmax / amax.double().clamp(min=EPS)).float()
+            if round_pow2:
+                scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+        scaled = x * scale
+        back = scaled.clamp(-fmax, fmax).to(dtype).float() / scale
+        nonzero = x != 0
+        self.numel += x.numel()
+        self.nonzero += int(nonzero.sum())
+        self.underflow += int((nonzero & (back == 0)).sum())  # -0 == 0 is True
+        self.saturated += int((scaled.abs() > fmax * (1 + SATURATION_MARGIN)).sum())
+        self.signal += float(x.double().square().sum())
+        self.noise += float((x - back).double().square().sum())
+        self.amax = max(self.amax, float(x.abs().max()) if x.numel() else 0.0)
+        self.scale = min(self.scale, float(scale.min()))
+        return self
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.noise == 0:
+            return math.inf
+        return 10 * math.log10(self.signal / self.noise) if self.signal > 0 else -math.inf
+
+    @property
+    def underflow_pct(self) -> float:
+        return 100.0 * self.underflow / self.nonzero if self.nonzero else 0.0
+
+    @property
+    def saturation_pct(self) -> float:
+        return 100.0 * self.saturated / self.numel if self.numel else 0.0
+
+
+@dataclass(frozen=True)
+class CastStats:
+    """One layer, one role, in the format that layer casts it to."""
+
+    dtype: str
+    amax: float
+    scale: float
+    underflow_pct: float
+    saturation_pct: float
+    sqnr_db: float
+    numel: int
+
+    @classmethod
+    def of(cls, dtype: str, c: CastCounts) -> "CastStats":
+        return cls(dtype, c.amax, c.scale, c.underflow_pct, c.saturation_pct, c.sqnr_db, c.numel)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def tensor_stats(x: torch.Tensor, dtype: str | torch.dtype, *, axis: int | None = None,
+                 round_pow2: bool = False, scale: torch.Tensor | float | None = None) -> CastStats:
+    """Statistics of one cast of `x` (dynamic amax scale unless `scale` is given)."""
+    dtype = FP8_DTYPES[dtype] if isinstance(dtype, str) else dtype
+    counts = CastCounts().add(x, dtype, axis=axis, round_pow2=round_pow2, scale=scale)
+    return CastStats.of(DTYPE_NAMES[dtype], counts)
+
+
+def role_counts(layer: Float8Linear, role: str, x: torch.Tensor, dtype: torch.dtype,
+                counts: CastCounts | None = None) -> CastCounts:
+    """Add every FP8 cast `layer` makes of `role` (tensor `x`), in format `dtype`, to `counts`."""
+    counts = counts if counts is not None else CastCounts()
+    x2d = x.reshape(-1, x.shape[-1])
+    for axis, pow2 in cast_axes(layer.config, role):
+        counts.add(x2d, dtype, axis=axis, round_pow2=pow2)
+    return counts
+
+
+def _as_torchao_sees_it(x: torch.Tensor) -> torch.Tensor:
+    # Float8Linear casts its input to the CUDA autocast dtype before quantizing it.
+    if torch.is_autocast_enabled("cuda"):
+        return x.to(torch.get_autocast_dtype("cuda"))
+    return x
+
+
+def _layers_of(model_or_layers: nn.Module | dict[str, nn.Module]) -> dict[str, Float8Linear]:
+    if isinstance(model_or_layers, dict):
+        return {n: m for n, m in model_or_layers.items() if isinstance(m, Float8Linear)}
+    return {n: m for n, m in model_or_layers.named_modules() if isinstance(m, Float8Linear)}
+
+
+class RoleHooks:
+    """Calls `record(name, layer, role, tensor)` with each FP8 layer's input and weight (forward)
+    and grad_output (backward, through a hook on the output tensor). Shared with auto.py."""
+
+    def __init__(self, layers: dict[str, Float8Linear], record: Callable, roles=ROLES):
+        self.handles = []
+        for name, layer in layers.items():
+            self.handles.append(layer.register_forward_hook(self._forward_hook(name, record, set(roles))))
+
+    @staticmethod
+    def _forward_hook(name, record, roles):
+        def hook(layer, args, output):
+            if isinstance(layer, FP8Linear) and not layer.fp8_enabled:
+                return  # running in high precision (fp8_disabled): nothing is cast
+            with torch.no_grad():
+                if "input" in roles and args:  # (an input passed by keyword is not seen)
+                    record(name, layer, "input", _as_torchao_sees_it(args[0]))
+                if "weight" in roles:
+                    record(name, layer, "weight", layer.weight)
+            if "grad_output" in roles and output.requires_grad:
+                def grad_hook(grad):
+                    with torch.no_grad():
+                        record(name, layer, "grad_output", grad)
+                output.register_hook(grad_hook)
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class FP8StatsSampler:
+    """`with FP8StatsSampler(model) as s: loss = model(x); loss.backward()` then `s.results()`.
+
+    Accumulates over every forward/backward inside the block (e.g. all micro-batches of a step).
+    """
+
+    def __init__(self, model_or_layers: nn.Module | dict[str, nn.Module], roles=ROLES):
+        self.layers = _layers_of(model_or_layers)
+        self.roles = tuple(roles)
+        self.counts: dict[str, dict[str, tuple[str, CastCounts]]] = {}
+        self._hooks: RoleHooks | None = None
+
+    def _record(self, name, layer, role, x):
+        dtype = getattr(layer.config, CAST_FIELDS[role][0]).target_dtype
+        slot = self.counts.setdefault(name, {})
+        if role not in slot:
+            slot[role] = (DTYPE_NAMES[dtype], CastCounts())
+        role_counts(layer, role, x, dtype, slot[role][1])
+
+    def __enter__(self) -> "FP8StatsSampler":
+        self._hooks = RoleHooks(self.layers, self._record, self.roles)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.remove()
+
+    def results(self) -> dict[str, dict[str, CastStats]]:
+        """layer -> role -> CastStats, in forward order of first appearance."""
+        return {name: {role: CastStats.of(dt, c) for role, (dt, c) in roles.items()}
+                for name, roles in self.counts.items()}
+
+    def as_dict(self) -> dict[str, dict[str, dict]]:
+        """Plain dict (JSON / weights_only safe) for metrics and TrainResult.fp8_stats."""
+        return {n: {r: s.as_dict() for r, s in roles.items()} for n, roles in self.results().items()}
+
+    def table(self) -> str:
+        rows = [[name, role, s.dtype, f"{s.amax:.3g}", f"{s.scale:.3g}", f"{s.underflow_pct:.2f}",
+                 f"{s.saturation_pct:.2f}", f"{s.sqnr_db:.1f}"]
+                for name, roles in self.results().items() for role, s in roles.items()]
+        return format_table(["layer", "role", "fmt", "amax", "scale", "underflow %", "saturated %",
+                             "SQNR dB"], rows)
+
+
+def collect_fp8_stats(model_or_layers: nn.Module | dict[str, nn.Module], roles=ROLES) -> FP8StatsSampler:
+    """The sampler for one step (the trainer decides which steps): use it as a context manager."""
+    return FP8StatsSampler(model_or_layers, roles)
+
+
+def _nonfinite(t: torch.Tensor) -> str | None:
+    bad = ~torch.isfinite(t)
+    if not bool(bad.any()):
+        return None
+    n_nan = int(torch.isnan(t).sum())
+    return f"{int(bad.sum()) - n_nan} inf, {n_nan} nan of {t.numel()}"
+
+
+def first_nonfinite_layer(model: nn.Module, run: Callable[[], object] | None = None) -> str | None:
+    """Name where an inf/nan appeared, or None.
+
+    With `run` (a no-argument callable doing a forward pass, e.g. `lambda: model(x, y)`): run it
+    without grad, hooks on every module, and return the first module, in execution order, whose
+    output is non-finite -- where the inf was born (modules after it inherit it).
+
+    Without `run`: inspect the gradients left by the last backward. Backward runs in reverse, so
+    the layer where a non-finite gradient was born is the *last* one, in forward order, whose
+    parameters' grads are non-finite (every layer before it inherits it). Module registration
+    order stands in for forward order (true for nanochat's GPT and for nn.Sequential).
+    """
+    if run is not None:
+        found: list[str] = []
+
+        def make_hook(name):
+            def hook(module, args, output):
+                if not found and isinstance(output, torch.Tensor) and output.is_floating_point():
+                    what = _nonfinite(output)
+                    if what:
+                        found.append(f"{name or type(module).__name__}: output has {what}")
+            return hook
+
+        handles = [m.register_forward_hook(make_hook(n)) for n, m in model.named_modules()]
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            for h in handles:
+                h.remove()
+        return found[0] if found else None
+
+    last = None
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            what = _nonfinite(p.grad) if p.grad is not None else None
+            if what:
+                last = f"{name}.{pname} grad has {what} (first non-finite gradient in backward order)"
+    return last
+
+
+__all__ = ["CastCounts", "CastStats", "FP8StatsSampler", "cast_axes", "collect_fp8_stats",
+           "first_nonfinite_layer", "role_counts", "tensor_stats"]

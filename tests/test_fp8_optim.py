@@ -1,0 +1,350 @@
+"""FP8Optim (nanochat.fp8.optim) against the torch optimizer it wraps.
+
+- Level 0 is the wrapped optimizer: AdamW, Adam, SGD momentum and nesterov over 20 steps give
+  bit-identical parameters (torch.equal).
+- Levels 1 and 2, first step from zero state: the fused step's math equals torch's up to fp32
+  rounding, 2 ulp of the parameter (the quantized state only enters from the second step on).
+- Levels 1 and 2 track fp32 AdamW: on a quadratic (curvatures 0.1..10, lr decayed to 0) the
+  parameters end within 5% (relative L2) of AdamW's and the loss within 0.1% of the start; and a tiny nanochat GPT trained 40 steps on stdlib bytes ends within 2% of AdamW's loss.
+- One block of gradients spanning 1e-8..1e2: every per-step update stays <= 1.25 * lr, as fp32
+  AdamW's does (the sqrt(v) floor; without it elements whose v flushes move by ~10 * lr).
+- Compiled step: equal to the eager step (1e-6), and changing lr every step does not recompile.
+- Schedulers (LambdaLR, StepLR) and manual `param_groups[i]["lr"]` drive the wrapped optimizer.
+- state_dict -> load_state_dict is bit-exact and loads with torch.load(weights_only=True); level
+  2 <-> level 0 and plain AdamW -> level 2 convert within e4m3's 2^-4 relative error.
+- Unsupported optimizers and options raise errors listing what is supported.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import pathlib
+
+import pytest
+import torch
+
+from nanochat.fp8.optim import FP8Optim
+from nanochat.fp8.tensor import FP8Tensor
+
+
+def _params(seed=0, shapes=((64, 128), (10,))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in shapes]
+
+
+def _make(kind, params, **kw):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, **kw)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-2, weight_decay=0.1, **kw)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.1, **kw)
+    if kind == "nesterov":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True, **kw)
+    raise AssertionError(kind)
+
+
+def _run(opt, params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+KINDS = ["adamw", "adam", "sgd", "nesterov"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_level0_is_bit_identical_to_torch(kind):
+    ref_p, p = _params(), _params()
+    ref = _make(kind, ref_p)
+    opt = FP8Optim(_make(kind, p), opt_level=0, compile=False)
+    _run(ref, ref_p, 20)
+    _run(opt, p, 20)
+    for a, b in zip(ref_p, p):
+        assert torch.equal(a, b)
+    assert opt.state_bytes_per_param() == (4.0 if kind in ("sgd", "nesterov") else 8.0)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_first_step_math_equals_torch(kind, level):
+    ref_p, p = _params(), _params()
+    ref = _make(kind, ref_p)
+    opt = FP8Optim(_make(kind, p), opt_level=level, min_numel=256, compile=False)
+    _run(ref, ref_p, 1)
+    _run(opt, p, 1)
+    assert isinstance(next(iter(opt.state[p[0]].values())) if kind in ("sgd", "nesterov")
+                      else opt.state[p[0]]["exp_avg"], FP8Tensor)
+    # same math, different operation order: parameters agree to fp32 rounding (2 ulp)
+    ulp = torch.finfo(torch.float32).eps
+    assert ((p[0] - ref_p[0]).abs() <= 2 * ulp * ref_p[0].abs().clamp(min=1)).all()
+    assert torch.equal(ref_p[1], p[1])  # the small tensor stays fp32, stepped by torch itself
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_quadratic_tracks_adamw(level):
+    # f(x) = sum c_i (x_i - t_i)^2, curvatures 0.1..10 shuffled across blocks, lr decayed to 0
+    n = 8192
+    c = torch.logspace(-1, 1, n)[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
+    t = torch.randn(n, generator=torch.Generator().manual_seed(1))
+
+    def train(wrap, steps=200):
+        x = torch.nn.Parameter(torch.zeros(n))
+        opt = torch.optim.AdamW([x], lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0)
+        opt = FP8Optim(opt, opt_level=wrap, compile=False) if wrap is not None else opt
+        for i in range(steps):
+            opt.param_groups[0]["lr"] = 3e-2 * (1 - i / steps)
+            loss = (c * (x - t) ** 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return x.detach(), (c * (x.detach() - t) ** 2).sum().item()
+
+    (x_ref, ref), (x, got) = train(None), train(level)
+    start = (c * t**2).sum().item()
+    assert ref < 1e-2 * start  # the reference converges, so the comparison means something
+    # measured: 2-3% trajectory distance, loss gap 1e-4 of the start
+    assert (x - x_ref).norm() <= 0.05 * x_ref.norm()
+    assert abs(got - ref) <= 1e-3 * start
+
+
+def _tiny_gpt_losses(level, steps=40):
+    from nanochat.gpt import GPT, GPTConfig
+
+    data = pathlib.Path(torch.__file__).read_bytes()[:40_000]
+    tokens = torch.tensor(list(data), dtype=torch.long)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
+    model.init_weights()
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=False)
+    if level is not None:
+        opt = FP8Optim(opt, opt_level=level, compile=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(0, len(tokens) - 33, (8,), generator=g)
+        x = torch.stack([tokens[i:i + 32] for i in idx])
+        y = torch.stack([tokens[i + 1:i + 33] for i in idx])
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        x = tokens[30_000:30_000 + 32 * 64].view(64, 32)
+        y = tokens[30_001:30_001 + 32 * 64].view(64, 32)
+        return model(x, y).item(), opt
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_tiny_gpt_tracks_adamw(level):
+    ref, _ = _tiny_gpt_losses(None)
+    got, opt = _tiny_gpt_losses(level)
+    assert ref < math.log(256) - 0.5  # it learned something
+    assert abs(got - ref) / ref <= 0.02
+    assert "FP8Optim(AdamW" in opt.summary()
+
+
+def test_extreme_gradients_in_one_block_do_not_blow_up():
+    n = 4096
+    mags = torch.logspace(-8, 2, n)  # 1e-8..1e2: 16 blocks, each spanning ~0.6 decades... and:
+    mags = mags.view(16, 256).t().reshape(-1)  # ...interleaved so every block spans 1e-8..1e2
+    signs = torch.where(torch.arange(n) % 3 == 0, -1.0, 1.0)
+    lr = 1e-3
+
+    def max_update(level):
+        x = torch.nn.Parameter(torch.zeros(n))
+        opt = torch.optim.AdamW([x], lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+        opt = FP8Optim(opt, opt_level=level, compile=False) if level is not None else opt
+        worst = 0.0
+        for step in range(100):
+            prev = x.detach().clone()
+            # constant gradients for 50 steps, then they shrink 100x (v must decay, m follows)
+            x.grad = signs * mags * (1.0 if step < 50 else 0.01)
+            opt.step()
+            worst = max(worst, (x.detach() - prev).abs().max().item())
+        return worst
+
+    ref = max_update(None)
+    got = max_update(2)
+    assert ref <= 1.01 * lr
+    assert got <= 1.25 * lr, f"FP8 update {got / lr:.2f} * lr (fp32 AdamW: {ref / lr:.2f} * lr)"
+
+
+def test_compiled_step_equals_eager_and_lr_changes_do_not_recompile():
+    from torch._dynamo.utils import counters
+
+    p_eager, p_comp = _params(shapes=((16, 256),)), _params(shapes=((16, 256),))
+    eager = FP8Optim(torch.optim.AdamW(p_eager, lr=1e-2), opt_level=2, compile=False)
+    comp = FP8Optim(torch.optim.AdamW(p_comp, lr=1e-2), opt_level=2, compile=True)
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        grad = torch.randn(16, 256, generator=g)
+        for opt, p in ((eager, p_eager), (comp, p_comp)):
+            opt.param_groups[0]["lr"] = 1e-2 / (step + 1)  # a schedule
+            p[0].grad = grad.clone()
+            opt.step()
+    assert comp._compile, "the compiled path fell back to eager"
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch.allclose(p_comp[0], p_eager[0], rtol=1e-6, atol=1e-7)
+    for key in ("exp_avg", "exp_avg_sq_sqrt"):
+        a, b = comp.state[p_comp[0]][key], eager.state[p_eager[0]][key]
+        assert torch.allclose(a.dequantize(), b.dequantize(), rtol=2.0**-3, atol=1e-9)
+
+
+def test_schedulers_drive_the_wrapped_lr():
+    p = _params()
+    inner = torch.optim.AdamW(p, lr=1.0)
+    opt = FP8Optim(inner, opt_level=2, min_numel=256, compile=False)
+    assert opt.param_groups is inner.param_groups
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    for step in range(3):
+        assert inner.param_groups[0]["lr"] == 0.5**step
+        _run(opt, p, 1)
+        sched.step()
+    step_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.0)
+    step_sched.step()  # lr -> 0: FP8 and fp32 params must not move
+    before = [x.detach().clone() for x in p]
+    _run(opt, p, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, p))
+
+
+def test_trainer_usage_manual_lr_and_zero_grad():
+    from nanochat.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))
+    model.init_weights()
+    for level in (0, 1, 2):
+        opt = FP8Optim(torch.optim.AdamW(model.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95),
+                                         weight_decay=0.1, fused=False), opt_level=level, compile=False)
+        x = torch.randint(0, 256, (2, 16))
+        for lr in (1e-3, 0.0):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            before = [q.detach().clone() for q in model.parameters()]
+            model(x, x).backward()
+            opt.step()
+            opt.zero_grad()
+            moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            assert moved == (lr > 0)
+            assert all(q.grad is None for q in model.parameters())
+        sd = opt.state_dict()
+        opt.load_state_dict(sd)
+
+
+def test_state_bytes_targets():
+    p = _params(shapes=((64, 256), (64, 256)))
+    for level, bound in ((1, 5.05), (2, 2.05)):
+        opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=level, compile=False)
+        _run(opt, p, 1)
+        assert opt.state_bytes_per_param() <= bound
+        assert opt.state_bytes() == round(opt.state_bytes_per_param() * 2 * 64 * 256)
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _bits(x):
+    return (x.codes.view(torch.uint8), x.scale) if isinstance(x, FP8Tensor) else (x,)
+
+
+def test_state_dict_roundtrip_bit_exact_weights_only():
+    p = _params()
+    opt = FP8Optim(torch.optim.AdamW(p, lr=1e-2), opt_level=2, min_numel=256, compile=False)
+    _run(opt, p, 3)
+    sd = _roundtrip(opt.state_dict())
+    p2 = [torch.nn.Parameter(x.detach().clone()) for x in p]
+    opt2 = FP8Optim(torch.optim.AdamW(p2, lr=0.5), opt_level=2, min_numel=256, compile=False)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    for a, b in zip(p, p2):
+        for key, value in opt.state[a].items():
+            assert all(torch.equal(x, y) for x, y in zip(_bits(value), _bits(opt2.state[b][key])))
+    _run(opt, p, 2, seed=7)
+    _run(opt2, p2, 2, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(p, p2))  # resumed training is identical
+    meta = torch.load(io.BytesIO(_save_bytes(opt.state_dict())), weights_only=True, map_location="meta")
+    assert meta["state"][0]["exp_avg"].device.type == "meta"
+
+
+def _save_bytes(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def test_cross_level_and_plain_adamw_loading():
+    p = _params()
+    plain = torch.optim.AdamW(p, lr=1e-2)
+    _run(plain, p, 3)
+    m_ref = plain.state[p[0]]["exp_avg"].clone()
+    v_ref = plain.state[p[0]]["exp_avg_sq"].clone()
+
+    lvl2 = FP8Optim(torch.optim.AdamW(p, lr=1e-2), opt_level=2, min_numel=256, compile=False)
+    lvl2.load_state_dict(_roundtrip(plain.state_dict()))
+    st = lvl2.state[p[0]]
+    assert isinstance(st["exp_avg"], FP8Tensor) and isinstance(st["exp_avg_sq_sqrt"], FP8Tensor)
+    assert "exp_avg_sq" not in st
+    assert torch.allclose(st["exp_avg"].dequantize(), m_ref, rtol=2.0**-4, atol=1e-3 * m_ref.abs().max().item())
+    r = st["exp_avg_sq_sqrt"].dequantize()
+    assert torch.allclose(r * r, v_ref, rtol=2 * 2.0**-4 + 2.0**-8, atol=1e-3 * v_ref.max().item())
+    assert torch.equal(lvl2.state[p[1]]["exp_avg"], plain.state[p[1]]["exp_avg"])  # small: fp32
+
+    lvl0 = FP8Optim(torch.optim.AdamW(p, lr=1e-2), opt_level=0, compile=False)
+    lvl0.load_state_dict(_roundtrip(lvl2.state_dict()))
+    st0 = lvl0.state[p[0]]
+    assert type(st0["exp_avg"]) is torch.Tensor and type(st0["exp_avg_sq"]) is torch.Tensor
+    assert torch.equal(st0["exp_avg"], st["exp_avg"].dequantize())
+    assert torch.equal(st0["exp_avg_sq"], r * r)
+
+    back = FP8Optim(torch.optim.AdamW(p, lr=1e-2), opt_level=2, min_numel=256, compile=False)
+    back.load_state_dict(lvl0.state_dict())
+    assert torch.equal(back.state[p[0]]["exp_avg"].dequantize(), st["exp_avg"].dequantize())
+    _run(back, p, 1)  # and it steps
+
+    sgd_p = _params()
+    sgd = FP8Optim(_make("sgd", sgd_p), opt_level=1, min_numel=256, compile=False)
+    _run(sgd, sgd_p, 2)
+    sgd0 = FP8Optim(_make("sgd", sgd_p), opt_level=0, compile=False)
+    sgd0.load_state_dict(sgd.state_dict())
+    assert type(sgd0.state[sgd_p[0]]["momentum_buffer"]) is torch.Tensor
+
+
+def test_unsupported_optimizers_and_options_are_refused():
+    p = _params()
+    with pytest.raises(TypeError, match="AdamW, torch.optim.Adam, torch.optim.SGD"):
+        FP8Optim(torch.optim.RMSprop(p))
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        FP8Optim(torch.optim.AdamW(p, amsgrad=True))
+    with pytest.raises(ValueError, match="maximize=True"):
+        FP8Optim(torch.optim.SGD(p, lr=0.1, momentum=0.9, maximize=True))
+    with pytest.raises(ValueError, match="complex"):
+        FP8Optim(torch.optim.Adam([torch.nn.Parameter(torch.zeros(4, dtype=torch.complex64))]))
+    with pytest.raises(ValueError, match="opt_level"):
+        FP8Optim(torch.optim.AdamW(p), opt_level=3)
+
+
+def test_summary_logged_once(caplog):
+    p = _params(shapes=((64, 128), (10,), (5, 1000)))
+    opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2, compile=False)
+    logger = logging.getLogger("nanochat")
+    old = logger.propagate
+    logger.propagate = True
+    try:
+        with caplog.at_level(logging.INFO, logger="nanochat"):
+            _run(opt, p, 2)
+    finally:
+        logger.propagate = old
+    msgs = [r.getMessage() for r in caplog.records if "FP8Optim(AdamW" in r.getMessage()]
+    assert len(msgs) == 1
+    assert "1 tensors / 8,192 params with FP8 state" in msgs[0]
+    assert "numel < 4096" in msgs[0] and "numel % 256 != 0" in msgs[0]
