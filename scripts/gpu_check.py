@@ -143,8 +143,9 @@ class CheckConfig:
     tests_timeout_s: float = 150.0
     """Kill the GPU test subprocess after this many seconds (recorded as an error)."""
 
-    compile: bool = True
-    """torch.compile the micro and train models (the fair comparison: FP8 casts need fusion)."""
+    compile: tuple[Literal["micro", "train"], ...] = ("micro", "train")
+    """Sections whose model runs under torch.compile (the fair comparison: FP8 casts need fusion;
+    the dry run compiles the micro MLP only, which keeps it fast)."""
 
     compile_backend: str = "inductor"
     """torch.compile backend; the dry run uses aot_eager (traces FP8 through autograd, no codegen)."""
@@ -167,7 +168,7 @@ class CheckConfig:
 # The dry run: the same jobs at sizes two loaded CPU cores finish in well under a minute.
 DRY_RUN = dict(micro_model="d2", micro_tokens=256, micro_iters=2, train_models=("d2:2",), target_model="d2",
                seq_len=32, vocab_size=256, train_warmup=1, train_steps=2, opt_tensors=2, opt_dim=256,
-               opt_warmup=1, opt_steps=2, tests_timeout_s=120.0, compile_backend="aot_eager")
+               opt_warmup=1, opt_steps=2, tests_timeout_s=120.0, compile=("micro",), compile_backend="aot_eager")
 
 # Seconds each job is expected to take on an H200, compile included. Guesses made before the first
 # GPU session (compile ~15-25 s for an MLP, ~2-3 s per transformer block, FP8 graphs ~1.3x):
@@ -274,9 +275,11 @@ def baseline_name(device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
-def maybe_compile(module: torch.nn.Module, cfg: CheckConfig) -> torch.nn.Module:
+def maybe_compile(module: torch.nn.Module, cfg: CheckConfig, section: str) -> torch.nn.Module:
+    if section not in cfg.compile:
+        return module
     # dynamic=False: a retry at another batch size compiles a static graph again, no symbolic shapes
-    return torch.compile(module, backend=cfg.compile_backend, dynamic=False) if cfg.compile else module
+    return torch.compile(module, backend=cfg.compile_backend, dynamic=False)
 
 
 # -------------------------------------------------------------------------------------- FP8 help
@@ -355,7 +358,7 @@ def micro_job(cfg: CheckConfig, device: torch.device, mode: str | None, recipe: 
         mlp = MLP(gpt_cfg)  # fp32 master weights, default nn.Linear init (c_proj is not zero here)
     if mode is not None:
         result["fp8"] = convert_checked(mlp, mode, recipe, cfg)
-    model = maybe_compile(mlp, cfg)
+    model = maybe_compile(mlp, cfg, "micro")
     act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k, device=device, dtype=act_dtype, requires_grad=True)
     grad_out = torch.randn(m, k, device=device, dtype=act_dtype)
@@ -422,7 +425,7 @@ def train_run(cfg: CheckConfig, device: torch.device, model_name: str, batch: in
     fused = dict(fused=True)  # the trainer's bf16 optimizer; the same for FP8 runs (see docstring)
     opt = torch.optim.AdamW(model.param_groups(OPT_HPARAMS["weight_decay"]), lr=1e-4,
                             betas=OPT_HPARAMS["betas"], eps=OPT_HPARAMS["eps"], **fused)
-    compiled = maybe_compile(model, cfg)
+    compiled = maybe_compile(model, cfg, "train")
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2):  # two batches alternate, so no step sees exactly the previous input
@@ -514,25 +517,33 @@ def optim_job(cfg: CheckConfig, device: torch.device, name: str) -> dict:
 
 # ------------------------------------------------------------------------------- (d) tests
 def tests_job(cfg: CheckConfig, device: torch.device, out_dir: Path) -> dict:
+    """`pytest -m gpu tests/test_gpu.py` in a subprocess (its own CUDA context and compile caches).
+    Off CUDA the tests would only skip, so they are collected, not run: that still checks that the
+    file imports and that `-m gpu` selects its tests over pyproject's default `-m 'not gpu'`."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/test_gpu.py", "-p", "no:cacheprovider"]
+    if device.type != "cuda":
+        cmd.append("--collect-only")
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.tests_timeout_s)
         output, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
-        output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        output = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         output += f"\n[gpu_check] killed after {cfg.tests_timeout_s:.0f} s (--tests_timeout_s)"
         rc = None
     (out_dir / "gpu_tests.log").write_text(output)
     counts = parse_pytest_counts(output)
-    result: dict[str, Any] = dict(command=" ".join(cmd[1:]), returncode=rc, **counts,
+    result: dict[str, Any] = dict(command=" ".join(["python"] + cmd[1:]), returncode=rc, **counts,
                                   wall_s=time.perf_counter() - t0, tail=output[-3000:])
     if rc is None:
         result.update(status="error", error=f"timed out after {cfg.tests_timeout_s:.0f} s")
     elif device.type != "cuda":
-        result["status"] = "skipped"
-        result["reason"] = ("no CUDA device: the GPU tests ran and skipped themselves (checked here: "
-                            "tests/test_gpu.py imports and collects)")
+        if rc != 0 or counts["collected"] == 0:
+            result.update(status="error", error=f"collecting the GPU tests failed (pytest exit {rc}, "
+                                                f"{counts['collected']} collected)")
+        else:
+            result.update(status="skipped", reason=f"no CUDA device: {counts['collected']} GPU tests "
+                                                   "collected, not run")
     elif rc == 0 and counts["passed"] > 0:
         result["status"] = "ok"
     else:
@@ -542,13 +553,17 @@ def tests_job(cfg: CheckConfig, device: torch.device, out_dir: Path) -> dict:
 
 
 def parse_pytest_counts(output: str) -> dict[str, int]:
-    """'3 passed, 1 failed, 2 skipped in 4.5s' (pytest's last line) -> counts by outcome."""
-    counts = dict(passed=0, failed=0, skipped=0, errors=0, deselected=0)
-    lines = [line for line in output.splitlines() if re.search(r"\b(passed|failed|skipped|errors?|no tests ran)\b", line)]
+    """Counts by outcome from pytest's summary line ('3 passed, 1 failed, 2 skipped in 4.5s';
+    with --collect-only '5 tests collected' or '5/9 tests collected (4 deselected)')."""
+    counts = dict(passed=0, failed=0, skipped=0, errors=0, deselected=0, collected=0)
+    words = r"passed|failed|skipped|errors?|deselected|tests? collected|no tests ran"
+    lines = [line for line in output.splitlines() if re.search(rf"\b({words})\b", line)]
     if not lines:
         return counts
-    for number, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", lines[-1]):
-        counts["errors" if word.startswith("error") else word] += int(number)
+    summary = lines[-1]
+    for number, word in re.findall(r"(\d+)(?:/\d+)? (passed|failed|skipped|errors?|deselected|tests? collected)", summary):
+        key = "errors" if word.startswith("error") else "collected" if "collected" in word else word
+        counts[key] += int(number)
     return counts
 
 
@@ -596,7 +611,7 @@ def plan(cfg: CheckConfig, device: torch.device, out_dir: Path) -> list[Job]:
             for mode in (None, *cfg.modes):
                 compile_s = ESTIMATES_S["train_base"] + ESTIMATES_S["train_per_layer"] * layers
                 run_s = (cfg.train_warmup + cfg.train_steps) * 0.05 * layers * batch / 16  # ~0.8 s/step at d26:16
-                estimate = (compile_s * (ESTIMATES_S["train_fp8_factor"] if mode else 1.0) if cfg.compile else 0) + run_s
+                estimate = (compile_s * (ESTIMATES_S["train_fp8_factor"] if mode else 1.0) if "train" in cfg.compile else 0) + run_s
                 job = Job("train", f"{name} {base if mode is None else 'fp8 ' + mode}", est(estimate),
                           lambda name=name, batch=batch, mode=mode: train_job(cfg, device, name, batch, mode),
                           dict(model=name, kind="baseline" if mode is None else "fp8", mode=mode,
@@ -690,6 +705,8 @@ def first_line(e: BaseException) -> str:
 
 
 def one_line_figure(section: str, e: dict) -> str:
+    if section == "tests" and "passed" in e:
+        return f"{e['passed']} passed, {e['failed']} failed, {e['skipped']} skipped, {e['collected']} collected"
     if e.get("status") != "ok":
         return (e.get("reason") or e.get("error") or "")[:110]
     if section == "micro" and "ms_median" in e:

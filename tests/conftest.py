@@ -1,12 +1,18 @@
 """Shared fixtures: a small real-text corpus and an isolated cache for tokenizers and tokens."""
 
+import os
 import sysconfig
 from pathlib import Path
 
-import pytest
-import torch
+# One intra-op thread for the whole suite, subprocesses included: the tests use tiny shapes that
+# gain nothing from a second thread, and on a loaded 2-core machine OpenMP's spin-waiting made a
+# d2 emulated-FP8 step 20x slower with 2 threads than with 1 (measured 17:24, load average 10).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

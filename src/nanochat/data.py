@@ -6,6 +6,13 @@ The pipeline, and where each step's choice comes from:
    ignored) of `.txt` / `.md` / `.py` (one file = one document), `.jsonl` (one line = one
    document, its "text" field) or `.parquet` (one row = one document, its "text" column). Files
    are visited in sorted relative-path order, so the corpus is the same on every machine.
+   A `.jsonl` line / `.parquet` row without "text" may instead be an *instruction record*
+   (prompt/completion, chat messages, ARC-style multiple choice; `nanochat.instruct` lists the
+   shapes and how each becomes chat messages). Such a corpus has `kind == "instruct"`: its
+   `train_records` / `val_records` are message lists, and `tokenize_records` turns them into a
+   token stream plus a loss mask that scores only the assistant's tokens. One file holds one
+   shape (a line of another shape is an error naming it: usually a bug in the export); a
+   corpus is plain text or records, not both.
    Without a path the corpus is the running interpreter's own standard library: every `.py`
    under `sysconfig.get_paths()["stdlib"]`, minus `site-packages` and the test suites (`test/`,
    `tests/`, `idle_test/`). With the tests it is ~31 MB on Python 3.11; without, 12.2 MB in
@@ -21,13 +28,17 @@ The pipeline, and where each step's choice comes from:
    Hashing the id rather than shuffling keeps each document on its side when files are added
    or removed, and needs no seed. Small corpora can come out with an empty side; then the
    document with the smallest hash becomes validation, and a single document is split by
-   characters (its last 2%). `Corpus.describe()` says which rule was applied.
+   characters (its last 2%; a single instruction record cannot be split and is an error).
+   `Corpus.describe()` says which rule was applied. Records are split by the same rule.
 
 3. **Token stream.** `tokenize_docs` encodes every document, prefixes each with `<|bos|>` and
    concatenates them into one 1-D stream (nanochat's and GPT-2's layout: no padding, the model
    sees document boundaries as BOS tokens and may attend across them). Streams are cached as
    `.npy` (uint16 on disk when the vocabulary fits, int32 in memory) keyed by a hash of the
    documents' content and the tokenizer's fingerprint, so a stale cache is impossible.
+   `tokenize_records` does the same for instruction records: each record rendered by
+   `nanochat.instruct.render` (our special tokens, or the checkpoint's chat template), with a
+   parallel boolean loss mask (True = scored), cached as one `.npz` of both arrays.
 
 4. **Batches.** `TokenBatches` cuts the stream into windows of seq_len+1 tokens with stride
    seq_len — consecutive windows share one token, so every token but the first is a prediction
@@ -38,6 +49,10 @@ The pipeline, and where each step's choice comes from:
    rank r takes the r-th slice, so the ranks of a distributed run together read exactly what one
    process with `world_size` times the batch would. The position is two ints (epoch, step),
    which is all a checkpoint needs to resume on the same next batch.
+   With a loss mask, y is -1 (the model's cross-entropy ignore_index) at every target that is
+   not scored, and windows with no scored target at all are left out (they would cost a step
+   and teach nothing; a batch of them would make the mean loss 0/0 = NaN), so `num_windows`
+   counts only windows with something to learn. `val_batches` applies the same rules.
 
 Every data problem is a `DataError` raised by `load_corpus` / `TokenBatches` — before any model
 is built — whose message says what was found and what to do.
@@ -57,11 +72,13 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from nanochat import instruct
 from nanochat.common import format_bytes, logger, warn_once
 from nanochat.tokenizer import META_FILE, Tokenizer, take_chars
 
@@ -85,15 +102,25 @@ class DataError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class Corpus:
-    """A corpus split into training and validation documents (plain strings)."""
+    """A corpus split into training and validation documents (plain strings) or, when `kind` is
+    "instruct", instruction records (chat message lists) with their text in the docs fields."""
 
     name: str
     source: str
     train_docs: list[str]
+    """The documents; for an instruct corpus each record's message contents joined by blank lines
+    (the text a tokenizer is trained on and the corpus fingerprint hashes)."""
     val_docs: list[str]
     train_ids: list[str]
     """Document ids (relative path, `path#line`, `path#row`), parallel to train_docs."""
     val_ids: list[str]
+    kind: Literal["text", "instruct"] = "text"
+    """text: plain documents, every token scored. instruct: records, only assistant tokens scored."""
+    train_records: list[list[dict[str, str]]] = field(default_factory=list)
+    """instruct only: each record as [{"role", "content"}, ...], parallel to train_ids."""
+    val_records: list[list[dict[str, str]]] = field(default_factory=list)
+    shapes: dict[str, int] = field(default_factory=dict)
+    """instruct only: record shape ("prompt/completion", "messages", "multiple choice") -> count."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Reason -> count of files (or jsonl lines / parquet rows) left out."""
     split_note: str = "hash split"
@@ -106,13 +133,24 @@ class Corpus:
     def describe(self) -> str:
         train_b = self.train_bytes
         skipped = ", ".join(f"{n} {why}" for why, n in self.skipped.items())
+        unit = "records" if self.kind == "instruct" else "docs"
+        shapes = ", ".join(f"{n} {shape}" for shape, n in self.shapes.items())
         return (
             f"{self.name} ({self.source}): {format_bytes(self.num_bytes)} in "
-            f"{len(self.train_docs) + len(self.val_docs)} docs; train {len(self.train_docs)} docs / "
-            f"{format_bytes(train_b)}, val {len(self.val_docs)} docs / "
-            f"{format_bytes(self.num_bytes - train_b)} ({self.split_note})"
+            f"{len(self.train_docs) + len(self.val_docs)} {unit}"
+            + (f" ({shapes}; loss on assistant tokens only)" if shapes else "")
+            + f"; train {len(self.train_docs)} {unit} / {format_bytes(train_b)}, val {len(self.val_docs)} "
+            f"{unit} / {format_bytes(self.num_bytes - train_b)} ({self.split_note})"
             + (f"; skipped {skipped}" if skipped else "")
         )
+
+
+class _Doc(NamedTuple):
+    id: str
+    text: str
+    messages: list[dict[str, str]] | None = None
+    """None for a plain document."""
+    shape: str = "text"
 
 
 # ------------------------------------------------------------------ corpora
@@ -161,6 +199,12 @@ def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
         raise DataError(f"--dataset_path {source}: the corpus is empty after reading every file "
                         f"({', '.join(f'{n} {w}' for w, n in sorted(skipped.items())) or 'nothing found'}); "
                         "point it at files that contain UTF-8 text")
+    plain = next((d.id for d in docs if d.messages is None), None)
+    record = next((d.id for d in docs if d.messages is not None), None)
+    if plain is not None and record is not None:
+        raise DataError(f"--dataset_path {source} mixes plain text ({plain}) and instruction records "
+                        f"({record}); a corpus is one or the other: keep pretraining text and fine-tuning "
+                        "records in separate directories and train on one at a time")
     return _split(name, source, docs, dict(sorted(skipped.items())))
 
 
@@ -175,8 +219,8 @@ def _walk(root: Path, excluded: Iterable[str] = ()) -> list[Path]:
     return sorted(out, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_files(root: Path, files: list[Path], skipped: Counter) -> Iterator[tuple[str, str]]:
-    """(document id, text) for every document in `files`; problems are counted or raised."""
+def _read_files(root: Path, files: list[Path], skipped: Counter) -> Iterator[_Doc]:
+    """Every document (or record) in `files`; problems are counted or raised."""
     for path in files:
         rel = path.relative_to(root).as_posix()
         ext = path.suffix.lower()
@@ -191,7 +235,7 @@ def _read_files(root: Path, files: list[Path], skipped: Counter) -> Iterator[tup
         if ext == ".jsonl":
             yield from _read_jsonl(text, path, rel, skipped)
         elif text.strip():
-            yield rel, text
+            yield _Doc(rel, text)
         else:
             skipped[_EMPTY] += 1
 
@@ -203,48 +247,84 @@ def _utf8_or_none(raw: bytes) -> str | None:
         return None
 
 
-def _read_jsonl(text: str, path: Path, rel: str, skipped: Counter) -> Iterator[tuple[str, str]]:
+def _read_jsonl(text: str, path: Path, rel: str, skipped: Counter) -> Iterator[_Doc]:
     # split("\n"), not splitlines(): JSON strings may hold raw U+2028 / U+0085, which are not
     # record separators; numbering by "\n" also matches what editors and error messages show.
-    for lineno, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
+    def objects() -> Iterator[tuple[str, str, Any]]:
+        for lineno, line in enumerate(text.split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}); each line of a "
+                                '.jsonl file must be one JSON object like {"text": "..."}') from None
+            yield f"{path}:{lineno}", f"{rel}#{lineno}", obj
+
+    yield from _records(objects(), "line", skipped)
+
+
+def _records(objects: Iterable[tuple[str, str, Any]], unit: str, skipped: Counter) -> Iterator[_Doc]:
+    """Documents / records of one file's (location, id, object) triples, all of one shape."""
+    first: tuple[str, str] | None = None  # (shape, location) of the file's first object
+    for where, doc_id, obj in objects:
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: the {unit} is a JSON {type(obj).__name__}, not an object; supported "
+                            f"record shapes: {instruct.SHAPES_HELP}")
+        shape = instruct.record_shape(obj)
+        if shape is None:
+            nulls = sorted(k for k, v in obj.items() if v is None)
+            raise DataError(f'{where}: no "text" field and no instruction-record fields (the {unit} has fields '
+                            f"{sorted(obj)}{f', null: {nulls}' if nulls else ''}); each {unit} must have one "
+                            f'of the supported record shapes, e.g. {{"text": "..."}}: {instruct.SHAPES_HELP}')
+        if first is None:
+            first = (shape, where)
+        elif shape != first[0]:
+            raise DataError(f"{where}: a {shape} record, but the file's first {unit} ({first[1]}) is a {first[0]} "
+                            "record; one file must hold one record shape (a stray line is usually an export "
+                            "bug; to mix shapes, put each in its own file)")
+        if shape == "text":
+            doc = obj["text"]
+            if doc is None:
+                doc = ""
+            if not isinstance(doc, str):
+                raise DataError(f'{where}: "text" is a JSON {type(doc).__name__}, expected a string')
+            yield from _checked_doc(doc_id, doc, skipped)
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}); each line of a "
-                            '.jsonl file must be one JSON object like {"text": "..."}') from None
-        if not isinstance(obj, dict) or "text" not in obj:
-            has = f"fields {sorted(obj)}" if isinstance(obj, dict) else f"a JSON {type(obj).__name__}"
-            raise DataError(f'{path}:{lineno}: no "text" field (the line has {has}); each line must be '
-                            'an object with the document in "text", e.g. {"text": "..."}')
-        doc = obj["text"]
-        if doc is None:
-            doc = ""
-        if not isinstance(doc, str):
-            raise DataError(f'{path}:{lineno}: "text" is a JSON {type(doc).__name__}, expected a string')
-        yield from _checked_doc(f"{rel}#{lineno}", doc, skipped)
+            messages = instruct.to_messages(obj, shape)
+        except ValueError as e:
+            raise DataError(f"{where}: {shape} record: {e}; supported record shapes: {instruct.SHAPES_HELP}") from None
+        yield from _checked_record(doc_id, messages, shape, skipped)
 
 
-def _read_parquet(path: Path, rel: str, skipped: Counter) -> Iterator[tuple[str, str]]:
+def _read_parquet(path: Path, rel: str, skipped: Counter) -> Iterator[_Doc]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         schema = pq.read_schema(path)
         if "text" not in schema.names:
-            raise DataError(f'{path}: no "text" column (columns: {schema.names}); the documents must '
-                            'be in a string column named "text"')
-        if not (pa.types.is_string(schema.field("text").type) or pa.types.is_large_string(schema.field("text").type)):
-            raise DataError(f'{path}: column "text" has type {schema.field("text").type}, expected string')
-        column = pq.read_table(path, columns=["text"]).column("text").to_pylist()
+            if instruct.record_shape(dict.fromkeys(schema.names, "")) is None:
+                raise DataError(f'{path}: no "text" column (columns: {schema.names}) and no instruction-record '
+                                'columns; the documents must be in a string column named "text", or the rows '
+                                f"must be records of a supported shape: {instruct.SHAPES_HELP}")
+            rows = pq.read_table(path).to_pylist()  # nested columns (messages, choices) as dicts / lists
+        else:
+            if not (pa.types.is_string(schema.field("text").type) or pa.types.is_large_string(schema.field("text").type)):
+                raise DataError(f'{path}: column "text" has type {schema.field("text").type}, expected string')
+            rows = None
+            column = pq.read_table(path, columns=["text"]).column("text").to_pylist()
     except pa.ArrowException as e:
         raise DataError(f"{path}: not a readable parquet file ({e})") from None
+    if rows is not None:
+        yield from _records(((f"{path} row {i}", f"{rel}#{i}", r) for i, r in enumerate(rows)), "row", skipped)
+        return
     for row, doc in enumerate(column):
         yield from _checked_doc(f"{rel}#{row}", doc or "", skipped)
 
 
-def _checked_doc(doc_id: str, doc: str, skipped: Counter) -> Iterator[tuple[str, str]]:
+def _checked_doc(doc_id: str, doc: str, skipped: Counter) -> Iterator[_Doc]:
     if not doc.strip():
         skipped[_EMPTY] += 1
         return
@@ -253,7 +333,13 @@ def _checked_doc(doc_id: str, doc: str, skipped: Counter) -> Iterator[tuple[str,
     except UnicodeEncodeError:  # lone surrogates, e.g. a broken "\ud800" escape in JSON
         skipped["invalid Unicode (lone surrogates)"] += 1
         return
-    yield doc_id, doc
+    yield _Doc(doc_id, doc)
+
+
+def _checked_record(doc_id: str, messages: list[dict[str, str]], shape: str, skipped: Counter) -> Iterator[_Doc]:
+    text = "\n\n".join(m["content"] for m in messages)
+    for _ in _checked_doc(doc_id, text, skipped):
+        yield _Doc(doc_id, text, messages, shape)
 
 
 def _val_hash(doc_id: str) -> float:
@@ -261,39 +347,46 @@ def _val_hash(doc_id: str) -> float:
     return int.from_bytes(hashlib.sha1(doc_id.encode("utf-8")).digest()[:8], "big") / 2**64
 
 
-def _split(name: str, source: str, docs: list[tuple[str, str]], skipped: dict[str, int]) -> Corpus:
-    train = [(i, t) for i, t in docs if _val_hash(i) >= VAL_FRACTION]
-    val = [(i, t) for i, t in docs if _val_hash(i) < VAL_FRACTION]
+def _split(name: str, source: str, docs: list[_Doc], skipped: dict[str, int]) -> Corpus:
+    train = [d for d in docs if _val_hash(d.id) >= VAL_FRACTION]
+    val = [d for d in docs if _val_hash(d.id) < VAL_FRACTION]
     note = f"val = sha1(doc id) < {VAL_FRACTION:g}"
+    records = docs[0].messages is not None  # load_corpus made sure all docs are of one kind
     if not train or not val:
         if len(docs) == 1:
-            doc_id, text = docs[0]
-            if len(text) < 2:
-                raise DataError(f"{source}: the corpus is a single {len(text)}-character document; "
+            (d,) = docs
+            if records:
+                raise DataError(f"{source}: the corpus is a single instruction record ({d.id}); training and "
+                                "validation need at least 2 records")
+            if len(d.text) < 2:
+                raise DataError(f"{source}: the corpus is a single {len(d.text)}-character document; "
                                 "training and validation need at least 2 characters")
-            cut = len(text) - max(1, round(len(text) * VAL_FRACTION))
-            train, val = [(doc_id, text[:cut])], [(f"{doc_id}[{cut}:]", text[cut:])]
-            note = f"one document: val = its last {len(text) - cut:,} characters"
+            cut = len(d.text) - max(1, round(len(d.text) * VAL_FRACTION))
+            train, val = [_Doc(d.id, d.text[:cut])], [_Doc(f"{d.id}[{cut}:]", d.text[cut:])]
+            note = f"one document: val = its last {len(d.text) - cut:,} characters"
         elif not val:
-            val = [min(docs, key=lambda d: _val_hash(d[0]))]
-            train = [d for d in docs if d[0] != val[0][0]]
+            val = [min(docs, key=lambda d: _val_hash(d.id))]
+            train = [d for d in docs if d.id != val[0].id]
             note = f"no doc hashed below {VAL_FRACTION:g}: val = the doc with the smallest sha1"
         else:
-            train = [max(docs, key=lambda d: _val_hash(d[0]))]
-            val = [d for d in docs if d[0] != train[0][0]]
+            train = [max(docs, key=lambda d: _val_hash(d.id))]
+            val = [d for d in docs if d.id != train[0].id]
             note = f"every doc hashed below {VAL_FRACTION:g}: train = the doc with the largest sha1"
     h = hashlib.sha256()
     nbytes = {b"T": 0, b"V": 0}
     for tag, part in ((b"T", train), (b"V", val)):
-        for _, text in part:
-            b = text.encode("utf-8")
+        for d in part:
+            b = d.text.encode("utf-8")
             nbytes[tag] += len(b)
             h.update(tag + len(b).to_bytes(8, "little") + b)
     return Corpus(
-        name=name, source=source, train_docs=[t for _, t in train], val_docs=[t for _, t in val],
-        train_ids=[i for i, _ in train], val_ids=[i for i, _ in val], skipped=skipped,
+        name=name, source=source, train_docs=[d.text for d in train], val_docs=[d.text for d in val],
+        train_ids=[d.id for d in train], val_ids=[d.id for d in val], skipped=skipped,
         split_note=note, num_bytes=nbytes[b"T"] + nbytes[b"V"], train_bytes=nbytes[b"T"],
-        fingerprint=h.hexdigest()[:16],
+        fingerprint=h.hexdigest()[:16], kind="instruct" if records else "text",
+        train_records=[d.messages for d in train] if records else [],
+        val_records=[d.messages for d in val] if records else [],
+        shapes=dict(sorted(Counter(d.shape for d in docs).items())) if records else {},
     )
 
 
@@ -375,18 +468,77 @@ def tokenize_docs(tokenizer: Tokenizer, docs: list[str], *, cache_dir: str | os.
     arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
 
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         disk = arr.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else arr  # half the bytes
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; caches are shared by runs
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, disk, allow_pickle=False)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _write_atomic(path, lambda f: np.save(f, disk, allow_pickle=False))
     return torch.from_numpy(arr)
+
+
+RECORDS_FORMAT = 1
+"""Bump when `nanochat.instruct` renders records differently: it is part of the cache key."""
+
+
+def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids: list[str] | None = None,
+                     cache_dir: str | os.PathLike | None = None,
+                     progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [n_tokens] int32 and loss_mask [n_tokens] bool of instruction records, one after the
+    other: each record as `nanochat.instruct.render` makes it (ours: `<|bos|><|user_start|>...`;
+    a Hugging Face tokenizer: its chat template), loss_mask True exactly on the assistant tokens.
+
+    `ids` (e.g. `corpus.train_ids`) name records in errors. Cached in `cache_dir` as one `.npz`
+    keyed by the records, the tokenizer's fingerprint (which covers a checkpoint's chat template)
+    and RECORDS_FORMAT.
+    """
+    try:
+        instruct.check_tokenizer(tokenizer)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    path = None
+    if cache_dir is not None:
+        h = hashlib.sha256(f"records-v{RECORDS_FORMAT}".encode())
+        for r in records:
+            b = json.dumps(r, sort_keys=True).encode("ascii")  # ASCII escapes: lone surrogates cannot fail
+            h.update(len(b).to_bytes(8, "little") + b)
+        path = Path(cache_dir) / f"records-{h.hexdigest()[:16]}-{tokenizer.fingerprint}.npz"
+        if path.is_file():
+            with np.load(path, allow_pickle=False) as z:
+                tokens, mask = z["tokens"], z["loss_mask"]
+            if tokens.ndim == mask.ndim == 1 and tokens.shape == mask.shape and mask.dtype == np.bool_:
+                return torch.from_numpy(tokens.astype(np.int32)), torch.from_numpy(mask)
+            warn_once(f"bad-cache:{path}", f"{path} is not a token stream with a loss mask; re-tokenizing")
+
+    tokens_l: list[int] = []
+    mask_l: list[bool] = []
+    for k, messages in enumerate(tqdm(records, desc="tokenizing records", unit="record",
+                                      disable=None if progress else True, leave=False)):
+        try:
+            rec_ids, rec_mask = instruct.render(tokenizer, messages)
+        except ValueError as e:  # e.g. a chat template that is not prefix-stable, or raises
+            where = ids[k] if ids is not None else f"record {k}"
+            raise DataError(f"{where}: {e}") from None
+        tokens_l += rec_ids
+        mask_l += rec_mask
+    tokens = np.asarray(tokens_l, dtype=np.int32)
+    mask = np.asarray(mask_l, dtype=np.bool_)
+
+    if path is not None:
+        disk = tokens.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else tokens
+        _write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask))
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def _write_atomic(path: Path, write) -> None:
+    """write(binary file) into a temp file next to `path`, then os.replace: readers of the cache
+    see the old file or the whole new one, never a partial one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; caches are shared by runs
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # ------------------------------------------------------------------ batches
@@ -397,10 +549,14 @@ class TokenBatches:
     seq_len tokens and y its last seq_len. `steps_per_epoch` counts global batches of
     batch_size * world_size windows; the windows left over at the end of an epoch's order are
     skipped that epoch (a different set each epoch, because the order is reshuffled).
+
+    `loss_mask` ([N] bool, True = scored, from `tokenize_records`) sets y to -1 where the target
+    is not scored and leaves out the windows with no scored target (`num_windows` counts the
+    rest). Without it every target is scored and every window is used.
     """
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int, seed: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, loss_mask: torch.Tensor | None = None) -> None:
         if seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need seq_len, batch_size, world_size >= 1 and 0 <= rank < world_size; got "
                              f"seq_len={seq_len} batch_size={batch_size} rank={rank} world_size={world_size}")
@@ -409,17 +565,20 @@ class TokenBatches:
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.global_batch = batch_size * world_size
-        self.num_windows = max(0, (len(tokens) - 1) // seq_len)
+        all_windows = max(0, (len(tokens) - 1) // seq_len)
+        self._mask_windows, self._kept = _scored_windows(tokens, loss_mask, seq_len)
+        self.num_windows = all_windows if self._kept is None else len(self._kept)
         self.steps_per_epoch = self.num_windows // self.global_batch
         if self.steps_per_epoch == 0:
+            scored = "" if self._kept is None else f" ({self.num_windows} with a scored target)"
             raise DataError(
-                f"the training stream has {len(tokens):,} tokens = {self.num_windows} windows of "
+                f"the training stream has {len(tokens):,} tokens = {all_windows} windows{scored} of "
                 f"seq_len+1 = {seq_len + 1} tokens (consecutive windows share one token), but one "
                 f"global batch needs batch_size*world_size = {self.global_batch} windows = "
                 f"{self.global_batch * seq_len + 1:,} tokens. Use a smaller --seq_len or "
                 "--batch_size, or a larger corpus"
             )
-        # [num_windows, seq_len + 1], a strided view: no copy of the stream.
+        # [all windows, seq_len + 1], a strided view: no copy of the stream.
         self._windows = tokens.unfold(0, seq_len + 1, seq_len)
         self._epoch, self._step = 0, 0
         self._order: tuple[int, torch.Tensor] | None = None
@@ -438,8 +597,12 @@ class TokenBatches:
             self._epoch, self._step = self._epoch + 1, 0
         start = self._step * self.global_batch + self.rank * self.batch_size
         idx = self._order_of(self._epoch)[start:start + self.batch_size]
+        if self._kept is not None:
+            idx = self._kept[idx]  # position among scored windows -> window number in the stream
         w = self._windows[idx].to(torch.int64)  # [B, T+1], a copy (advanced indexing)
         x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if self._mask_windows is not None:
+            y.masked_fill_(~self._mask_windows[idx, 1:], -1)  # -1: GPT.forward's ignore_index
         self._step += 1
         if device is not None and torch.device(device).type != "cpu":
             pin = torch.device(device).type == "cuda"
@@ -473,22 +636,52 @@ class TokenBatches:
 
 
 def val_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int, *,
-                rank: int = 0, world_size: int = 1) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                rank: int = 0, world_size: int = 1,
+                loss_mask: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first max(1, max_tokens // seq_len) windows of the validation stream, in order.
 
     Same windows as TokenBatches (stride seq_len), so every scored token is scored once. Batches
     hold up to batch_size windows (the last may be smaller); rank r takes batches r, r+world_size...
-    Fewer windows than asked for are evaluated when the stream is short.
+    Fewer windows than asked for are evaluated when the stream is short. With `loss_mask`, as in
+    TokenBatches: y is -1 at unscored targets and only windows with a scored target count.
     """
     num_windows = max(0, (len(tokens) - 1) // seq_len)
     if num_windows == 0:
         raise DataError(f"the validation stream has {len(tokens):,} tokens; one evaluation window needs "
                         f"seq_len+1 = {seq_len + 1}. Use a smaller --seq_len or a corpus with more "
                         f"validation text (about {VAL_FRACTION:.0%} of the documents)")
-    windows = tokens.unfold(0, seq_len + 1, seq_len)[: min(num_windows, max(1, max_tokens // seq_len))]
-    for start in range(rank * batch_size, len(windows), batch_size * world_size):
-        w = windows[start:start + batch_size].to(torch.int64)
-        yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
+    windows = tokens.unfold(0, seq_len + 1, seq_len)
+    mask_windows, kept = _scored_windows(tokens, loss_mask, seq_len)
+    if kept is None:
+        kept = torch.arange(num_windows)
+    elif len(kept) == 0:
+        raise DataError("the validation records have no scored (assistant) token in any window of "
+                        f"seq_len+1 = {seq_len + 1} tokens; the validation split is too small or its "
+                        "records have empty answers")
+    kept = kept[: max(1, max_tokens // seq_len)]
+    for start in range(rank * batch_size, len(kept), batch_size * world_size):
+        idx = kept[start:start + batch_size]
+        w = windows[idx].to(torch.int64)
+        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        if mask_windows is not None:
+            y.masked_fill_(~mask_windows[idx, 1:], -1)
+        yield x, y
+
+
+def _scored_windows(tokens: torch.Tensor, loss_mask: torch.Tensor | None,
+                    seq_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(mask windows [W, seq_len+1] bool, numbers of the windows with a scored target), both None
+    without a mask. A window's targets are its tokens 1..seq_len: token 0 is the previous
+    window's last target, so it does not keep a window."""
+    if loss_mask is None:
+        return None, None
+    if loss_mask.shape != tokens.shape or loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask must be a bool tensor shaped like tokens {tuple(tokens.shape)}, got "
+                         f"{loss_mask.dtype} {tuple(loss_mask.shape)}")
+    if len(tokens) <= seq_len:
+        return loss_mask[:0].view(0, seq_len + 1), torch.zeros(0, dtype=torch.int64)
+    windows = loss_mask.unfold(0, seq_len + 1, seq_len)
+    return windows, windows[:, 1:].any(dim=1).nonzero().squeeze(1)
 
 
 def _umask() -> int:

@@ -312,6 +312,8 @@ class NanoChatTrainer:
             "data": self.loader.state_dict(),
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "counters": dict(self.counters),
+            # --fp8_mode auto: the measured formats, so a resumed run does not recalibrate
+            "fp8_choices": self.fp8_choices,
         })
 
     def _resume(self) -> int:
@@ -331,6 +333,12 @@ class NanoChatTrainer:
         self.loader.load_state_dict(ckpt["data"])
         set_rng_state(ckpt["rng"])
         self.counters.update(ckpt.get("counters", {}))
+        if ckpt.get("fp8_choices"):
+            from nanochat.fp8 import apply_fp8_choices
+
+            apply_fp8_choices(self.model, ckpt["fp8_choices"])
+            self.fp8_choices = ckpt["fp8_choices"]
+            logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
         logger.info("resumed from %s at step %d", self.run_dir / "checkpoint.pt", ckpt["step"])
         return int(ckpt["step"])
 
@@ -339,18 +347,100 @@ class NanoChatTrainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    # ------------------------------------------------------------ fp8 monitor
+    @property
+    def _has_fp8_layers(self) -> bool:
+        return self.fp8_report is not None and bool(self.fp8_report.converted)
+
+    def _start_calibration(self) -> None:
+        """--fp8_mode auto: measure both formats during the first steps, eagerly (hooks)."""
+        self.calib = None
+        if self.config.fp8_mode == "auto" and self._has_fp8_layers and self.fp8_choices is None:
+            from nanochat.fp8 import start_auto_calibration
+
+            self.calib = start_auto_calibration(self.model, steps=self.config.fp8_auto_steps)
+            logger.info("fp8 auto: measuring e4m3 and e5m2 on every FP8 layer for %d step(s)%s",
+                        self.config.fp8_auto_steps, "; compiling after that" if self.config.compile else "")
+
+    def _calibration_step(self) -> None:
+        if self.calib is None or not self.calib.step():
+            return
+        self.fp8_choices = self.calib.choices
+        self.calib = None
+        print0(self._choices_table())
+        self._log({"event": "fp8_auto_choices", "choices": self.fp8_choices})
+        if self.config.compile:  # the formats are fixed: compile once, now
+            self.train_model = torch.compile(self.model)
+
+    def _choices_table(self) -> str:
+        rows = [[name, *(roles.get(r, "-") for r in ("input", "weight", "grad_output"))]
+                for name, roles in (self.fp8_choices or {}).items()]
+        return "fp8 auto: formats chosen by measurement\n" + format_table(
+            ["layer", "input", "weight", "grad_output"], rows)
+
+    def _fp8_summary(self, label: str) -> dict[str, Any]:
+        """The per-epoch (and final) FP8 report: printed, logged to metrics.jsonl, returned."""
+        c = self.counters
+        layers = self.last_fp8_stats or {}
+
+        def worst(key: str) -> list[tuple[str, str, float]]:
+            flat = [(name, role, st[key]) for name, roles in layers.items() for role, st in roles.items()]
+            return sorted(flat, key=lambda t: -t[2])[:5]
+
+        summary = {
+            "overflow_events": c["overflow_events"], "skipped_steps": c["skipped_steps"],
+            "clip_events": c["clip_events"], "min_clip_factor": c.get("min_clip_factor"),
+            "stats_samples": c.get("stats_samples", 0),
+            "top_underflow": [list(t) for t in worst("underflow_pct")],
+            "top_saturation": [list(t) for t in worst("saturation_pct")],
+            "choices": self.fp8_choices,
+            "layers": layers,
+        }
+        if self.dist.rank == 0:
+            clip = (f", smallest clip factor {c['min_clip_factor']:.3f}"
+                    if c.get("min_clip_factor") is not None else "")
+            lines = [f"fp8 summary ({label}): {c['overflow_events']} overflow events, "
+                     f"{c['skipped_steps']} skipped steps, {c['clip_events']} clipping events{clip}; "
+                     f"statistics from {c.get('stats_samples', 0)} sampled step(s)"]
+            if layers:
+                rows = [["most underflow", f"{n} ({r})", f"{v:.3f} %"] for n, r, v in summary["top_underflow"]]
+                rows += [["most saturation", f"{n} ({r})", f"{v:.3f} %"] for n, r, v in summary["top_saturation"]]
+                lines.append(format_table(["", "layer (role)", "share of values"], rows))
+            if self.fp8_choices:
+                lines.append(self._choices_table())
+            print0("\n".join(lines))
+        self._log({"event": "fp8_summary", "label": label, **summary})
+        return summary
+
+    def _name_nonfinite(self, x: torch.Tensor, y: torch.Tensor, loss_finite: bool) -> str:
+        """Where the inf/nan appeared: the first module whose output is non-finite (re-running the
+        forward with hooks) when the loss itself is, else the layer whose gradient went first."""
+        from nanochat.fp8 import first_nonfinite_layer
+
+        if not loss_finite:
+            where = first_nonfinite_layer(self.model, run=lambda: self.model(x, y))
+        else:
+            where = first_nonfinite_layer(self.model)
+        return where or "unknown (no module output or gradient is non-finite on a re-run)"
+
     # ------------------------------------------------------------------ train
     def train(self) -> TrainResult:
         t_start = time.perf_counter()
         cfg = self.config
         self._setup()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.counters = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0}
+        self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
+                                         "stats_samples": 0, "min_clip_factor": None}
+        self.fp8_choices: dict[str, dict[str, str]] | None = None
+        self.last_fp8_stats: dict[str, Any] | None = None
         start_step = self._resume() if cfg.resume else 0
         if not cfg.resume and self.dist.rank == 0:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
             self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
+        self._start_calibration()
+        if self.calib is not None:
+            self.train_model = self.model  # calibrate eagerly; _calibration_step compiles after
 
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -358,52 +448,78 @@ class NanoChatTrainer:
         consecutive_bad = 0
         timed_tokens, timed_seconds = 0, 0.0
         val_loss = val_bpb = float("nan")
+        fp8_summaries: list[dict[str, Any]] = []
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=start_step, disable=self.dist.rank != 0,
                    dynamic_ncols=True, desc="train")
-        step = start_step
         for step in range(start_step, self.total_steps):
             t0 = time.perf_counter()
+            epoch_before = int(self.loader.epoch)
             lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            # FP8 statistics are sampled on the eager model (the hooks would force recompiles).
+            sample_stats = self._has_fp8_layers and cfg.fp8_stats_every and (step + 1) % cfg.fp8_stats_every == 0
+            model = self.model if sample_stats else self.train_model
+            sampler = contextlib.nullcontext()
+            if sample_stats:
+                from nanochat.fp8 import collect_fp8_stats
+
+                sampler = collect_fp8_stats(self.model)
             loss_sum = torch.zeros((), device=self.device)
-            for _ in range(cfg.grad_accum_steps):
-                x, y = self.loader.next_batch(self.device)
-                with self.autocast:
-                    loss = self.train_model(x, y)
-                (loss / cfg.grad_accum_steps).backward()
-                loss_sum += loss.detach()
+            with sampler:
+                for _ in range(cfg.grad_accum_steps):
+                    x, y = self.loader.next_batch(self.device)
+                    with self.autocast:
+                        loss = model(x, y)
+                    (loss / cfg.grad_accum_steps).backward()
+                    loss_sum += loss.detach()
             loss_value = (loss_sum / cfg.grad_accum_steps).item()
+            # The norm first, clipping after: a non-finite norm must leave the gradients as they
+            # are (clip_grad_norm_ would scale all of them by nan) so the culprit can be named.
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+            grads = [p.grad for p in params if p.grad is not None]
+            total_norm = torch.nn.utils.get_total_norm(grads)
+            grad_norm = total_norm.item()
 
             record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+            if sample_stats:
+                self.last_fp8_stats = sampler.as_dict()
+                self.counters["stats_samples"] += 1
+                record["fp8_stats"] = self.last_fp8_stats
             if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
                 # Skip the update: a non-finite loss or gradient would poison the weights.
-                where = _first_nonfinite_grad(self.model)
+                where = self._name_nonfinite(x, y, math.isfinite(loss_value))
                 self.counters["overflow_events"] += 1
                 self.counters["skipped_steps"] += 1
                 consecutive_bad += 1
                 record.update(skipped=True, nonfinite_at=where)
-                logger.warning("step %d: non-finite %s (first at %s); update skipped",
-                               step + 1, "loss" if not math.isfinite(loss_value) else "gradient", where)
+                logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
+                               step + 1, "loss" if not math.isfinite(loss_value) else "gradient", where,
+                               consecutive_bad)
                 self.optimizer.zero_grad(set_to_none=True)
                 self._log(record)
+                bar.update(1)
                 if consecutive_bad >= cfg.fp8_max_overflows:
+                    bar.close()
                     raise RuntimeError(
                         f"{consecutive_bad} consecutive steps with non-finite loss or gradients "
-                        f"(first at {where}); stopping. The last good checkpoint in {self.run_dir} "
-                        "is intact: lower --lr, check the data, or try --fp8_mode e5m2 / auto"
+                        f"(last first seen at {where}); stopping. The last good checkpoint in "
+                        f"{self.run_dir} is intact: lower --lr, check the data, or try "
+                        "--fp8_mode e5m2 / auto (more range for gradients)"
                     )
-                bar.update(1)
                 continue
             consecutive_bad = 0
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
             if grad_norm > max_norm:
+                factor = max_norm / grad_norm
                 self.counters["clip_events"] += 1
-                record["clip_factor"] = max_norm / grad_norm
+                prev = self.counters["min_clip_factor"]
+                self.counters["min_clip_factor"] = factor if prev is None else min(prev, factor)
+                record["clip_factor"] = factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            self._calibration_step()
 
             dt = time.perf_counter() - t0
             if step > start_step:  # the first step pays for compilation and allocator warmup
@@ -420,16 +536,24 @@ class NanoChatTrainer:
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 val_loss, val_bpb = self.evaluate()
                 record.update(val_loss=val_loss, val_bpb=val_bpb)
-                bar.write(f"step {done}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}") if self.dist.rank == 0 else None
+                if self.dist.rank == 0:
+                    bar.write(f"step {done}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}")
             self._log(record)
+            if cfg.fp8 and int(self.loader.epoch) > epoch_before and not is_last:
+                fp8_summaries.append(self._fp8_summary(f"epoch {int(self.loader.epoch)}"))
             if (cfg.save_every and done % cfg.save_every == 0) or is_last:
                 self._save(done)
         bar.close()
+        if self.calib is not None:  # the run ended before calibration did: keep the hybrid
+            self.calib.close()
+            self.fallbacks.append(
+                f"fp8 auto: the run ended after fewer than --fp8_auto_steps {cfg.fp8_auto_steps} "
+                "steps; formats stayed at the hybrid default (e4m3 forward, e5m2 gradients)")
 
         if not math.isfinite(val_bpb):  # resumed at the end, or the last step was skipped
             val_loss, val_bpb = self.evaluate()
+        fp8_stats = self._fp8_summary("end of training") if cfg.fp8 else dict(self.counters)
         samples = self.sample(cfg.num_samples) if cfg.num_samples else []
-        n_params = self.model.num_params()
         result = TrainResult(
             train_loss=sum(recent_losses) / len(recent_losses) if recent_losses else float("nan"),
             val_loss=val_loss,
@@ -440,22 +564,15 @@ class NanoChatTrainer:
             wall_time_s=time.perf_counter() - t_start,
             fallbacks=list(self.fallbacks),
             optimizer_state_bytes=self.optimizer_state_bytes,
-            num_params=n_params,
+            num_params=self.model.num_params(),
             fp8_backend=self.fp8_report.backend if self.fp8_report is not None else "off",
             fp8_converted=list(self.fp8_report.converted) if self.fp8_report is not None else [],
             fp8_skipped=dict(self.fp8_report.skipped) if self.fp8_report is not None else {},
-            fp8_stats=dict(self.counters),
+            fp8_choices=self.fp8_choices,
+            fp8_stats=fp8_stats,
             samples=samples,
             run_dir=str(self.run_dir),
         )
         if self.dist.rank == 0:
             (self.run_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
         return result
-
-
-def _first_nonfinite_grad(model: torch.nn.Module) -> str:
-    """Name of the first parameter (in registration order ~ forward order) with a non-finite grad."""
-    for name, p in model.named_parameters():
-        if p.grad is not None and not torch.isfinite(p.grad).all():
-            return name
-    return "loss (gradients finite)"

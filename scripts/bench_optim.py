@@ -1,0 +1,287 @@
+"""Benchmark FP8Optim against torch AdamW and torchao's AdamWFp8, in one process.
+
+    .venv/bin/python scripts/bench_optim.py --out bench_optim.json   # ~10 min on 2 CPU cores
+    .venv/bin/python scripts/bench_optim.py --quick                  # seconds: a dry run (tests)
+
+(a) moment bytes per parameter: torch AdamW, torchao AdamWFp8, FP8Optim levels 0/1/2;
+(b) median step time over --steps steps on --n_tensors x --dim^2 fp32 parameters (16M by default),
+    all optimizers stepped round-robin so machine load hits them alike; ratios to
+    torch.optim.AdamW(fused=True) and to torchao AdamWFp8;
+(c) the same small GPT (nanochat.gpt, preset --preset) trained --train_steps steps on bytes of
+    stdlib sources (vocab 256) with AdamW and with FP8Optim levels 1 and 2: final val loss, gap;
+(d) --study: the second-moment representation study behind optim.py's choice (update error and
+    worst update against fp32 Adam on gradients spanning 1e-8..1e2 inside every block).
+Machine load matters on a shared box: the script prints `os.getloadavg()` next to the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from nanochat.common import format_table, seed_everything
+from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
+from nanochat.fp8.tensor import FP8Tensor
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, no compile, no torchao: a dry run")
+    ap.add_argument("--n_tensors", type=int, default=16, help="(b) number of parameter tensors")
+    ap.add_argument("--dim", type=int, default=1024, help="(b) each tensor is dim x dim fp32")
+    ap.add_argument("--steps", type=int, default=25, help="(b) timed steps per optimizer (median)")
+    ap.add_argument("--preset", default="d2", help="(c) nanochat.gpt size preset")
+    ap.add_argument("--train_steps", type=int, default=300, help="(c) training steps per run")
+    ap.add_argument("--study", action="store_true", help="(d) also run the second-moment study")
+    ap.add_argument("--skip_speed", action="store_true")
+    ap.add_argument("--skip_train", action="store_true")
+    ap.add_argument("--out", type=pathlib.Path, default=None, help="write all figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n_tensors, args.dim, args.steps, args.train_steps = 2, 128, 3, 5
+    return args
+
+
+def load() -> str:
+    return "loadavg %.2f %.2f %.2f" % os.getloadavg()
+
+
+# ---- (a) + (b) ---------------------------------------------------------------------------------
+
+
+def _optimizers(params_for, quick: bool):
+    """name -> optimizer over its own copy of the parameters."""
+    opts = {"torch AdamW fused": torch.optim.AdamW(params_for("fused"), lr=1e-3, weight_decay=0.1, fused=True)}
+    if not quick:
+        from torchao.optim import AdamWFp8
+        opts["torchao AdamWFp8"] = AdamWFp8(params_for("ao"), lr=1e-3, weight_decay=0.1)
+    for level in (0, 1, 2):
+        inner = torch.optim.AdamW(params_for(f"l{level}"), lr=1e-3, weight_decay=0.1, fused=True)
+        opts[f"FP8Optim level {level}"] = FP8Optim(inner, opt_level=level, compile=not quick)
+    return opts
+
+
+def _moment_bytes(opt) -> float:
+    if isinstance(opt, FP8Optim):
+        return opt.state_bytes_per_param()
+    total = n = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            n += p.numel()
+            for key, value in opt.state[p].items():
+                if key == "step" or not torch.is_tensor(value):
+                    continue
+                if hasattr(value, "codes"):  # torchao OptimStateFp8: codes + scale
+                    total += value.codes.numel() * value.codes.element_size() + value.scale.numel() * 4
+                else:
+                    total += value.numel() * value.element_size()
+    return total / n
+
+
+def bench_speed(args) -> dict:
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(args.dim, args.dim, generator=g) for _ in range(args.n_tensors)]
+    grads = [torch.randn(args.dim, args.dim, generator=g) * 1e-2 for _ in range(args.n_tensors)]
+    made: dict[str, list] = {}
+
+    def params_for(name):
+        ps = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        made[name] = ps
+        return ps
+
+    opts = _optimizers(params_for, args.quick)
+    t0 = time.perf_counter()
+    for opt in opts.values():  # warm-up: state allocation and compilation
+        opt.step()
+        opt.step()
+    warm = time.perf_counter() - t0
+    times = {name: [] for name in opts}
+    for _ in range(args.steps):  # round-robin so load changes hit every optimizer alike
+        for name, opt in opts.items():
+            t = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t)
+    med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+    fused = med["torch AdamW fused"]
+    ao = med.get("torchao AdamWFp8")
+    rows, out = [], {}
+    for name, opt in opts.items():
+        bpp = _moment_bytes(opt)
+        out[name] = dict(bytes_per_param=bpp, median_ms=med[name], vs_fused=med[name] / fused,
+                         vs_torchao=(med[name] / ao) if ao else None)
+        rows.append([name, f"{bpp:.3f}", f"{med[name]:.1f}", f"{med[name] / fused:.2f}x",
+                     f"{med[name] / ao:.2f}x" if ao else "-"])
+    n = args.n_tensors * args.dim * args.dim
+    print(f"\n(a, b) {args.n_tensors} x {args.dim}^2 = {n / 1e6:.1f}M fp32 params, median of {args.steps} "
+          f"steps, {torch.get_num_threads()} threads, {load()} (warm-up incl. compile {warm:.0f} s)")
+    print(format_table(["optimizer", "moment bytes/param", "step ms", "vs fused AdamW", "vs torchao"], rows))
+    return dict(numel=n, threads=torch.get_num_threads(), load_after=os.getloadavg(), results=out)
+
+
+# ---- (c) ---------------------------------------------------------------------------------------
+
+
+def corpus_tokens() -> torch.Tensor:
+    """Bytes of a few stdlib sources: real text, vocab 256, no download."""
+    import argparse as a, collections as c, dataclasses as d, inspect as i, json as j, typing as t
+    data = b"".join(pathlib.Path(m.__file__).read_bytes() for m in (a, c, d, i, j, t))
+    return torch.tensor(list(data), dtype=torch.long)
+
+
+def train_gpt(level, args, tokens, seq_len=64, batch=16):
+    from nanochat.gpt import GPT, preset_config
+
+    seed_everything(0)
+    model = GPT(preset_config(args.preset, vocab_size=256, seq_len=seq_len))
+    model.init_weights()
+    lr = 3e-3
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=False)
+    if level is not None:
+        opt = FP8Optim(opt, opt_level=level, compile=False)  # eager: same numbers as compiled (tested)
+    split = int(0.9 * len(tokens))
+    train, val = tokens[:split], tokens[split:]
+    g = torch.Generator().manual_seed(0)
+    steps = args.train_steps
+    warmup = max(1, steps // 20)
+    for step in range(steps):
+        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+        idx = torch.randint(0, len(train) - seq_len - 1, (batch,), generator=g)
+        x = torch.stack([train[i:i + seq_len] for i in idx])
+        y = torch.stack([train[i + 1:i + seq_len + 1] for i in idx])
+        loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        n = (len(val) - 1) // seq_len
+        n = min(n, 4 if args.quick else 256)
+        x = val[:n * seq_len].view(n, seq_len)
+        y = val[1:n * seq_len + 1].view(n, seq_len)
+        val_loss = model(x, y).item()
+    return val_loss, loss.item()
+
+
+def bench_train(args) -> dict:
+    tokens = corpus_tokens()
+    out, rows = {}, []
+    t0 = time.perf_counter()
+    ref_val, ref_train = train_gpt(None, args, tokens)
+    out["AdamW"] = dict(val_loss=ref_val, train_loss=ref_train, rel_gap=0.0)
+    rows.append(["torch AdamW", f"{ref_val:.4f}", "-"])
+    for level in (1, 2):
+        val, tr = train_gpt(level, args, tokens)
+        gap = (val - ref_val) / ref_val
+        out[f"FP8Optim level {level}"] = dict(val_loss=val, train_loss=tr, rel_gap=gap)
+        rows.append([f"FP8Optim level {level}", f"{val:.4f}", f"{100 * gap:+.2f}%"])
+    print(f"\n(c) GPT {args.preset}, vocab 256 (stdlib bytes, {len(tokens):,} tokens), {args.train_steps} steps, "
+          f"batch 16 x 64, lr 3e-3 cosine, {time.perf_counter() - t0:.0f} s, {load()}")
+    print(format_table(["optimizer", "val loss", "gap vs AdamW"], rows))
+    return out
+
+
+# ---- (d) ---------------------------------------------------------------------------------------
+
+
+def _store(x, how):
+    """Quantize then dequantize a second moment v (fp32) the way `how` stores it."""
+    if how == "fp32":
+        return x
+    if how == "v e4m3 (torchao)":
+        return FP8Tensor.from_float(x, dtype=torch.float8_e4m3fn).dequantize()
+    if how == "v e5m2":
+        return FP8Tensor.from_float(x, dtype=torch.float8_e5m2).dequantize()
+    if how == "sqrt(v) e4m3, no floor":
+        return FP8Tensor.from_float(x.sqrt(), dtype=torch.float8_e4m3fn).dequantize() ** 2
+    if how == "sqrt(v) e4m3 + floor (ours)":
+        return quantize_sqrt_v(x).dequantize() ** 2
+    raise AssertionError(how)
+
+
+def _study_run(grads, how, b1, b2, eps=1e-8):
+    """Adam on a fixed gradient stream, m stored in e4m3 and v stored as `how`; per step the
+    update m_hat / (sqrt(v_hat) + eps) (in units of lr)."""
+    m = torch.zeros_like(grads[0])
+    v = torch.zeros_like(grads[0])
+    updates = []
+    for t, gr in enumerate(grads, start=1):
+        m = m.lerp(gr, 1 - b1)
+        v = v * b2 + (1 - b2) * gr * gr
+        updates.append((m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
+        if how != "fp32":
+            m = FP8Tensor.from_float(m).dequantize()
+            v = _store(v, how)
+    return updates
+
+
+def study(args) -> dict:
+    """Each option runs its own quantized history against fp32 Adam's on the same gradients."""
+    n_blocks, steps = (8, 40) if args.quick else (64, 300)
+    n = n_blocks * 256
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(n, generator=g)
+    noise = [torch.randn(n, generator=g) for _ in range(steps)]
+    scenarios = {
+        # every block spans |g| 1e-8..1e2 (log-uniform): the stress case of the issue
+        "extreme": torch.logspace(-8, 2, n)[torch.randperm(n, generator=g)],
+        # blocks at 1e-6..1 apart, within a block lognormal with a 1-decade sigma: typical layers
+        "typical": (torch.logspace(-6, 0, n_blocks)[:, None]
+                    * torch.exp(2.3 * torch.randn(n_blocks, 256, generator=g))).reshape(-1),
+    }
+    options = ["v e4m3 (torchao)", "v e5m2", "sqrt(v) e4m3, no floor", "sqrt(v) e4m3 + floor (ours)"]
+    out, rows = {}, []
+    for scen, mags in scenarios.items():
+        for b2 in (0.95, 0.999):
+            # a persistent mean plus noise; after 60% of the steps the gradients shrink 100x
+            # (v must decay while m follows: where flushing to zero bites)
+            grads = [mags * (mean + noise[t]) * (1.0 if t < 0.6 * steps else 0.01) for t in range(steps)]
+            ref = _study_run(grads, "fp32", 0.9, b2)
+            ref_worst = max(u.abs().max().item() for u in ref)
+            for how in options:
+                ups = _study_run(grads, how, 0.9, b2)
+                # error of each element's update, relative to the typical update size (~1)
+                err = torch.stack([(u - r).abs() for u, r in zip(ups, ref)])
+                worst = max(u.abs().max().item() for u in ups)
+                key = f"{scen} b2={b2} {how}"
+                out[key] = dict(median_abs_update_err=err.median().item(),
+                                p99_abs_update_err=err.flatten().kthvalue(int(0.99 * err.numel())).values.item(),
+                                max_update_over_lr=worst, fp32_max_update_over_lr=ref_worst)
+                rows.append([scen, b2, how, f"{out[key]['median_abs_update_err']:.4f}",
+                             f"{out[key]['p99_abs_update_err']:.3f}", f"{worst:.2f}", f"{ref_worst:.2f}"])
+    print(f"\n(d) second-moment storage (m in e4m3 throughout): {n} elements, {steps} steps, b1 0.9, "
+          "|update - fp32 Adam's update| in units of lr")
+    print(format_table(["gradients", "b2", "v stored as", "median err", "p99 err", "max |update|/lr",
+                        "fp32 max"], rows))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {load()}")
+    result: dict = dict(args={k: str(v) for k, v in vars(args).items()}, load_start=os.getloadavg())
+    if args.study or args.quick:
+        result["study"] = study(args)
+    if not args.skip_speed:
+        result["speed"] = bench_speed(args)
+    if not args.skip_train:
+        result["train"] = bench_train(args)
+    result["load_end"] = os.getloadavg()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

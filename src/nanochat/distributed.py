@@ -1,0 +1,413 @@
+"""Beyond one process: torchrun, DDP or FSDP2, FP8 all-gather, distributed checkpoints.
+
+    torchrun --nproc_per_node=8 scripts/base_train.py ...           # DDP
+    torchrun --nproc_per_node=8 scripts/base_train.py --fsdp ...    # FSDP2
+
+torchrun starts one process per device and tells each its RANK, LOCAL_RANK and WORLD_SIZE
+(`common.dist_env()`); `init_distributed` joins them into one process group: NCCL on CUDA,
+gloo on CPU (how the tests run). Every rank reads its own share of each global batch
+(`data.TokenBatches` with rank/world_size), so the ranks together see exactly what one process
+with world_size times the batch would; gradients are averaged across ranks, so the update is
+the same too (the tests measure how close: reduction order is the only difference).
+
+Two ways to spread the model, chosen by `--fsdp`:
+- DDP (default): every rank holds the whole model and optimizer; gradients are all-reduced
+  during backward. Simplest and fastest while the model, its gradients and the Adam moments
+  fit on one device.
+- FSDP2 (`torch.distributed.fsdp.fully_shard`): each transformer block, then the root, is
+  sharded along dim 0 across ranks. A parameter becomes a DTensor whose local tensor is this
+  rank's rows; the block's parameters are all-gathered just before its forward (and again in
+  backward) and freed after; gradients are reduce-scattered. Parameters, gradients and the
+  optimizer state cost 1/world_size per rank. This is torchtitan's layout, minus its options.
+  FSDP1 (FullyShardedDataParallel, flat parameters) is not used: DTensor parameters are what
+  torchao's FP8 all-gather and DCP resharding build on.
+
+FP8 under FSDP2. With tensorwise scaling an FP8 layer casts its *whole* weight with one scale
+in every forward. FSDP2 can all-gather that weight already in FP8 (torchao's
+`WeightWithDynamicFloat8CastTensor`): half the bytes of a bf16 all-gather, a quarter of fp32,
+and the same numerics (the scale comes from the amax over all shards, as the unsharded cast
+would compute it; measured: identical losses with and without). After each optimizer step
+`precompute_float8_dynamic_scale_for_fsdp` computes all those amaxes in one all-reduce, instead
+of one per layer per forward. Both are on whenever they apply: FSDP, tensorwise recipe, and one
+fixed weight format (e4m3 or e5m2; `--fp8_mode auto` may choose per layer, so not there).
+Rowwise recipes scale per row, which an FP8 all-gather cannot express; they all-gather fp32.
+gloo has no float8 collectives, so on CPU the FP8 all-gather moves the same bytes as uint8
+(`_ByteAllGather`); NCCL all-gathers float8 directly.
+
+Evaluation under FSDP runs on a plain, unsharded high-precision copy (`full_copy`): with the
+FP8 all-gather the sharded model cannot produce fp32 weights at all (the all-gathered weight
+*is* FP8), and an unsharded copy also frees evaluation and sampling from FSDP's lockstep (every
+rank would otherwise have to run exactly the same forwards). It costs one full fp32 copy of the
+weights per rank while it lives (4 bytes/param, against the 16 bytes/param of weights,
+gradients and Adam moments that FSDP shards).
+
+Checkpoints. A single process writes `checkpoint.pt` (checkpoint.py: one file, weights_only).
+A distributed run writes a `torch.distributed.checkpoint` (DCP) directory: every rank writes
+its own shards in parallel, and DCP records which slice of which tensor each file holds, so it
+loads into any world size, FSDP or DDP, or a single process (no process group needed); FP8
+optimizer states (FP8Tensor, wrapped as DTensor under FSDP) are resharded by slicing on whole
+256-element blocks, without requantization. Layout and atomicity:
+
+    <run_dir>/checkpoint_dcp/step-000200/   DCP files + trainer.json (step, config, data position)
+    <run_dir>/checkpoint_dcp/LATEST         {"dir": "step-000200", "step": 200}
+
+The ranks write into `.tmp-step-000200/`; after a barrier rank 0 renames it to `step-000200/`
+and then atomically replaces LATEST (`os.replace`) before deleting older step directories: a
+crash at any point leaves LATEST naming a complete checkpoint. (A directory cannot be replaced
+atomically by `rename`, hence the pointer file.) Whichever format a run writes, it deletes the
+other afterwards, so resume finds one checkpoint; if a crash left both, the newer one wins.
+DCP stores its index (`.metadata`) with pickle, so unlike checkpoint.pt a DCP checkpoint must
+come from a trusted source; everything nanochat adds is JSON (trainer.json) or tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from nanochat.common import DistEnv, dist_env, logger
+
+DCP_DIRNAME = "checkpoint_dcp"
+LATEST = "LATEST"
+META_NAME = "trainer.json"
+
+_owns_process_group = False
+
+
+# --------------------------------------------------------------------------- process group
+def init_distributed(device: torch.device) -> tuple[DistEnv, torch.device]:
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU); returns (env, this rank's device).
+
+    A no-op for a single process. An existing process group (created by the caller) is reused
+    and stays the caller's to destroy; one created here is destroyed by `destroy_distributed`.
+    """
+    global _owns_process_group
+    env = dist_env()
+    if not env.is_distributed:
+        return env, device
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"distributed training runs on cuda (NCCL) or cpu (gloo), not {device.type}; "
+                         "pass --device cuda or --device cpu")
+    if device.type == "cuda":
+        if device.index is None:  # "--device cuda": one GPU per process, by local rank
+            device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        _owns_process_group = True
+    if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+        raise RuntimeError(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) does "
+                           f"not match RANK={env.rank} WORLD_SIZE={env.world_size} from the environment")
+    return env, device
+
+
+def destroy_distributed() -> None:
+    """Destroy the process group if `init_distributed` created it."""
+    global _owns_process_group
+    if _owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _owns_process_group = False
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum `t` over ranks, in place; returns it (a no-op for a single process)."""
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of `t` over ranks, in place (sum / world size: gloo has no AVG)."""
+    if is_distributed():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def backend_name() -> str:
+    return dist.get_backend() if is_distributed() else "none"
+
+
+# ---------------------------------------------------------------------------------- wrapping
+def wrap_model(model: nn.Module, *, fsdp: bool, device: torch.device,
+               blocks: Iterable[nn.Module]) -> nn.Module:
+    """The module to train with: `model` itself (one process), DDP around it, or, with `fsdp`,
+    `model` sharded in place by fully_shard on each of `blocks` and then on the root.
+
+    Under DDP keep using `model` (the unwrapped module) for evaluation and state dicts; under
+    FSDP `model` *is* the sharded module (fully_shard changes it in place).
+    """
+    if not is_distributed():
+        return model
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)  # the root: embedding, final norm, lm_head
+        if _has_fp8_all_gather(model) and dist.get_backend() == "gloo":
+            for module in model.modules():
+                if hasattr(module, "set_custom_all_gather"):
+                    module.set_custom_all_gather(_ByteAllGather())
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def no_grad_sync(train_model: nn.Module, skip: bool) -> Iterator[None]:
+    """Under DDP, skip the gradient all-reduce of a backward that is not the last micro-batch of
+    an optimizer step (the grads accumulate locally and the last backward reduces their sum).
+    FSDP2 reduce-scatters every micro-batch: holding unsharded gradients would cost the memory
+    it exists to save."""
+    if skip and hasattr(train_model, "no_sync"):
+        with train_model.no_sync():
+            yield
+    else:
+        yield
+
+
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank holds of `p` (its shard under FSDP)."""
+    return p.to_local().numel() if _is_dtensor(p) else p.numel()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+# --------------------------------------------------------------------------- FP8 all-gather
+def fp8_all_gather_problem(model: nn.Module, *, fsdp: bool) -> str | None:
+    """None if the FP8 layers of `model` can all-gather their weights in FP8, else why not."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+    from torchao.float8.float8_linear import Float8Linear
+
+    if not fsdp or not is_distributed():
+        return "only under FSDP (--fsdp with torchrun)"
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    if not layers:
+        return "no FP8 layers"
+    for m in layers:
+        cast = m.config.cast_config_weight
+        if cast.scaling_type is not ScalingType.DYNAMIC or cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            return "needs the tensorwise recipe (one scale per weight); rowwise all-gathers fp32"
+    if len({m.config.cast_config_weight.target_dtype for m in layers}) > 1:
+        return "weights use different FP8 formats (--fp8_mode auto); one format is needed"
+    return None
+
+
+def enable_fp8_all_gather(model: nn.Module) -> int:
+    """Make every FP8 layer's weight all-gather in FP8 under FSDP2; call before `wrap_model`,
+    and before building the optimizer (the weights become new Parameters). Returns the count.
+
+    This is what torchao's Float8Linear.from_float does with `enable_fsdp_float8_all_gather`:
+    the weight is wrapped in WeightWithDynamicFloat8CastTensor, whose fsdp_pre_all_gather hook
+    casts this rank's shard to FP8 with the scale of the whole weight.
+    """
+    import dataclasses
+
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Float8Linear) and not isinstance(m.weight, WeightWithDynamicFloat8CastTensor):
+            m.config = dataclasses.replace(m.config, enable_fsdp_float8_all_gather=True)
+            m.weight = nn.Parameter(
+                WeightWithDynamicFloat8CastTensor(m.weight.data, m.linear_mm_config,
+                                                  m.config.cast_config_weight.target_dtype),
+                requires_grad=m.weight.requires_grad,
+            )
+            n += 1
+    return n
+
+
+def _has_fp8_all_gather(model: nn.Module) -> bool:
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return any(isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)
+               for p in model.parameters())
+
+
+def after_optimizer_step(model: nn.Module) -> None:
+    """Precompute the FP8 weight scales for the next forward's all-gather (one all-reduce for all
+    layers); a no-op unless the model all-gathers in FP8."""
+    if _has_fp8_all_gather(model):
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _byte_all_gather_class():
+    # FSDP2's AllGather interface lives in a private module in torch 2.13; it is the documented
+    # argument type of FSDPModule.set_custom_all_gather.
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    class ByteAllGather(AllGather):
+        """all_gather_single on uint8 views: gloo rejects float8 buffers ("Invalid scalar
+        type"); the bytes, and so the result, are the same."""
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return dist.all_gather_single(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8),
+                                               group=group, async_op=async_op)
+
+    return ByteAllGather
+
+
+def _ByteAllGather():  # noqa: N802 - reads like the class it builds
+    return _byte_all_gather_class()()
+
+
+# ------------------------------------------------------------------------- full (eval) copy
+@torch.no_grad()
+def full_copy(model: nn.Module, plain: nn.Module) -> nn.Module:
+    """Fill `plain` (an unsharded model with the same parameter names, e.g. built on the meta
+    device and materialized) with the full fp32 weights of the FSDP-sharded `model`; returns it.
+
+    Collective: every rank must call it. One parameter is gathered at a time, so the peak is
+    `plain` plus one full parameter.
+    """
+    targets = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if _is_dtensor(p) else p
+        inner = getattr(full, "_tensor", None)  # WeightWithDynamicFloat8CastTensor keeps fp32 here
+        targets[name].copy_(inner if isinstance(inner, torch.Tensor) else full)
+    return plain
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def dcp_root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / DCP_DIRNAME
+
+
+def latest_dcp(run_dir: str | os.PathLike) -> Path | None:
+    """The step directory LATEST names, or None when there is no DCP checkpoint."""
+    pointer = dcp_root(run_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    path = dcp_root(run_dir) / json.loads(pointer.read_text())["dir"]
+    if not (path / META_NAME).is_file():
+        raise RuntimeError(f"{pointer} names {path}, which is missing or incomplete; the run directory was "
+                           "modified by hand? Restore that directory or delete checkpoint_dcp/ to start over")
+    return path
+
+
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    # Keys are parameter names (FQNs), the same for DDP (no "module." prefix), FSDP and a single
+    # process; tensors are DTensors under FSDP (DCP saves each rank's shard), plain otherwise.
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+             step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write model, optimizer, `tensors` (e.g. RNG states) and JSON `meta` as a DCP checkpoint.
+
+    Collective: every rank calls it with the same step. Returns the step directory.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    root = dcp_root(run_dir)
+    name = f"step-{step:06d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    rank0 = dist_env().rank == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
+        tmp.mkdir(parents=True)
+    barrier()
+    state = _state_dicts(model, optimizer)
+    state["extra"] = dict(tensors or {})
+    dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+    if rank0:
+        (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
+        _fsync_tree(tmp)
+    barrier()  # every rank's files are written before rank 0 publishes them
+    if rank0:
+        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's end)
+        os.rename(tmp, final)
+        pointer_tmp = root / f".{LATEST}.tmp"
+        pointer_tmp.write_text(json.dumps({"dir": name, "step": step}))
+        _fsync_file(pointer_tmp)
+        os.replace(pointer_tmp, root / LATEST)
+        _fsync_file(root)
+        for old in root.glob("step-*"):
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+             tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Load a DCP step directory into `model` and `optimizer` (any world size, FSDP, DDP or one
+    process) and into the `tensors` templates (in place); returns its JSON meta.
+
+    Collective when distributed. Loads into existing tensors: `get_optimizer_state_dict`
+    creates the optimizer's state first when it has none (a step with lr=0 and zero grads).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    path = Path(path)
+    state = _state_dicts(model, optimizer)
+    state["extra"] = dict(tensors or {})
+    dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if tensors is not None:
+        tensors.update(state["extra"])
+    return json.loads((path / META_NAME).read_text())
+
+
+def _fsync_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file of `root` and the directory itself (rank 0 sees the shared filesystem;
+    other ranks' files on a node-local disk are theirs to flush, which DCP's writer does)."""
+    for p in root.iterdir():
+        _fsync_file(p)
+    _fsync_file(root)
+
+
+__all__ = [
+    "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
+    "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
+    "fp8_all_gather_problem", "enable_fp8_all_gather", "after_optimizer_step", "full_copy",
+    "dcp_root", "latest_dcp", "save_dcp", "load_dcp", "DCP_DIRNAME",
+]

@@ -1,0 +1,110 @@
+"""FP8 in the training loop (CPU, emulated FP8), checked against an uninterrupted run or hand counts:
+
+- an inf injected into one layer's gradient skips exactly that step, is counted, and the run
+  names the layer; M such steps in a row stop the run and leave the last checkpoint loadable;
+- `--fp8_mode auto` fixes formats after --fp8_auto_steps, stores them in the checkpoint, and a
+  resumed run reuses them (no recalibration) and logs bitwise the same losses as a run that was
+  never interrupted;
+- sampled statistics and the end-of-run summary reach TrainResult.fp8_stats and metrics.jsonl;
+- on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains.
+"""
+
+import json
+
+import pytest
+import torch
+
+from nanochat.checkpoint import load_checkpoint
+from nanochat.trainer import NanoChatTrainer
+from tests.conftest import tiny_train_kwargs
+
+POISONED = "transformer.h.1.mlp.c_fc"
+
+
+def _records(run_dir):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class PoisonedTrainer(NanoChatTrainer):
+    """Multiplies one layer's weight gradient by inf on the steps listed in `bad_steps`."""
+
+    bad_steps: set[int] = set()
+
+    def _setup(self):
+        super()._setup()
+        calls = {"n": 0}
+        weight = dict(self.model.named_parameters())[POISONED + ".weight"]
+
+        def hook(grad):
+            calls["n"] += 1  # one backward per step (grad_accum_steps=1)
+            return grad * float("inf") if calls["n"] in self.bad_steps else grad
+
+        weight.register_hook(hook)
+
+
+def test_injected_inf_skips_the_step_and_names_the_layer(small_corpus, tmp_path):
+    PoisonedTrainer.bad_steps = {3}
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "inf", num_iterations=6, fp8=True, fp8_emulate=True,
+                           num_samples=0)
+    result = PoisonedTrainer(**kw).train()
+    recs = [r for r in _records(tmp_path / "inf") if "step" in r]
+    skipped = [r for r in recs if r.get("skipped")]
+    assert [r["step"] for r in skipped] == [3]
+    assert POISONED in skipped[0]["nonfinite_at"]
+    assert result.fp8_stats["overflow_events"] == 1 and result.fp8_stats["skipped_steps"] == 1
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs if not r.get("skipped"))
+
+
+def test_consecutive_overflows_stop_and_keep_the_checkpoint(small_corpus, tmp_path):
+    PoisonedTrainer.bad_steps = set(range(5, 100))
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "stop", num_iterations=20, save_every=2, fp8=True,
+                           fp8_emulate=True, fp8_max_overflows=3, num_samples=0)
+    with pytest.raises(RuntimeError, match=f"3 consecutive.*{POISONED}.*checkpoint"):
+        PoisonedTrainer(**kw).train()
+    ckpt = load_checkpoint(tmp_path / "stop")
+    assert ckpt["step"] == 4  # the last good step; nothing was written after the overflows began
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+
+
+def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch):
+    kw = dict(num_iterations=6, save_every=3, fp8=True, fp8_emulate=True, fp8_mode="auto",
+              fp8_auto_steps=2, fp8_stats_every=2, num_samples=0)
+    full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    assert full.fp8_choices and set(full.fp8_choices) == set(full.fp8_converted)
+    assert all(set(roles) == {"input", "weight", "grad_output"} for roles in full.fp8_choices.values())
+
+    real_save = NanoChatTrainer._save
+
+    def crash_after_first_save(self, step):
+        real_save(self, step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(NanoChatTrainer, "_save", crash_after_first_save)
+    with pytest.raises(KeyboardInterrupt):
+        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw)).train()
+    monkeypatch.setattr(NanoChatTrainer, "_save", real_save)
+    assert load_checkpoint(tmp_path / "cut")["fp8_choices"] == full.fp8_choices
+    resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
+    assert resumed.fp8_choices == full.fp8_choices
+    events = [r for r in _records(tmp_path / "cut") if r.get("event") == "fp8_auto_choices"]
+    assert len(events) == 1  # calibrated once, before the interruption; not again after resume
+    ref = {r["step"]: r["loss"] for r in _records(tmp_path / "full") if "step" in r}
+    got = {r["step"]: r["loss"] for r in _records(tmp_path / "cut") if "step" in r}
+    assert got == ref
+
+    stats = full.fp8_stats
+    assert stats["stats_samples"] == 3 and stats["layers"]
+    some = next(iter(stats["layers"].values()))
+    assert {"amax", "scale", "underflow_pct", "saturation_pct", "sqnr_db"} <= set(some["input"])
+    assert len(stats["top_underflow"]) == 5 and stats["choices"] == full.fp8_choices
+    assert any(r.get("event") == "fp8_summary" for r in _records(tmp_path / "full"))
+
+
+def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, caplog):
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=8, fp8=True,
+                                                 fp8_opt_level=1, num_samples=0)).train()
+    assert result.fp8_backend == "fallback" and result.fp8_converted == []
+    assert len(result.fallbacks) == 1 and "--fp8_emulate" in result.fallbacks[0]
+    losses = [r["loss"] for r in _records(tmp_path / "fb") if "step" in r]
+    assert losses[-1] < losses[0]
+    assert result.optimizer_state_bytes < 8 * result.num_params  # FP8 moments work without FP8 matmuls
