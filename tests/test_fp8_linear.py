@@ -164,7 +164,8 @@ def test_scaled_mm_path_matches_emulation(mode, recipe):
     x, g = torch.randn(16, 64), torch.randn(16, 32)
     results = []
     for emulate in (True, False):
-        layer = Float8Linear.from_float(copy.deepcopy(lin), config=float8_linear_config(recipe, dtypes, emulate=emulate))
+        config = float8_linear_config(recipe, dtypes, emulate=emulate)
+        layer = Float8Linear.from_float(copy.deepcopy(lin), config=config)
         results.append(_fwd_bwd(nn.Sequential(layer), x, g))
     tol = 1e-5 if recipe == "tensorwise" else 1e-2
     for emulated, native in zip(*results):

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from nanochat.fp8 import FP8StatsSampler, collect_fp8_stats, convert, first_nonfinite_layer, fp8_disabled, tensor_stats
-from nanochat.fp8.stats import CastCounts, role_counts
+from nanochat.fp8.stats import role_counts
 
 X = torch.tensor([0.0, 1e-6, -1e-6, 1.0, 500.0, -600.0, 3.0, 0.001])
 

@@ -23,7 +23,8 @@ What is checked against what:
   ill-conditioned quadratic ends within 5% of AdamW's loss (the CPU twin's bound); the compiled
   step did not fall back to eager; level 2 holds <= 2.05 bytes/param (FP8Tensor's budget);
 * a short FP8 training run (d2 GPT, e4m3 tensorwise, FP8Optim level 2, bf16 autocast, compiled)
-  on a learnable synthetic stream: the loss starts at ln(vocab) and falls below half of it.
+  on a learnable synthetic stream: the loss starts at ln(256) = 5.55 and ends below 1.0 (the same
+  run emulated in fp32 on the CPU: 0.46 after 20 steps, 0.02 after 60).
 """
 
 from __future__ import annotations
@@ -236,4 +237,4 @@ def test_fp8_training_run_on_cuda_learns():
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses)
     assert abs(losses[0] - math.log(vocab)) < 0.5  # lm_head starts near zero: uniform predictions
-    assert sum(losses[-5:]) / 5 < 0.5 * math.log(vocab), f"loss did not fall: {losses[0]:.2f} -> {losses[-5:]}"
+    assert sum(losses[-5:]) / 5 < 1.0, f"loss did not fall enough: {losses[0]:.2f} -> {losses[-5:]}"

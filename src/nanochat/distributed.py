@@ -384,6 +384,46 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.O
     return json.loads((path / META_NAME).read_text())
 
 
+def read_dcp_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON metadata (step, config, data position, ...) of a DCP step directory."""
+    return json.loads((Path(path) / META_NAME).read_text())
+
+
+@torch.no_grad()
+def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
+                          model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
+    """Load a single process's state dicts (checkpoint.pt) into an FSDP-sharded model and its
+    optimizer: every rank holds the full tensors and keeps its own rows.
+
+    FP8 moments are dequantized before slicing and requantized per shard by FP8Optim's
+    load_state_dict (a shard's blocks are the same elements as in the full tensor, so codes and
+    scales come back as they were up to the rounding of recomputing a scale). DCP checkpoints
+    need none of this: they reshard without dequantizing.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    from nanochat.fp8.tensor import FP8Tensor
+
+    set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
+
+    def shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        if not _is_dtensor(p) or full.dim() == 0:
+            return full
+        full = full.dequantize() if isinstance(full, FP8Tensor) else full
+        # src_data_rank=None: every rank slices its own rows, no communication
+        return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+
+    # torch's optimizer state dicts number parameters in param_groups order; so does the model
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in optim_state["param_groups"] for i in g["params"]]
+    if len(params) != len(saved_ids):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved_ids)} parameters, this model {len(params)}")
+    state = {i: {k: shard_like(v, p) if torch.is_tensor(v) else v for k, v in optim_state["state"][i].items()}
+             for i, p in zip(saved_ids, params) if i in optim_state["state"]}
+    optimizer.load_state_dict({"state": state, "param_groups": optim_state["param_groups"]})
+
+
 def _fsync_file(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -409,5 +449,6 @@ __all__ = [
     "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
     "fp8_all_gather_problem", "enable_fp8_all_gather", "after_optimizer_step", "full_copy",
-    "dcp_root", "latest_dcp", "save_dcp", "load_dcp", "DCP_DIRNAME",
+    "dcp_root", "latest_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
+    "DCP_DIRNAME", "LATEST",
 ]

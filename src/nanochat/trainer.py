@@ -14,6 +14,14 @@ The order of operations is the part worth reading, because FP8 makes it matter:
   4. evaluation and sampling run the *uncompiled* model inside `fp8_disabled`, i.e. in high
      precision: the number we report is the model's quality, not FP8's inference noise.
 
+Distributed (under torchrun; nanochat/distributed.py explains the choices): the process group
+is joined first thing; the model is wrapped (DDP, or FSDP2 with --fsdp) after FP8 conversion and
+before the optimizer is built, since FSDP replaces the parameters with sharded DTensors. Logged
+losses are means over ranks, evaluation sums over each rank's share of the validation windows,
+and only rank 0 prints, logs and samples. Distributed runs checkpoint with DCP (every rank
+writes its shards); a single process keeps checkpoint.pt; either resumes in any world size with
+the same global batch (batch_size x world size).
+
 Mixed precision: on CUDA the forward runs under bf16 autocast with fp32 master weights;
 torchao's Float8Linear handles CUDA bf16 autocast itself (it casts its input to bf16 before
 quantizing). On CPU everything is fp32 unless --dtype says otherwise.
@@ -26,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +43,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanochat import engine
-from nanochat.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nanochat import distributed, engine
+from nanochat.checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from nanochat.common import (
-    dist_env,
     format_bytes,
     format_table,
     logger,
@@ -56,8 +64,10 @@ from nanochat.tokenizer import Tokenizer
 # Fields that must match between a checkpoint and a --resume run: they change the model, the
 # data stream or the optimizer's meaning. Everything else (num_iterations, eval_every, ...) may
 # differ, so a run can be extended.
+# batch_size is not among them: it is checked as the global batch (batch_size x world size), so a
+# run saved by 2 ranks of 8 sequences resumes in 1 process of 16 or 4 of 4.
 _RESUME_MUST_MATCH = (
-    "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len", "batch_size",
+    "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len",
     "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_opt_level", "fp8_skip",
     "fp8_min_dim",
 )
@@ -95,6 +105,9 @@ class TrainResult:
     fp8_stats: dict[str, Any] | None = None
     samples: list[str] = field(default_factory=list)
     run_dir: str = ""
+    parallel: str = "none"
+    """How the run was spread over processes: none, or ddp/fsdp x world size (backend), with FP8
+    all-gather on/off and why."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -134,8 +147,7 @@ class NanoChatTrainer:
     def _setup(self) -> None:
         cfg = self.config
         setup_logging()
-        self.dist = dist_env()
-        self.device = resolve_device(cfg.device)
+        self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.run_dir = Path(cfg.run_dir)
         self.fallbacks: list[str] = []
@@ -202,7 +214,10 @@ class NanoChatTrainer:
             if self.fp8_report.fallback:
                 self.fallbacks.append(self.fp8_report.fallback)
 
-        # 3. Optimizer: AdamW, no weight decay on embeddings / norms / biases.
+        # 3. Spread over ranks (before the optimizer: FSDP replaces parameters with DTensors).
+        self.dist_model = self._parallelize()
+
+        # 4. Optimizer: AdamW, no weight decay on embeddings / norms / biases.
         adamw = torch.optim.AdamW(
             self.model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             eps=1e-8, **({"fused": True} if not cfg.fp8 else {}),
@@ -216,18 +231,52 @@ class NanoChatTrainer:
             self.optimizer_state_bytes = self.optimizer.state_bytes()
         else:
             self.optimizer = adamw
-            # torch creates the two fp32 moments lazily at the first step; count them now.
-            self.optimizer_state_bytes = sum(8 * p.numel() for g in adamw.param_groups for p in g["params"])
+            # torch creates the two fp32 moments lazily at the first step; count them now
+            # (this rank's: its shard under FSDP).
+            self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
+                                             for g in adamw.param_groups for p in g["params"])
 
-        self.train_model = torch.compile(self.model) if cfg.compile else self.model
+        self.train_model = torch.compile(self.dist_model) if cfg.compile else self.dist_model
+        if cfg.fp8 and self.dtype != torch.float32 and self.device.type != "cuda":
+            raise ValueError(
+                f"--fp8 with --dtype {cfg.dtype} on {self.device.type}: torchao's FP8 layers only "
+                "support bf16 autocast on CUDA (elsewhere they would round outputs to the wrong dtype). "
+                "Use --dtype float32 (the default off CUDA) with --fp8."
+            )
         self.autocast = (
             torch.autocast(self.device.type, dtype=self.dtype)
             if self.dtype != torch.float32 else contextlib.nullcontext()
         )
 
+    def _parallelize(self) -> torch.nn.Module:
+        """Wrap the model for this world size; returns the module the training step calls (DDP
+        around self.model, or self.model itself: one process, or sharded in place by FSDP)."""
+        cfg = self.config
+        self.parallel = "none"
+        if not self.dist.is_distributed:
+            if cfg.fsdp:
+                self.fallbacks.append("fsdp: --fsdp ignored in a single process (launch with torchrun "
+                                      "--nproc_per_node=N to shard)")
+                logger.warning("WARNING: %s", self.fallbacks[-1])
+            return self.model
+        kind = "fsdp" if cfg.fsdp else "ddp"
+        self.parallel = f"{kind} x{self.dist.world_size} ({distributed.backend_name()})"
+        if cfg.fsdp and self._has_fp8_layers:
+            problem = distributed.fp8_all_gather_problem(self.model, fsdp=True)
+            if problem is None and cfg.fp8_mode == "auto":
+                problem = "--fp8_mode auto may give layers different weight formats after calibration"
+            if problem is None:
+                n = distributed.enable_fp8_all_gather(self.model)
+                self.parallel += (f", fp8 all-gather on ({n} layers' weights all-gathered in "
+                                  f"{cfg.fp8_mode}, scales precomputed after each optimizer step)")
+            else:
+                self.parallel += f", fp8 all-gather off: {problem}"
+        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device, blocks=self.model.transformer.h)
+
     def _print_header(self) -> None:
         cfg, m = self.config, self.model
         n_params = m.num_params()
+        n_local = sum(distributed.local_numel(p) for p in m.parameters())  # this rank's (FSDP shard)
         rows = [
             ["model", f"{cfg.model_name}: {m.config.n_layer} layers, width {m.config.n_embd}, "
                       f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {n_params / 1e6:.2f}M params"],
@@ -238,8 +287,10 @@ class NanoChatTrainer:
                          f" x {cfg.seq_len} tokens ({self.steps_per_epoch} steps/epoch)"],
             ["device", f"{self.device} ({self.dtype}), world size {self.dist.world_size}, "
                        f"compile {'on' if cfg.compile else 'off'}"],
-            ["optimizer", f"AdamW, {format_bytes(self.optimizer_state_bytes)} of state "
-                          f"({self.optimizer_state_bytes / n_params:.3f} bytes/param)"],
+            ["parallel", self.parallel],
+            ["optimizer", f"AdamW, {format_bytes(self.optimizer_state_bytes)} of state"
+                          f"{' on each rank' if self.dist.is_distributed else ''} "
+                          f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
         ]
         if self.fp8_report is not None:
             rows.append(["fp8", self.fp8_report.summary()])
@@ -253,46 +304,70 @@ class NanoChatTrainer:
     # --------------------------------------------------------------- evaluate
     @torch.no_grad()
     def evaluate(self) -> tuple[float, float]:
-        """Validation loss (nats/token) and bits per byte, in high precision, uncompiled."""
+        """Validation loss (nats/token) and bits per byte, in high precision, uncompiled.
+
+        Distributed: each rank scores its share of the windows and the sums are all-reduced."""
         cfg = self.config
-        was_training = self.model.training
-        self.model.eval()
-        total_nats = torch.zeros((), dtype=torch.float64, device=self.device)
-        total_tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        total_bytes = torch.zeros((), dtype=torch.float64, device=self.device)
-        with self._high_precision(), self.autocast:
-            for x, y in val_batches(self.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens):
+        # [nats, scored tokens, bytes] summed over this rank's windows
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        with self._eval_model() as model, self.autocast:
+            for x, y in val_batches(self.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
+                                    rank=self.dist.rank, world_size=self.dist.world_size):
                 x, y = x.to(self.device), y.to(self.device)
-                loss = self.model(x, y, reduction="none").view(-1).double()
+                loss = model(x, y, reduction="none").view(-1).double()
                 y = y.view(-1)
                 scored = y >= 0  # -1: a position the loss mask excludes (instruction prompts)
                 nbytes = self.token_bytes[y.clamp(min=0)] * scored
                 counted = nbytes > 0  # special tokens (BOS) carry no bytes and are not scored
-                total_nats += torch.where(counted, loss, 0.0).sum()
-                total_tokens += counted.sum()
-                total_bytes += nbytes.sum()
-        self.model.train(was_training)
-        if total_tokens.item() == 0:
+                totals[0] += torch.where(counted, loss, 0.0).sum()
+                totals[1] += counted.sum()
+                totals[2] += nbytes.sum()
+        total_nats, total_tokens, total_bytes = distributed.all_reduce_sum(totals).tolist()
+        if total_tokens == 0:
             raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
-        return (total_nats / total_tokens).item(), (total_nats / (math.log(2) * total_bytes)).item()
+        return total_nats / total_tokens, total_nats / (math.log(2) * total_bytes)
+
+    @contextlib.contextmanager
+    def _eval_model(self):
+        """The model in eval mode and high precision, for evaluation and sampling.
+
+        One process and DDP: self.model itself (unwrapped, so no collectives) inside
+        fp8_disabled. FSDP: a plain, unsharded high-precision copy gathered from the shards
+        (collective: every rank enters); see distributed.py for why.
+        """
+        if self.dist.is_distributed and self.config.fsdp:
+            with torch.device("meta"):
+                plain = GPT(self.model.config)
+            plain = distributed.full_copy(self.model, plain.materialize(self.device))
+            yield plain.eval()
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._high_precision():
+                yield self.model
+        finally:
+            self.model.train(was_training)
 
     def _high_precision(self):
-        if self.fp8_report is not None and self.fp8_report.converted:
-            from nanochat.fp8 import fp8_disabled
+        from nanochat.fp8 import fp8_disabled, is_fp8_model
+
+        if is_fp8_model(self.model):
 
             return fp8_disabled(self.model)
         return contextlib.nullcontext()
 
     def sample(self, num_samples: int) -> list[str]:
-        """Continue the first tokens of a few validation documents (high precision)."""
+        """Continue the first tokens of a few validation documents (high precision); on rank 0
+        only (the other ranks return [])."""
         cfg = self.config
         prompts = [d for d in self.corpus.val_docs if d.strip()][:num_samples]
         out = []
-        with self._high_precision(), self.autocast:
-            for i, doc in enumerate(prompts):
+        with self._eval_model() as model, self.autocast:
+            for i, doc in enumerate(prompts if self.dist.rank == 0 else []):
                 ids = self.tokenizer.encode(doc, prepend_bos=True)[:16]
                 gen = engine.generate(
-                    self.model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
+                    model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
                     top_k=cfg.top_k, seed=cfg.seed + i,
                 )
                 # generate() returns only the new tokens; show the prompt with its continuation
@@ -301,26 +376,56 @@ class NanoChatTrainer:
 
     # ---------------------------------------------------------------- persist
     def _save(self, step: int) -> None:
-        if self.dist.rank != 0:
-            return
-        save_checkpoint(self.run_dir, {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+        """checkpoint.pt in a single process, a DCP directory (every rank) when distributed; the
+        format not written is deleted afterwards, so a resume finds exactly one."""
+        meta = {
             "config": self.config.to_dict(),
             "step": step,
-            "rng": rng_state(),
+            "world_size": self.dist.world_size,
             "data": self.loader.state_dict(),
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "counters": dict(self.counters),
             # --fp8_mode auto: the measured formats, so a resumed run does not recalibrate
             "fp8_choices": self.fp8_choices,
+        }
+        if self.dist.is_distributed:
+            rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
+            distributed.save_dcp(self.run_dir, self.model, self.optimizer, step=step, meta=meta, tensors=rng)
+            if self.dist.rank == 0:
+                checkpoint_path(self.run_dir).unlink(missing_ok=True)
+            return
+        save_checkpoint(self.run_dir, {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": rng_state(),
+            **meta,
         })
+        shutil.rmtree(distributed.dcp_root(self.run_dir), ignore_errors=True)
+
+    def _find_checkpoint(self) -> tuple[str, Path]:
+        """("dcp", step dir) or ("pt", checkpoint.pt): the newest checkpoint of run_dir. Both exist
+        only after a crash between writing one and deleting the other; then the newer wins."""
+        dcp_dir, pt = distributed.latest_dcp(self.run_dir), checkpoint_path(self.run_dir)
+        if dcp_dir is None:
+            return "pt", pt  # load_checkpoint explains a missing file
+        pointer = distributed.dcp_root(self.run_dir) / distributed.LATEST
+        if pt.is_file() and pt.stat().st_mtime > pointer.stat().st_mtime:
+            return "pt", pt
+        return "dcp", dcp_dir
 
     def _resume(self) -> int:
-        ckpt = load_checkpoint(self.run_dir, map_location=self.device)
+        kind, source = self._find_checkpoint()
+        if kind == "dcp":
+            ckpt = distributed.read_dcp_meta(source)
+        else:
+            ckpt = load_checkpoint(self.run_dir, map_location=self.device)
         saved = ckpt["config"]
         now = self.config.to_dict()
         diff = {k: (saved.get(k), now[k]) for k in _RESUME_MUST_MATCH if saved.get(k) != now[k]}
+        saved_ranks = ckpt.get("world_size", 1)
+        if saved["batch_size"] * saved_ranks != now["batch_size"] * self.dist.world_size:
+            diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks",
+                                  f"{now['batch_size']} x {self.dist.world_size} ranks")
         if diff:
             lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
             raise ValueError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
@@ -328,8 +433,15 @@ class NanoChatTrainer:
         if ckpt["tokenizer_fingerprint"] != self.tokenizer.fingerprint:
             raise ValueError("--resume: the tokenizer differs from the one the checkpoint was trained "
                              "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
-        self.model.load_state_dict(ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        if kind == "dcp":
+            tensors = {"rng_cpu": torch.get_rng_state()}
+            distributed.load_dcp(source, self.model, self.optimizer, tensors=tensors)
+            ckpt["rng"] = {"cpu": tensors["rng_cpu"]}
+        elif self.dist.is_distributed and self.config.fsdp:
+            distributed.load_full_state_dicts(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"])
+        else:
+            self.model.load_state_dict(ckpt["model"])
+            self.optimizer.load_state_dict(ckpt["optimizer"])
         self.loader.load_state_dict(ckpt["data"])
         set_rng_state(ckpt["rng"])
         self.counters.update(ckpt.get("counters", {}))
@@ -339,7 +451,7 @@ class NanoChatTrainer:
             apply_fp8_choices(self.model, ckpt["fp8_choices"])
             self.fp8_choices = ckpt["fp8_choices"]
             logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
-        logger.info("resumed from %s at step %d", self.run_dir / "checkpoint.pt", ckpt["step"])
+        logger.info("resumed from %s at step %d", source, ckpt["step"])
         return int(ckpt["step"])
 
     def _log(self, record: dict[str, Any]) -> None:
@@ -370,7 +482,7 @@ class NanoChatTrainer:
         print0(self._choices_table())
         self._log({"event": "fp8_auto_choices", "choices": self.fp8_choices})
         if self.config.compile:  # the formats are fixed: compile once, now
-            self.train_model = torch.compile(self.model)
+            self.train_model = torch.compile(self.dist_model)
 
     def _choices_table(self) -> str:
         rows = [[name, *(roles.get(r, "-") for r in ("input", "weight", "grad_output"))]
@@ -425,6 +537,12 @@ class NanoChatTrainer:
 
     # ------------------------------------------------------------------ train
     def train(self) -> TrainResult:
+        try:
+            return self._train()
+        finally:
+            distributed.destroy_distributed()  # only a process group init_distributed created
+
+    def _train(self) -> TrainResult:
         t_start = time.perf_counter()
         cfg = self.config
         self._setup()
@@ -440,7 +558,7 @@ class NanoChatTrainer:
         self._print_header()
         self._start_calibration()
         if self.calib is not None:
-            self.train_model = self.model  # calibrate eagerly; _calibration_step compiles after
+            self.train_model = self.dist_model  # calibrate eagerly; _calibration_step compiles after
 
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -460,7 +578,7 @@ class NanoChatTrainer:
                 group["lr"] = lr
             # FP8 statistics are sampled on the eager model (the hooks would force recompiles).
             sample_stats = self._has_fp8_layers and cfg.fp8_stats_every and (step + 1) % cfg.fp8_stats_every == 0
-            model = self.model if sample_stats else self.train_model
+            model = self.dist_model if sample_stats else self.train_model
             sampler = contextlib.nullcontext()
             if sample_stats:
                 from nanochat.fp8 import collect_fp8_stats
@@ -468,13 +586,16 @@ class NanoChatTrainer:
                 sampler = collect_fp8_stats(self.model)
             loss_sum = torch.zeros((), device=self.device)
             with sampler:
-                for _ in range(cfg.grad_accum_steps):
+                for micro in range(cfg.grad_accum_steps):
                     x, y = self.loader.next_batch(self.device)
-                    with self.autocast:
-                        loss = model(x, y)
-                    (loss / cfg.grad_accum_steps).backward()
+                    with distributed.no_grad_sync(model, skip=micro < cfg.grad_accum_steps - 1):
+                        with self.autocast:
+                            loss = model(x, y)
+                        (loss / cfg.grad_accum_steps).backward()
                     loss_sum += loss.detach()
-            loss_value = (loss_sum / cfg.grad_accum_steps).item()
+            # the mean over ranks: what one process with the global batch would log, and the same
+            # value on every rank, so all ranks agree on skipping a non-finite step
+            loss_value = (distributed.all_reduce_mean(loss_sum) / cfg.grad_accum_steps).item()
             # The norm first, clipping after: a non-finite norm must leave the gradients as they
             # are (clip_grad_norm_ would scale all of them by nan) so the culprit can be named.
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
@@ -519,6 +640,7 @@ class NanoChatTrainer:
                 record["clip_factor"] = factor
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            distributed.after_optimizer_step(self.model)  # FSDP + FP8 all-gather: next scales
             self._calibration_step()
 
             dt = time.perf_counter() - t0
@@ -572,6 +694,7 @@ class NanoChatTrainer:
             fp8_stats=fp8_stats,
             samples=samples,
             run_dir=str(self.run_dir),
+            parallel=self.parallel,
         )
         if self.dist.rank == 0:
             (self.run_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))

@@ -20,8 +20,8 @@ underflow over the K passes. Then, per layer and role:
      stands (e4m3 for input and weight, e5m2 for grad_output);
   3. the choice is made runnable on CUDA FP8 kernels (hardware.native_gemm_problem: no GEMM with
      two e5m2 operands, e4m3 weight for rowwise): an offending e5m2 role goes back to e4m3, the
-     one whose underflow grows least first (then the one losing fewest dB). This holds in emulation too, so a choice calibrated on a
-     CPU can be applied on a GPU unchanged.
+     one whose underflow grows least first (then the one losing fewest dB). This holds in
+     emulation too, so a choice calibrated on a CPU can be applied on a GPU unchanged.
 
 Then each layer's `Float8Linear.config` (per module in torchao) is rebuilt with its per-role
 dtypes and training goes on. The choices are a plain dict `{layer: {role: "e4m3"|"e5m2"}}`:
@@ -50,7 +50,9 @@ from torchao.float8.float8_linear import Float8Linear
 
 from nanochat.common import format_table, logger
 from nanochat.fp8.hardware import native_gemm_problem
-from nanochat.fp8.linear import CAST_FIELDS, FP8_DTYPES, HYBRID, ROLES, fp8_layers, fp8_report, layer_dtypes, with_dtypes
+from nanochat.fp8.linear import (
+    CAST_FIELDS, FP8_DTYPES, HYBRID, ROLES, fp8_layers, fp8_report, layer_dtypes, with_dtypes,
+)
 from nanochat.fp8.stats import CastCounts, RoleHooks, role_counts
 
 TIE_DB = 0.1

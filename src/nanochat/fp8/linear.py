@@ -340,15 +340,20 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
     hw = detect(device if device is not None else _model_device(model),
                 emulate=config.emulate, recipe=config.recipe)
     dtypes = config.role_dtypes()
-    lin_config = float8_linear_config(config.recipe, dtypes, emulate=hw.backend != "native")
+    fallback = None
     if hw.backend == "native":
         problem = native_gemm_problem({r: FP8_DTYPES[d] for r, d in dtypes.items()}, recipe=config.recipe)
         if problem:
-            raise ValueError(
-                f"--fp8_mode {config.mode} with --fp8_recipe {config.recipe} cannot run on "
-                f"{hw.device_name}: {problem}. Use --fp8_mode e4m3, or auto (e4m3 forward, e5m2 "
-                "gradients), or add --fp8_emulate to study these numerics."
-            )
+            # Only all-e5m2 gets here (e4m3 and the hybrid are legal for every recipe). The run
+            # goes on with the nearest assignment the kernels accept -- the gradients keep e5m2,
+            # input and weight take e4m3 -- and says so, rather than refusing `--fp8_mode e5m2`.
+            assert native_gemm_problem({r: FP8_DTYPES[d] for r, d in HYBRID.items()}, recipe=config.recipe) is None
+            dtypes = dict(HYBRID)
+            fallback = (f"fp8: --fp8_mode {config.mode} cannot run as asked on {hw.device_name}: {problem}; "
+                        "running input and weight in e4m3 and gradients in e5m2 (the nearest the FP8 "
+                        "kernels accept). Add --fp8_emulate for all-e5m2 numerics (slow).")
+            warn_once(f"fp8-native-e5m2:{config.recipe}", fallback)
+    lin_config = float8_linear_config(config.recipe, dtypes, emulate=hw.backend != "native")
 
     layers, replacements = [], {}
     for name, module in model.named_modules():
@@ -381,7 +386,6 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
         _patch_inductor_min_max_codegen()
         _swap(model, replacements)
 
-    fallback = None
     if hw.backend == "fallback":
         fallback = f"fp8: {hw.reason}"
         warn_once(f"fp8-fallback:{hw.device_name}", f"FP8 requested but not available: {hw.reason}")
