@@ -6,6 +6,7 @@ Thin entrypoint: parse flags into TrainConfig (tyro), hand it to NanoChatTrainer
 import json
 import sys
 
+from nanochat.common import print0
 from nanochat.config import TrainConfig, parse_cli
 
 
@@ -18,15 +19,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("\nsamples:")
+    # under torchrun every rank returns a result; rank 0 reports it
+    print0("\nsamples:")
     for s in result.samples:
-        print("  " + json.dumps(s)[:400])
-    print(f"\nval bpb {result.val_bpb:.4f} | val loss {result.val_loss:.4f} | train loss "
-          f"{result.train_loss:.4f} | {result.tokens_per_sec:,.0f} tokens/s | {result.steps} steps "
-          f"({result.epochs:.3f} epochs) in {result.wall_time_s:.0f} s")
+        print0("  " + json.dumps(s)[:400])
+    print0(f"\nval bpb {result.val_bpb:.4f} | val loss {result.val_loss:.4f} | train loss "
+           f"{result.train_loss:.4f} | {result.tokens_per_sec:,.0f} tokens/s | {result.steps} steps "
+           f"({result.epochs:.3f} epochs) in {result.wall_time_s:.0f} s")
     for f in result.fallbacks:
-        print(f"fallback: {f}")
-    print(f"results: {result.run_dir}/result.json, metrics: {result.run_dir}/metrics.jsonl")
+        print0(f"fallback: {f}")
+    print0(f"results: {result.run_dir}/result.json, metrics: {result.run_dir}/metrics.jsonl")
     return 0
 
 

@@ -34,7 +34,7 @@ else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-if ! "$PY" -c "import torch, torchao, torchao.float8, torchao.optim, nanochat.fp8
+if ! "$PY" -c "import torchao, torchao.float8, torchao.optim, torch, nanochat.fp8
 print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, available {torch.cuda.is_available()}), torchao {torchao.__version__}')"; then
   echo "error: torchao or nanochat.fp8 does not import with this torch (traceback above); nothing to measure." \
        "Carry a torchao that supports it: TORCHAO=torchao==X.Y.Z ../shared/tools/gpu-wheels.sh" >&2

@@ -61,7 +61,7 @@ def _val_losses(run_dir: Path) -> dict[int, float]:
 def _kwargs(corpus: Path, run_dir: Path, **over) -> dict:
     from tests.conftest import tiny_train_kwargs
 
-    return tiny_train_kwargs(corpus, run_dir, num_iterations=STEPS, eval_every=4, **over)
+    return tiny_train_kwargs(corpus, run_dir, **{"num_iterations": STEPS, "eval_every": 4, **over})
 
 
 def _torchrun(nproc: int, runs: list[dict], cache: Path, timeout: int = 600) -> None:
@@ -157,6 +157,101 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks, cache):
                           {s: full[s] for s in range(5, STEPS + 1)}, FP8_LOSS_TOL, "resumed at ws 1")
     assert worst > 0 or True  # bitwise agreement is possible but not promised (per-rank FP8 scales)
     assert (cut / "checkpoint.pt").is_file() and not (cut / "checkpoint_dcp").exists()
+
+
+# ------------------------------------------------------------- one process, no process group
+def _tiny_model_and_optimizer(seed: int):
+    from nanochat.fp8 import FP8Optim
+    from nanochat.gpt import GPT, preset_config
+
+    torch.manual_seed(seed)
+    model = GPT(preset_config("d2", vocab_size=320, seq_len=16))
+    model.init_weights()
+    adamw = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2)
+    return model, FP8Optim(adamw, opt_level=2, compile=False)
+
+
+def _train_steps(model, optimizer, n: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        x = torch.randint(0, 320, (2, 17), generator=g)
+        model(x[:, :-1], x[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _flat_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and every optimizer state tensor (FP8 codes as uint8, scales), by name."""
+    from nanochat.fp8.tensor import FP8Tensor
+
+    out = {f"param/{n}": p.detach().clone() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, state in optimizer.state.items():
+        for k, v in state.items():
+            if isinstance(v, FP8Tensor):
+                out[f"{names[id(p)]}/{k}/codes"] = v.codes.view(torch.uint8).clone()
+                out[f"{names[id(p)]}/{k}/scale"] = v.scale.clone()
+            else:
+                out[f"{names[id(p)]}/{k}"] = v.clone()
+    return out
+
+
+def test_dcp_round_trip_in_one_process_is_bitwise(tmp_path):
+    from nanochat import distributed
+
+    model, opt = _tiny_model_and_optimizer(0)
+    _train_steps(model, opt, 2)
+    rng = torch.get_rng_state()
+    distributed.save_dcp(tmp_path, model, opt, step=2, meta={"note": "x"}, tensors={"rng_cpu": rng})
+    fresh, fresh_opt = _tiny_model_and_optimizer(1)  # different weights, no optimizer state yet
+    tensors = {"rng_cpu": torch.zeros_like(torch.get_rng_state())}
+    meta = distributed.load_dcp(distributed.latest_dcp(tmp_path), fresh, fresh_opt, tensors=tensors)
+    assert meta == {"note": "x", "step": 2}
+    assert torch.equal(tensors["rng_cpu"], rng)
+    want, got = _flat_state(model, opt), _flat_state(fresh, fresh_opt)
+    assert sorted(got) == sorted(want) and any("/codes" in k for k in want)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_interrupted_dcp_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from nanochat import distributed
+
+    model, opt = _tiny_model_and_optimizer(0)
+    _train_steps(model, opt, 1)
+    distributed.save_dcp(tmp_path, model, opt, step=1, meta={})
+    saved = _flat_state(model, opt)
+    _train_steps(model, opt, 1)
+    real_save = dcp.save
+
+    def save_then_die(state, *, checkpoint_id, **kw):
+        real_save(state, checkpoint_id=checkpoint_id, **kw)  # the shards are written...
+        raise KeyboardInterrupt  # ...and the process dies before the checkpoint is published
+
+    monkeypatch.setattr(dcp, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        distributed.save_dcp(tmp_path, model, opt, step=2, meta={})
+    monkeypatch.setattr(dcp, "save", real_save)
+    latest = distributed.latest_dcp(tmp_path)
+    assert latest.name == "step-000001"
+    fresh, fresh_opt = _tiny_model_and_optimizer(1)
+    assert distributed.load_dcp(latest, fresh, fresh_opt)["step"] == 1
+    got = _flat_state(fresh, fresh_opt)
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+    distributed.save_dcp(tmp_path, model, opt, step=2, meta={})  # the next save cleans up
+    assert sorted(p.name for p in distributed.dcp_root(tmp_path).iterdir()) == ["LATEST", "step-000002"]
+
+
+def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
+    from nanochat.trainer import NanoChatTrainer
+
+    result = NanoChatTrainer(**_kwargs(small_corpus, tmp_path / "r", fsdp=True, num_iterations=1,
+                                       num_samples=0)).train()
+    assert result.parallel == "none"
+    assert any("--fsdp ignored" in f for f in result.fallbacks), result.fallbacks
+    assert (tmp_path / "r" / "checkpoint.pt").is_file()
 
 
 # ----------------------------------------------------------------------- worker (torchrun)

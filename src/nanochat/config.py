@@ -77,8 +77,10 @@ class TrainConfig(FP8Flags):
     Hugging Face directory, or a hub id found in the local Hugging Face cache."""
 
     dataset_path: str | None = None
-    """A text file or a directory of .txt, .md, .py, .jsonl (a "text" field) or .parquet (a
-    "text" column) files. Default: this Python's own standard-library sources."""
+    """A text file or a directory of .txt, .md, .py, .jsonl or .parquet files. Records with a
+    "text" field are plain text; records with prompt/completion, chat "messages", or ARC-style
+    question/choices/answerKey are instruction data, formatted with the model's chat template and
+    scored on the answer tokens only. Default: this Python's own standard-library sources."""
 
     tokenizer_dir: str | None = None
     """A tokenizer saved by scripts/tok_train.py. Default: train one on the corpus (cached)."""

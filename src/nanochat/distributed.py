@@ -66,6 +66,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -342,7 +343,8 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
     barrier()
     state = _state_dicts(model, optimizer)
     state["extra"] = dict(tensors or {})
-    dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
     if rank0:
         (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
         _fsync_tree(tmp)
@@ -376,12 +378,23 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     state = _state_dicts(model, optimizer)
     state["extra"] = dict(tensors or {})
-    dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if tensors is not None:
         tensors.update(state["extra"])
     return json.loads((path / META_NAME).read_text())
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it "assumes the intent" of a single process even when no_dist=True says
+    so; in one process that is exactly the intent, so that warning is dropped."""
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def read_dcp_meta(path: str | os.PathLike) -> dict[str, Any]:

@@ -533,6 +533,15 @@ class HFTokenizer:
         as text; encode it with `encode(text, allow_special=True)`. Needs jinja2."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        return self._compiled_template().render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def _compiled_template(self):
+        """The template compiled once per tokenizer: compiling costs ~12 ms, rendering ~0.3 ms,
+        and instruction data renders every record several times (prefix by prefix)."""
+        if getattr(self, "_template", None) is not None:
+            return self._template
         try:
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
@@ -549,9 +558,8 @@ class HFTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
         env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        self._template = env.from_string(self.chat_template)
+        return self._template
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint!r})"

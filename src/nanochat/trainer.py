@@ -56,7 +56,8 @@ from nanochat.common import (
     setup_logging,
 )
 from nanochat.config import TrainConfig
-from nanochat.data import TokenBatches, get_or_train_tokenizer, load_corpus, tokenize_docs, val_batches
+from nanochat import instruct
+from nanochat.data import TokenBatches, get_or_train_tokenizer, load_corpus, tokenize_docs, tokenize_records, val_batches
 from nanochat.gpt import GPT, preset_config
 from nanochat.hf import HFTokenizer, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
@@ -178,12 +179,19 @@ class NanoChatTrainer:
                     f"(--vocab_size {cfg.vocab_size} asked); training with the smaller vocabulary"
                 )
         token_cache = self.cache_root / "tokens"
-        self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
-        self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
+        if self.corpus.kind == "instruct":  # loss on the assistant tokens only
+            self.train_tokens, self.train_mask = tokenize_records(
+                self.tokenizer, self.corpus.train_records, ids=self.corpus.train_ids, cache_dir=token_cache)
+            self.val_tokens, self.val_mask = tokenize_records(
+                self.tokenizer, self.corpus.val_records, ids=self.corpus.val_ids, cache_dir=token_cache)
+        else:
+            self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
+            self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
+            self.train_mask = self.val_mask = None
         self.token_bytes = self.tokenizer.token_bytes().to(self.device)
         self.loader = TokenBatches(
             self.train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-            rank=self.dist.rank, world_size=self.dist.world_size,
+            rank=self.dist.rank, world_size=self.dist.world_size, loss_mask=self.train_mask,
         )
         steps_per_epoch = self.loader.steps_per_epoch // cfg.grad_accum_steps
         if steps_per_epoch < 1:
@@ -312,13 +320,16 @@ class NanoChatTrainer:
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         with self._eval_model() as model, self.autocast:
             for x, y in val_batches(self.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
-                                    rank=self.dist.rank, world_size=self.dist.world_size):
+                                    rank=self.dist.rank, world_size=self.dist.world_size,
+                                    loss_mask=self.val_mask):
                 x, y = x.to(self.device), y.to(self.device)
                 loss = model(x, y, reduction="none").view(-1).double()
                 y = y.view(-1)
                 scored = y >= 0  # -1: a position the loss mask excludes (instruction prompts)
                 nbytes = self.token_bytes[y.clamp(min=0)] * scored
-                counted = nbytes > 0  # special tokens (BOS) carry no bytes and are not scored
+                # text: special tokens (BOS) carry no bytes and are not scored; records: every scored
+                # target counts, the closing <|end|>/eos included (stopping is part of the answer)
+                counted = scored if self.val_mask is not None else nbytes > 0
                 totals[0] += torch.where(counted, loss, 0.0).sum()
                 totals[1] += counted.sum()
                 totals[2] += nbytes.sum()
@@ -361,11 +372,14 @@ class NanoChatTrainer:
         """Continue the first tokens of a few validation documents (high precision); on rank 0
         only (the other ranks return [])."""
         cfg = self.config
-        prompts = [d for d in self.corpus.val_docs if d.strip()][:num_samples]
+        if self.corpus.kind == "instruct":  # the conversation up to its last answer + generation prompt
+            prompts = [instruct.generation_prompt(self.tokenizer, r) for r in self.corpus.val_records[:num_samples]]
+        else:
+            prompts = [self.tokenizer.encode(d, prepend_bos=True)[:16]
+                       for d in self.corpus.val_docs if d.strip()][:num_samples]
         out = []
         with self._eval_model() as model, self.autocast:
-            for i, doc in enumerate(prompts if self.dist.rank == 0 else []):
-                ids = self.tokenizer.encode(doc, prepend_bos=True)[:16]
+            for i, ids in enumerate(prompts if self.dist.rank == 0 else []):
                 gen = engine.generate(
                     model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
                     top_k=cfg.top_k, seed=cfg.seed + i,
