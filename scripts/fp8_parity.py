@@ -27,19 +27,22 @@ every operand to FP8 and multiplies in high precision, the same numerics up to a
 order). On a GPU the e5m2 mode cannot run as asked (no e5m2 x e5m2 kernel), the trainer falls
 back to the hybrid and records it; the table shows each run's backend and fallbacks.
 
-Default config, and why (measured on the 2-core development machine, torch 2.13 CPU, see
-.cache/BENCH_PARITY.md): d4 (4 layers, width 256: 24 of 25 Linear layers, 75% of the linear
+Default config, and why (measured on the 2-core development machine, torch 2.13 CPU; figures
+in .cache/BENCH_PARITY.md): d4 (4 layers, width 256: 24 of 25 Linear layers, 75% of the linear
 FLOPs, are FP8-eligible; d2 converts too but its vocabulary head dominates), seq_len 128 x batch
-4, 100 steps, eval every 20 steps on 4096 validation tokens. One fp32 step costs ~1.3 s of CPU
-time there and one emulated-FP8 step ~2.8x that, so the four modes take roughly 12-15 minutes on
-a quiet machine. It is a short run: the loss is still falling fast at the end, which is where
-FP8 rounding shows most, not least.
+4, 300 steps, eval every 25 steps on 4096 validation tokens. With one thread a d4 step costs
+~0.4 s of CPU time in fp32 and ~0.75 s with emulated FP8, so the four modes take ~13 minutes on a
+quiet machine. 120 steps was tried first and rejected: the val loss ended at 6.30 nats/token,
+still falling ~0.1 per 20 steps, a model that has barely started to learn. Run with OMP_NUM_THREADS=1 on a
+shared machine: OpenMP's spin-waiting made 2-thread steps several times slower under load
+(tests/conftest.py). It is still a short run; `--num_iterations 1000 --batch_size 8` is the
+better test where there is time (or a GPU).
 
 Outputs in --out_dir: one trainer run directory per mode (metrics.jsonl, result.json, the final
 checkpoint), `parity.json` (every figure printed, the curves, the targets, the environment;
 rewritten after each mode so an interrupted comparison keeps what finished) and `parity.png`
 (smoothed train loss and val loss per mode; val loss gap to the baseline per eval step).
-`--quick` is a seconds-long smoke run (d2, 16 steps) for tests: its targets are printed but mean
+`--quick` is a seconds-long smoke run (d2, 8 steps) for tests: its targets are printed but mean
 nothing.
 """
 
@@ -71,10 +74,10 @@ class ParityConfig:
     model_name: str = "d4"
     """Model size preset (d2, d4, ...; see base_train --model_name). FP8 needs width >= 128."""
 
-    num_iterations: int = 100
+    num_iterations: int = 300
     """Optimizer steps per mode."""
 
-    eval_every: int = 20
+    eval_every: int = 25
     """Validation loss every N steps (and at the end); the curve points of the plot."""
 
     eval_tokens: int = 4096
@@ -89,7 +92,7 @@ class ParityConfig:
     vocab_size: int = 4096
     """Vocabulary of the tokenizer trained (once, cached) on the corpus."""
 
-    warmup_steps: int = 10
+    warmup_steps: int = 20
     """Linear learning-rate warmup steps (then cosine decay, as in base_train)."""
 
     lr: float = 3e-3
@@ -118,7 +121,7 @@ class ParityConfig:
     strict. A policy (a fifth of --gap_target_pct), not a measured seed-to-seed spread."""
 
     quick: bool = False
-    """Smoke run in seconds (d2, 16 steps, seq_len 32, tiny eval): replaces the size and schedule
+    """Smoke run in seconds (d2, 8 steps, seq_len 32, tiny eval): replaces the size and schedule
     flags above with QUICK's values. Its figures check the harness, not FP8."""
 
     device: str = "auto"
@@ -141,9 +144,10 @@ class ParityConfig:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
 
 
-QUICK = dict(model_name="d2", num_iterations=16, eval_every=8, eval_tokens=1024, seq_len=32,
-             batch_size=8, vocab_size=320, warmup_steps=2, lr=1e-2)
-"""--quick: d2 (width 128, the smallest preset with FP8-eligible layers), a few seconds a mode."""
+QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
+             batch_size=4, vocab_size=320, warmup_steps=2, lr=1e-2)
+"""--quick: d2 (width 128, the smallest preset with FP8-eligible layers), 8 steps: more than
+auto's 4 calibration steps (--fp8_auto_steps), so auto trains with its calibrated formats."""
 
 
 def resolved(cfg: ParityConfig) -> ParityConfig:
@@ -278,6 +282,10 @@ def report(cfg: ParityConfig, results: dict[str, dict], targets: dict[str, Any])
             lines.append(f"{mode}: failed: {r['error']}")
         for f in r.get("fallbacks") or []:
             lines.append(f"{mode}: fallback: {f}")
+        top = (r.get("fp8_stats") or {}).get("top_underflow") or []
+        if top:  # the trainer's sampled FP8 statistics: where FP8 loses small values to zero
+            lines.append(f"{mode}: most underflow (sampled, % of non-zero values flushed): "
+                         + ", ".join(f"{layer} {role} {pct:.1f}%" for layer, role, pct in top[:3]))
         if mode == "auto" and not r.get("error") and r:
             choices = r.get("fp8_choices")
             if choices:
@@ -358,7 +366,8 @@ def environment(cfg: ParityConfig, device) -> dict[str, Any]:
     return dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %z"), python=platform.python_version(),
         torch=torch.__version__, torchao=torchao.__version__, platform=platform.platform(),
-        cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), device=str(device),
+        cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"), device=str(device),
         fp8_hardware=detect(device, emulate=False, recipe=cfg.recipe).reason,
         loadavg_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
     )

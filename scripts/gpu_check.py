@@ -1,25 +1,31 @@
 """GPU check: nanochat's FP8 speed, memory and correctness on one CUDA GPU, in one device call.
 
 How to run it on the lent GPU machine (it has torch 2.11 but no torchao or tyro, and cannot
-download anything, so the wheels travel with the call):
+download anything, so the wheels travel with the call). From the project root:
 
-    here, once per session:  ../shared/tools/gpu-wheels.sh          # torchao, tyro, ... -> .whl (~6 MB)
-    the device call:         run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
-    what comes back:         $OUT/gpu_check.json (every figure), gpu_check.log (the printed table is
-                             the end of the reply's output tail), gpu_tests.log, nvidia-smi.txt
+    here, before the call:  ../shared/tools/gpu-wheels.sh     # torchao, tyro, ... -> .whl (~6 MB)
+    the device call:        run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
+    what comes back:        $OUT/gpu_check.json (every figure, error and job duration),
+                            gpu_check.log (the summary table also ends the reply's output tail),
+                            gpu_tests.log (pytest -m gpu), nvidia-smi.txt
+    a rerun, only while the machine is warm and >= 4 min of device time are left, e.g.:
+        run(command="bash scripts/gpu_check.sh --sections train --train_models d12:32 d20:16
+            --target_model d12 --budget_s 200", carry=[".whl"], timeout_s=260)
 
-`scripts/gpu_check.sh` installs the carried wheels into .site, refuses to go on (exit 3/4) when
-they do not install or torchao does not import, and runs this script with the JSON in $OUT. Here,
-without a GPU: `.venv/bin/python scripts/gpu_check.py --dry_run` runs every section at toy sizes
-on the CPU (FP8 emulated) and writes the same JSON; tests/test_gpu_check.py does that in `make
-test`, so this script cannot rot between GPU sessions.
+`scripts/gpu_check.sh` installs the carried wheels into .site (exit 3 if they are missing or do not
+install) and runs this script with the JSON in $OUT; the script exits 4 before measuring anything
+when torchao or nanochat.fp8 does not import. Here, without a GPU,
+`.venv/bin/python scripts/gpu_check.py --dry_run` runs every section at toy sizes on the CPU (FP8
+emulated) and writes the same JSON; tests/test_gpu_check.py does that in `make test`, so this
+script cannot rot between GPU sessions. .cache/BENCH_GPU.md is the page the figures go to.
 
 What it measures (each figure next to its baseline from the same process, with the ratio):
   (a) micro: the d26 MLP (x [65536, 1664] -> c_fc 1664->6656 -> relu^2 -> c_proj 6656->1664),
       forward + backward, compiled: bf16 autocast vs FP8 for each --fp8_mode x recipe
-      (tensorwise, rowwise). Also which `torch._scaled_mm` operand pairings this GPU accepts.
+      (tensorwise, rowwise; auto calibrates eagerly first, as the trainer does). Also which
+      `torch._scaled_mm` operand pairings this GPU accepts.
   (b) train: tokens/s and peak memory of whole training steps (forward, backward, fused AdamW)
-      on synthetic tokens, compiled, bf16 vs --fp8 in each mode, for d26, d12 and d20.
+      on synthetic tokens, compiled, bf16 vs --fp8 for d26 (e4m3), d12 and d20 (every mode).
   (c) optim: step time and peak memory of ~1.07B fp32 parameters (64 x 4096 x 4096) under
       torch AdamW(fused=True), FP8Optim opt_level 0/1/2 and torchao's AdamWFp8.
   (d) tests: `pytest -m gpu tests/test_gpu.py` in a subprocess: pass/fail counts and output tail.
@@ -34,7 +40,8 @@ ESTIMATES_S guesses below, made before any GPU session; replace them with the `d
 JSON records) no longer fits in --budget_s is skipped and listed under `skipped_for_time`.
 The JSON is rewritten after every job, so a call killed at its limit still returns what finished.
 Configurations the GPU cannot run (e5m2 x e5m2 GEMMs, rowwise on an unsupported GPU) are
-recorded as `unsupported` with the reason nanochat.fp8.hardware gives, at no cost.
+recorded as `unsupported` with the reason nanochat.fp8.hardware gives, at no cost (natively
+nanochat runs --fp8_mode e5m2 as the e4m3/e5m2 hybrid, which `auto` starts from).
 
 Why a tight loop of our own rather than NanoChatTrainer: the trainer needs a tokenizer and a
 corpus, evaluates, checkpoints and syncs for logging every step; throughput here is the model,
@@ -48,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import json
 import math
@@ -320,7 +328,11 @@ def fp8_problem(device: torch.device, mode: str, recipe: str, cfg: CheckConfig) 
         return hw.reason
     if hw.backend == "native":
         dtypes = fp8_config(mode, recipe, cfg).role_dtypes()
-        return native_gemm_problem({role: FP8_DTYPES[d] for role, d in dtypes.items()}, recipe=recipe)
+        problem = native_gemm_problem({role: FP8_DTYPES[d] for role, d in dtypes.items()}, recipe=recipe)
+        if problem:
+            # convert() would run the nearest legal formats (the hybrid, which `auto` measures) and
+            # record a fallback; timing that under this name would report the hybrid as e5m2
+            return f"{problem}; nanochat runs --fp8_mode {mode} as e4m3 input/weight + e5m2 gradients here"
     return None
 
 
@@ -330,9 +342,9 @@ def convert_checked(model: torch.nn.Module, mode: str, recipe: str, cfg: CheckCo
 
     report = convert(model, fp8_config(mode, recipe, cfg))
     expected = "emulated" if cfg.dry_run else "native"
-    if report.backend != expected or not report.converted:
+    if report.backend != expected or not report.converted or report.fallback:
         raise RuntimeError(f"FP8 conversion gave backend {report.backend} with {len(report.converted)} "
-                           f"layers converted (expected {expected}): {report.reason}")
+                           f"layers converted (expected {expected}): {report.fallback or report.reason}")
     return dict(backend=report.backend, converted=len(report.converted), skipped=len(report.skipped),
                 fp8_flops_share=report.fp8_flops_share, summary=report.summary())
 
@@ -379,12 +391,12 @@ def micro_job(cfg: CheckConfig, device: torch.device, mode: str | None, recipe: 
         mlp = MLP(gpt_cfg)  # fp32 master weights, default nn.Linear init (c_proj is not zero here)
     if mode is not None:
         result["fp8"] = convert_checked(mlp, mode, recipe, cfg)
-    model = maybe_compile(mlp, cfg)
     act_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(m, k, device=device, dtype=act_dtype, requires_grad=True)
     grad_out = torch.randn(m, k, device=device, dtype=act_dtype)
     params = list(mlp.parameters())
     autocast = autocast_for(device)
+    model = mlp
 
     def step():
         for p in params:
@@ -394,8 +406,11 @@ def micro_job(cfg: CheckConfig, device: torch.device, mode: str | None, recipe: 
             y = model(x)
         y.backward(grad_out)
 
+    if mode == "auto":
+        result["fp8"]["auto"] = calibrate_auto(mlp, step, cfg, recipe)
+    model = maybe_compile(mlp, cfg)
     result["first_step_s"] = timed_once(step, device)
-    for _ in range(2 + (cfg_auto_steps() if mode == "auto" else 0)):
+    for _ in range(2):
         step()
     base = reset_peak(device)
     times = time_iters(step, cfg.micro_iters, device)
@@ -408,11 +423,24 @@ def micro_job(cfg: CheckConfig, device: torch.device, mode: str | None, recipe: 
     return result
 
 
-def cfg_auto_steps() -> int:
-    """Extra warm-up for --fp8_mode auto: its calibration passes, so timing starts after them."""
-    from nanochat.fp8 import FP8Config
+def calibrate_auto(model: torch.nn.Module, step: Callable[[], Any], cfg: CheckConfig, recipe: str) -> dict:
+    """--fp8_mode auto as the trainer runs it: both formats measured on the real tensors for
+    auto_steps eager steps (hooks), the formats fixed, and only then torch.compile. Returns how
+    many layers chose which format per role, and the seconds calibration took."""
+    from nanochat.fp8 import start_auto_calibration
 
-    return FP8Config().auto_steps
+    t0 = time.perf_counter()
+    calib = start_auto_calibration(model, steps=fp8_config("auto", recipe, cfg).auto_steps)
+    done = False
+    while not done:
+        step()
+        done = calib.step()
+    counts: dict[str, dict[str, int]] = {}
+    for roles in calib.choices.values():
+        for role, fmt in roles.items():
+            counts.setdefault(role, {}).setdefault(fmt, 0)
+            counts[role][fmt] += 1
+    return dict(calibration_s=time.perf_counter() - t0, chosen=counts)
 
 
 # ------------------------------------------------------------------------------- (b) train
@@ -421,7 +449,7 @@ def train_job(cfg: CheckConfig, device: torch.device, model_name: str, batch: in
     try:
         return train_run(cfg, device, model_name, batch, mode)
     except Exception as e:  # noqa: BLE001 - an OOM can also surface wrapped by the compiler
-        if batch < 2 or not (isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)):
+        if batch < 2 or not (isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e)):
             raise
         message = first_line(e)
     release(device)
@@ -446,7 +474,6 @@ def train_run(cfg: CheckConfig, device: torch.device, model_name: str, batch: in
     fused = dict(fused=True)  # the trainer's bf16 optimizer; the same for FP8 runs (see docstring)
     opt = torch.optim.AdamW(model.param_groups(OPT_HPARAMS["weight_decay"]), lr=1e-4,
                             betas=OPT_HPARAMS["betas"], eps=OPT_HPARAMS["eps"], **fused)
-    compiled = maybe_compile(model, cfg)
     gen = torch.Generator().manual_seed(0)
     batches = []
     for _ in range(2):  # two batches alternate, so no step sees exactly the previous input
@@ -454,6 +481,7 @@ def train_run(cfg: CheckConfig, device: torch.device, model_name: str, batch: in
         batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
     autocast = autocast_for(device)
     losses: list[torch.Tensor] = []
+    compiled = model
 
     def step():
         x, y = batches[len(losses) % 2]
@@ -464,8 +492,11 @@ def train_run(cfg: CheckConfig, device: torch.device, model_name: str, batch: in
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
+    if mode == "auto":
+        result["fp8"]["auto"] = calibrate_auto(model, step, cfg, cfg.train_recipe)
+    compiled = maybe_compile(model, cfg)
     result["first_step_s"] = timed_once(step, device)
-    for _ in range(max(0, cfg.train_warmup - 1) + (cfg_auto_steps() if mode == "auto" else 0)):
+    for _ in range(max(0, cfg.train_warmup - 1)):
         step()
     times = time_iters(step, cfg.train_steps, device)
     result.update(summarize_ms(times))
@@ -499,6 +530,17 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter]):
     raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
 
 
+def fp8optim_backend(opt, device: torch.device) -> str:
+    """Which of FP8Optim's step implementations ran (optim.py: native C kernel for fp32 on CPU,
+    torch.compile, or eager after a logged fallback; level 0 is torch's own step). Read from its
+    private flags: a diagnostic."""
+    if getattr(opt, "opt_level", None) == 0:
+        return "wrapped"  # level 0 is the wrapped torch optimizer's own step
+    if getattr(opt, "_native", False) and device.type == "cpu":
+        return "native"
+    return "compile" if getattr(opt, "_compile", False) else "eager"
+
+
 def stored_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor really holds; tensor subclasses (FP8Tensor, torchao's OptimStateFp8) are
     counted through their inner tensors."""
@@ -528,7 +570,7 @@ def optim_job(cfg: CheckConfig, device: torch.device, name: str) -> dict:
     if hasattr(opt, "state_bytes"):  # FP8Optim's own count, which must agree with ours
         result["state_bytes_reported_per_param"] = opt.state_bytes() / n_params
     if hasattr(opt, "opt_level"):
-        result["step_compiled"] = bool(getattr(opt, "_compile", False))  # False: fell back to eager
+        result["step_backend"] = fp8optim_backend(opt, device)
     peak, now = peak_bytes(device), allocated_bytes(device)
     result["peak_extra_bytes_per_param"] = None if peak is None else (peak - base) / n_params
     result["resident_extra_bytes_per_param"] = None if now is None else (now - base) / n_params
@@ -543,7 +585,7 @@ def tests_job(cfg: CheckConfig, device: torch.device, out_dir: Path) -> dict:
     CPU); `make test` imports and collects tests/test_gpu.py anyway."""
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "tests/test_gpu.py", "-p", "no:cacheprovider"]
     result: dict[str, Any] = dict(command=" ".join(["python"] + cmd[1:]), returncode=None,
-                                  **parse_pytest_counts(""), tail="")
+                                  **parse_pytest_counts(""), failed_tests=[], tail="")
     if device.type != "cuda":
         result.update(status="skipped", reason="no CUDA device: the GPU tests run only on the device "
                                                "(they skip themselves here)")
@@ -557,7 +599,8 @@ def tests_job(cfg: CheckConfig, device: torch.device, out_dir: Path) -> dict:
         rc = None
     (out_dir / "gpu_tests.log").write_text(output)
     counts = parse_pytest_counts(output)
-    result.update(returncode=rc, **counts, tail=output[-3000:])
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+)$", output, flags=re.MULTILINE)  # pytest's short summary
+    result.update(returncode=rc, **counts, failed_tests=[f[:200] for f in failed], tail=output[-3000:])
     if rc is None:
         result.update(status="error", error=f"timed out after {cfg.tests_timeout_s:.0f} s")
     elif rc == 0 and counts["passed"] > 0:
@@ -577,7 +620,8 @@ def parse_pytest_counts(output: str) -> dict[str, int]:
     if not lines:
         return counts
     summary = lines[-1]
-    for number, word in re.findall(r"(\d+)(?:/\d+)? (passed|failed|skipped|errors?|deselected|tests? collected)", summary):
+    outcome = r"(\d+)(?:/\d+)? (passed|failed|skipped|errors?|deselected|tests? collected)"
+    for number, word in re.findall(outcome, summary):
         key = "errors" if word.startswith("error") else "collected" if "collected" in word else word
         counts[key] += int(number)
     return counts
@@ -603,12 +647,14 @@ def plan(cfg: CheckConfig, device: torch.device, out_dir: Path) -> list[Job]:
 
     est = (lambda s: 0.0) if cfg.dry_run else (lambda s: s)
     base = baseline_name(device)
-    first_mode, first_recipe = cfg.modes[0] if cfg.modes else None, cfg.micro_recipes[0] if cfg.micro_recipes else None
+    first_mode = cfg.modes[0] if cfg.modes else None
+    first_recipe = cfg.micro_recipes[0] if cfg.micro_recipes else None
     jobs_first: list[Job] = []
     jobs_later: list[Job] = []
 
     if "micro" in cfg.sections:
-        jobs_first.append(Job("micro", "scaled_mm_probe", est(ESTIMATES_S["probe"]), lambda: micro_probe(device), {}))
+        jobs_first.append(Job("micro", "scaled_mm_probe", est(ESTIMATES_S["probe"]),
+                              lambda: micro_probe(device), {}))
         jobs_first.append(Job("micro", base, est(ESTIMATES_S["micro_bf16"]),
                               lambda: micro_job(cfg, device, None, None), dict(kind="baseline", precision=base)))
         for mode in cfg.modes:
@@ -638,7 +684,8 @@ def plan(cfg: CheckConfig, device: torch.device, out_dir: Path) -> list[Job]:
                                recipe=None if mode is None else cfg.train_recipe, precision=base),
                           precheck=None if mode is None else
                           (lambda mode=mode: fp8_problem(device, mode, cfg.train_recipe, cfg)))
-                (train_first if name == cfg.target_model and mode in (None, first_mode) else jobs_later).append(job)
+                is_target = name == cfg.target_model and mode in (None, first_mode)
+                (train_first if is_target else jobs_later).append(job)
 
     optim_jobs: list[Job] = []
     if "optim" in cfg.sections:
@@ -682,8 +729,9 @@ class Check:
                 raise Unsupported(reason)
             left = self.cfg.budget_s - self.elapsed()
             if left <= 0 or job.estimate_s > left:
-                entry.update(status="skipped", reason=f"time budget: needs ~{job.estimate_s:.0f} s, "
-                                                      f"{max(left, 0):.0f} s of --budget_s {self.cfg.budget_s:.0f} left")
+                entry.update(status="skipped",
+                             reason=f"time budget: needs ~{job.estimate_s:.0f} s, {max(left, 0):.0f} s "
+                                    f"of --budget_s {self.cfg.budget_s:.0f} left")
                 self.report["budget"]["skipped_for_time"].append(f"{job.section}: {job.key}")
             else:
                 entry.update(job.fn())
@@ -736,9 +784,8 @@ def one_line_figure(section: str, e: dict) -> str:
     if section == "train":
         return f"{e['tokens_per_s']:,.0f} tok/s  batch {e['batch']}  1st step {e['first_step_s']:.1f} s"
     if section == "optim":
-        return f"{e['ms_median']:.2f} ms/step  {e['state_bytes_per_param']:.3f} B/param state"
-    if section == "tests":
-        return f"{e['passed']} passed, {e['failed']} failed, {e['skipped']} skipped"
+        backend = f"  step: {e['step_backend']}" if "step_backend" in e else ""
+        return f"{e['ms_median']:.2f} ms/step  {e['state_bytes_per_param']:.3f} B/param state{backend}"
     return ""
 
 
@@ -783,10 +830,12 @@ def derive(report: dict) -> None:
               and l2.get("peak_extra_bytes_per_param") is not None else None)
     report["targets"] = {
         "micro_speedup": target(mic.get("speedup_vs_baseline"), TARGETS["micro_speedup"], True,
-                                f"MLP fwd+bwd, FP8 {mode} {recipe} vs {baseline_name_from(report)}, compiled",
+                                f"MLP fwd+bwd, FP8 {mode} {recipe} vs {baseline_name_from(report)}, "
+                                f"{'compiled' if cfg['compile'] else 'eager'}",
                                 f"micro: fp8 {mode} {recipe}"),
         "train_speedup": target(tr.get("speedup_vs_baseline"), TARGETS["train_speedup"], True,
-                                f"{cfg['target_model']} training tokens/s, FP8 {mode} vs {baseline_name_from(report)}",
+                                f"{cfg['target_model']} training tokens/s, FP8 {mode} vs "
+                                f"{baseline_name_from(report)}",
                                 f"train: {cfg['target_model']} fp8 {mode}"),
         "optim_step_ratio": target(l2.get("step_ratio_vs_fused"), TARGETS["optim_step_ratio"], False,
                                    "FP8Optim level-2 step time / fused fp32 AdamW step time",
@@ -860,7 +909,7 @@ def gib(n: int | None) -> str:
 def status_text(e: dict) -> str:
     if e.get("status") == "ok":
         return "ok"
-    return f"{e.get('status')}: {(e.get('reason') or e.get('error') or '')[:70]}"
+    return f"{e.get('status')}: {(e.get('reason') or e.get('error') or '')[:50]}"
 
 
 def tables(report: dict) -> str:
@@ -896,17 +945,18 @@ def tables(report: dict) -> str:
                                  "peak GiB", "1st step s"], rows))
     rows = [[k, status_text(e), fmt(e.get("ms_median"), ".2f"), fmt(e.get("step_ratio_vs_fused"), ".3f", "x"),
              fmt(e.get("state_bytes_per_param"), ".3f"), fmt(e.get("peak_extra_bytes_per_param"), ".3f"),
-             fmt(e.get("first_step_s"), ".1f")]
+             fmt(e.get("first_step_s"), ".1f"), e.get("step_backend", "")]
             for k, e in report["optim"]["results"].items()]
     if rows:
         n = next((e["n_params"] for e in report["optim"]["results"].values() if "n_params" in e), None)
         out.append(f"\n(c) optim: {fmt(n, ',d')} fp32 params")
         out.append(format_table(["optimizer", "status", "ms/step", "vs fused", "state B/param",
-                                 "peak extra B/param", "1st step s"], rows))
+                                 "peak extra B/param", "1st step s", "step"], rows))
     t = report["tests"]
     if t:
         out.append(f"\n(d) tests: {status_text(t)} | {t.get('passed', 0)} passed, {t.get('failed', 0)} failed, "
                    f"{t.get('skipped', 0)} skipped, {t.get('errors', 0)} errors")
+        out.extend(f"    {name}" for name in t.get("failed_tests", []))
     rows = [[name, t["what"], fmt(t["value"], ".3f"), f"{t['op']} {t['target']}",
              {True: "MET", False: "NOT MET", None: "-"}[t["met"]]] for name, t in report["targets"].items()]
     out.append("\ntargets")
@@ -918,7 +968,26 @@ def tables(report: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------- main
+def import_problem() -> str | None:
+    """Why torchao or nanochat.fp8 does not import here (the device's torch may be too old or new
+    for the carried torchao), or None."""
+    try:
+        import torchao.float8  # noqa: F401
+        import torchao.optim  # noqa: F401
+
+        import nanochat.fp8  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure here means nothing can be measured
+        return traceback.format_exc()
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    problem = import_problem()
+    if problem:
+        print(f"{problem}\nerror: torchao or nanochat.fp8 does not import with torch {torch.__version__} "
+              "(traceback above); nothing to measure. Carry a torchao that supports this torch: "
+              "TORCHAO=torchao==X.Y.Z ../shared/tools/gpu-wheels.sh", file=sys.stderr)
+        return 4
     from nanochat.config import parse_cli
 
     cfg = parse_cli(CheckConfig, argv)
@@ -936,11 +1005,18 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # a job that hangs past the budget gets its stack printed (into the reply's output tail) while
+    # the device call is still alive to return it
+    faulthandler.dump_traceback_later(cfg.budget_s + 45, exit=False)
     check = Check(cfg, device, out)
+    env = check.report["env"]
+    print(f"gpu_check: {env['gpu_name'] or 'CPU dry run'} | torch {env['torch']} (CUDA {env['torch_cuda']}) | "
+          f"torchao {env['torchao']} | source {env['source_digest']} | budget {cfg.budget_s:.0f} s", flush=True)
     check.write()
     for job in plan(cfg, device, out.parent):
         check.run(job)
     check.write()
+    faulthandler.cancel_dump_traceback_later()
     print("\n" + tables(check.report), flush=True)
     print(f"\nJSON: {out}", flush=True)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The command of the GPU device call: install the carried wheels, check torchao, run gpu_check.py.
+# The command of the GPU device call: install the carried wheels, run scripts/gpu_check.py.
 #
 #   device:  run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #   here:    PYTHON=.venv/bin/python GPU_CHECK_SKIP_WHEELS=1 bash scripts/gpu_check.sh --dry_run
@@ -8,9 +8,9 @@
 # Environment: OUT (default .cache/gpu_check; the device sets it), PYTHON (default python3, which
 # on the device machine is the interpreter that holds torch 2.11), GPU_CHECK_SKIP_WHEELS=1 to use
 # the interpreter's own packages instead of .whl (the dry-run test does).
-# Exit status: gpu_check.py's (0 even when single measurements fail: they are in the JSON), or
-# 3 when the wheels do not install, 4 when torchao (or nanochat.fp8) does not import: nothing can
-# be measured then, and that must not look like a run.
+# Exit status: gpu_check.py's: 0 even when single measurements fail (they are in the JSON), 4 when
+# torchao or nanochat.fp8 does not import (checked before anything else: nothing can be measured
+# then, and that must not look like a run); or 3 when the wheels are missing or do not install.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -32,13 +32,6 @@ if [ "${GPU_CHECK_SKIP_WHEELS:-0}" != 1 ]; then
   export PYTHONPATH=$PWD/.site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-fi
-
-if ! "$PY" -c "import torchao, torchao.float8, torchao.optim, torch, nanochat.fp8
-print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, available {torch.cuda.is_available()}), torchao {torchao.__version__}')"; then
-  echo "error: torchao or nanochat.fp8 does not import with this torch (traceback above); nothing to measure." \
-       "Carry a torchao that supports it: TORCHAO=torchao==X.Y.Z ../shared/tools/gpu-wheels.sh" >&2
-  exit 4
 fi
 
 if command -v nvidia-smi >/dev/null 2>&1; then

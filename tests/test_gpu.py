@@ -8,20 +8,27 @@ tests/test_fp8_optim.py (FP8Optim against torch's optimizers).
 What is checked against what:
 * real FP8 GEMMs (`torch._scaled_mm` on the tensor cores) against torchao's emulation of the same
   casts, per mode x recipe, under bf16 autocast: >= 35 dB SQNR for the output and both gradients.
-  The two differ only in rounding after the casts (emulation rounds dequantized operands to bf16,
-  2^-9 relative, ~55 dB on these sums; the tensor cores accumulate FP8 products in reduced
-  precision); a wrong scale, layout or format is < 30 dB (e4m3 vs e5m2 alone is ~25-30 dB). And
-  the real kernels are no less accurate than emulation against the bf16 nn.Linear (1 dB slack);
+  Both quantize identically; they differ only after the casts: torchao's emulation multiplies the
+  dequantized operands in fp32 (float8_ops.py), the tensor cores accumulate the FP8 products in
+  reduced precision (fast accumulation in the forward GEMM), rowwise rescales a bf16 product, and
+  each rounds to bf16 (2^-9 relative: ~50 dB when every element flips, far above 35 when only
+  near-ties do). A wrong scale, layout or format is < 30 dB (e4m3 against e5m2 alone is ~25-30 dB,
+  test_fp8_linear.py's table). And the real kernels are no less accurate than emulation against
+  the bf16 nn.Linear (1 dB slack);
 * the hardware rules nanochat.fp8.hardware states: two e5m2 operands are refused by `_scaled_mm`
-  on CUDA, one is not; `convert` refuses `--fp8_mode e5m2` natively with a message naming the fix;
+  on CUDA, one is not; natively `--fp8_mode e5m2` runs the nearest legal formats (e4m3 input and
+  weight, e5m2 gradients) and records a fallback naming --fp8_emulate; rowwise runs natively;
+* `--fp8_mode auto` calibration with hooks on CUDA tensors, then compile: the chosen formats are
+  ones the CUDA kernels accept (hardware.native_gemm_problem), and the compiled model runs;
 * torch.compile against eager, FP8 MLP forward and backward: >= 30 dB from each other (inductor
   may keep relu's output in fp32 where eager rounds it to bf16 before the next cast), and the
   compiled model is within 1 dB of eager's accuracy against the bf16 model;
 * FP8Optim on CUDA against torch.optim.AdamW on CUDA: level 0 bit-identical over 20 steps (it is
-  the wrapped AdamW); levels 1-2, first step from zero state equal to 1e-5 relative (the compiled
-  CUDA step's math is torch's; fp32 division/sqrt may differ in the last bits), and an
-  ill-conditioned quadratic ends within 5% of AdamW's loss (the CPU twin's bound); the compiled
-  step did not fall back to eager; level 2 holds <= 2.05 bytes/param (FP8Tensor's budget);
+  the wrapped AdamW); levels 1-2, first step from zero state equal to torch's within 4 fp32 ulps
+  of the largest parameter (the compiled CUDA step's math is torch's, fused in another order); on
+  the CPU twin's quadratic the trajectory stays within 5% of AdamW's and the final loss within
+  1e-3 of the starting loss (the twin's bounds); the compiled step did not fall back to eager;
+  level 2 holds <= 2.05 bytes/param (FP8Tensor's budget);
 * a short FP8 training run (d2 GPT, e4m3 tensorwise, FP8Optim level 2, bf16 autocast, compiled)
   on a learnable synthetic stream: the loss starts at ln(256) = 5.55 and ends below 1.0 (the same
   run emulated in fp32 on the CPU: 0.46 after 20 steps, 0.02 after 60).
@@ -37,7 +44,8 @@ import torch
 import torch.nn as nn
 from torchao.float8.float8_utils import compute_error  # SQNR in dB: 20 log10(|ref| / |ref - x|)
 
-from nanochat.fp8 import FP8Config, convert, detect
+from nanochat.fp8 import FP8Config, convert, detect, fp8_choices, native_gemm_problem, start_auto_calibration
+from nanochat.fp8.linear import FP8_DTYPES
 
 
 def _has_fp8_gpu() -> bool:
@@ -98,11 +106,36 @@ def test_scaled_mm_refuses_two_e5m2_operands_but_not_one():
         torch._scaled_mm(a5, b5, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
-def test_convert_refuses_e5m2_natively_and_rowwise_is_native_here():
-    with pytest.raises(ValueError, match="--fp8_emulate"):
-        convert(_linear(), FP8Config(mode="e5m2"))
+def test_native_e5m2_mode_runs_the_nearest_legal_formats_and_rowwise_is_native_here():
+    model = _linear()
+    report = convert(model, FP8Config(mode="e5m2"))
+    assert report.backend == "native" and report.fallback and "--fp8_emulate" in report.fallback
+    assert fp8_choices(model) == {"0": {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}}
+    out, grad_in, grad_w = _fwd_bwd(model, torch.randn(256, 512, device="cuda"),
+                                    torch.randn(256, 1024, device="cuda"))
+    assert all(torch.isfinite(t).all() for t in (out, grad_in, grad_w))
     # sm_89 and sm_90+ have torch's rowwise kernel (hardware.py); this GPU is one of them
     assert detect("cuda", emulate=False, recipe="rowwise").backend == "native"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_calibration_on_cuda_then_compiled(recipe):
+    torch._dynamo.reset()
+    model = _mlp()
+    convert(model, FP8Config(mode="auto", recipe=recipe))
+    calib = start_auto_calibration(model, steps=2)
+    x, g = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    while True:
+        _fwd_bwd(model, x, g)
+        if calib.step():
+            break
+    choices = calib.choices
+    assert set(choices) == {"0", "2"}
+    for roles in choices.values():  # whatever was measured, the kernels must accept it
+        assert native_gemm_problem({r: FP8_DTYPES[d] for r, d in roles.items()}, recipe=recipe) is None
+    assert fp8_choices(model) == choices
+    out = _fwd_bwd(torch.compile(model), x, g)
+    assert all(torch.isfinite(t).all() for t in out)
 
 
 def _mlp(seed=0) -> nn.Sequential:
@@ -165,43 +198,48 @@ def test_fp8optim_first_step_math_on_cuda(level):
     from nanochat.fp8.optim import FP8Optim
 
     ref_p, p = _params(SHAPES), _params(SHAPES)
-    start = [q.detach().clone() for q in p]
     ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1)
     opt = FP8Optim(torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), opt_level=level)
     _steps(ref, ref_p, 1)
     _steps(opt, p, 1)
     assert opt._compile, "FP8Optim's compiled CUDA step fell back to eager"
-    for s, a, b in zip(start, ref_p, p):
-        delta_ref, delta = a.detach() - s, b.detach() - s
-        assert torch.allclose(delta, delta_ref, rtol=1e-5, atol=1e-5 * delta_ref.abs().max().item())
+    for a, b in zip(ref_p, p):
+        # the compiled step computes p * (1 - lr wd) - update in one fused expression, torch in two
+        # in-place ops: the results may differ in the last bit (measured on CPU: <= 1 ulp of the
+        # largest |p|); a wrong term in the math moves p by ~1e-4 here (1% of a ~0.01 update)
+        tol = 4 * torch.finfo(torch.float32).eps * a.abs().max().item()
+        assert torch.allclose(b, a, rtol=0, atol=tol), (b - a).abs().max().item()
     if level == 2:
         assert opt.state_bytes_per_param() <= 2.05
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_fp8optim_tracks_adamw_on_an_ill_conditioned_quadratic_on_cuda(level):
+def test_fp8optim_tracks_adamw_on_a_quadratic_on_cuda(level):
     from nanochat.fp8.optim import FP8Optim
 
-    # f(x) = sum c_i (x_i - t_i)^2, curvatures 1e-3..1e3 inside every block (the CPU twin's problem)
+    # the CPU twin's problem and bounds (tests/test_fp8_optim.py::test_quadratic_tracks_adamw):
+    # f(x) = sum c_i (x_i - t_i)^2, curvatures 0.1..10 shuffled across blocks, lr decayed to 0
     n = 8192
-    c = torch.logspace(-3, 3, n)[torch.randperm(n, generator=torch.Generator().manual_seed(0))].cuda()
+    c = torch.logspace(-1, 1, n)[torch.randperm(n, generator=torch.Generator().manual_seed(0))].cuda()
     t = torch.randn(n, generator=torch.Generator().manual_seed(1)).cuda()
 
-    def train(level):
+    def train(level, steps=200):
         x = torch.nn.Parameter(torch.zeros(n, device="cuda"))
-        opt = torch.optim.AdamW([x], lr=3e-2, weight_decay=0.0)
+        opt = torch.optim.AdamW([x], lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0)
         opt = FP8Optim(opt, opt_level=level) if level is not None else opt
-        for _ in range(200):
+        for i in range(steps):
+            opt.param_groups[0]["lr"] = 3e-2 * (1 - i / steps)
             loss = (c * (x - t) ** 2).sum()
             opt.zero_grad()
             loss.backward()
             opt.step()
-        return (c * (x.detach() - t) ** 2).sum().item()
+        return x.detach(), (c * (x.detach() - t) ** 2).sum().item()
 
-    ref, got = train(None), train(level)
+    (x_ref, ref), (x, got) = train(None), train(level)
     start = (c * t**2).sum().item()
-    assert ref < 1e-2 * start
-    assert abs(got - ref) <= 0.05 * ref + 1e-6 * start
+    assert ref < 1e-2 * start  # the reference converges, so the comparison means something
+    assert (x - x_ref).norm() <= 0.05 * x_ref.norm()
+    assert abs(got - ref) <= 1e-3 * start
 
 
 # ------------------------------------------------------------------------------------ training

@@ -73,8 +73,13 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
-from nanochat.common import DistEnv, dist_env, logger
+# FSDP2's all-gather interface, the argument type of FSDPModule.set_custom_all_gather, lives in a
+# private module in torch 2.11-2.13 (no public alias yet).
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from nanochat.common import DistEnv, dist_env
 
 DCP_DIRNAME = "checkpoint_dcp"
 LATEST = "LATEST"
@@ -189,13 +194,7 @@ def no_grad_sync(train_model: nn.Module, skip: bool) -> Iterator[None]:
 
 def local_numel(p: torch.Tensor) -> int:
     """Elements this rank holds of `p` (its shard under FSDP)."""
-    return p.to_local().numel() if _is_dtensor(p) else p.numel()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
 # --------------------------------------------------------------------------- FP8 all-gather
@@ -260,27 +259,17 @@ def after_optimizer_step(model: nn.Module) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def _byte_all_gather_class():
-    # FSDP2's AllGather interface lives in a private module in torch 2.13; it is the documented
-    # argument type of FSDPModule.set_custom_all_gather.
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+class _ByteAllGather(AllGather):
+    """FSDP2's all-gather on uint8 views of its buffers, for gloo, which rejects float8 tensors
+    ("Invalid scalar type"); the same bytes move, so the result is the same. NCCL all-gathers
+    float8 itself and does not need this."""
 
-    class ByteAllGather(AllGather):
-        """all_gather_single on uint8 views: gloo rejects float8 buffers ("Invalid scalar
-        type"); the bytes, and so the result, are the same."""
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
 
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            return dist.all_gather_single(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8),
-                                               group=group, async_op=async_op)
-
-    return ByteAllGather
-
-
-def _ByteAllGather():  # noqa: N802 - reads like the class it builds
-    return _byte_all_gather_class()()
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_single(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8),
+                                      group=group, async_op=async_op)
 
 
 # ------------------------------------------------------------------------- full (eval) copy
@@ -294,7 +283,7 @@ def full_copy(model: nn.Module, plain: nn.Module) -> nn.Module:
     """
     targets = dict(plain.named_parameters())
     for name, p in model.named_parameters():
-        full = p.full_tensor() if _is_dtensor(p) else p
+        full = p.full_tensor() if isinstance(p, DTensor) else p
         inner = getattr(full, "_tensor", None)  # WeightWithDynamicFloat8CastTensor keeps fp32 here
         targets[name].copy_(inner if isinstance(inner, torch.Tensor) else full)
     return plain
@@ -421,7 +410,7 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
 
     def shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        if not _is_dtensor(p) or full.dim() == 0:
+        if not isinstance(p, DTensor) or full.dim() == 0:
             return full
         full = full.dequantize() if isinstance(full, FP8Tensor) else full
         # src_data_rank=None: every rank slices its own rows, no communication

@@ -279,7 +279,8 @@ class NanoChatTrainer:
                                   f"{cfg.fp8_mode}, scales precomputed after each optimizer step)")
             else:
                 self.parallel += f", fp8 all-gather off: {problem}"
-        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device, blocks=self.model.transformer.h)
+        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device,
+                                      blocks=self.model.transformer.h)
 
     def _print_header(self) -> None:
         cfg, m = self.config, self.model
@@ -307,7 +308,9 @@ class NanoChatTrainer:
             print0(self.fp8_report.table())
             if cfg.fp8_opt_level:
                 print0(self.optimizer.summary())
-            print0("fp8: evaluation and sampling run in high precision (fp8_disabled)")
+            print0("fp8: evaluation and sampling run in high precision ("
+                   + ("an unsharded copy of the FSDP shards)" if self.dist.is_distributed and cfg.fsdp
+                      else "fp8_disabled)"))
 
     # --------------------------------------------------------------- evaluate
     @torch.no_grad()

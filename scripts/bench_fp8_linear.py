@@ -1,0 +1,102 @@
+"""What an FP8 training step costs against a plain one, per mode, on this machine.
+
+    python scripts/bench_fp8_linear.py                       # d4-size MLP, emulated on CPU
+    python scripts/bench_fp8_linear.py --tokens 8192 --dim 512
+
+Baseline and candidates run in the same process, interleaved (so machine load hits both), and
+each figure is the median of `--repeats` medians of `--steps` timed fwd+bwd steps after warmup.
+On CPU the FP8 path is torchao's emulation (FP8 rounding in high precision): it measures the
+cost of *simulating* FP8, useful for planning tests and numerics studies, not FP8 speed. FP8
+speed needs FP8 tensor cores: scripts/gpu_check.py measures that on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import tyro
+
+from nanochat.fp8 import convert, detect
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchFP8LinearConfig:
+    """Time an MLP's forward+backward with and without FP8 (emulated where not native)."""
+
+    dim: int = 256
+    """Model width; the MLP is dim -> 4*dim -> dim (nanochat's MLP shape)."""
+    tokens: int = 2048
+    """Rows of the input (batch x sequence)."""
+    modes: tuple[str, ...] = ("e4m3", "e5m2", "auto")
+    """FP8 modes to time against the high-precision baseline."""
+    steps: int = 5
+    """Timed steps per measurement."""
+    repeats: int = 3
+    """Interleaved measurements per variant; the median is reported."""
+    threads: int = 2
+    """torch intra-op threads (the development machines have 2 cores)."""
+    device: str = "cpu"
+    out: str | None = None
+    """Write the figures as JSON here."""
+
+
+def main(cfg: BenchFP8LinearConfig) -> dict:
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(0)
+    device = torch.device(cfg.device)
+    backend = detect(device, emulate=False)
+    emulate = backend.backend != "native"
+    base = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.ReLU(), nn.Linear(4 * cfg.dim, cfg.dim)).to(device)
+    variants = {"high precision": base}
+    for mode in cfg.modes:
+        m = copy.deepcopy(base)
+        convert(m, mode=mode, emulate=emulate, min_dim=16)
+        variants[f"fp8 {mode}" + (" (emulated)" if emulate else "")] = m
+    x = torch.randn(cfg.tokens, cfg.dim, device=device)
+
+    def step(m: nn.Module) -> None:
+        m.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def measure(m: nn.Module) -> float:
+        step(m)  # warmup
+        times = []
+        for _ in range(cfg.steps):
+            t = time.perf_counter()
+            step(m)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    load_before = os.getloadavg()
+    runs: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(cfg.repeats):
+        for name, m in variants.items():
+            runs[name].append(measure(m))
+    base_ms = statistics.median(runs["high precision"]) * 1e3
+    result = {"config": cfg.__dict__ | {"modes": list(cfg.modes)}, "backend": backend.backend,
+              "reason": backend.reason, "load_before": load_before, "load_after": os.getloadavg(),
+              "torch": torch.__version__, "variants": {}}
+    print(f"MLP {cfg.dim}->{4 * cfg.dim}->{cfg.dim}, {cfg.tokens} tokens, fwd+bwd, {cfg.threads} threads, "
+          f"backend {backend.backend}; load {load_before[0]:.1f}")
+    print(f"{'variant':28s} {'median ms':>10s} {'x baseline':>11s}")
+    for name, times in runs.items():
+        ms = statistics.median(times) * 1e3
+        result["variants"][name] = {"median_ms": ms, "ratio": ms / base_ms, "runs_ms": [t * 1e3 for t in times]}
+        print(f"{name:28s} {ms:10.1f} {ms / base_ms:11.2f}")
+    if cfg.out:
+        with open(cfg.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main(tyro.cli(BenchFP8LinearConfig, use_underscores=True))
