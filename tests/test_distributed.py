@@ -2,15 +2,17 @@
 
 What is checked against what:
 - DDP (2 ranks x 2 micro-batches of 4) and FSDP2 (2 ranks x 8) runs log the same losses, step
-  by step, as one process with batch 16 (the same global batches), and the same validation loss. Tolerances are measured
-  (see each constant); the only difference is the order of floating-point reductions, except
-  with FP8, where each rank also computes its activation and gradient scales over its own half
-  batch (tensorwise scaling is per GEMM, i.e. per rank), so the rounding differs slightly.
+  by step, as one process with batch 16 (the same global batches), and the same validation
+  loss. Tolerances are measured (see each constant); the only difference is the order of
+  floating-point reductions, except with FP8, where each rank also computes its activation and
+  gradient scales over its own half batch (tensorwise scaling is per GEMM, i.e. per rank), so
+  the rounding differs slightly.
 - FSDP2 with --fp8 --fp8_emulate --fp8_opt_level 2: weights all-gathered in FP8 (reported in
   result.json), Adam moments stored as FP8Tensor *per shard* (DTensor around FP8Tensor, half the
   rows on each rank).
-- A DCP checkpoint written by 2 FSDP ranks (FP8 moments included) resumes in 1 process (batch 16)
-  and continues with the losses of the uninterrupted 2-rank run; with `-m slow`, also in 4.
+- A DCP checkpoint written by 2 FSDP ranks (FP8 moments included) loads into 1 process bit for
+  bit (every tensor is the ranks' shards stacked, FP8 codes and scales included), and resumes
+  there (batch 16) with the losses of the uninterrupted 2-rank run; with `-m slow`, also in 4.
 - Without processes: DCP save/load round trip in one process is bitwise; an interrupted save
   leaves the previous checkpoint loadable.
 
@@ -106,7 +108,8 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
     fp8 = dict(fp8=True, fp8_emulate=True, fp8_opt_level=2)
     runs = [
         # 2 ranks x 4 sequences x 2 micro-batches: also checks DDP's no_sync accumulation
-        dict(name="ddp", cli=True, kwargs=_kwargs(small_corpus, out / "ddp", batch_size=4, grad_accum_steps=2)),
+        dict(name="ddp", cli=True,
+             kwargs=_kwargs(small_corpus, out / "ddp", batch_size=4, grad_accum_steps=2)),
         dict(name="fsdp", kwargs=_kwargs(small_corpus, out / "fsdp", fsdp=True)),
         dict(name="fsdp_fp8", kwargs=_kwargs(small_corpus, out / "fsdp_fp8", fsdp=True, **fp8)),
         dict(name="cut", crash_after_first_save=True,
@@ -150,10 +153,9 @@ def test_fsdp_fp8_matches_one_process_with_sharded_fp8_states(two_ranks, single)
             assert s["local_rows"] * 2 == s["global_rows"], (name, s)  # this rank's half
 
 
-def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks, cache):
-    from nanochat.trainer import NanoChatTrainer
-
+def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     from nanochat import distributed
+    from nanochat.trainer import NanoChatTrainer
 
     cut = two_ranks["cut"]
     assert json.loads((cut / "checkpoint_dcp" / "LATEST").read_text())["step"] == 4
@@ -170,7 +172,6 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks, cache):
 
     cfg = json.loads((cut / "config.json").read_text())
     cfg.update(batch_size=16, resume=True)  # same global batch: 1 x 16 = 2 x 8
-    os.environ["NANOCHAT_CACHE"] = str(cache)
     NanoChatTrainer(**cfg).train()
     resumed, full = _losses(cut), _losses(two_ranks["fsdp_fp8"])  # steps 1-4: the 2-rank run's
     _assert_close({s: resumed[s] for s in range(5, STEPS + 1)},
@@ -180,7 +181,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks, cache):
 
 @pytest.mark.slow
 def test_checkpoint_from_two_ranks_resumes_in_four(two_ranks, cache):
-    """4 processes on 2 cores: ~40 s, hence slow; the 1-process resume above is the fast twin."""
+    """4 processes on 2 cores: ~1 min more, hence slow; the 1-process resume is the fast twin."""
     run_dir = two_ranks["cut_for_4"]
     cfg = json.loads((run_dir / "config.json").read_text())
     cfg.update(batch_size=4, resume=True, run_dir=str(run_dir))  # 4 x 4 = 2 x 8

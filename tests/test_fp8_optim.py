@@ -283,7 +283,9 @@ def test_state_bytes_targets():
     p = _params(shapes=((64, 256), (64, 256)))
     for level, bound in ((1, 5.05), (2, 2.05)):
         opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=level, compile=False)
+        planned = opt.state_bytes()  # before the first step: what the step will allocate
         _run(opt, p, 1)
+        assert opt.state_bytes() == planned
         assert opt.state_bytes_per_param() <= bound
         assert opt.state_bytes() == round(opt.state_bytes_per_param() * 2 * 64 * 256)
 

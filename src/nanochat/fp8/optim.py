@@ -597,23 +597,34 @@ class FP8Optim(torch.optim.Optimizer):
 
     # ---- reporting ----------------------------------------------------------------------------
 
-    def _state_tensors(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                for key, value in self.state.get(p, {}).items():
-                    if key != "step" and torch.is_tensor(value):
-                        yield p, value
+    def _planned_bytes(self, p: torch.Tensor, group: dict) -> int:
+        """Bytes of moment state the first step will allocate for p (this level's layout)."""
+        moments = 0 if self.is_sgd and group["momentum"] == 0 else (1 if self.is_sgd else 2)
+        if not self._uses_fp8(p, group):
+            return moments * p.numel() * p.element_size()  # torch keeps state in p's dtype
+        fp8 = min(self.opt_level, moments)
+        return fp8 * (p.numel() + p.numel() // self.block_size * 4) + (moments - fp8) * p.numel() * 4
 
     def state_bytes(self) -> int:
-        """Bytes of moment state held now (FP8 codes + scales, or fp32), steps excluded."""
+        """Bytes of moment state (FP8 codes + scales, or fp32; steps excluded): what is held now,
+        plus what the first step will allocate for parameters that have no state yet (so it is
+        meaningful right after construction)."""
         total = 0
-        for _, value in self._state_tensors():
-            total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.numel() * value.element_size()
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state:
+                    total += self._planned_bytes(p, group)
+                    continue
+                for key, value in state.items():
+                    if key == "step" or not torch.is_tensor(value):
+                        continue
+                    total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.numel() * value.element_size()
         return total
 
     def state_bytes_per_param(self) -> float:
-        """state_bytes() / number of parameters that have state (0 before the first step)."""
-        n = sum(p.numel() for g in self.param_groups for p in g["params"] if self.state.get(p))
+        """state_bytes() / number of parameters."""
+        n = sum(p.numel() for g in self.param_groups for p in g["params"])
         return self.state_bytes() / n if n else 0.0
 
     def summary(self) -> str:
