@@ -281,13 +281,15 @@ def _native_lib():
         cache.mkdir(parents=True, exist_ok=True)
         so = cache / f"fp8optim-{key}.so"
         if not so.exists():
-            with tempfile.TemporaryDirectory() as tmp:
+            # Build next to the target and os.replace it there: the rename is atomic only on one
+            # filesystem, and concurrent processes (torchrun ranks) may dlopen the file meanwhile.
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:
                 src = pathlib.Path(tmp) / "fp8optim.c"
                 src.write_text(_C_SOURCE)
                 out = pathlib.Path(tmp) / so.name
                 subprocess.run([cc, *flags, "-o", str(out), str(src), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
-                shutil.move(str(out), so)  # atomic enough: same filesystem name, content-keyed
+                os.replace(out, so)
         lib = ctypes.CDLL(str(so))
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.adam_step.argtypes = [ptr] * 8 + [i64, i64, i64, i32, i32]
