@@ -29,14 +29,15 @@ back to the hybrid and records it; the table shows each run's backend and fallba
 
 Default config, and why (measured on the 2-core development machine, torch 2.13 CPU; figures
 in .cache/BENCH_PARITY.md): d4 (4 layers, width 256: 24 of 25 Linear layers, 75% of the linear
-FLOPs, are FP8-eligible; d2 converts too but its vocabulary head dominates), seq_len 128 x batch
-4, 300 steps, eval every 25 steps on 4096 validation tokens. With one thread a d4 step costs
-~0.4 s of CPU time in fp32 and ~0.75 s with emulated FP8, so the four modes take ~13 minutes on a
-quiet machine. 120 steps was tried first and rejected: the val loss ended at 6.30 nats/token,
-still falling ~0.1 per 20 steps, a model that has barely started to learn. Run with OMP_NUM_THREADS=1 on a
-shared machine: OpenMP's spin-waiting made 2-thread steps several times slower under load
-(tests/conftest.py). It is still a short run; `--num_iterations 1000 --batch_size 8` is the
-better test where there is time (or a GPU).
+FLOPs, are FP8-eligible; d2 converts too but its vocabulary head dominates), seq_len 128 x
+batch 4, 300 steps, eval every 25 steps on 4096 validation tokens. With one thread a d4 step
+costs ~0.4 s of CPU time in fp32 and ~0.75 s with emulated FP8; the four modes took 11.4 minutes
+there (load average falling from 3.9 to 2.0 during the run). 120 steps was tried first and
+rejected: the val loss ended at 6.30 nats/token, still falling ~0.1 per 20 steps, a model that
+had barely started to learn. Run with OMP_NUM_THREADS=1 on a shared machine: OpenMP's
+spin-waiting made 2-thread steps several times slower under load (tests/conftest.py). It is
+still a short run; `--num_iterations 1000 --batch_size 8` is the better test where there is
+time (or a GPU).
 
 Outputs in --out_dir: one trainer run directory per mode (metrics.jsonl, result.json, the final
 checkpoint), `parity.json` (every figure printed, the curves, the targets, the environment;
@@ -56,102 +57,12 @@ import platform
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from nanochat.config import FP8Recipe, parse_cli
+from nanochat.config import ParityConfig, parse_cli, resolved
 
-ParityMode = Literal["baseline", "e4m3", "e5m2", "auto"]
 FIXED_MODES = ("e4m3", "e5m2")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParityConfig:
-    """Train one model per FP8 mode from the same seed and data; compare final val losses.
-    `scripts/fp8_parity.py`."""
-
-    model_name: str = "d4"
-    """Model size preset (d2, d4, ...; see base_train --model_name). FP8 needs width >= 128."""
-
-    num_iterations: int = 300
-    """Optimizer steps per mode."""
-
-    eval_every: int = 25
-    """Validation loss every N steps (and at the end); the curve points of the plot."""
-
-    eval_tokens: int = 4096
-    """Validation tokens per evaluation (the same tokens in every mode)."""
-
-    seq_len: int = 128
-    """Tokens per training sequence."""
-
-    batch_size: int = 4
-    """Sequences per step."""
-
-    vocab_size: int = 4096
-    """Vocabulary of the tokenizer trained (once, cached) on the corpus."""
-
-    warmup_steps: int = 20
-    """Linear learning-rate warmup steps (then cosine decay, as in base_train)."""
-
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
-
-    modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto")
-    """Modes to train, in this order: baseline (no FP8), e4m3, e5m2, auto (--fp8_mode auto)."""
-
-    recipe: FP8Recipe = "tensorwise"
-    """torchao FP8 scaling recipe for every FP8 mode."""
-
-    seed: int = 1337
-    """Seed of the weights and the data order, the same for every mode."""
-
-    dataset_path: str | None = None
-    """Corpus (as base_train --dataset_path). Default: the Python standard-library sources."""
-
-    out_dir: str = "runs/fp8_parity"
-    """Where the per-mode runs, parity.json and parity.png go."""
-
-    gap_target_pct: float = 1.0
-    """Target: every FP8 mode's final val loss within this many percent of the baseline's."""
-
-    auto_tolerance_pct: float = 0.2
-    """Target: auto's final val loss at most the best fixed mode's times (1 + this/100); 0 is
-    strict. A policy (a fifth of --gap_target_pct), not a measured seed-to-seed spread."""
-
-    quick: bool = False
-    """Smoke run in seconds (d2, 8 steps, seq_len 32, tiny eval): replaces the size and schedule
-    flags above with QUICK's values. Its figures check the harness, not FP8."""
-
-    device: str = "auto"
-    """cuda, cpu, mps or auto. FP8 runs natively where the device supports the recipe, emulated
-    elsewhere."""
-
-    def __post_init__(self) -> None:
-        if not self.modes:
-            raise ValueError("--modes is empty; give at least: --modes baseline e4m3")
-        if len(set(self.modes)) != len(self.modes):
-            raise ValueError(f"--modes lists a mode twice: {' '.join(self.modes)}")
-        if "baseline" not in self.modes:
-            raise ValueError("gaps are measured against the baseline: add baseline to --modes "
-                             f"(e.g. --modes baseline {' '.join(self.modes)})")
-        for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-
-
-QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
-             batch_size=4, vocab_size=320, warmup_steps=2, lr=1e-2)
-"""--quick: d2 (width 128, the smallest preset with FP8-eligible layers), 8 steps: more than
-auto's 4 calibration steps (--fp8_auto_steps), so auto trains with its calibrated formats."""
-
-
-def resolved(cfg: ParityConfig) -> ParityConfig:
-    return dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
 
 
 # ------------------------------------------------------------------------------------- running
@@ -168,12 +79,15 @@ def train_kwargs(cfg: ParityConfig, mode: str, *, emulate: bool) -> dict[str, An
     return kw
 
 
-def read_curves(run_dir: Path) -> dict[str, list[float]]:
-    """Train loss per step and val loss / bpb per eval step, from the run's metrics.jsonl."""
-    curves: dict[str, list[float]] = {"step": [], "loss": [], "val_step": [], "val_loss": [], "val_bpb": []}
+def read_curves(run_dir: Path) -> dict[str, list]:
+    """Train loss per step, val loss / bpb per eval step, and the worst FP8 underflow seen at any
+    sampled step (`[layer, role, pct, step]`, largest first), from the run's metrics.jsonl."""
+    curves: dict[str, list] = {"step": [], "loss": [], "val_step": [], "val_loss": [], "val_bpb": [],
+                               "worst_underflow": []}
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return curves
+    worst: dict[tuple[str, str], tuple[float, int]] = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if not rec.get("skipped") and "loss" in rec:
@@ -183,6 +97,14 @@ def read_curves(run_dir: Path) -> dict[str, list[float]]:
             curves["val_step"].append(rec["step"])
             curves["val_loss"].append(rec["val_loss"])
             curves["val_bpb"].append(rec["val_bpb"])
+        # per-step FP8 statistics (every --fp8_stats_every steps): {layer: {role: {underflow_pct, ...}}}
+        for layer, roles in (rec.get("fp8_stats") or {}).items():
+            for role, st in (roles if isinstance(roles, dict) else {}).items():
+                pct = st.get("underflow_pct") if isinstance(st, dict) else None
+                if pct is not None and pct > worst.get((layer, role), (-1.0, 0))[0]:
+                    worst[(layer, role)] = (pct, rec["step"])
+    ranked = sorted(worst.items(), key=lambda kv: -kv[1][0])[:5]
+    curves["worst_underflow"] = [[layer, role, pct, step] for (layer, role), (pct, step) in ranked]
     return curves
 
 
@@ -282,10 +204,10 @@ def report(cfg: ParityConfig, results: dict[str, dict], targets: dict[str, Any])
             lines.append(f"{mode}: failed: {r['error']}")
         for f in r.get("fallbacks") or []:
             lines.append(f"{mode}: fallback: {f}")
-        top = (r.get("fp8_stats") or {}).get("top_underflow") or []
+        top = [t for t in (r.get("curves") or {}).get("worst_underflow") or [] if t[2] > 0]
         if top:  # the trainer's sampled FP8 statistics: where FP8 loses small values to zero
-            lines.append(f"{mode}: most underflow (sampled, % of non-zero values flushed): "
-                         + ", ".join(f"{layer} {role} {pct:.1f}%" for layer, role, pct in top[:3]))
+            lines.append(f"{mode}: most underflow at any sampled step (% of non-zero values flushed): "
+                         + ", ".join(f"{layer} {role} {pct:.1f}% (step {step})" for layer, role, pct, step in top[:3]))
         if mode == "auto" and not r.get("error") and r:
             choices = r.get("fp8_choices")
             if choices:
@@ -335,11 +257,11 @@ def plot(cfg: ParityConfig, results: dict[str, dict], path: Path) -> None:
         if not r:
             continue
         c, color = r["curves"], f"C{i}"
-        label = mode + (" (failed)" if r.get("error") else f" {r['val_loss']:.4f}")
+        final = " (failed)" if r.get("error") else f", final {r['val_loss']:.4f}"
         if c["step"]:
-            ax.plot(c["step"], ema(c["loss"], beta), color=color, lw=1.3, label=f"{label} train (EMA)")
+            ax.plot(c["step"], ema(c["loss"], beta), color=color, lw=1.3, label=f"{mode} train (EMA)")
         if c["val_step"]:
-            ax.plot(c["val_step"], c["val_loss"], "o", color=color, ms=5, mfc="none", label=f"{mode} val")
+            ax.plot(c["val_step"], c["val_loss"], "o", color=color, ms=5, mfc="none", label=f"{mode} val{final}")
             pts = [(s, rel_gap_pct(v, base_val[s])) for s, v in zip(c["val_step"], c["val_loss"]) if s in base_val]
             if pts and mode != "baseline":
                 axg.plot(*zip(*pts), "o-", color=color, ms=4, label=mode)

@@ -31,7 +31,7 @@ from nanochat.fp8 import (
     FP8Config, FP8Linear, apply_fp8, convert, detect, fp8_disabled, fp8_layers, fp8_report, is_fp8_model,
     restore_fp8,
 )
-from nanochat.fp8.linear import HYBRID, float8_linear_config
+from nanochat.fp8.linear import float8_linear_config
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

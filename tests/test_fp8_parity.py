@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from nanochat.config import QUICK
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("baseline", "e4m3", "e5m2", "auto")
@@ -55,7 +56,7 @@ def test_quick_run_records_every_mode_with_gaps_recomputed(quick_run):
         r = results[mode]
         assert r["error"] is None, f"{mode} failed: {r['error']}"
         assert math.isfinite(r["val_loss"]) and math.isfinite(r["val_bpb"]), mode
-        assert r["steps"] == parity.QUICK["num_iterations"]
+        assert r["steps"] == QUICK["num_iterations"]
         assert r["curves"]["val_step"][-1] == r["steps"]  # the final eval is in the curve
         assert r["curves"]["val_loss"][-1] == r["val_loss"]
 

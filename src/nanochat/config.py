@@ -257,6 +257,97 @@ class ExportConfig:
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
 
 
+ParityMode = Literal["baseline", "e4m3", "e5m2", "auto"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParityConfig:
+    """Train one model per FP8 mode from the same seed and data; compare final val losses.
+    `scripts/fp8_parity.py`."""
+
+    model_name: str = "d4"
+    """Model size preset (d2, d4, ...; see base_train --model_name). FP8 needs width >= 128."""
+
+    num_iterations: int = 300
+    """Optimizer steps per mode."""
+
+    eval_every: int = 25
+    """Validation loss every N steps (and at the end); the curve points of the plot."""
+
+    eval_tokens: int = 4096
+    """Validation tokens per evaluation (the same tokens in every mode)."""
+
+    seq_len: int = 128
+    """Tokens per training sequence."""
+
+    batch_size: int = 4
+    """Sequences per step."""
+
+    vocab_size: int = 4096
+    """Vocabulary of the tokenizer trained (once, cached) on the corpus."""
+
+    warmup_steps: int = 20
+    """Linear learning-rate warmup steps (then cosine decay, as in base_train)."""
+
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+
+    modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto")
+    """Modes to train, in this order: baseline (no FP8), e4m3, e5m2, auto (--fp8_mode auto)."""
+
+    recipe: FP8Recipe = "tensorwise"
+    """torchao FP8 scaling recipe for every FP8 mode."""
+
+    seed: int = 1337
+    """Seed of the weights and the data order, the same for every mode."""
+
+    dataset_path: str | None = None
+    """Corpus (as base_train --dataset_path). Default: the Python standard-library sources."""
+
+    out_dir: str = "runs/fp8_parity"
+    """Where the per-mode runs, parity.json and parity.png go."""
+
+    gap_target_pct: float = 1.0
+    """Target: every FP8 mode's final val loss within this many percent of the baseline's."""
+
+    auto_tolerance_pct: float = 0.2
+    """Target: auto's final val loss at most the best fixed mode's times (1 + this/100); 0 is
+    strict. A policy (a fifth of --gap_target_pct), not a measured seed-to-seed spread."""
+
+    quick: bool = False
+    """Smoke run in seconds (d2, 8 steps, seq_len 32, tiny eval): replaces the size and schedule
+    flags above with QUICK's values. Its figures check the harness, not FP8."""
+
+    device: str = "auto"
+    """cuda, cpu, mps or auto. FP8 runs natively where the device supports the recipe, emulated
+    elsewhere."""
+
+    def __post_init__(self) -> None:
+        if not self.modes:
+            raise ValueError("--modes is empty; give at least: --modes baseline e4m3")
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"--modes lists a mode twice: {' '.join(self.modes)}")
+        if "baseline" not in self.modes:
+            raise ValueError("gaps are measured against the baseline: add baseline to --modes "
+                             f"(e.g. --modes baseline {' '.join(self.modes)})")
+        for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+
+
+QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
+             batch_size=4, vocab_size=320, warmup_steps=2, lr=1e-2)
+"""--quick: d2 (width 128, the smallest preset with FP8-eligible layers), 8 steps: more than
+auto's 4 calibration steps (--fp8_auto_steps), so auto trains with its calibrated formats."""
+
+
+def resolved(cfg: ParityConfig) -> ParityConfig:
+    return dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
+
+
 def _positive(cfg, *names: str) -> None:
     for n in names:
         if getattr(cfg, n) <= 0:
