@@ -377,18 +377,24 @@ def test_unsupported_optimizers_and_options_are_refused():
         FP8Optim(torch.optim.AdamW(p), opt_level=3)
 
 
-def test_summary_logged_once(caplog):
+def test_summary_logged_once():
     p = _params(shapes=((64, 128), (10,), (5, 1000)))
     opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2, compile=False)
+    # Our own handler on the nanochat logger: independent of propagation and of handlers that
+    # other tests (a trainer run's setup_logging) left on it.
     logger = logging.getLogger("nanochat")
-    old = logger.propagate
-    logger.propagate = True
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
-        with caplog.at_level(logging.INFO, logger="nanochat"):
-            _run(opt, p, 2)
+        _run(opt, p, 2)
     finally:
-        logger.propagate = old
-    msgs = [r.getMessage() for r in caplog.records if "FP8Optim(AdamW" in r.getMessage()]
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    msgs = [r.getMessage() for r in records if "FP8Optim(AdamW" in r.getMessage()]
     assert len(msgs) == 1
     assert "1 tensors / 8,192 params with FP8 state" in msgs[0]
     assert "numel < 4096" in msgs[0] and "numel % 256 != 0" in msgs[0]
