@@ -534,8 +534,12 @@ class NanoChatTrainer:
                      f"{c['skipped_steps']} skipped steps, {c['clip_events']} clipping events{clip}; "
                      f"statistics from {c.get('stats_samples', 0)} sampled step(s)"]
             if layers:
-                rows = [["most underflow", f"{n} ({r})", f"{v:.3f} %"] for n, r, v in summary["top_underflow"]]
-                rows += [["most saturation", f"{n} ({r})", f"{v:.3f} %"] for n, r, v in summary["top_saturation"]]
+                rows = []
+                for label, key in (("most underflow", "top_underflow"), ("most saturation", "top_saturation")):
+                    top = [(n, r, v) for n, r, v in summary[key] if v > 0]
+                    rows += [[label, f"{n} ({r})", f"{v:.3f} %"] for n, r, v in top]
+                    if not top:
+                        rows.append([label, "none: 0 % in every layer and role", ""])
                 lines.append(format_table(["", "layer (role)", "share of values"], rows))
             if self.fp8_choices:
                 lines.append(self._choices_table())
