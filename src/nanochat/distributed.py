@@ -28,8 +28,11 @@ in every forward. FSDP2 can all-gather that weight already in FP8 (torchao's
 and the same numerics (the scale comes from the amax over all shards, as the unsharded cast
 would compute it; measured: identical losses with and without). After each optimizer step
 `precompute_float8_dynamic_scale_for_fsdp` computes all those amaxes in one all-reduce, instead
-of one per layer per forward. Both are on whenever they apply: FSDP, tensorwise recipe, and one
-fixed weight format (e4m3 or e5m2; `--fp8_mode auto` may choose per layer, so not there).
+of one per layer per forward. Both are on whenever they apply: FSDP, tensorwise recipe, one
+fixed weight format (e4m3 or e5m2; `--fp8_mode auto` may choose per layer, so not there), and
+every FP8 weight's rows divisible by the world size (torchao 0.18 does not pad a shorter last
+shard in its all-gather hook, pytorch/ao#3982; d2 at 3 ranks crashed gloo). The run header's
+`parallel` row says on, or off and why.
 Rowwise recipes scale per row, which an FP8 all-gather cannot express; they all-gather fp32.
 gloo has no float8 collectives, so on CPU the FP8 all-gather moves the same bytes as uint8
 (`_ByteAllGather`); NCCL all-gathers float8 directly.
@@ -44,9 +47,11 @@ gradients and Adam moments that FSDP shards).
 Checkpoints. A single process writes `checkpoint.pt` (checkpoint.py: one file, weights_only).
 A distributed run writes a `torch.distributed.checkpoint` (DCP) directory: every rank writes
 its own shards in parallel, and DCP records which slice of which tensor each file holds, so it
-loads into any world size, FSDP or DDP, or a single process (no process group needed); FP8
+loads into any world size, FSDP or DDP, or a single process (no process group needed). FP8
 optimizer states (FP8Tensor, wrapped as DTensor under FSDP) are resharded by slicing on whole
-256-element blocks, without requantization. Layout and atomicity:
+256-element blocks, bit for bit; where a world size's shards would cut blocks (d2 at 3 ranks:
+43 rows of 128) they load through fp32 and FP8Optim requantizes them (`_fp32_templates`).
+Layout and atomicity:
 
     <run_dir>/checkpoint_dcp/step-000200/   DCP files + trainer.json (step, config, data position)
     <run_dir>/checkpoint_dcp/LATEST         {"dir": "step-000200", "step": 200}
@@ -73,7 +78,7 @@ from typing import Any, Iterable, Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # FSDP2's all-gather interface, the argument type of FSDPModule.set_custom_all_gather, lives in a
 # private module in torch 2.11-2.13 (no public alias yet).
@@ -210,10 +215,19 @@ def fp8_all_gather_problem(model: nn.Module, *, fsdp: bool) -> str | None:
         return "no FP8 layers"
     for m in layers:
         cast = m.config.cast_config_weight
-        if cast.scaling_type is not ScalingType.DYNAMIC or cast.scaling_granularity is not ScalingGranularity.TENSORWISE:
+        tensorwise = cast.scaling_granularity is ScalingGranularity.TENSORWISE
+        if cast.scaling_type is not ScalingType.DYNAMIC or not tensorwise:
             return "needs the tensorwise recipe (one scale per weight); rowwise all-gathers fp32"
     if len({m.config.cast_config_weight.target_dtype for m in layers}) > 1:
         return "weights use different FP8 formats (--fp8_mode auto); one format is needed"
+    world = dist.get_world_size()
+    uneven = [name for name, m in model.named_modules()
+              if isinstance(m, Float8Linear) and m.weight.shape[0] % world]
+    if uneven:
+        # torchao 0.18 returns the last rank's shorter shard unpadded from its all-gather hook, and
+        # the collective fails (pytorch/ao#3982; measured: d2 at 3 ranks, gloo size mismatch)
+        return (f"{len(uneven)} FP8 weights (e.g. {uneven[0]}) have rows not divisible by {world} "
+                "ranks, which torchao's FP8 all-gather does not pad (pytorch/ao#3982)")
     return None
 
 
@@ -323,7 +337,10 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
     import torch.distributed.checkpoint as dcp
 
     root = dcp_root(run_dir)
-    name = f"step-{step:06d}"
+    name, n = f"step-{step:06d}", 1
+    while (root / name).exists():  # this step saved before (a resumed run): never overwrite in place
+        n += 1
+        name = f"step-{step:06d}-{n}"
     tmp, final = root / f".tmp-{name}", root / name
     rank0 = dist_env().rank == 0
     if rank0:
@@ -339,7 +356,6 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
         _fsync_tree(tmp)
     barrier()  # every rank's files are written before rank 0 publishes them
     if rank0:
-        shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a resumed run's end)
         os.rename(tmp, final)
         pointer_tmp = root / f".{LATEST}.tmp"
         pointer_tmp.write_text(json.dumps({"dir": name, "step": step}))
@@ -366,14 +382,64 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.O
 
     path = Path(path)
     state = _state_dicts(model, optimizer)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    full = _fp32_templates(state["optimizer"]["state"], saved, model, getattr(optimizer, "block_size", None))
     state["extra"] = dict(tensors or {})
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
+    for current, k, p in full:  # every rank holds the whole tensor: keep this rank's rows
+        if isinstance(p, DTensor):
+            current[k] = distribute_tensor(current[k], p.device_mesh, p.placements, src_data_rank=None)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if tensors is not None:
         tensors.update(state["extra"])
     return json.loads((path / META_NAME).read_text())
+
+
+def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any], model: nn.Module,
+                    block_size: int | None) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """Adjust the optimizer template, in place, where the checkpoint's moments cannot load as the
+    optimizer holds them; returns the (state, key, param) entries given full fp32 templates.
+
+    FP8 moments are whole 256-element blocks, and FP8Tensor slices only on block boundaries. So a
+    moment loads into a full, unsharded fp32 template (DCP then reads whole saved chunks and
+    dequantizes them), and is resharded and requantized by FP8Optim afterwards, when
+    - the checkpoint names it differently (FP8Optim calls v `exp_avg_sq` in fp32 and
+      `exp_avg_sq_sqrt` in FP8: a tensor whose shards were not whole blocks kept fp32 state), or
+    - the saved chunks or this run's shards do not start and end on block boundaries.
+    Otherwise (the usual case) FP8 codes and scales load as they are, without requantization.
+    """
+    from nanochat.fp8.tensor import FP8Tensor
+
+    def whole_blocks(starts_ends: list[int], row: int) -> bool:
+        return block_size is None or all((r * row) % block_size == 0 for r in starts_ends)
+
+    full = []
+    for fqn, p in model.named_parameters():
+        current = optim_state.get(fqn)
+        prefix = f"optimizer.state.{fqn}."
+        keys = {k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if not keys or current is None:
+            continue
+        row = p.numel() // p.shape[0] if p.dim() else 1
+        mine = []  # this run's shard boundaries (rows), FSDP2's torch.chunk split of dim 0
+        if isinstance(p, DTensor) and p.dim():
+            chunk = -(-p.shape[0] // p.device_mesh.size())
+            mine = [min(i * chunk, p.shape[0]) for i in range(p.device_mesh.size() + 1)]
+        for k in set(current) - keys:
+            del current[k]
+        for k in keys:
+            value = current.get(k)
+            if k == "step" or (value is not None and value.dim() == 0):
+                continue
+            theirs = [b for c in saved[prefix + k].chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])]
+            local = value.to_local() if isinstance(value, DTensor) else value
+            if (value is None or not whole_blocks(mine, row)  # a saved FP8 chunk would be cut
+                    or (isinstance(local, FP8Tensor) and not whole_blocks(theirs, row))):
+                current[k] = torch.zeros(p.shape, device=p.device)
+                full.append((current, k, p))
+    return full
 
 
 @contextlib.contextmanager
@@ -403,7 +469,6 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     need none of this: they reshard without dequantizing.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import distribute_tensor
 
     from nanochat.fp8.tensor import FP8Tensor
 

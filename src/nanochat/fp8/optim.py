@@ -46,6 +46,17 @@ in place, with no full-size temporaries. Three implementations of the same formu
 - eager: the same Python function run eagerly (`compile=False`, or when compilation fails).
 Hyperparameters go in as one small fp32 tensor, so a schedule changing lr every step does not
 recompile. Every fallback is logged once with its reason.
+
+Under FSDP2 (nanochat/distributed.py) a parameter is a DTensor holding this rank's rows. The
+step works on the local shard (`_local`: p, its gradient and its states), so the kernels and
+their compiled graphs are the single-process ones; states are created for the shard and kept as
+DTensors laid out like their parameter (`_like`), which is what `get_optimizer_state_dict` and
+DCP need to save each rank's part and to reshard it on load. Which parameters get FP8 state is
+decided on the *global* shape (`p.numel()` of a DTensor is the full tensor's), so precision does
+not depend on the world size. A shard must also be a whole number of blocks: always true when a
+row is (a row of 64*d elements for the presets d4, d8, d12, d20: any world size), else when
+rows-per-shard x row length is (d2, d6, d26 split evenly in 2 or 4); otherwise that tensor keeps
+fp32 state (on every rank: the rule reads the global shape) and the summary says why.
 """
 
 from __future__ import annotations
@@ -59,6 +70,11 @@ import torch
 from nanochat.common import format_bytes, logger, warn_once
 
 from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, block_scale, decode, encode, fp8_max
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed: no parameter is a DTensor
+    DTensor = ()  # isinstance(x, ()) is always False
 
 E4M3 = torch.float8_e4m3fn
 MIN_NUMEL = 4096  # bitsandbytes/torchao rule: smaller tensors keep fp32 state
@@ -128,6 +144,44 @@ def _sgd_step(p, g, b_codes, b_scale, h, nesterov: bool):
     new_scale = _requantize(buf, b_codes, b_scale, floor=False)
     d = d_p + momentum * buf if nesterov else buf
     p.copy_(pf - lr * d + 0.0 * new_scale[:, None])  # `+ 0 * scale`: see _adam_step
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: the local shard of a DTensor (FSDP2 parameters, gradients,
+    and the states made for them), with torchao's FP8 all-gather weight wrapper
+    (WeightWithDynamicFloat8CastTensor, one inner tensor) unwrapped, so kernels see plain tensors."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    if type(t) not in (torch.Tensor, torch.nn.Parameter, FP8Tensor) and hasattr(t, "__tensor_flatten__"):
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) == 1:
+            t = getattr(t, inner[0])
+    return t
+
+
+def _shard_problem(p: DTensor, block_size: int) -> str | None:
+    """Why the shards of `p` are not whole blocks on every rank, or None. Decided from the global
+    shape, so all ranks agree: FSDP2 shards dim 0 like torch.chunk, ceil(rows / ranks) rows per
+    rank (the last rank fewer, and whole blocks too when the full tensor and the others are)."""
+    from torch.distributed.tensor import Shard
+
+    if tuple(p.placements) != (Shard(0),):
+        return f"sharded as {tuple(p.placements)}; FP8 state needs rows split across one mesh dim"
+    rows = p.shape[0]
+    chunk = -(-rows // p.device_mesh.size())  # ceil
+    if chunk * (p.numel() // rows) % block_size:
+        return (f"a shard of {chunk} rows x {p.numel() // rows} is not whole {block_size}-element "
+                f"blocks at {p.device_mesh.size()} ranks")
+    return None
+
+
+def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state made for this rank's shard of `p`, as a DTensor laid out like `p` (what DCP saves
+    and reshards); unchanged for a plain parameter."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                  run_check=False)
+    return local
 
 
 def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP8Tensor:
@@ -401,6 +455,10 @@ class FP8Optim(torch.optim.Optimizer):
             return f"numel < {self.min_numel}"
         if p.numel() % self.block_size:
             return f"numel % {self.block_size} != 0"
+        if isinstance(p, DTensor):  # FSDP: every rank's rows must be whole blocks too
+            problem = _shard_problem(p, self.block_size)
+            if problem:
+                return problem
         if not p.is_contiguous():
             return "not contiguous"
         if not p.is_floating_point():
@@ -482,16 +540,17 @@ class FP8Optim(torch.optim.Optimizer):
         h = torch.tensor([lr, beta1, beta2, eps, wd, lr / bias_correction1, bias_correction2_sqrt],
                          dtype=torch.float32, device=p.device)
         B = self.block_size
-        m = state["exp_avg"]
+        m = _local(state["exp_avg"])
         v_fp8 = "exp_avg_sq_sqrt" in state
-        vq = state["exp_avg_sq_sqrt"] if v_fp8 else None
+        vq = _local(state["exp_avg_sq_sqrt"]) if v_fp8 else None
+        v = None if v_fp8 else _local(state["exp_avg_sq"])
         decoupled = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
-        grad = p.grad
+        p, grad = _local(p), _local(p.grad)  # from here on: this rank's shard
         if (self._native and p.device.type == "cpu" and p.dtype == torch.float32
                 and grad.dtype == torch.float32 and grad.is_contiguous() and B <= 1024):
             try:
                 _native_adam(p.view(-1, B), grad.view(-1, B), m.codes.view(torch.uint8).view(-1, B), m.scale,
-                             None if v_fp8 else state["exp_avg_sq"].view(-1, B),
+                             None if v_fp8 else v.view(-1, B),
                              vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None,
                              vq.scale if v_fp8 else None, h, decoupled, v_fp8)
                 return
@@ -500,9 +559,9 @@ class FP8Optim(torch.optim.Optimizer):
                 warn_once("fp8optim-native", f"FP8Optim: the native CPU kernel is unavailable ({e}); "
                           "using torch.compile for the step instead (~5x slower on CPU).")
         self._run(
-            "adam", _adam_step, p.view(-1, B), p.grad.reshape(-1, B),
+            "adam", _adam_step, p.view(-1, B), grad.reshape(-1, B),
             m.codes.view(torch.uint8).view(-1, B), m.scale,
-            None if v_fp8 else state["exp_avg_sq"].view(-1, B),
+            None if v_fp8 else v.view(-1, B),
             vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None,
             vq.scale if v_fp8 else None, h, decoupled=decoupled, v_fp8=v_fp8,
         )
@@ -511,22 +570,24 @@ class FP8Optim(torch.optim.Optimizer):
         state = self.state[p]
         first = state.get("momentum_buffer") is None
         if first:
-            state["momentum_buffer"] = FP8Tensor.zeros(p.shape, dtype=E4M3, block_size=self.block_size,
-                                                       device=p.device)
-        buf = state["momentum_buffer"]
+            state["momentum_buffer"] = _like(FP8Tensor.zeros(_local(p).shape, dtype=E4M3,
+                                                             block_size=self.block_size, device=p.device), p)
+        buf = _local(state["momentum_buffer"])
         h = torch.tensor([float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
                           float(group["weight_decay"]), 1.0 if first else 0.0],
                          dtype=torch.float32, device=p.device)
         B = self.block_size
-        self._run("sgd", _sgd_step, p.view(-1, B), p.grad.reshape(-1, B),
+        self._run("sgd", _sgd_step, _local(p).view(-1, B), _local(p.grad).reshape(-1, B),
                   buf.codes.view(torch.uint8).view(-1, B), buf.scale, h, nesterov=bool(group["nesterov"]))
 
     def _init_adam_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch (non-capturable): host float32
-        state["exp_avg"] = FP8Tensor.zeros(p.shape, dtype=E4M3, block_size=self.block_size, device=p.device)
+        shard = _local(p).shape  # FSDP: this rank's rows; the state is wrapped like p
+        state["exp_avg"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
+                                                 device=p.device), p)
         if self.opt_level >= 2:
-            state["exp_avg_sq_sqrt"] = FP8Tensor.zeros(p.shape, dtype=E4M3, block_size=self.block_size,
-                                                       device=p.device)
+            state["exp_avg_sq_sqrt"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
+                                                             device=p.device), p)
         else:
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
@@ -589,7 +650,16 @@ class FP8Optim(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
+        # FSDP: convert each rank's shard of the states, then wrap them back like their parameter
+        sharded = [p for g in self.param_groups for p in g["params"]
+                   if isinstance(p, DTensor) and self.state.get(p)]
+        for p in sharded:
+            self.state[p] = {k: _local(v) if torch.is_tensor(v) and k != "step" else v
+                             for k, v in self.state[p].items()}
         self._convert_state()
+        for p in sharded:
+            self.state[p] = {k: _like(v, p) if torch.is_tensor(v) and k != "step" else v
+                             for k, v in self.state[p].items()}
 
     def add_param_group(self, param_group: dict) -> None:
         if not hasattr(self, "optimizer"):  # called by Optimizer.__init__ on the shared groups
@@ -602,10 +672,11 @@ class FP8Optim(torch.optim.Optimizer):
     def _planned_bytes(self, p: torch.Tensor, group: dict) -> int:
         """Bytes of moment state the first step will allocate for p (this level's layout)."""
         moments = 0 if self.is_sgd and group["momentum"] == 0 else (1 if self.is_sgd else 2)
+        n = _local(p).numel()  # FSDP: this rank's shard
         if not self._uses_fp8(p, group):
-            return moments * p.numel() * p.element_size()  # torch keeps state in p's dtype
+            return moments * n * p.element_size()  # torch keeps state in p's dtype
         fp8 = min(self.opt_level, moments)
-        return fp8 * (p.numel() + p.numel() // self.block_size * 4) + (moments - fp8) * p.numel() * 4
+        return fp8 * (n + n // self.block_size * 4) + (moments - fp8) * n * 4
 
     def state_bytes(self) -> int:
         """Bytes of moment state (FP8 codes + scales, or fp32; steps excluded): what is held now,
@@ -621,12 +692,13 @@ class FP8Optim(torch.optim.Optimizer):
                 for key, value in state.items():
                     if key == "step" or not torch.is_tensor(value):
                         continue
+                    value = _local(value)  # FSDP: this rank's shard
                     total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.numel() * value.element_size()
         return total
 
     def state_bytes_per_param(self) -> float:
         """state_bytes() / number of parameters."""
-        n = sum(p.numel() for g in self.param_groups for p in g["params"])
+        n = sum(_local(p).numel() for g in self.param_groups for p in g["params"])
         return self.state_bytes() / n if n else 0.0
 
     def summary(self) -> str:
