@@ -46,7 +46,7 @@ def save_checkpoint(run_dir: str | os.PathLike, payload: dict[str, Any]) -> Path
         # Interrupted (exception, Ctrl-C): drop the partial file, keep the previous checkpoint.
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(run_dir)
+    fsync_path(run_dir)
     return target
 
 
@@ -87,8 +87,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where directories can't be opened."""
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: makes a rename in it durable, POSIX); a no-op
+    where it cannot be opened."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -84,6 +84,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # private module in torch 2.11-2.13 (no public alias yet).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
+from nanochat.checkpoint import fsync_path
 from nanochat.common import DistEnv, dist_env
 
 DCP_DIRNAME = "checkpoint_dcp"
@@ -360,9 +361,9 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
         os.rename(tmp, final)
         pointer_tmp = root / f".{LATEST}.tmp"
         pointer_tmp.write_text(json.dumps({"dir": name, "step": step}))
-        _fsync_file(pointer_tmp)
+        fsync_path(pointer_tmp)
         os.replace(pointer_tmp, root / LATEST)
-        _fsync_file(root)
+        fsync_path(root)
         for old in root.glob("step-*"):
             if old.name != name:
                 shutil.rmtree(old, ignore_errors=True)
@@ -492,25 +493,12 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict({"state": state, "param_groups": optim_state["param_groups"]})
 
 
-def _fsync_file(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every file of `root` and the directory itself (rank 0 sees the shared filesystem;
     other ranks' files on a node-local disk are theirs to flush, which DCP's writer does)."""
     for p in root.iterdir():
-        _fsync_file(p)
-    _fsync_file(root)
+        fsync_path(p)
+    fsync_path(root)
 
 
 __all__ = [
