@@ -707,7 +707,7 @@ class NanoChatTrainer:
             steps=self.total_steps,
             epochs=self.loader.epoch,
             wall_time_s=time.perf_counter() - t_start,
-            fallbacks=list(self.fallbacks),
+            fallbacks=list(self.fallbacks) + list(getattr(self.optimizer, "fallbacks", [])),
             optimizer_state_bytes=self.optimizer_state_bytes,
             num_params=self.model.num_params(),
             fp8_backend=self.fp8_report.backend if self.fp8_report is not None else "off",

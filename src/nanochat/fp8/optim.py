@@ -424,6 +424,9 @@ class FP8Optim(torch.optim.Optimizer):
         self._compile = compile and backend != "eager"
         self._compiled: dict[str, Any] = {}
         self._summary_logged = False
+        self.fallbacks: list[str] = []
+        """Each fallback this optimizer took (native kernel unavailable, compile failed), with its
+        reason; the trainer copies them into TrainResult.fallbacks."""
         self._check_groups()
 
     # ---- configuration checks ----------------------------------------------------------------
@@ -518,9 +521,11 @@ class FP8Optim(torch.optim.Optimizer):
                 return
             except Exception as e:  # no C++ compiler, unsupported backend, ...
                 self._compile = False
-                warn_once("fp8optim-eager", f"FP8Optim: torch.compile of the step failed ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); running the step eagerly "
-                          "(correct, several times slower). Pass compile=False to skip the attempt.")
+                msg = (f"FP8Optim: torch.compile of the step failed ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); running the step eagerly "
+                       "(correct, several times slower). Pass compile=False to skip the attempt.")
+                self.fallbacks.append(msg)
+                warn_once("fp8optim-eager", msg)
         fn(*args, **flags)
 
     def _adam_group_scalars(self, group: dict) -> tuple[float, ...]:
@@ -556,8 +561,10 @@ class FP8Optim(torch.optim.Optimizer):
                 return
             except RuntimeError as e:
                 self._native = False
-                warn_once("fp8optim-native", f"FP8Optim: the native CPU kernel is unavailable ({e}); "
-                          "using torch.compile for the step instead (~5x slower on CPU).")
+                msg = (f"FP8Optim: the native CPU kernel is unavailable ({e}); "
+                       "using torch.compile for the step instead (~5x slower on CPU).")
+                self.fallbacks.append(msg)
+                warn_once("fp8optim-native", msg)
         self._run(
             "adam", _adam_step, p.view(-1, B), grad.reshape(-1, B),
             m.codes.view(torch.uint8).view(-1, B), m.scale,
