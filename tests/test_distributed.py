@@ -107,6 +107,7 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
              kwargs=_kwargs(small_corpus, out / "ddp", batch_size=4, grad_accum_steps=2)),
         dict(name="fsdp", kwargs=_kwargs(small_corpus, out / "fsdp", fsdp=True)),
         dict(name="fsdp_fp8", kwargs=_kwargs(small_corpus, out / "fsdp_fp8", fsdp=True, **fp8)),
+        dict(name="ddp_fp8", kwargs=_kwargs(small_corpus, out / "ddp_fp8", **fp8)),
         dict(name="cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "cut", fsdp=True, save_every=4, **fp8)),
     ]
@@ -131,6 +132,17 @@ def test_two_ranks_match_one_process(two_ranks, single, name):
     assert result["parallel"].startswith(f"{name} x2 (gloo)"), result["parallel"]
     assert (two_ranks[name] / "checkpoint_dcp" / "LATEST").is_file()
     assert not (two_ranks[name] / "checkpoint.pt").exists()
+
+
+def test_ddp_fp8_matches_one_process(two_ranks, single):
+    """DDP with --fp8 --fp8_emulate --fp8_opt_level 2: every rank holds whole FP8 states; the
+    losses match one process with the same global batch within FP8_LOSS_TOL (each rank scales
+    its tensorwise FP8 casts over its own half of the batch, hence the wider tolerance)."""
+    run = two_ranks["ddp_fp8"]
+    worst_train = _assert_close(_losses(run), _losses(single["fp8"]), FP8_LOSS_TOL, "ddp fp8 train loss")
+    worst_val = _assert_close(_val_losses(run), _val_losses(single["fp8"]), FP8_LOSS_TOL, "ddp fp8 val loss")
+    print(f"ddp fp8 vs one process: train {worst_train:.1e}, val {worst_val:.1e}")  # shown with -s
+    assert json.loads((run / "result.json").read_text())["parallel"].startswith("ddp x2 (gloo)")
 
 
 def test_fsdp_fp8_matches_one_process_with_sharded_fp8_states(two_ranks, single):
