@@ -398,6 +398,7 @@ def test_summary_logged_once():
     assert len(msgs) == 1
     assert "1 tensors / 8,192 params with FP8 state" in msgs[0]
     assert "numel < 4096" in msgs[0] and "numel % 256 != 0" in msgs[0]
+    assert opt.fp32_states() == {"numel < 4096": (1, 10), "numel % 256 != 0": (1, 5000)}
 
 
 def test_bench_optim_quick_dry_run(tmp_path):

@@ -238,6 +238,10 @@ class NanoChatTrainer:
             from nanochat.fp8 import FP8Optim
 
             self.optimizer = FP8Optim(adamw, opt_level=cfg.fp8_opt_level)
+            if cfg.fp8_opt_level:  # tensors too small or of a size the blocks do not fit
+                for reason, (n, numel) in self.optimizer.fp32_states().items():
+                    self.fallbacks.append(f"fp8_opt_level {cfg.fp8_opt_level}: {n} tensors / {numel:,} "
+                                          f"params keep fp32 moments ({reason})")
             self.optimizer_state_bytes = self.optimizer.state_bytes()
         else:
             self.optimizer = adamw

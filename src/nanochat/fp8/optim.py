@@ -708,20 +708,27 @@ class FP8Optim(torch.optim.Optimizer):
         n = sum(_local(p).numel() for g in self.param_groups for p in g["params"])
         return self.state_bytes() / n if n else 0.0
 
+    def fp32_states(self) -> dict[str, tuple[int, int]]:
+        """Why parameters keep fp32 state: reason -> (tensors, params). Empty when all are FP8."""
+        kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self._uses_fp8(p, group):
+                    reason = "SGD without momentum (no state)" if self.is_sgd and group["momentum"] == 0 \
+                        else self._fp8_reason(p)
+                    kept[reason][0] += 1
+                    kept[reason][1] += p.numel()
+        return {reason: (n, numel) for reason, (n, numel) in kept.items()}
+
     def summary(self) -> str:
         kind = type(self.optimizer).__name__
         n_fp8 = b_fp8 = 0
-        kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # reason -> [tensors, params]
         for group in self.param_groups:
             for p in group["params"]:
                 if self._uses_fp8(p, group):
                     n_fp8 += 1
                     b_fp8 += p.numel()
-                else:
-                    reason = "SGD without momentum (no state)" if self.is_sgd and group["momentum"] == 0 \
-                        else self._fp8_reason(p)
-                    kept[reason][0] += 1
-                    kept[reason][1] += p.numel()
+        kept = self.fp32_states()
         moments = 1 if self.is_sgd else 2
         fp8_moments = min(self.opt_level, moments)
         per_param = fp8_moments * (1 + 4 / self.block_size) + (moments - fp8_moments) * 4
