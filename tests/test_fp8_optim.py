@@ -87,17 +87,18 @@ def test_first_step_math_equals_torch(kind, level):
     assert torch.equal(ref_p[1], p[1])  # the small tensor stays fp32, stepped by torch itself
 
 
-@pytest.mark.parametrize("level", [1, 2])
-def test_quadratic_tracks_adamw(level):
-    # f(x) = sum c_i (x_i - t_i)^2, curvatures 0.1..10 shuffled across blocks, lr decayed to 0
+def assert_tracks_adamw_on_a_quadratic(level: int, device: str = "cpu", **fp8optim_kwargs) -> None:
+    """f(x) = sum c_i (x_i - t_i)^2, curvatures 0.1..10 shuffled across blocks, lr decayed to 0:
+    FP8Optim at `level` ends within 5% (trajectory distance) and 1e-3 of the start loss of fp32
+    AdamW (measured on CPU: 2-3% and 1e-4). Shared with the CUDA twin in tests/test_gpu.py."""
     n = 8192
-    c = torch.logspace(-1, 1, n)[torch.randperm(n, generator=torch.Generator().manual_seed(0))]
-    t = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    c = torch.logspace(-1, 1, n)[torch.randperm(n, generator=torch.Generator().manual_seed(0))].to(device)
+    t = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(device)
 
     def train(wrap, steps=200):
-        x = torch.nn.Parameter(torch.zeros(n))
+        x = torch.nn.Parameter(torch.zeros(n, device=device))
         opt = torch.optim.AdamW([x], lr=3e-2, betas=(0.9, 0.95), weight_decay=0.0)
-        opt = FP8Optim(opt, opt_level=wrap, compile=False) if wrap is not None else opt
+        opt = FP8Optim(opt, opt_level=wrap, **fp8optim_kwargs) if wrap is not None else opt
         for i in range(steps):
             opt.param_groups[0]["lr"] = 3e-2 * (1 - i / steps)
             loss = (c * (x - t) ** 2).sum()
@@ -109,9 +110,13 @@ def test_quadratic_tracks_adamw(level):
     (x_ref, ref), (x, got) = train(None), train(level)
     start = (c * t**2).sum().item()
     assert ref < 1e-2 * start  # the reference converges, so the comparison means something
-    # measured: 2-3% trajectory distance, loss gap 1e-4 of the start
     assert (x - x_ref).norm() <= 0.05 * x_ref.norm()
     assert abs(got - ref) <= 1e-3 * start
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_quadratic_tracks_adamw(level):
+    assert_tracks_adamw_on_a_quadratic(level, compile=False)
 
 
 def _tiny_gpt_losses(level, steps=40):
