@@ -15,6 +15,9 @@ What is checked against what:
   there (batch 16) with the losses of the uninterrupted 2-rank run; with `-m slow`, also in 4.
 - With `-m slow`: a checkpoint saved by 3 ranks, whose shards cut FP8 blocks (so those moments
   are fp32 there), resumes at 2 ranks with the uninterrupted run's losses.
+- DDP and FSDP2 with --fp8_mode auto --fp8_auto_recheck: every rank ends with the same formats and the
+  same sampled statistics, counted over the global batch (each rank's counts are all-reduced,
+  so the decisions cannot differ between ranks).
 - Without processes: DCP save/load round trip in one process is bitwise; an interrupted save
   leaves the previous checkpoint loadable; --fsdp in one process is a recorded fallback.
 
@@ -108,6 +111,12 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
         dict(name="fsdp", kwargs=_kwargs(small_corpus, out / "fsdp", fsdp=True)),
         dict(name="fsdp_fp8", kwargs=_kwargs(small_corpus, out / "fsdp_fp8", fsdp=True, **fp8)),
         dict(name="ddp_fp8", kwargs=_kwargs(small_corpus, out / "ddp_fp8", **fp8)),
+        dict(name="ddp_auto", record_fp8=True,
+             kwargs=_kwargs(small_corpus, out / "ddp_auto", fp8=True, fp8_emulate=True, fp8_mode="auto",
+                            fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck=True)),
+        dict(name="fsdp_auto", record_fp8=True,
+             kwargs=_kwargs(small_corpus, out / "fsdp_auto", fsdp=True, fp8=True, fp8_emulate=True,
+                            fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck=True)),
         dict(name="cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "cut", fsdp=True, save_every=4, **fp8)),
     ]
@@ -158,6 +167,22 @@ def test_fsdp_fp8_matches_one_process_with_sharded_fp8_states(two_ranks, single)
         for name, s in states.items():
             assert s["exp_avg"] == s["exp_avg_sq_sqrt"] == "DTensor(FP8Tensor)", (name, s)
             assert s["local_rows"] * 2 == s["global_rows"], (name, s)  # this rank's half
+
+
+@pytest.mark.parametrize("name", ["ddp_auto", "fsdp_auto"])
+def test_auto_decides_the_same_on_every_rank_from_global_counts(two_ranks, name):
+    run = two_ranks[name]
+    r0, r1 = (json.loads((run / f"fp8-rank{rank}.json").read_text()) for rank in (0, 1))
+    assert r0["choices"] and r0["choices"] == r1["choices"]
+    assert r0["stats"] and r0["stats"] == r1["stats"]  # every figure, bit for bit
+    # counted over both ranks' batches: 2 ranks x 8 sequences x 32 tokens, 128 features, and
+    # tensorwise casts the input twice (forward GEMM, grad_weight GEMM)
+    c_fc = r0["stats"]["transformer.h.0.mlp.c_fc"]
+    assert c_fc["input"]["numel"] == 2 * (2 * 8 * 32) * 128
+    # the whole weight, also under FSDP (measured while its block is unsharded), on each rank
+    assert c_fc["weight"]["numel"] == 2 * 2 * (512 * 128)
+    result = json.loads((run / "result.json").read_text())
+    assert result["fp8_choices"] == r0["choices"]
 
 
 def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
@@ -355,6 +380,9 @@ def _worker(runs: list[dict]) -> None:
             continue
         trainer.train()
         (run_dir / f"states-rank{rank}.json").write_text(json.dumps(_describe_states(trainer)))
+        if spec.get("record_fp8"):
+            (run_dir / f"fp8-rank{rank}.json").write_text(json.dumps(
+                {"choices": trainer.fp8_choices, "stats": trainer.last_fp8_stats}))
     distributed.barrier()
     dist.destroy_process_group()
 

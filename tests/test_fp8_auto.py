@@ -5,7 +5,9 @@ mantissa bit wins, ~6 dB) and values log-uniform over 1e-6..1e3 (wider than e4m3
 under one scale: e4m3 flushes a third of them, e5m2 none -> e5m2, although e4m3's SQNR is
 higher, which is why the underflow rule exists), with tensorwise and rowwise scaling; then a
 calibration in a real training loop, the native-kernel rule, and choices surviving a
-weights_only save and re-apply.
+weights_only save and re-apply. --fp8_auto_recheck: the same rule on later measurements switches
+a role only after RECHECK_CONFIRM consecutive disagreements, never leaves a set CUDA cannot run,
+and a compiled model follows a switch (its output equals the eager model's, bit for bit).
 """
 
 import copy
@@ -15,8 +17,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.fp8 import apply_fp8_choices, convert, fp8_choices, fp8_report, start_auto_calibration
+from nanochat.fp8 import (
+    apply_fp8_choices, collect_fp8_stats, convert, fp8_choices, fp8_report, recheck_choices, start_auto_calibration,
+)
 from nanochat.fp8.auto import choose_format, make_native_legal, measure
+from nanochat.fp8.hardware import native_gemm_problem
+from nanochat.fp8.linear import FP8_DTYPES
 
 
 def _log_uniform(shape, lo=1e-6, hi=1e3, seed=0):
@@ -142,3 +148,73 @@ def test_calibration_needs_fp8_layers_and_a_forward():
     convert(model, mode="auto", emulate=True)
     with pytest.raises(RuntimeError, match="no forward pass"):
         start_auto_calibration(model).finalize()
+
+
+E4 = {"input": "e4m3", "weight": "e4m3", "grad_output": "e4m3"}
+
+
+def _measured(grad_output):
+    narrow = measure(torch.randn(64, 128, generator=torch.Generator().manual_seed(3)))
+    return {"input": narrow, "weight": narrow, "grad_output": grad_output}
+
+
+def test_recheck_switches_only_after_consecutive_disagreements():
+    model = _mlp()
+    convert(model, mode="auto", emulate=True)
+    apply_fp8_choices(model, {"0": E4, "2": E4})
+    wide, narrow = measure(_log_uniform((64, 128))), measure(torch.randn(64, 128))
+    pending = {}
+    # sample 1: layer 0's gradient now flushes >30% in e4m3 -> the rule wants e5m2: pending only
+    assert recheck_choices(model, {"0": _measured(wide), "2": _measured(narrow)}, pending) == []
+    assert pending == {"0/grad_output": 1} and fp8_choices(model)["0"] == E4
+    # sample 2 agrees with the calibration again: the count resets
+    assert recheck_choices(model, {"0": _measured(narrow)}, pending) == [] and pending == {}
+    # two disagreements in a row: switch, with the measurements that decided it
+    recheck_choices(model, {"0": _measured(wide)}, pending)
+    switches = recheck_choices(model, {"0": _measured(wide)}, pending)
+    assert [(s["layer"], s["role"], s["from"], s["to"]) for s in switches] == [("0", "grad_output", "e4m3", "e5m2")]
+    m = switches[0]["measured"]
+    assert m["e4m3"]["underflow_pct"] > 30 and m["e5m2"]["underflow_pct"] == 0
+    assert fp8_choices(model)["0"] == {**E4, "grad_output": "e5m2"} and fp8_choices(model)["2"] == E4
+    assert pending == {}
+    # and back, by the same rule, when e4m3 stops flushing (its ~6 dB more SQNR wins again)
+    recheck_choices(model, {"0": _measured(narrow)}, pending)
+    assert [s["to"] for s in recheck_choices(model, {"0": _measured(narrow)}, pending)] == ["e4m3"]
+
+
+def test_recheck_never_applies_a_set_cuda_cannot_run():
+    # Counts that confirm input's switch to e5m2 one sample before grad_output's switch back to
+    # e4m3 (here: a pending count carried in from a checkpoint): applying input's alone would put
+    # e5m2 x e5m2 into the grad_weight GEMM, so the cheaper e5m2 role goes back to e4m3 at once.
+    model = _mlp()
+    convert(model, mode="auto", emulate=True)
+    start = {**E4, "grad_output": "e5m2"}
+    apply_fp8_choices(model, {"0": start, "2": start})
+    wide, narrow = measure(_log_uniform((64, 128))), measure(torch.randn(64, 128))
+    pending = {"0/input": 1}
+    switches = recheck_choices(model, {"0": {"input": wide, "weight": narrow, "grad_output": narrow}}, pending)
+    now = fp8_choices(model)["0"]
+    assert native_gemm_problem({r: FP8_DTYPES[d] for r, d in now.items()}, recipe="tensorwise") is None
+    assert now == {"input": "e5m2", "weight": "e4m3", "grad_output": "e4m3"}
+    assert {(s["role"], s["to"]) for s in switches} == {("input", "e5m2"), ("grad_output", "e4m3")}
+
+
+def test_recheck_measures_real_steps_and_a_compiled_model_follows_the_switch():
+    model = _mlp()
+    convert(model, mode="auto", emulate=True)
+    apply_fp8_choices(model, {"0": E4, "2": E4})
+    compiled = torch.compile(model)
+    x = _log_uniform((64, 128), lo=1e-6, hi=1e2, seed=1)  # layer 0's input flushes in e4m3
+    before = compiled(x)
+    pending = {}
+    for _ in range(2):
+        with collect_fp8_stats(model, both_formats=True) as sampler:
+            model(x).square().mean().backward()
+        counts = sampler.format_counts()
+        assert set(counts["0"]["input"]) == {"e4m3", "e5m2"}
+        # the sampler's own figures are those of the format each role is really cast to
+        assert sampler.results()["0"]["input"].underflow_pct == counts["0"]["input"]["e4m3"].underflow_pct
+        switches = recheck_choices(model, counts, pending)
+    assert ("0", "input", "e5m2") in {(s["layer"], s["role"], s["to"]) for s in switches}
+    after = compiled(x)  # torch.compile guards on the layer's config: it recompiles
+    assert torch.equal(after, model(x)) and not torch.equal(after, before)

@@ -6,6 +6,9 @@
   resumed run reuses them (no recalibration) and logs bitwise the same losses as a run that was
   never interrupted;
 - sampled statistics and the end-of-run summary reach TrainResult.fp8_stats and metrics.jsonl;
+- --fp8_auto_recheck switches a role after two disagreeing samples (here a doctored measurement:
+  e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
+  with the pending count, and a resumed run switches at the same step, losses bitwise equal;
 - on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains.
 """
 
@@ -98,6 +101,62 @@ def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch
     assert {"amax", "scale", "underflow_pct", "saturation_pct", "sqnr_db"} <= set(some["input"])
     assert len(stats["top_underflow"]) == 5 and stats["choices"] == full.fp8_choices
     assert any(r.get("event") == "fp8_summary" for r in _records(tmp_path / "full"))
+
+
+def test_auto_recheck_switches_reports_and_resumes_bitwise(small_corpus, tmp_path, monkeypatch):
+    from nanochat.fp8.stats import FP8StatsSampler
+
+    real = FP8StatsSampler.format_counts
+
+    def e4m3_gradients_flush(self):  # as if every grad_output value flushed to zero in e4m3
+        counts = real(self)
+        for roles in counts.values():
+            c = roles["grad_output"]["e4m3"]
+            c.underflow = c.nonzero
+        return counts
+
+    monkeypatch.setattr(FP8StatsSampler, "format_counts", e4m3_gradients_flush)
+    kw = dict(num_iterations=8, save_every=5, fp8=True, fp8_emulate=True, fp8_mode="auto", fp8_auto_steps=2,
+              fp8_stats_every=2, fp8_auto_recheck=True, num_samples=0)
+    full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    # calibrated after step 2 (all e4m3 on this data); samples at 4 (pending) and 6 (switch)
+    switches = full.fp8_stats["auto_switches"]
+    assert switches and {s["step"] for s in switches} == {6}
+    assert {(s["role"], s["from"], s["to"]) for s in switches} == {("grad_output", "e4m3", "e5m2")}
+    calibrated = next(r["choices"] for r in _records(tmp_path / "full") if r.get("event") == "fp8_auto_choices")
+    assert {s["layer"] for s in switches} == {n for n, roles in calibrated.items() if roles["grad_output"] == "e4m3"}
+    assert all(roles["grad_output"] == "e5m2" for roles in full.fp8_choices.values())
+    logged = [r for r in _records(tmp_path / "full") if r.get("event") == "fp8_auto_switch"]
+    assert len(logged) == len(switches)
+
+    real_save = NanoChatTrainer._save
+
+    def crash_after_first_save(self, step):
+        real_save(self, step)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(NanoChatTrainer, "_save", crash_after_first_save)
+    with pytest.raises(KeyboardInterrupt):
+        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw)).train()
+    monkeypatch.setattr(NanoChatTrainer, "_save", real_save)
+    ckpt = load_checkpoint(tmp_path / "cut")
+    assert ckpt["step"] == 5 and ckpt["fp8_auto_switches"] == []
+    assert set(ckpt["fp8_auto_pending"].values()) == {1}  # one disagreement (step 4) so far
+    resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
+    assert resumed.fp8_choices == full.fp8_choices
+    assert resumed.fp8_stats["auto_switches"] == switches
+    ref = {r["step"]: r["loss"] for r in _records(tmp_path / "full") if "step" in r and "loss" in r}
+    got = {r["step"]: r["loss"] for r in _records(tmp_path / "cut") if "step" in r and "loss" in r}
+    assert got == ref
+
+
+def test_auto_recheck_needs_auto_and_statistics():
+    from nanochat.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--fp8_auto_recheck.*--fp8_mode auto"):
+        TrainConfig(fp8=True, fp8_mode="e4m3", fp8_auto_recheck=True)
+    with pytest.raises(ValueError, match="--fp8_stats_every > 0"):
+        TrainConfig(fp8=True, fp8_mode="auto", fp8_auto_recheck=True, fp8_stats_every=0)
 
 
 def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, caplog):

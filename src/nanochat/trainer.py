@@ -114,6 +114,12 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
+def _describe_switch(sw: dict[str, Any]) -> str:
+    m = sw.get("measured", {})
+    figs = ", ".join(f"{d} {v['underflow_pct']:.2f}% underflow / {v['sqnr_db']:.1f} dB" for d, v in m.items())
+    return f"{sw['layer']} {sw['role']} {sw['from']} -> {sw['to']} ({figs})"
+
+
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
     """Linear warmup to 1, then cosine decay to `final_lr_frac` at the last step."""
     if step < warmup_steps:
@@ -408,8 +414,11 @@ class NanoChatTrainer:
             "data": self.loader.state_dict(),
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "counters": dict(self.counters),
-            # --fp8_mode auto: the measured formats, so a resumed run does not recalibrate
+            # --fp8_mode auto: the measured formats, so a resumed run does not recalibrate, and
+            # --fp8_auto_recheck's switches so far and its count of pending disagreements
             "fp8_choices": self.fp8_choices,
+            "fp8_auto_switches": self.auto_switches,
+            "fp8_auto_pending": self.auto_pending,
         }
         if self.dist.is_distributed:
             rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
@@ -473,6 +482,8 @@ class NanoChatTrainer:
 
             apply_fp8_choices(self.model, ckpt["fp8_choices"])
             self.fp8_choices = ckpt["fp8_choices"]
+            self.auto_switches = list(ckpt.get("fp8_auto_switches") or [])
+            self.auto_pending = dict(ckpt.get("fp8_auto_pending") or {})
             logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
         logger.info("resumed from %s at step %d", source, ckpt["step"])
         return int(ckpt["step"])
@@ -507,6 +518,22 @@ class NanoChatTrainer:
         if self.config.compile:  # the formats are fixed: compile once, now
             self.train_model = torch.compile(self.dist_model)
 
+    def _recheck(self, sampler, step: int) -> None:
+        """--fp8_auto_recheck after a sampled step: switch roles the calibration rule now assigns
+        to the other format (confirmed over consecutive samples; see fp8.auto.recheck_choices).
+        A compiled model recompiles by itself: torch.compile guards on each layer's config."""
+        from nanochat.fp8 import fp8_choices, recheck_choices
+
+        switches = recheck_choices(self.model, sampler.format_counts(), self.auto_pending)
+        if not switches:
+            return
+        self.fp8_choices = fp8_choices(self.model)
+        for sw in switches:
+            sw["step"] = step
+            self._log({"event": "fp8_auto_switch", **sw})
+        self.auto_switches += switches
+        print0(f"fp8 auto re-check at step {step}: " + "; ".join(_describe_switch(sw) for sw in switches))
+
     def _choices_table(self) -> str:
         rows = [[name, *(roles.get(r, "-") for r in ("input", "weight", "grad_output"))]
                 for name, roles in (self.fp8_choices or {}).items()]
@@ -529,6 +556,7 @@ class NanoChatTrainer:
             "top_underflow": [list(t) for t in worst("underflow_pct")],
             "top_saturation": [list(t) for t in worst("saturation_pct")],
             "choices": self.fp8_choices,
+            "auto_switches": list(self.auto_switches),
             "layers": layers,
         }
         if self.dist.rank == 0:
@@ -547,6 +575,9 @@ class NanoChatTrainer:
                 lines.append(format_table(["", "layer (role)", "share of values"], rows))
             if self.fp8_choices:
                 lines.append(self._choices_table())
+            if self.config.fp8_auto_recheck:
+                lines.append(f"fp8 auto re-check: {len(self.auto_switches)} switch(es)"
+                             + "".join(f"\n  step {sw['step']}: {_describe_switch(sw)}" for sw in self.auto_switches))
             print0("\n".join(lines))
         self._log({"event": "fp8_summary", "label": label, **summary})
         return summary
@@ -577,6 +608,8 @@ class NanoChatTrainer:
         self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
                                          "stats_samples": 0, "min_clip_factor": None}
         self.fp8_choices: dict[str, dict[str, str]] | None = None
+        self.auto_switches: list[dict[str, Any]] = []  # --fp8_auto_recheck
+        self.auto_pending: dict[str, int] = {}
         self.last_fp8_stats: dict[str, Any] | None = None
         start_step = self._resume() if cfg.resume else 0
         if not cfg.resume and self.dist.rank == 0:
@@ -607,10 +640,12 @@ class NanoChatTrainer:
             sample_stats = self._has_fp8_layers and cfg.fp8_stats_every and (step + 1) % cfg.fp8_stats_every == 0
             model = self.dist_model if sample_stats else self.train_model
             sampler = contextlib.nullcontext()
+            # --fp8_auto_recheck: once calibrated, a sample measures both formats
+            recheck = bool(sample_stats and cfg.fp8_auto_recheck and self.calib is None and self.fp8_choices)
             if sample_stats:
                 from nanochat.fp8 import collect_fp8_stats
 
-                sampler = collect_fp8_stats(self.model)
+                sampler = collect_fp8_stats(self.model, both_formats=recheck)
             loss_sum = torch.zeros((), device=self.device)
             with sampler:
                 for micro in range(cfg.grad_accum_steps):
@@ -632,6 +667,7 @@ class NanoChatTrainer:
 
             record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
             if sample_stats:
+                sampler.all_reduce()  # every rank: the global batch's figures (and the same decisions)
                 self.last_fp8_stats = sampler.as_dict()
                 self.counters["stats_samples"] += 1
                 record["fp8_stats"] = self.last_fp8_stats
@@ -669,6 +705,8 @@ class NanoChatTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             distributed.after_optimizer_step(self.model)  # FSDP + FP8 all-gather: next scales
             self._calibration_step()
+            if recheck:
+                self._recheck(sampler, step + 1)
 
             dt = time.perf_counter() - t0
             if step > start_step:  # the first step pays for compilation and allocator warmup

@@ -42,7 +42,7 @@ def _import_torchao_quietly() -> None:
 
 _import_torchao_quietly()
 
-from .auto import AutoCalibration, apply_fp8_choices, fp8_choices, start_auto_calibration  # noqa: E402
+from .auto import AutoCalibration, apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration  # noqa: E402
 from .hardware import FP8Backend, detect, native_gemm_problem  # noqa: E402
 from .linear import (  # noqa: E402
     ConversionReport,
@@ -65,7 +65,7 @@ __all__ = [
     "FP8Backend", "detect", "native_gemm_problem",
     "ConversionReport", "FP8Config", "FP8Linear", "LayerReport", "apply_fp8", "convert",
     "fp8_disabled", "fp8_layers", "fp8_report", "is_fp8_model", "restore_fp8",
-    "AutoCalibration", "apply_fp8_choices", "fp8_choices", "start_auto_calibration",
+    "AutoCalibration", "apply_fp8_choices", "fp8_choices", "recheck_choices", "start_auto_calibration",
     "CastStats", "FP8StatsSampler", "collect_fp8_stats", "first_nonfinite_layer", "tensor_stats",
     "FP8Optim", "FP8Tensor",
 ]

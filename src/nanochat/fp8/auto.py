@@ -39,6 +39,17 @@ In any loop:
 
 Calibrate eagerly: the hooks live in Python and change the graph, so compile after `finalize`
 (the trainer does: calibration steps run on the uncompiled model, then it compiles).
+
+Under DDP/FSDP each rank sees its own share of the batch; `finalize` all-reduces the counts
+(stats.all_reduce_counts) first, so every rank measures the global batch and decides the same.
+
+Re-check (`--fp8_auto_recheck`, off by default). The first K steps are not the whole run: in a
+d4 run calibrated at steps 1-4 (all e4m3), the e4m3 grad_output of two attention projections
+flushed 5-10% of its values at step 50 (BENCHMARKS.md section 4). `recheck_choices` applies the
+same rules to a later sampled step measured in both formats and switches a role once the rule
+has disagreed with its format at RECHECK_CONFIRM consecutive samples. A run without re-check
+keeps its calibrated formats for good (the issue's contract: fixed after K steps, never
+recalibrated on resume); with it, the switches and the pending counts are checkpointed too.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ from nanochat.fp8.hardware import native_gemm_problem
 from nanochat.fp8.linear import (
     CAST_FIELDS, FP8_DTYPES, HYBRID, ROLES, fp8_layers, fp8_report, layer_dtypes, with_dtypes,
 )
-from nanochat.fp8.stats import CastCounts, RoleHooks, role_counts
+from nanochat.fp8.stats import CastCounts, RoleHooks, all_reduce_counts, role_counts
 
 TIE_DB = 0.1
 """SQNR differences within this many dB are ties (well under the ~6 dB one mantissa bit makes)."""
@@ -148,6 +159,7 @@ class AutoCalibration:
         if not self.counts:
             raise RuntimeError("auto calibration saw no forward pass of an FP8 layer; run training "
                                "steps between start_auto_calibration() and finalize()")
+        all_reduce_counts(self.counts)  # under DDP/FSDP: every rank decides on the global batch
         choices = {}
         for name, layer in self.layers.items():
             measured = self.counts.get(name, {})
@@ -179,6 +191,58 @@ class AutoCalibration:
                              f"{fmts['e4m3'].underflow_pct:.2f}", f"{fmts['e5m2'].underflow_pct:.2f}", chosen])
         return format_table(["layer", "role", "e4m3 dB", "e5m2 dB", "e4m3 underflow %",
                              "e5m2 underflow %", "chosen"], rows)
+
+
+RECHECK_CONFIRM = 2
+"""A re-check switches a role only after the rule picked the other format at this many
+consecutive samples: one sampled step is one batch, and a role near the underflow margin would
+otherwise flip back and forth (each flip of a compiled model costs a recompile)."""
+
+
+def recheck_choices(model: nn.Module, measured: dict[str, dict[str, dict[str, CastCounts]]],
+                    pending: dict[str, int], *, confirm: int = RECHECK_CONFIRM, tie_db: float = TIE_DB,
+                    underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT) -> list[dict]:
+    """`--fp8_auto_recheck`: after calibration, apply the same rule (1-3 above) to a later sampled
+    step's measurement of both formats (`FP8StatsSampler(both_formats=True).format_counts()`).
+
+    A role whose current format the rule no longer picks counts one in `pending` (`"layer/role"`
+    -> consecutive disagreements; mutated in place, store it with the choices so a resumed run
+    continues the count); at `confirm` it switches. Switches are applied to the model (the same
+    `with_dtypes` rebuild as calibration) and returned as
+    `[{"layer", "role", "from", "to", "measured": {fmt: {sqnr_db, underflow_pct}}}]`.
+    Calibrated choices are only ever changed by this function, so a run without re-check keeps
+    its formats for good. Under DDP/FSDP call it with counts merged over the ranks."""
+    switches = []
+    for name, layer in fp8_layers(model).items():
+        roles = measured.get(name)
+        if not roles:
+            continue
+        current = layer_dtypes(layer)
+        wanted = {role: choose_format(roles[role], role, tie_db=tie_db, underflow_margin_pct=underflow_margin_pct)
+                  if role in roles else current[role] for role in ROLES}
+        recipe = recipe_of(layer.config)
+        wanted = make_native_legal(wanted, roles, recipe)
+        new = dict(current)
+        for role in ROLES:
+            key = f"{name}/{role}"
+            if wanted[role] == current[role]:
+                pending.pop(key, None)
+                continue
+            pending[key] = pending.get(key, 0) + 1
+            if pending[key] >= confirm:
+                new[role] = wanted[role]
+        # a partner role still waiting for confirmation can make a half-applied set illegal on CUDA
+        new = make_native_legal(new, roles, recipe)
+        if new == current:
+            continue
+        layer.config = with_dtypes(layer.config, new)
+        for role in ROLES:
+            if new[role] != current[role]:
+                pending.pop(f"{name}/{role}", None)
+                switches.append(dict(layer=name, role=role, **{"from": current[role], "to": new[role]},
+                                     measured={d: {"sqnr_db": c.sqnr_db, "underflow_pct": c.underflow_pct}
+                                               for d, c in roles.get(role, {}).items()}))
+    return switches
 
 
 def start_auto_calibration(model: nn.Module, steps: int = 4, **kwargs) -> AutoCalibration:
@@ -213,4 +277,4 @@ def apply_fp8_choices(model: nn.Module, choices: dict[str, dict[str, str]]) -> N
 
 
 __all__ = ["AutoCalibration", "apply_fp8_choices", "choose_format", "fp8_choices", "make_native_legal",
-           "measure", "recipe_of", "start_auto_calibration"]
+           "measure", "recheck_choices", "recipe_of", "start_auto_calibration"]

@@ -203,24 +203,84 @@ class RoleHooks:
         self.handles = []
 
 
+_SUM_FIELDS = ("numel", "nonzero", "underflow", "saturated", "signal", "noise")
+
+
+def all_reduce_counts(tree: dict[str, dict[str, dict[str, CastCounts]]]) -> None:
+    """Merge, in place, every rank's counts `{layer: {role: {fmt: CastCounts}}}` into the counts
+    of the whole global batch (sums; amax the max; scale the min), so that decisions taken from
+    them (auto's format choice) are the same on every rank. A no-op outside torch.distributed.
+
+    Every rank must hold the same keys (the same model, every layer run): that is checked, since
+    a mismatch would silently add one layer's counts to another's."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    keys = sorted((n, r, f) for n, roles in tree.items() for r, fmts in roles.items() for f in fmts)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, keys)  # a few hundred short strings, once per sample
+    if any(k != keys for k in gathered):
+        raise RuntimeError("FP8 statistics differ in layers/roles between ranks: every rank must run "
+                           "the same model and the same FP8 layers during a sampled step")
+    counts = [tree[n][r][f] for n, r, f in keys]
+    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # float64 holds integer counts exactly up to 2^53
+    sums = torch.tensor([[getattr(c, k) for k in _SUM_FIELDS] for c in counts], dtype=torch.float64,
+                        device=backend_device)
+    amax = torch.tensor([c.amax for c in counts], dtype=torch.float64, device=backend_device)
+    scale = torch.tensor([c.scale for c in counts], dtype=torch.float64, device=backend_device)
+    dist.all_reduce(sums)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    dist.all_reduce(scale, op=dist.ReduceOp.MIN)
+    for c, row, a, sc in zip(counts, sums.tolist(), amax.tolist(), scale.tolist()):
+        for k, v in zip(_SUM_FIELDS, row):
+            setattr(c, k, int(v) if k not in ("signal", "noise") else v)
+        c.amax, c.scale = a, sc
+
+
 class FP8StatsSampler:
     """`with FP8StatsSampler(model) as s: loss = model(x); loss.backward()` then `s.results()`.
 
     Accumulates over every forward/backward inside the block (e.g. all micro-batches of a step).
+    With `both_formats=True` it also measures the format each role is *not* cast to
+    (`format_counts()`), which auto's re-check compares (twice the cost of a sample).
     """
 
-    def __init__(self, model_or_layers: nn.Module | dict[str, nn.Module], roles=ROLES):
+    def __init__(self, model_or_layers: nn.Module | dict[str, nn.Module], roles=ROLES, *,
+                 both_formats: bool = False):
         self.layers = _layers_of(model_or_layers)
         self.roles = tuple(roles)
+        self.both_formats = both_formats
         self.counts: dict[str, dict[str, tuple[str, CastCounts]]] = {}
+        self.by_format: dict[str, dict[str, dict[str, CastCounts]]] = {}
         self._hooks: RoleHooks | None = None
 
     def _record(self, name, layer, role, x):
         dtype = getattr(layer.config, CAST_FIELDS[role][0]).target_dtype
         slot = self.counts.setdefault(name, {})
-        if role not in slot:
-            slot[role] = (DTYPE_NAMES[dtype], CastCounts())
-        role_counts(layer, role, x, dtype, slot[role][1])
+        if not self.both_formats:
+            if role not in slot:
+                slot[role] = (DTYPE_NAMES[dtype], CastCounts())
+            role_counts(layer, role, x, dtype, slot[role][1])
+            return
+        fmts = self.by_format.setdefault(name, {}).setdefault(role, {d: CastCounts() for d in FP8_DTYPES})
+        for dname, dt in FP8_DTYPES.items():
+            role_counts(layer, role, x, dt, fmts[dname])
+        slot[role] = (DTYPE_NAMES[dtype], fmts[DTYPE_NAMES[dtype]])  # the cast it really makes
+
+    def format_counts(self) -> dict[str, dict[str, dict[str, CastCounts]]]:
+        """layer -> role -> {"e4m3": counts, "e5m2": counts} (needs `both_formats=True`)."""
+        if not self.both_formats:
+            raise RuntimeError("format_counts() needs FP8StatsSampler(..., both_formats=True)")
+        return self.by_format
+
+    def all_reduce(self) -> None:
+        """Merge every rank's counts (see `all_reduce_counts`); call after the sampled step."""
+        if self.both_formats:
+            all_reduce_counts(self.by_format)  # self.counts shares these objects
+        else:
+            all_reduce_counts({n: {r: {dt: c} for r, (dt, c) in roles.items()} for n, roles in self.counts.items()})
 
     def __enter__(self) -> "FP8StatsSampler":
         self._hooks = RoleHooks(self.layers, self._record, self.roles)
@@ -246,9 +306,10 @@ class FP8StatsSampler:
                              "SQNR dB"], rows)
 
 
-def collect_fp8_stats(model_or_layers: nn.Module | dict[str, nn.Module], roles=ROLES) -> FP8StatsSampler:
+def collect_fp8_stats(model_or_layers: nn.Module | dict[str, nn.Module], roles=ROLES, *,
+                      both_formats: bool = False) -> FP8StatsSampler:
     """The sampler for one step (the trainer decides which steps): use it as a context manager."""
-    return FP8StatsSampler(model_or_layers, roles)
+    return FP8StatsSampler(model_or_layers, roles, both_formats=both_formats)
 
 
 def _nonfinite(t: torch.Tensor) -> str | None:
@@ -300,5 +361,5 @@ def first_nonfinite_layer(model: nn.Module, run: Callable[[], object] | None = N
     return last
 
 
-__all__ = ["CastCounts", "CastStats", "FP8StatsSampler", "cast_axes", "collect_fp8_stats",
+__all__ = ["CastCounts", "CastStats", "FP8StatsSampler", "all_reduce_counts", "cast_axes", "collect_fp8_stats",
            "first_nonfinite_layer", "role_counts", "tensor_stats"]
