@@ -42,8 +42,8 @@ minutes with one thread (fp32 ~0.4 s/step, emulated FP8 ~0.75 s/step), so 20 run
 minutes with `--jobs 1` and about half that with `--jobs 2` on two idle cores. 120 steps was
 tried first and rejected: the val loss was still falling ~0.1 nats per 20 steps.
 
-Runs go to `out_dir/seed-<seed>/<mode>/` (the trainer's run directory plus `parity_run.json`,
-this harness's record of it). `--reuse` takes a finished run whose recorded training settings
+Runs go to `out_dir/seed-<seed>/<mode>/` (`auto-recheck/` for auto with `--auto_recheck`): the
+trainer's run directory plus `parity_run.json`, this harness's record of it. `--reuse` takes a finished run whose recorded training settings
 equal this invocation's instead of training it again (it trusts that the code did not change in
 between: each record names the commit it ran on). `parity.json` (every figure printed, curves,
 targets, environment) and `parity.png` are rewritten after each finished run, so an interrupted
@@ -91,7 +91,10 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
 
 
 def run_dir_of(cfg: ParityConfig, seed: int, mode: str) -> Path:
-    return Path(cfg.out_dir) / f"seed-{seed}" / mode
+    """out_dir/seed-<seed>/<mode>; auto with --auto_recheck in `auto-recheck`, so that both auto
+    variants can share an out_dir (and its baseline and fixed-mode runs, with --reuse)."""
+    name = "auto-recheck" if mode == "auto" and cfg.auto_recheck else mode
+    return Path(cfg.out_dir) / f"seed-{seed}" / name
 
 
 def code_version() -> str:
