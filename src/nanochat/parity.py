@@ -452,7 +452,7 @@ def plot(cfg: ParityConfig, runs: dict[str, dict[str, dict]], path: Path) -> Non
     axg.axhspan(-cfg.gap_target_pct, cfg.gap_target_pct, color="0.85", label=f"+-{cfg.gap_target_pct:g}% target")
     axg.axhline(0, color="k", lw=0.8)
     axg.set(xlabel="step", ylabel="val loss gap to baseline (%)",
-            title=f"(mode - baseline) / baseline; band: range over {len(cfg.seeds)} seed(s)")
+            title=f"gap to baseline; band: range over {len(cfg.seeds)} seed(s)")
     axg.legend(fontsize=8)
     axg.grid(alpha=0.3)
     fig.tight_layout()
