@@ -15,7 +15,7 @@ What is checked against what:
   there (batch 16) with the losses of the uninterrupted 2-rank run; with `-m slow`, also in 4.
 - With `-m slow`: a checkpoint saved by 3 ranks, whose shards cut FP8 blocks (so those moments
   are fp32 there), resumes at 2 ranks with the uninterrupted run's losses.
-- DDP and FSDP2 with --fp8_mode auto --fp8_auto_recheck: every rank ends with the same formats and the
+- DDP and FSDP2 with --fp8_mode auto --fp8_auto_recheck_every 2: every rank ends with the same formats and the
   same sampled statistics, counted over the global batch (each rank's counts are all-reduced,
   so the decisions cannot differ between ranks).
 - Without processes: DCP save/load round trip in one process is bitwise; an interrupted save
@@ -113,10 +113,10 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
         dict(name="ddp_fp8", kwargs=_kwargs(small_corpus, out / "ddp_fp8", **fp8)),
         dict(name="ddp_auto", record_fp8=True,
              kwargs=_kwargs(small_corpus, out / "ddp_auto", fp8=True, fp8_emulate=True, fp8_mode="auto",
-                            fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck=True)),
+                            fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
         dict(name="fsdp_auto", record_fp8=True,
              kwargs=_kwargs(small_corpus, out / "fsdp_auto", fsdp=True, fp8=True, fp8_emulate=True,
-                            fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck=True)),
+                            fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
         dict(name="cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "cut", fsdp=True, save_every=4, **fp8)),
     ]

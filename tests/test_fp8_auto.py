@@ -5,7 +5,7 @@ mantissa bit wins, ~6 dB) and values log-uniform over 1e-6..1e3 (wider than e4m3
 under one scale: e4m3 flushes a third of them, e5m2 none -> e5m2, although e4m3's SQNR is
 higher, which is why the underflow rule exists), with tensorwise and rowwise scaling; then a
 calibration in a real training loop, the native-kernel rule, and choices surviving a
-weights_only save and re-apply. --fp8_auto_recheck: the same rule on later measurements switches
+weights_only save and re-apply. --fp8_auto_recheck_every: the same rule on later measurements switches
 a role only after RECHECK_CONFIRM consecutive disagreements, never leaves a set CUDA cannot run,
 and a compiled model follows a switch (its output equals the eager model's, bit for bit).
 """

@@ -6,7 +6,7 @@
   resumed run reuses them (no recalibration) and logs bitwise the same losses as a run that was
   never interrupted;
 - sampled statistics and the end-of-run summary reach TrainResult.fp8_stats and metrics.jsonl;
-- --fp8_auto_recheck switches a role after two disagreeing samples (here a doctored measurement:
+- --fp8_auto_recheck_every switches a role after two disagreeing re-checks (here a doctored measurement:
   e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
   with the pending count, and a resumed run switches at the same step, losses bitwise equal;
 - on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains.
@@ -117,7 +117,7 @@ def test_auto_recheck_switches_reports_and_resumes_bitwise(small_corpus, tmp_pat
 
     monkeypatch.setattr(FP8StatsSampler, "format_counts", e4m3_gradients_flush)
     kw = dict(num_iterations=8, save_every=5, fp8=True, fp8_emulate=True, fp8_mode="auto", fp8_auto_steps=2,
-              fp8_stats_every=2, fp8_auto_recheck=True, num_samples=0)
+              fp8_stats_every=0, fp8_auto_recheck_every=2, num_samples=0)
     full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
     # calibrated after step 2 (all e4m3 on this data); samples at 4 (pending) and 6 (switch)
     switches = full.fp8_stats["auto_switches"]
@@ -150,13 +150,13 @@ def test_auto_recheck_switches_reports_and_resumes_bitwise(small_corpus, tmp_pat
     assert got == ref
 
 
-def test_auto_recheck_needs_auto_and_statistics():
+def test_auto_recheck_needs_auto_mode():
     from nanochat.config import TrainConfig
 
-    with pytest.raises(ValueError, match="--fp8_auto_recheck.*--fp8_mode auto"):
-        TrainConfig(fp8=True, fp8_mode="e4m3", fp8_auto_recheck=True)
-    with pytest.raises(ValueError, match="--fp8_stats_every > 0"):
-        TrainConfig(fp8=True, fp8_mode="auto", fp8_auto_recheck=True, fp8_stats_every=0)
+    with pytest.raises(ValueError, match="--fp8_auto_recheck_every.*--fp8_mode auto"):
+        TrainConfig(fp8=True, fp8_mode="e4m3", fp8_auto_recheck_every=50)
+    with pytest.raises(ValueError, match=">= 0"):
+        TrainConfig(fp8=True, fp8_mode="auto", fp8_auto_recheck_every=-1)
 
 
 def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, caplog):

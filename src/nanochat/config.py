@@ -59,11 +59,12 @@ class FP8Flags:
     fp8_auto_steps: int = 4
     """--fp8_mode auto: number of forward+backward passes measured before formats are fixed."""
 
-    fp8_auto_recheck: bool = False
-    """--fp8_mode auto: at every statistics sample (--fp8_stats_every) measure both formats again
-    and switch a layer's role to the other format when the calibration rule now picks it (e.g. a
-    gradient whose small values started to flush to zero after the first steps). Switches are
-    logged, listed in the summary and kept in checkpoints. Off: formats stay as calibrated."""
+    fp8_auto_recheck_every: int = 0
+    """--fp8_mode auto: every N steps after calibration, measure both formats again and switch a
+    layer's role to the other format once the calibration rule has picked it at 2 re-checks in a
+    row (e.g. a gradient whose small values started to flush to zero after the first steps).
+    Switches are logged, listed in the summary and kept in checkpoints; a re-check step also
+    records the FP8 statistics. 0 (default): formats stay as calibrated."""
 
     fp8_stats_every: int = 50
     """Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
@@ -192,9 +193,11 @@ class TrainConfig(FP8Flags):
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
         if self.vocab_size < 260:
             raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
-        if self.fp8_auto_recheck and (self.fp8_mode != "auto" or not self.fp8_stats_every):
-            raise ValueError("--fp8_auto_recheck re-measures at the statistics samples of --fp8_mode auto: "
-                             "it needs --fp8_mode auto and --fp8_stats_every > 0")
+        if self.fp8_auto_recheck_every < 0:
+            raise ValueError(f"--fp8_auto_recheck_every must be >= 0 (0: off), got {self.fp8_auto_recheck_every}")
+        if self.fp8_auto_recheck_every and self.fp8_mode != "auto":
+            raise ValueError("--fp8_auto_recheck_every re-checks the formats of --fp8_mode auto; add "
+                             f"--fp8_mode auto or drop it (mode is {self.fp8_mode})")
         if self.fp8_auto_steps < 1:
             raise ValueError(f"--fp8_auto_steps must be >= 1, got {self.fp8_auto_steps}")
         if self.fp8_min_dim < 16:
@@ -321,9 +324,9 @@ class ParityConfig:
     instead of training them again (e.g. after an interrupted sweep, or to add seeds). Each
     reused run keeps the commit it was trained on, printed and in parity.json."""
 
-    auto_recheck: bool = False
-    """Train the auto mode with --fp8_auto_recheck (re-measure both formats at every statistics
-    sample and switch a role whose measured best format changed)."""
+    auto_recheck_every: int = 0
+    """Train the auto mode with --fp8_auto_recheck_every N (re-measure both formats every N steps
+    and switch a role whose measured best format changed); its runs go to `auto-recheck/`."""
 
     dataset_path: str | None = None
     """Corpus (as base_train --dataset_path). Default: the Python standard-library sources."""
@@ -360,7 +363,7 @@ class ParityConfig:
         for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct"):
+        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct", "auto_recheck_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
 

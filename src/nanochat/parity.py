@@ -42,7 +42,7 @@ minutes with one thread (fp32 ~0.4 s/step, emulated FP8 ~0.75 s/step), so 20 run
 minutes with `--jobs 1` and about half that with `--jobs 2` on two idle cores. 120 steps was
 tried first and rejected: the val loss was still falling ~0.1 nats per 20 steps.
 
-Runs go to `out_dir/seed-<seed>/<mode>/` (`auto-recheck/` for auto with `--auto_recheck`): the
+Runs go to `out_dir/seed-<seed>/<mode>/` (`auto-recheck/` for auto with `--auto_recheck_every`): the
 trainer's run directory plus `parity_run.json`, this harness's record of it. `--reuse` takes a finished run whose recorded training settings
 equal this invocation's instead of training it again (it trusts that the code did not change in
 between: each record names the commit it ran on). `parity.json` (every figure printed, curves,
@@ -85,15 +85,15 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
               save_every=0, num_samples=0)  # one checkpoint at the end, no sampling
     if mode != "baseline":
         kw.update(fp8=True, fp8_mode=mode, fp8_recipe=cfg.recipe, fp8_emulate=emulate)
-    if mode == "auto" and cfg.auto_recheck:
-        kw.update(fp8_auto_recheck=True)
+    if mode == "auto" and cfg.auto_recheck_every:
+        kw.update(fp8_auto_recheck_every=cfg.auto_recheck_every)
     return kw
 
 
 def run_dir_of(cfg: ParityConfig, seed: int, mode: str) -> Path:
-    """out_dir/seed-<seed>/<mode>; auto with --auto_recheck in `auto-recheck`, so that both auto
+    """out_dir/seed-<seed>/<mode>; auto with --auto_recheck_every in `auto-recheck`, so that both auto
     variants can share an out_dir (and its baseline and fixed-mode runs, with --reuse)."""
-    name = "auto-recheck" if mode == "auto" and cfg.auto_recheck else mode
+    name = "auto-recheck" if mode == "auto" and cfg.auto_recheck_every else mode
     return Path(cfg.out_dir) / f"seed-{seed}" / name
 
 

@@ -415,7 +415,7 @@ class NanoChatTrainer:
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "counters": dict(self.counters),
             # --fp8_mode auto: the measured formats, so a resumed run does not recalibrate, and
-            # --fp8_auto_recheck's switches so far and its count of pending disagreements
+            # --fp8_auto_recheck_every's switches so far and its count of pending disagreements
             "fp8_choices": self.fp8_choices,
             "fp8_auto_switches": self.auto_switches,
             "fp8_auto_pending": self.auto_pending,
@@ -519,7 +519,7 @@ class NanoChatTrainer:
             self.train_model = torch.compile(self.dist_model)
 
     def _recheck(self, sampler, step: int) -> None:
-        """--fp8_auto_recheck after a sampled step: switch roles the calibration rule now assigns
+        """--fp8_auto_recheck_every after a sampled step: switch roles the calibration rule now assigns
         to the other format (confirmed over consecutive samples; see fp8.auto.recheck_choices).
         A compiled model recompiles by itself: torch.compile guards on each layer's config."""
         from nanochat.fp8 import fp8_choices, recheck_choices
@@ -575,7 +575,7 @@ class NanoChatTrainer:
                 lines.append(format_table(["", "layer (role)", "share of values"], rows))
             if self.fp8_choices:
                 lines.append(self._choices_table())
-            if self.config.fp8_auto_recheck:
+            if self.config.fp8_auto_recheck_every:
                 lines.append(f"fp8 auto re-check: {len(self.auto_switches)} switch(es)"
                              + "".join(f"\n  step {sw['step']}: {_describe_switch(sw)}" for sw in self.auto_switches))
             print0("\n".join(lines))
@@ -608,7 +608,7 @@ class NanoChatTrainer:
         self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
                                          "stats_samples": 0, "min_clip_factor": None}
         self.fp8_choices: dict[str, dict[str, str]] | None = None
-        self.auto_switches: list[dict[str, Any]] = []  # --fp8_auto_recheck
+        self.auto_switches: list[dict[str, Any]] = []  # --fp8_auto_recheck_every
         self.auto_pending: dict[str, int] = {}
         self.last_fp8_stats: dict[str, Any] | None = None
         start_step = self._resume() if cfg.resume else 0
@@ -637,11 +637,14 @@ class NanoChatTrainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             # FP8 statistics are sampled on the eager model (the hooks would force recompiles).
-            sample_stats = self._has_fp8_layers and cfg.fp8_stats_every and (step + 1) % cfg.fp8_stats_every == 0
+            # --fp8_auto_recheck_every: once calibrated, a re-check step measures both formats
+            # (and records the statistics of the format in use, as a sampled step does).
+            recheck = bool(cfg.fp8_auto_recheck_every and (step + 1) % cfg.fp8_auto_recheck_every == 0
+                           and self._has_fp8_layers and self.calib is None and self.fp8_choices)
+            sample_stats = recheck or bool(self._has_fp8_layers and cfg.fp8_stats_every
+                                           and (step + 1) % cfg.fp8_stats_every == 0)
             model = self.dist_model if sample_stats else self.train_model
             sampler = contextlib.nullcontext()
-            # --fp8_auto_recheck: once calibrated, a sample measures both formats
-            recheck = bool(sample_stats and cfg.fp8_auto_recheck and self.calib is None and self.fp8_choices)
             if sample_stats:
                 from nanochat.fp8 import collect_fp8_stats
 

@@ -43,7 +43,7 @@ Calibrate eagerly: the hooks live in Python and change the graph, so compile aft
 Under DDP/FSDP each rank sees its own share of the batch; `finalize` all-reduces the counts
 (stats.all_reduce_counts) first, so every rank measures the global batch and decides the same.
 
-Re-check (`--fp8_auto_recheck`, off by default). The first K steps are not the whole run: in a
+Re-check (`--fp8_auto_recheck_every N`, off by default). The first K steps are not the whole run: in a
 d4 run calibrated at steps 1-4 (all e4m3), the e4m3 grad_output of two attention projections
 flushed 5-10% of its values at step 50 (BENCHMARKS.md section 4). `recheck_choices` applies the
 same rules to a later sampled step measured in both formats and switches a role once the rule
@@ -202,7 +202,7 @@ otherwise flip back and forth (each flip of a compiled model costs a recompile).
 def recheck_choices(model: nn.Module, measured: dict[str, dict[str, dict[str, CastCounts]]],
                     pending: dict[str, int], *, confirm: int = RECHECK_CONFIRM, tie_db: float = TIE_DB,
                     underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT) -> list[dict]:
-    """`--fp8_auto_recheck`: after calibration, apply the same rule (1-3 above) to a later sampled
+    """`--fp8_auto_recheck_every`: after calibration, apply the same rule (1-3 above) to a later
     step's measurement of both formats (`FP8StatsSampler(both_formats=True).format_counts()`).
 
     A role whose current format the rule no longer picks counts one in `pending` (`"layer/role"`
