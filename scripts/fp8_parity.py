@@ -1,7 +1,7 @@
 """FP8 parity: train the same model with no FP8 and with each FP8 mode, over several seeds.
 
-    OMP_NUM_THREADS=1 python scripts/fp8_parity.py            # the default config (~55 min on 2 cores)
-    python scripts/fp8_parity.py --jobs 2                     # two runs at once (~half the time)
+    OMP_NUM_THREADS=1 python scripts/fp8_parity.py            # the default config (~65 min, 1 core)
+    OMP_NUM_THREADS=1 python scripts/fp8_parity.py --jobs 2   # two runs at once (~half the time)
     python scripts/fp8_parity.py --quick --seeds 1            # a seconds-long smoke run
 
 What is compared, the targets and the default config's reasoning: `nanochat.parity`.

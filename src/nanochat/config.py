@@ -269,7 +269,7 @@ class ExportConfig:
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
 
 
-ParityMode = Literal["baseline", "e4m3", "e5m2", "auto"]
+ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,8 +304,9 @@ class ParityConfig:
     lr: float = 3e-3
     """Peak AdamW learning rate."""
 
-    modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto")
-    """Modes to train, in this order: baseline (no FP8), e4m3, e5m2, auto (--fp8_mode auto)."""
+    modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto", "auto-recheck")
+    """Modes to train, in this order: baseline (no FP8), e4m3, e5m2, auto (--fp8_mode auto) and
+    auto-recheck (--fp8_mode auto --fp8_auto_recheck_every --recheck_every)."""
 
     recipe: FP8Recipe = "tensorwise"
     """torchao FP8 scaling recipe for every FP8 mode."""
@@ -324,9 +325,10 @@ class ParityConfig:
     instead of training them again (e.g. after an interrupted sweep, or to add seeds). Each
     reused run keeps the commit it was trained on, printed and in parity.json."""
 
-    auto_recheck_every: int = 0
-    """Train the auto mode with --fp8_auto_recheck_every N (re-measure both formats every N steps
-    and switch a role whose measured best format changed); its runs go to `auto-recheck/`."""
+    recheck_every: int = 25
+    """--fp8_auto_recheck_every of the auto-recheck mode: re-measure both formats every N steps
+    and switch a role after 2 disagreeing re-checks in a row. 25 = every evaluation point of the
+    default run (the e4m3 gradient underflow it is for showed by step 50)."""
 
     dataset_path: str | None = None
     """Corpus (as base_train --dataset_path). Default: the Python standard-library sources."""
@@ -360,18 +362,19 @@ class ParityConfig:
                              f"(e.g. --modes baseline {' '.join(self.modes)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds needs distinct seeds, at least one, got {' '.join(map(str, self.seeds)) or 'none'}")
-        for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs"):
+        for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs", "recheck_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct", "auto_recheck_every"):
+        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
 
 
 QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
-             batch_size=4, vocab_size=320, warmup_steps=2, lr=1e-2)
+             batch_size=4, vocab_size=320, warmup_steps=2, lr=1e-2, recheck_every=2)
 """--quick: d2 (width 128, the smallest preset with FP8-eligible layers), 8 steps: more than
-auto's 4 calibration steps (--fp8_auto_steps), so auto trains with its calibrated formats."""
+auto's 4 calibration steps (--fp8_auto_steps), so auto trains with its calibrated formats, and
+auto-recheck re-checks at steps 6 and 8."""
 
 
 def resolved(cfg: ParityConfig) -> ParityConfig:
