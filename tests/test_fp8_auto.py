@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from nanochat.fp8 import (
     apply_fp8_choices, collect_fp8_stats, convert, fp8_choices, fp8_report, recheck_choices, start_auto_calibration,
 )
-from nanochat.fp8.auto import choose_format, make_native_legal, measure
+from nanochat.fp8.auto import RECHECK_HYSTERESIS, UNDERFLOW_MARGIN_PCT, choose_format, make_native_legal, measure
+from nanochat.fp8.stats import CastCounts
 from nanochat.fp8.hardware import native_gemm_problem
 from nanochat.fp8.linear import FP8_DTYPES
 
@@ -180,6 +181,27 @@ def test_recheck_switches_only_after_consecutive_disagreements():
     # and back, by the same rule, when e4m3 stops flushing (its ~6 dB more SQNR wins again)
     recheck_choices(model, {"0": _measured(narrow)}, pending)
     assert [s["to"] for s in recheck_choices(model, {"0": _measured(narrow)}, pending)] == ["e4m3"]
+
+
+def _counts(underflow_pct, sqnr_db):
+    n = 100_000  # signal 1, noise 10^(-dB/10): CastCounts' own SQNR formula gives sqnr_db back
+    return CastCounts(numel=n, nonzero=n, underflow=round(n * underflow_pct / 100), signal=1.0,
+                      noise=10 ** (-sqnr_db / 10))
+
+
+def test_recheck_hysteresis_keeps_the_incumbent_near_the_margin():
+    # e4m3 flushes 0.8 points more than e5m2: inside the 1-point margin (e4m3 wins on SQNR), but
+    # outside half of it, so a role already moved to e5m2 stays there
+    assert UNDERFLOW_MARGIN_PCT * RECHECK_HYSTERESIS < 0.8 < UNDERFLOW_MARGIN_PCT
+    counts = {"e4m3": _counts(0.8, 31.5), "e5m2": _counts(0.0, 25.5)}
+    assert counts["e4m3"].sqnr_db == pytest.approx(31.5) and counts["e4m3"].underflow_pct == 0.8
+    assert choose_format(counts, "grad_output") == "e4m3"                     # calibration
+    assert choose_format(counts, "grad_output", incumbent="e4m3") == "e4m3"   # stays
+    assert choose_format(counts, "grad_output", incumbent="e5m2") == "e5m2"   # no way back yet
+    back = {"e4m3": _counts(0.4, 31.5), "e5m2": _counts(0.0, 25.5)}
+    assert choose_format(back, "grad_output", incumbent="e5m2") == "e4m3"     # within half: back
+    out = {"e4m3": _counts(1.2, 31.5), "e5m2": _counts(0.0, 25.5)}
+    assert choose_format(out, "grad_output", incumbent="e4m3") == "e5m2"      # beyond the margin
 
 
 def test_recheck_never_applies_a_set_cuda_cannot_run():

@@ -47,7 +47,8 @@ Re-check (`--fp8_auto_recheck_every N`, off by default). The first K steps are n
 d4 run calibrated at steps 1-4 (all e4m3), the e4m3 grad_output of two attention projections
 flushed 5-10% of its values at step 50 (BENCHMARKS.md section 4). `recheck_choices` applies the
 same rules to a later sampled step measured in both formats and switches a role once the rule
-has disagreed with its format at RECHECK_CONFIRM consecutive samples. A run without re-check
+has disagreed with its format at RECHECK_CONFIRM consecutive samples; the format in use keeps
+the full underflow margin, the other must be within half of it (RECHECK_HYSTERESIS). A run without re-check
 keeps its calibrated formats for good (the issue's contract: fixed after K steps, never
 recalibrated on resume); with it, the switches and the pending counts are checkpointed too.
 """
@@ -70,6 +71,10 @@ TIE_DB = 0.1
 """SQNR differences within this many dB are ties (well under the ~6 dB one mantissa bit makes)."""
 UNDERFLOW_MARGIN_PCT = 1.0
 """A format flushing this many more % of the non-zero values to zero than the other is out."""
+RECHECK_HYSTERESIS = 0.5
+"""Re-checks: a format not in use must be within this fraction of the underflow margin to win
+back a role. Measured without it (d4, 5 seeds, re-check every 25 steps): roles whose e4m3
+underflow hovered at 0.7-1.7% switched to e5m2 and back within 50-150 steps, 2-3 times a run."""
 
 
 def recipe_of(config) -> str:
@@ -82,10 +87,18 @@ def recipe_of(config) -> str:
 
 
 def choose_format(counts: dict[str, CastCounts], role: str, *, tie_db: float = TIE_DB,
-                  underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT) -> str:
-    """'e4m3' or 'e5m2' for one role from both formats' measured counts (rules 1-2 above)."""
+                  underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT, incumbent: str | None = None) -> str:
+    """'e4m3' or 'e5m2' for one role from both formats' measured counts (rules 1-2 above).
+
+    `incumbent` (a re-check: the format in use) gets hysteresis: it stays eligible within the
+    full underflow margin, the other format only within half of it, so a share of flushed values
+    hovering around the margin does not switch the role back and forth."""
     least = min(c.underflow_pct for c in counts.values())
-    eligible = {d: c for d, c in counts.items() if c.underflow_pct <= least + underflow_margin_pct}
+
+    def margin(d: str) -> float:
+        return underflow_margin_pct if incumbent in (None, d) else underflow_margin_pct * RECHECK_HYSTERESIS
+
+    eligible = {d: c for d, c in counts.items() if c.underflow_pct <= least + margin(d)}
     if len(eligible) == 1:
         return next(iter(eligible))
     e4, e5 = eligible["e4m3"].sqnr_db, eligible["e5m2"].sqnr_db
@@ -202,7 +215,8 @@ otherwise flip back and forth (each flip of a compiled model costs a recompile).
 def recheck_choices(model: nn.Module, measured: dict[str, dict[str, dict[str, CastCounts]]],
                     pending: dict[str, int], *, confirm: int = RECHECK_CONFIRM, tie_db: float = TIE_DB,
                     underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT) -> list[dict]:
-    """`--fp8_auto_recheck_every`: after calibration, apply the same rule (1-3 above) to a later
+    """`--fp8_auto_recheck_every`: after calibration, apply the same rule (1-3 above, with the
+    incumbent's hysteresis, see `choose_format`) to a later
     step's measurement of both formats (`FP8StatsSampler(both_formats=True).format_counts()`).
 
     A role whose current format the rule no longer picks counts one in `pending` (`"layer/role"`
@@ -218,7 +232,8 @@ def recheck_choices(model: nn.Module, measured: dict[str, dict[str, dict[str, Ca
         if not roles:
             continue
         current = layer_dtypes(layer)
-        wanted = {role: choose_format(roles[role], role, tie_db=tie_db, underflow_margin_pct=underflow_margin_pct)
+        wanted = {role: choose_format(roles[role], role, tie_db=tie_db, underflow_margin_pct=underflow_margin_pct,
+                                      incumbent=current[role])
                   if role in roles else current[role] for role in ROLES}
         recipe = recipe_of(layer.config)
         wanted = make_native_legal(wanted, roles, recipe)
