@@ -445,12 +445,13 @@ def plot(cfg: ParityConfig, runs: dict[str, dict[str, dict]], path: Path) -> Non
             axg.plot(steps, [statistics.fmean(per_step[s]) for s in steps], "o-", color=color, ms=4,
                      label=f"{mode} (mean of {max(len(v) for v in per_step.values())})")
             axg.fill_between(steps, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps],
-                             color=color, alpha=0.15, lw=0)
+                             color=color, alpha=0.2, lw=0, zorder=1)
     ax.set(xlabel="step", ylabel="loss (nats/token)",
            title=f"{cfg.model_name}, {cfg.batch_size}x{cfg.seq_len} tokens/step, seed {cfg.seeds[0]}, {cfg.recipe}")
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
-    axg.axhspan(-cfg.gap_target_pct, cfg.gap_target_pct, color="0.85", label=f"+-{cfg.gap_target_pct:g}% target")
+    axg.axhspan(-cfg.gap_target_pct, cfg.gap_target_pct, color="0.92", zorder=0,
+                label=f"+-{cfg.gap_target_pct:g}% target")
     axg.axhline(0, color="k", lw=0.8)
     axg.set(xlabel="step", ylabel="val loss gap to baseline (%)",
             title=f"gap to baseline; band: range over {len(cfg.seeds)} seed(s)")
