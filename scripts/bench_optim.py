@@ -14,9 +14,7 @@
 Machine load matters on a shared box: the script prints `os.getloadavg()` next to the figures.
 """
 
-from __future__ import annotations
-
-import argparse
+import dataclasses
 import json
 import math
 import os
@@ -24,29 +22,53 @@ import pathlib
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
+import tyro
 
 from nanochat.common import format_table, seed_everything
 from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
 from nanochat.fp8.tensor import FP8Tensor
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, no compile, no torchao: a dry run")
-    ap.add_argument("--n_tensors", type=int, default=16, help="(b) number of parameter tensors")
-    ap.add_argument("--dim", type=int, default=1024, help="(b) each tensor is dim x dim fp32")
-    ap.add_argument("--steps", type=int, default=25, help="(b) timed steps per optimizer (median)")
-    ap.add_argument("--preset", default="d2", help="(c) nanochat.gpt size preset")
-    ap.add_argument("--train_steps", type=int, default=300, help="(c) training steps per run")
-    ap.add_argument("--study", action="store_true", help="(d) also run the second-moment study")
-    ap.add_argument("--skip_speed", action="store_true")
-    ap.add_argument("--skip_train", action="store_true")
-    ap.add_argument("--out", type=pathlib.Path, default=None, help="write all figures as JSON here")
-    args = ap.parse_args(argv)
+@dataclass(frozen=True, kw_only=True)
+class BenchOptimConfig:
+    """FP8Optim against torch AdamW and torchao's AdamWFp8: moment bytes, step time, training."""
+
+    quick: bool = False
+    """Tiny sizes, no compile, no torchao: a dry run in seconds (tests)."""
+    n_tensors: int = 16
+    """(b) number of parameter tensors."""
+    dim: int = 1024
+    """(b) each tensor is dim x dim fp32."""
+    steps: int = 25
+    """(b) timed steps per optimizer (the median is reported)."""
+    preset: str = "d2"
+    """(c) nanochat.gpt size preset trained with each optimizer."""
+    train_steps: int = 300
+    """(c) training steps per run."""
+    study: bool = False
+    """(d) also run the second-moment representation study."""
+    skip_speed: bool = False
+    """Skip (a) and (b)."""
+    skip_train: bool = False
+    """Skip (c)."""
+    out: pathlib.Path | None = None
+    """Write all figures as JSON here."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_tensors", "dim", "steps", "train_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
+
+def parse_args(argv=None) -> BenchOptimConfig:
+    from nanochat.config import parse_cli
+
+    args = parse_cli(BenchOptimConfig, argv)
     if args.quick:
-        args.n_tensors, args.dim, args.steps, args.train_steps = 2, 128, 3, 5
+        args = dataclasses.replace(args, n_tensors=2, dim=128, steps=3, train_steps=5)
     return args
 
 
@@ -279,7 +301,7 @@ def study(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {load()}")
-    result: dict = dict(args={k: str(v) for k, v in vars(args).items()}, load_start=os.getloadavg())
+    result: dict = dict(args={k: str(v) for k, v in dataclasses.asdict(args).items()}, load_start=os.getloadavg())
     if args.study or args.quick:
         result["study"] = study(args)
     if not args.skip_speed:
