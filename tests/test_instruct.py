@@ -18,6 +18,10 @@ the formats written out by hand here:
   arange stream, where every value names its position); windows without a scored target are
   never drawn, the others once per epoch; a state_dict resume equals an uninterrupted run;
 - tokenize_records caches one .npz and reuses it;
+- pack_records: every record that fits in a window (seq_len+1 tokens) lies inside one, whole and
+  in order, with padding masked (checked position by position on hand-sized records and on ARC
+  records through TokenBatches: each scored target's record starts inside the same window); a
+  longer record starts at a window and is counted; the trainer records those as a fallback;
 - one fine-tuning step of a d2 GPT on ARC records: the model's loss equals F.cross_entropy over
   the answer positions only (rtol 1e-6: the same fp32 ops in another order), differs from the
   unmasked loss, and one AdamW step lowers the masked loss on that batch.
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 
 import nanochat.data as data
 from nanochat import instruct
-from nanochat.data import DataError, TokenBatches, load_corpus, tokenize_records, val_batches
+from nanochat.data import DataError, TokenBatches, load_corpus, pack_records, tokenize_records, val_batches
 from nanochat.tokenizer import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -315,10 +319,11 @@ def _stream(n=997, seed=0):
     return torch.arange(n, dtype=torch.int32), mask
 
 
-def test_y_is_minus_one_exactly_where_unscored():
+@pytest.mark.parametrize("batch_size", [1, 2])  # 1: y and x once shared memory (masking y hit x)
+def test_y_is_minus_one_exactly_where_unscored(batch_size):
     tokens, mask = _stream()
     seq_len = 10
-    loader = TokenBatches(tokens, seq_len=seq_len, batch_size=2, seed=0, loss_mask=mask)
+    loader = TokenBatches(tokens, seq_len=seq_len, batch_size=batch_size, seed=0, loss_mask=mask)
     scored_windows = {k for k in range((len(tokens) - 1) // seq_len) if mask[k * seq_len + 1:(k + 1) * seq_len + 1].any()}
     assert loader.num_windows == len(scored_windows) < (len(tokens) - 1) // seq_len  # some windows dropped
     seen = []
@@ -329,8 +334,9 @@ def test_y_is_minus_one_exactly_where_unscored():
             seen.append(k)
             positions = range(k * seq_len + 1, (k + 1) * seq_len + 1)
             assert row_y == [p if mask[p] else -1 for p in positions]
+            assert row_x == list(range(k * seq_len, (k + 1) * seq_len))  # inputs never masked
     assert len(seen) == len(set(seen)) and set(seen) <= scored_windows  # each at most once per epoch
-    assert len(seen) == loader.steps_per_epoch * 2 >= len(scored_windows) - 1
+    assert len(seen) == loader.steps_per_epoch * batch_size >= len(scored_windows) - batch_size + 1
 
 
 def test_masked_resume_equals_uninterrupted(tmp_path):
@@ -353,14 +359,16 @@ def test_masked_resume_equals_uninterrupted(tmp_path):
         unmasked.load_state_dict(first.state_dict())
 
 
-def test_val_batches_mask_and_errors():
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_val_batches_mask_and_errors(batch_size):
     tokens, mask = _stream()
     seq_len = 10
-    batches = list(val_batches(tokens, seq_len, 3, max_tokens=10**9, loss_mask=mask))
+    batches = list(val_batches(tokens, seq_len, batch_size, max_tokens=10**9, loss_mask=mask))
     starts = [row[0] for x, _ in batches for row in x.tolist()]
     expected = [k * seq_len for k in range((len(tokens) - 1) // seq_len) if mask[k * seq_len + 1:(k + 1) * seq_len + 1].any()]
     assert starts == expected
     for x, y in batches:
+        assert torch.equal(x, x[:, :1] + torch.arange(seq_len))  # inputs never masked
         assert torch.equal(y, torch.where(mask[x + 1], x + 1, -1))
     assert len(list(val_batches(tokens, seq_len, 3, max_tokens=30, loss_mask=mask))) == 1  # 3 windows
     with pytest.raises(DataError, match="no scored"):
@@ -371,15 +379,85 @@ def test_val_batches_mask_and_errors():
 
 def test_tokenize_records_caches_one_npz(tmp_path, tok, monkeypatch):
     records = [instruct.to_messages(r, "prompt/completion") for r in PROMPT_COMPLETION]
-    tokens, mask = tokenize_records(tok, records, cache_dir=tmp_path, progress=False)
+    tokens, mask, starts = tokenize_records(tok, records, cache_dir=tmp_path, progress=False, with_starts=True)
+    assert starts[0] == 0 and len(starts) == len(records)
     (cached,) = tmp_path.iterdir()
     assert cached.suffix == ".npz" and tok.fingerprint in cached.name
     monkeypatch.setattr(instruct, "render", lambda *a: pytest.fail("re-rendered despite the cache"))
-    again = tokenize_records(tok, records, cache_dir=tmp_path, progress=False)
+    again = tokenize_records(tok, records, cache_dir=tmp_path, progress=False, with_starts=True)
     assert torch.equal(again[0], tokens) and torch.equal(again[1], mask) and again[1].dtype == torch.bool
+    assert torch.equal(again[2], starts)
     monkeypatch.undo()
     tokenize_records(tok, records[:2], cache_dir=tmp_path, progress=False)
     assert len(list(tmp_path.iterdir())) == 2  # other records -> another key
+
+
+# ------------------------------------------------------------- packing
+def test_pack_records_keeps_every_record_that_fits_inside_one_window():
+    seq_len, pad = 4, 99  # windows [0, 4], [4, 8], [8, 12], ...: 5 tokens, one shared
+    lengths = [3, 3, 5, 2, 9, 1]
+    starts = torch.tensor([0, 3, 6, 11, 13, 22])
+    tokens = torch.arange(23, dtype=torch.int32)  # each value names its source position
+    mask = torch.ones(23, dtype=torch.bool)
+    packed, pmask, info = pack_records(tokens, mask, starts, seq_len, pad)
+    # record 0 at 0..2; record 1 (3 tokens) would end at 5 > 4: starts window 1 at 4 (pad 3);
+    # record 2 (5 tokens) would end at 11 > 8: fills window 2 exactly, 8..12 (pad 7); record 3
+    # at 13..14; record 4 (9 tokens, longer than a window) starts window 4 at 16 (pad 15) and
+    # runs to 24; record 5 at 25; then padding to a whole last window (24..28: 26, 27, 28)
+    want_starts = [0, 4, 8, 13, 16, 25]
+    for (src, n, dst) in zip(starts.tolist(), lengths, want_starts):
+        assert packed[dst:dst + n].tolist() == list(range(src, src + n))
+        assert pmask[dst:dst + n].all()
+        if n <= seq_len + 1:  # fits: inside one window
+            k = dst // seq_len
+            assert dst + n - 1 <= k * seq_len + seq_len
+    pad_positions = [3, 7, 15, 26, 27, 28]
+    assert [i for i, t in enumerate(packed.tolist()) if t == pad] == pad_positions
+    assert not pmask[pad_positions].any()
+    assert info.records == 6 and info.long_records == 1 and info.pad_tokens == 6 and info.tokens == 29
+    with pytest.raises(ValueError, match="increasing record offsets"):
+        pack_records(tokens, mask, torch.tensor([1, 5]), seq_len, pad)
+
+
+def test_packed_arc_windows_see_the_whole_prompt_of_every_scored_answer(tmp_path, tok):
+    rows = [{"question": f"Question {i}: " + "which one is right? " * (i % 5),
+             "choices": {"text": [f"option {j}" for j in range(4)], "label": list("ABCD")},
+             "answerKey": "ABCD"[i % 4]} for i in range(40)]
+    _write(tmp_path, "arc", rows, "jsonl")
+    corpus = load_corpus(tmp_path)
+    tokens, mask, starts = tokenize_records(tok, corpus.train_records, progress=False, with_starts=True)
+    seq_len = 128
+    ends = torch.cat([starts[1:], torch.tensor([len(tokens)])])  # one past each record's last token
+    assert (ends - starts).max() <= seq_len + 1  # every record fits in a window (74-123 tokens)
+    cut = sum(1 for a, b in zip(starts.tolist(), ends.tolist()) if b - 1 > a // seq_len * seq_len + seq_len)
+    assert cut > 10  # unpacked, most records straddle a window boundary
+    packed, pmask, info = pack_records(tokens, mask, starts, seq_len, tok.bos_id)
+    assert info.long_records == 0 and 0 < info.pad_tokens and pmask.sum() == mask.sum()
+    loader = TokenBatches(packed, seq_len=seq_len, batch_size=1, seed=0, loss_mask=pmask)
+    bos_opens = 0
+    for _ in range(loader.steps_per_epoch):
+        x, y = loader.next_batch()
+        for pos in (y[0] != -1).nonzero().squeeze(1).tolist():
+            # the scored answer's record starts (<|bos|>) at or before it, in this window
+            assert (x[0, : pos + 1] == tok.bos_id).any()
+            bos_opens += 1
+    assert bos_opens == int(mask.sum())  # each scored token once per epoch
+
+
+def test_trainer_packs_records_and_records_the_ones_too_long(tmp_path, monkeypatch):
+    from nanochat.trainer import NanoChatTrainer
+
+    monkeypatch.setenv("NANOCHAT_CACHE", str(tmp_path / "cache"))
+    rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}."} for i in range(60)]
+    rows[7]["prompt"] = "A very long question. " * 40  # far longer than a 32-token window
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    _write(data_dir, "pc", rows, "jsonl")
+    result = NanoChatTrainer(model_name="d2", dataset_path=str(data_dir), run_dir=str(tmp_path / "run"),
+                             vocab_size=300, seq_len=32, batch_size=2, num_iterations=2, eval_every=0,
+                             eval_tokens=256, num_samples=0, device="cpu").train()
+    long = [f for f in result.fallbacks if "longer than a window" in f]
+    assert len(long) == 1 and "1 of" in long[0] and "--seq_len" in long[0], result.fallbacks
 
 
 # ------------------------------------------------------------- fine-tuning

@@ -38,7 +38,14 @@ The pipeline, and where each step's choice comes from:
    documents' content and the tokenizer's fingerprint, so a stale cache is impossible.
    `tokenize_records` does the same for instruction records: each record rendered by
    `nanochat.instruct.render` (our special tokens, or the checkpoint's chat template), with a
-   parallel boolean loss mask (True = scored), cached as one `.npz` of both arrays.
+   parallel boolean loss mask (True = scored) and each record's start offset, cached as one
+   `.npz`. `pack_records` then lays the records out for a given seq_len so that no record
+   crosses a window boundary: a record that does not fit in what is left of the current window
+   starts the next one, and the gap is filled with masked padding. Without it a record cut by a
+   boundary would be scored with part of its prompt missing (the model learning to answer
+   questions it was not shown). A record longer than a window cannot be kept whole: it starts at
+   a window and its tail is trained without its beginning; the trainer counts these and records
+   them as a fallback with the fix (a larger --seq_len).
 
 4. **Batches.** `TokenBatches` cuts the stream into windows of seq_len+1 tokens with stride
    seq_len — consecutive windows share one token, so every token but the first is a prediction
@@ -473,21 +480,27 @@ def tokenize_docs(tokenizer: Tokenizer, docs: list[str], *, cache_dir: str | os.
     return torch.from_numpy(arr)
 
 
-RECORDS_FORMAT = 1
+RECORDS_FORMAT = 2
 """Bump when `nanochat.instruct` renders records differently: it is part of the cache key."""
 
 
 def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids: list[str] | None = None,
-                     cache_dir: str | os.PathLike | None = None,
-                     progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     cache_dir: str | os.PathLike | None = None, progress: bool = True,
+                     with_starts: bool = False):
     """tokens [n_tokens] int32 and loss_mask [n_tokens] bool of instruction records, one after the
     other: each record as `nanochat.instruct.render` makes it (ours: `<|bos|><|user_start|>...`;
     a Hugging Face tokenizer: its chat template), loss_mask True exactly on the assistant tokens.
+    With `with_starts`, also starts [n_records] int64: where each record begins (for
+    `pack_records`).
 
     `ids` (e.g. `corpus.train_ids`) name records in errors. Cached in `cache_dir` as one `.npz`
     keyed by the records, the tokenizer's fingerprint (which covers a checkpoint's chat template)
     and RECORDS_FORMAT.
     """
+    def result(tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray):
+        out = (torch.from_numpy(tokens.astype(np.int32)), torch.from_numpy(mask))
+        return (*out, torch.from_numpy(starts.astype(np.int64))) if with_starts else out
+
     try:
         instruct.check_tokenizer(tokenizer)
     except ValueError as e:
@@ -502,12 +515,15 @@ def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids
         if path.is_file():
             with np.load(path, allow_pickle=False) as z:
                 tokens, mask = z["tokens"], z["loss_mask"]
-            if tokens.ndim == mask.ndim == 1 and tokens.shape == mask.shape and mask.dtype == np.bool_:
-                return torch.from_numpy(tokens.astype(np.int32)), torch.from_numpy(mask)
+                starts = z["starts"] if "starts" in z.files else None
+            if (tokens.ndim == mask.ndim == 1 and tokens.shape == mask.shape and mask.dtype == np.bool_
+                    and starts is not None and starts.ndim == 1 and len(starts) == len(records)):
+                return result(tokens, mask, starts)
             warn_once(f"bad-cache:{path}", f"{path} is not a token stream with a loss mask; re-tokenizing")
 
     tokens_l: list[int] = []
     mask_l: list[bool] = []
+    starts_l: list[int] = []
     for k, messages in enumerate(tqdm(records, desc="tokenizing records", unit="record",
                                       disable=None if progress else True, leave=False)):
         try:
@@ -515,15 +531,73 @@ def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids
         except ValueError as e:  # e.g. a chat template that is not prefix-stable, or raises
             where = ids[k] if ids is not None else f"record {k}"
             raise DataError(f"{where}: {e}") from None
+        starts_l.append(len(tokens_l))
         tokens_l += rec_ids
         mask_l += rec_mask
     tokens = np.asarray(tokens_l, dtype=np.int32)
     mask = np.asarray(mask_l, dtype=np.bool_)
+    starts = np.asarray(starts_l, dtype=np.int64)
 
     if path is not None:
         disk = tokens.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else tokens
-        _write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask))
-    return torch.from_numpy(tokens), torch.from_numpy(mask)
+        _write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask, starts=starts))
+    return result(tokens, mask, starts)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What `pack_records` did: records kept whole, cut (longer than a window), padding added."""
+
+    records: int
+    long_records: int
+    pad_tokens: int
+    tokens: int
+    """Length of the packed stream, padding included."""
+
+    @property
+    def pad_pct(self) -> float:
+        return 100.0 * self.pad_tokens / self.tokens if self.tokens else 0.0
+
+
+def pack_records(tokens: torch.Tensor, loss_mask: torch.Tensor, starts: torch.Tensor, seq_len: int,
+                 pad_id: int) -> tuple[torch.Tensor, torch.Tensor, Packing]:
+    """Lay records out so that each lies inside one window of `TokenBatches` / `val_batches`.
+
+    Window k covers positions [k*seq_len, k*seq_len + seq_len] (seq_len + 1 tokens; the last is
+    the next window's first). Records are taken in order; one that would run past the end of the
+    current window starts at the next window instead, and the positions skipped hold `pad_id`
+    with loss_mask False (never scored; the model sees them as context, like the other records
+    in a window). A record longer than seq_len + 1 starts at a window boundary and continues into
+    the next windows (counted in `Packing.long_records`). The end is padded to a whole window
+    (the batchers drop a partial one). Returns tokens, loss_mask, Packing.
+    """
+    if len(starts) == 0:
+        return tokens, loss_mask, Packing(0, 0, 0, len(tokens))
+    st = starts.numpy().astype(np.int64)
+    if st[0] != 0 or np.any(np.diff(st) <= 0) or st[-1] >= len(tokens):
+        raise ValueError("starts must be increasing record offsets into tokens, the first 0 "
+                         f"(from tokenize_records(..., with_starts=True)); got {st[:5].tolist()}...")
+    lengths = np.diff(np.append(st, len(tokens)))
+    out_start = np.empty_like(st)
+    pos = pad = long_records = 0
+    for i, r in enumerate(lengths.tolist()):
+        window_end = (pos // seq_len) * seq_len + seq_len  # last position of the window pos is in
+        if pos + r - 1 > window_end:
+            if pos % seq_len:  # start the next window (a boundary position starts one already)
+                nxt = (pos // seq_len + 1) * seq_len
+                pad, pos = pad + nxt - pos, nxt
+            long_records += r > seq_len + 1
+        out_start[i] = pos
+        pos += r
+    # pad the end to a whole window: the batchers drop a partial last window, records and all
+    total = -(-(pos - 1) // seq_len) * seq_len + 1
+    pad += total - pos
+    # every source position j of record i moves by out_start[i] - starts[i]
+    dest = torch.from_numpy(np.arange(len(tokens)) + np.repeat(out_start - st, lengths))
+    packed = torch.full((total,), pad_id, dtype=tokens.dtype)
+    packed_mask = torch.zeros(total, dtype=torch.bool)
+    packed[dest], packed_mask[dest] = tokens, loss_mask
+    return packed, packed_mask, Packing(len(st), int(long_records), int(pad), int(total))
 
 
 def _write_atomic(path: Path, write) -> None:
@@ -600,7 +674,9 @@ class TokenBatches:
         if self._kept is not None:
             idx = self._kept[idx]  # position among scored windows -> window number in the stream
         w = self._windows[idx].to(torch.int64)  # [B, T+1], a copy (advanced indexing)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        # y its own copy: for B == 1 both slices are already contiguous views of w, and masking
+        # y in place would write -1 into x as well
+        x, y = w[:, :-1].contiguous(), w[:, 1:].clone(memory_format=torch.contiguous_format)
         if self._mask_windows is not None:
             y.masked_fill_(~self._mask_windows[idx, 1:], -1)  # -1: GPT.forward's ignore_index
         self._step += 1
@@ -662,7 +738,8 @@ def val_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, max_tokens:
     for start in range(rank * batch_size, len(kept), batch_size * world_size):
         idx = kept[start:start + batch_size]
         w = windows[idx].to(torch.int64)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        # y its own copy (see TokenBatches)
+        x, y = w[:, :-1].contiguous(), w[:, 1:].clone(memory_format=torch.contiguous_format)
         if mask_windows is not None:
             y.masked_fill_(~mask_windows[idx, 1:], -1)
         yield x, y

@@ -57,7 +57,9 @@ from nanochat.common import (
 )
 from nanochat.config import TrainConfig
 from nanochat import instruct
-from nanochat.data import TokenBatches, get_or_train_tokenizer, load_corpus, tokenize_docs, tokenize_records, val_batches
+from nanochat.data import (
+    TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
+)
 from nanochat.gpt import GPT, preset_config
 from nanochat.hf import HFTokenizer, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
@@ -151,6 +153,11 @@ class NanoChatTrainer:
         return cls(config)
 
     # ------------------------------------------------------------------ setup
+    def _fallback(self, message: str) -> None:
+        """Record a fallback in the run's results and say it once, now."""
+        self.fallbacks.append(message)
+        logger.warning("WARNING: %s", message)
+
     def _setup(self) -> None:
         cfg = self.config
         setup_logging()
@@ -180,16 +187,28 @@ class NanoChatTrainer:
                 self.corpus, cfg.vocab_size, cache_root=self.cache_root / "tokenizers"
             )
             if self.tokenizer.vocab_size < cfg.vocab_size:
-                self.fallbacks.append(
+                self._fallback(
                     f"tokenizer: the corpus ran out of BPE merges at {self.tokenizer.vocab_size} tokens "
                     f"(--vocab_size {cfg.vocab_size} asked); training with the smaller vocabulary"
                 )
         token_cache = self.cache_root / "tokens"
         if self.corpus.kind == "instruct":  # loss on the assistant tokens only
-            self.train_tokens, self.train_mask = tokenize_records(
-                self.tokenizer, self.corpus.train_records, ids=self.corpus.train_ids, cache_dir=token_cache)
-            self.val_tokens, self.val_mask = tokenize_records(
-                self.tokenizer, self.corpus.val_records, ids=self.corpus.val_ids, cache_dir=token_cache)
+            # records laid out whole inside the seq_len+1 windows (data.pack_records)
+            for split in ("train", "val"):
+                tokens, mask, starts = tokenize_records(
+                    self.tokenizer, getattr(self.corpus, f"{split}_records"), cache_dir=token_cache,
+                    ids=getattr(self.corpus, f"{split}_ids"), with_starts=True)
+                tokens, mask, packing = pack_records(tokens, mask, starts, cfg.seq_len, self.tokenizer.bos_id)
+                setattr(self, f"{split}_tokens", tokens)
+                setattr(self, f"{split}_mask", mask)
+                logger.info("%s records: %d packed into windows of %d tokens, %.1f%% padding", split,
+                            packing.records, cfg.seq_len + 1, packing.pad_pct)
+                if packing.long_records:
+                    self._fallback(
+                        f"instruction data: {packing.long_records} of {packing.records} {split} records are "
+                        f"longer than a window (--seq_len {cfg.seq_len} + 1 tokens); their tokens past the "
+                        "first window are trained without the record's beginning. Raise --seq_len to keep "
+                        "them whole")
         else:
             self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
             self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
