@@ -43,14 +43,16 @@ Calibrate eagerly: the hooks live in Python and change the graph, so compile aft
 Under DDP/FSDP each rank sees its own share of the batch; `finalize` all-reduces the counts
 (stats.all_reduce_counts) first, so every rank measures the global batch and decides the same.
 
-Re-check (`--fp8_auto_recheck_every N`, off by default). The first K steps are not the whole run: in a
-d4 run calibrated at steps 1-4 (all e4m3), the e4m3 grad_output of two attention projections
-flushed 5-10% of its values at step 50 (BENCHMARKS.md section 4). `recheck_choices` applies the
-same rules to a later sampled step measured in both formats and switches a role once the rule
-has disagreed with its format at RECHECK_CONFIRM consecutive samples; the format in use keeps
-the full underflow margin, the other must be within half of it (RECHECK_HYSTERESIS). A run without re-check
-keeps its calibrated formats for good (the issue's contract: fixed after K steps, never
-recalibrated on resume); with it, the switches and the pending counts are checkpointed too.
+Re-check (`--fp8_auto_recheck_every N`, off by default). The first K steps are not the whole
+run: in d4 runs calibrated at steps 1-4 (all e4m3), the e4m3 grad_output of two attention
+projections flushed 5-25% of its values at step 50 (BENCHMARKS.md section 4).
+`recheck_choices` applies the same rules to a later step measured in both formats and switches
+a role once the rule has disagreed with its format at RECHECK_CONFIRM consecutive re-checks;
+the format in use keeps the full underflow margin, the other must be within half of it
+(RECHECK_HYSTERESIS). A run without re-check keeps its calibrated formats for good (the issue's
+contract: fixed after K steps, never recalibrated on resume); with it, the switches and the
+pending counts are checkpointed too. Measured effect on the final loss of 5 d4 runs: none
+(+0.03% +- 0.03% against auto without it).
 """
 
 from __future__ import annotations
@@ -216,8 +218,8 @@ def recheck_choices(model: nn.Module, measured: dict[str, dict[str, dict[str, Ca
                     pending: dict[str, int], *, confirm: int = RECHECK_CONFIRM, tie_db: float = TIE_DB,
                     underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT) -> list[dict]:
     """`--fp8_auto_recheck_every`: after calibration, apply the same rule (1-3 above, with the
-    incumbent's hysteresis, see `choose_format`) to a later
-    step's measurement of both formats (`FP8StatsSampler(both_formats=True).format_counts()`).
+    incumbent's hysteresis, see `choose_format`) to a later step's measurement of both formats
+    (`FP8StatsSampler(both_formats=True).format_counts()`).
 
     A role whose current format the rule no longer picks counts one in `pending` (`"layer/role"`
     -> consecutive disagreements; mutated in place, store it with the choices so a resumed run

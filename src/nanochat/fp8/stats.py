@@ -224,7 +224,8 @@ def all_reduce_counts(tree: dict[str, dict[str, dict[str, CastCounts]]]) -> None
         raise RuntimeError("FP8 statistics differ in layers/roles between ranks: every rank must run "
                            "the same model and the same FP8 layers during a sampled step")
     counts = [tree[n][r][f] for n, r, f in keys]
-    backend_device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # NCCL reduces CUDA tensors only (on this rank's device); gloo CPU ones
+    backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     # float64 holds integer counts exactly up to 2^53
     sums = torch.tensor([[getattr(c, k) for k in _SUM_FIELDS] for c in counts], dtype=torch.float64,
                         device=backend_device)
