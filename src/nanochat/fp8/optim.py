@@ -200,9 +200,11 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # and stores the 1-byte codes 8 at a time through `Vectorized<uint8_t>::loadu(ptr, 8)`, which
 # goes through a stack buffer and memcpy (ATen vec256_int.h), and it sweeps each tensor twice.
 # The same math written as plain C loops, one 256-element block at a time (the block stays in
-# L1: first loop decodes, updates p and collects the absmax; second loop encodes), is
+# L1: decode, then one loop updates p and collects the absmax, then one encodes) is
 # auto-vectorized by the C compiler (-O3 -march=native; -fno-trapping-math lets it if-convert
-# the selects). It is built on first use with the system C compiler into ~/.cache/nanochat and
+# the selects); the decode is written with F16C intrinsics where the CPU has them, since the
+# compiler scalarizes a _Float16 conversion (measured: 2x slower than the bit-trick decode,
+# which the intrinsics beat by 28% over the whole kernel, BENCHMARKS.md 3(b)). It is built on first use with the system C compiler into ~/.cache/nanochat and
 # called through ctypes (no torch headers: builds in < 1 s); blocks are split across
 # torch.get_num_threads() threads (ctypes releases the GIL). Same formulas and bit tricks as
 # `_adam_step`/tensor.py; results agree to fp32 rounding (tests compare the backends).
@@ -226,16 +228,42 @@ static inline uint32_t enc(float y) {             /* float -> e4m3fn bits, RNE, 
     uint32_t bits; memcpy(&bits, &y, 4);
     uint32_t sign = (bits >> 24) & 0x80u;
     uint32_t a = bits & 0x7FFFFFFFu;
-    uint32_t rounded = a + 0x7FFFFu + ((a >> 20) & 1u);
-    int32_t normal = (int32_t)(rounded >> 20) - (120 << 3);
-    float absy; memcpy(&absy, &a, 4);
-    float t = absy * 512.0f;
-    t = t < 16.0f ? t : 16.0f;                    /* used below 2^-6 only; keeps the cast defined */
-    int32_t sub = (int32_t)((t + 12582912.0f) - 12582912.0f);  /* RNE: the 1.5 * 2^23 trick */
-    int32_t mag = a < (121u << 23) ? sub : normal;
-    mag = mag > 0x7E ? 0x7E : mag;
+    a = a < 0x43E00000u ? a : 0x43E00000u;          /* |y| <= 448 (saturate) */
+    /* round to 3 mantissa bits by the FPU: adding c = 2^(e+20) leaves ulp 2^(e-3), and for
+       |y| < 2^-6 c = 2^14 leaves e4m3's subnormal step 2^-9 (bit-identical to the integer
+       rounding of tensor.py's encode on every finite float, checked exhaustively) */
+    uint32_t cb = (a & 0x7F800000u) + (20u << 23);
+    cb = cb > (141u << 23) ? cb : (141u << 23);
+    float ay, c; memcpy(&ay, &a, 4); memcpy(&c, &cb, 4);
+    float r = (ay + c) - c;
+    uint32_t rb; memcpy(&rb, &r, 4);
+    int32_t normal = (int32_t)(rb >> 20) - (120 << 3);
+    int32_t sub = (int32_t)(r * 512.0f);              /* r < 2^-6: exactly k * 2^-9, k < 8 */
+    int32_t mag = rb < (121u << 23) ? sub : normal;
     return (uint32_t)mag | sign;
 }
+
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+/* e4m3fn codes -> floats * s, 8 at a time: the 7 magnitude bits placed as fp16 bits (exponent
+   bias 15 instead of 7, so the value is 2^-8 of the e4m3 one; fp16 subnormals are exactly e4m3's
+   subnormals) and converted by F16C's vcvtph2ps; s carries the 2^8. Exact, and ~4x fewer
+   instructions than dec() (the compiler does not vectorize a _Float16 conversion by itself). */
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    const __m256 sc = _mm256_set1_ps(s * 256.0f);
+    for (int64_t i = 0; i < B; i += 8) {             /* B is a multiple of 8 (FP8Optim checks) */
+        __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, m7f), 7),
+                                 _mm_slli_epi16(_mm_and_si128(u, m80), 8));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
+    }
+}
+#else
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    for (int64_t i = 0; i < B; ++i) out[i] = dec(c[i]) * s;
+}
+#endif
 
 #define BMAX 1024
 /* h = lr, beta1, beta2, eps, wd, step_size, bias_correction2_sqrt. One function per
@@ -251,16 +279,17 @@ static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict m
         float *restrict pp = p + b * B; const float *restrict gg = g + b * B; \
         uint8_t *restrict mcb = mc + b * B; \
         uint8_t *restrict vcb = VFP8 ? vc + b * B : 0; float *restrict vv = VFP8 ? 0 : v32 + b * B; \
-        const float mso = ms[b], vso = VFP8 ? vs[b] : 0.0f; \
+        dec_block(mcb, mbuf, B, ms[b]);  /* decoded moments, then updated in place */ \
+        if (VFP8) dec_block(vcb, rbuf, B, vs[b]); \
         float am = 0.0f, ar = 0.0f; \
         _Pragma("omp simd reduction(max:am, ar)") \
         for (int64_t i = 0; i < B; ++i) { \
             float pi = pp[i], gi = gg[i]; \
             if (!DEC) gi = gi + wd * pi; \
-            float mi = dec(mcb[i]) * mso; \
+            float mi = mbuf[i]; \
             mi = mi + w1 * (gi - mi); \
             float v; \
-            if (VFP8) { float r0 = dec(vcb[i]) * vso; v = r0 * r0 * beta2 + w2 * gi * gi; } \
+            if (VFP8) { float r0 = rbuf[i]; v = r0 * r0 * beta2 + w2 * gi * gi; } \
             else { v = vv[i] * beta2 + w2 * gi * gi; vv[i] = v; } \
             float ri = sqrtf(v); \
             if (DEC) pi = pi * decay; \
