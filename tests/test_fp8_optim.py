@@ -243,6 +243,52 @@ def test_native_kernel_threads_split_blocks():
     assert torch.equal(p1[0], p2[0])  # blocks are independent: the split changes nothing
 
 
+def test_kernel_without_f16c_matches_the_f16c_build(tmp_path):
+    """The C source's portable decode (CPUs without F16C/AVX2, e.g. ARM) against the F16C one
+    this machine builds: the same step within fp32 rounding (FMA contraction differs)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from nanochat.fp8 import optim as optim_mod
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "k.c"
+    src.write_text(optim_mod._C_SOURCE)
+    libs = []
+    for name, arch in (("portable", "-march=x86-64"), ("native", "-march=native")):
+        so = tmp_path / f"{name}.so"
+        r = subprocess.run([cc, "-O3", arch, "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno", "-shared",
+                            "-fPIC", "-o", str(so), str(src), "-lm"], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot build with {arch}: {r.stderr[-200:]}")
+        libs.append(ctypes.CDLL(str(so)))
+    n, B = 64, 256
+    g = torch.Generator().manual_seed(0)
+    start = dict(p=torch.randn(n, B, generator=g), grad=torch.randn(n, B, generator=g) * 1e-2,
+                 mc=torch.randint(0, 255, (n, B), dtype=torch.uint8, generator=g),
+                 vc=torch.randint(0, 127, (n, B), dtype=torch.uint8, generator=g),
+                 ms=torch.rand(n, generator=g) * 1e-3, vs=torch.rand(n, generator=g) * 1e-3)
+    start["mc"][(start["mc"] & 0x7F) == 0x7F] = 0  # 0x7F / 0xFF are NaN in e4m3fn
+    h = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3, 0.03])
+    outs = []
+    for lib in libs:
+        lib.adam_step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
+        t = {k: v.clone() for k, v in start.items()}
+        for _ in range(3):
+            assert lib.adam_step(t["p"].data_ptr(), t["grad"].data_ptr(), t["mc"].data_ptr(), t["ms"].data_ptr(),
+                                 t["vc"].data_ptr(), t["vs"].data_ptr(), None, h.data_ptr(), 0, n, B, 1, 1) == 0
+        outs.append(t)
+    a, b = outs
+    assert not torch.equal(a["p"], start["p"])  # the step moved the weights
+    assert torch.allclose(a["p"], b["p"], rtol=0, atol=1e-6)
+    assert torch.allclose(a["ms"], b["ms"], rtol=1e-5) and torch.allclose(a["vs"], b["vs"], rtol=1e-5)
+    for key in ("mc", "vc"):  # a code on a rounding tie may land one step away
+        assert (a[key] != b[key]).float().mean() < 1e-3
+
+
 def test_schedulers_drive_the_wrapped_lr():
     p = _params()
     inner = torch.optim.AdamW(p, lr=1.0)

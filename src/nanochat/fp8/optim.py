@@ -203,9 +203,9 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # L1: decode, then one loop updates p and collects the absmax, then one encodes) is
 # auto-vectorized by the C compiler (-O3 -march=native; -fno-trapping-math lets it if-convert
 # the selects); the decode is written with F16C intrinsics where the CPU has them, since the
-# compiler scalarizes a _Float16 conversion (measured: 2x slower than the bit-trick decode,
-# which the intrinsics beat by 28% over the whole kernel, BENCHMARKS.md 3(b)). It is built on first use with the system C compiler into ~/.cache/nanochat and
-# called through ctypes (no torch headers: builds in < 1 s); blocks are split across
+# compiler scalarizes a _Float16 conversion (2x slower than the bit-trick decode); with the
+# FPU rounding in enc(), 35.7 -> 25.6 ms for 16.8M parameters (BENCHMARKS.md 3(b)). It is
+# built on first use with the system C compiler into ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s); blocks are split across
 # torch.get_num_threads() threads (ctypes releases the GIL). Same formulas and bit tricks as
 # `_adam_step`/tensor.py; results agree to fp32 rounding (tests compare the backends).
 # ---------------------------------------------------------------------------------------------
