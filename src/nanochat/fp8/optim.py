@@ -202,9 +202,9 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # The same math written as plain C loops, one 256-element block at a time (the block stays in
 # L1: decode, then one loop updates p and collects the absmax, then one encodes) is
 # auto-vectorized by the C compiler (-O3 -march=native; -fno-trapping-math lets it if-convert
-# the selects); the decode is written with F16C intrinsics where the CPU has them, since the
-# compiler scalarizes a _Float16 conversion (2x slower than the bit-trick decode); with the
-# FPU rounding in enc(), 35.7 -> 25.6 ms for 16.8M parameters (BENCHMARKS.md 3(b)). It is
+# the selects); decode and encode are written with F16C intrinsics where the CPU has them
+# (the compiler scalarizes a _Float16 conversion): 35.7 -> 24.2 ms for 16.8M parameters on one
+# core (BENCHMARKS.md 3(b)); elsewhere the portable loops below run (tested against them). It is
 # built on first use with the system C compiler into ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s); blocks are split across
 # torch.get_num_threads() threads (ctypes releases the GIL). Same formulas and bit tricks as
 # `_adam_step`/tensor.py; results agree to fp32 rounding (tests compare the backends).
@@ -259,9 +259,51 @@ static inline void dec_block(const uint8_t *restrict c, float *restrict out, int
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
     }
 }
+/* floats * s -> e4m3fn codes, 16 at a time: |y| saturated at 448 and rounded to 3 mantissa
+   bits by enc()'s FPU trick, the sign put back, scaled by 2^-8 and converted to fp16 by
+   vcvtps2ph (exact: at most 3 mantissa bits, and e4m3's range scaled lands inside fp16's); the
+   fp16 bits shifted right by 7 are the e4m3 magnitude bits, subnormals included. floor1: a
+   positive input never becomes code 0 (the second moment's rule). Equal to enc() on every
+   finite float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    const __m256 sc = _mm256_set1_ps(s), lim = _mm256_set1_ps(448.0f), down = _mm256_set1_ps(0.00390625f);
+    const __m256 tiny = _mm256_set1_ps(0.001953125f), zero = _mm256_setzero_ps();
+    const __m256i expm = _mm256_set1_epi32(0x7F800000), add20 = _mm256_set1_epi32(20 << 23);
+    const __m256i c14 = _mm256_set1_epi32(141 << 23), absm = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    int64_t i = 0;
+    for (; i + 16 <= B; i += 16) {
+        __m128i q[2];
+        for (int k = 0; k < 2; ++k) {
+            __m256 x = _mm256_loadu_ps(in + i + 8 * k), y = _mm256_mul_ps(x, sc);
+            __m256i yb = _mm256_castps_si256(y);
+            __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(yb, absm)), lim);
+            __m256i cb = _mm256_max_epi32(_mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(a), expm), add20), c14);
+            __m256 c = _mm256_castsi256_ps(cb);
+            __m256 r = _mm256_sub_ps(_mm256_add_ps(a, c), c);
+            if (floor1) r = _mm256_blendv_ps(r, _mm256_max_ps(r, tiny), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+            r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(absm, yb)));  /* sign back */
+            __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(r, down), _MM_FROUND_TO_NEAREST_INT);
+            q[k] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 7), m7f), _mm_and_si128(_mm_srli_epi16(h, 8), m80));
+        }
+        _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi16(q[0], q[1]));
+    }
+    for (; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
+}
 #else
 static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
     for (int64_t i = 0; i < B; ++i) out[i] = dec(c[i]) * s;
+}
+
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
 }
 #endif
 
@@ -300,16 +342,11 @@ static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict m
         } \
         const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
         ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
-        _Pragma("omp simd") \
-        for (int64_t i = 0; i < B; ++i) mcb[i] = (uint8_t)enc(mbuf[i] * ims); \
+        enc_block(mbuf, ims, mcb, B, 0); \
         if (VFP8) { \
             const float irs = ar > 0.0f ? 448.0f / ar : 1.0f; \
             vs[b] = ar > 0.0f ? ar * (1.0f / 448.0f) : 1.0f; \
-            _Pragma("omp simd") \
-            for (int64_t i = 0; i < B; ++i) { \
-                uint32_t q = enc(rbuf[i] * irs); \
-                vcb[i] = (uint8_t)((rbuf[i] > 0.0f && q == 0u) ? 1u : q); \
-            } \
+            enc_block(rbuf, irs, vcb, B, 1);  /* sqrt(v) > 0 never becomes code 0 */ \
         } \
     } \
 }
