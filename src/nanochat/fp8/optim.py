@@ -205,8 +205,9 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # the selects); decode and encode are written with F16C intrinsics where the CPU has them
 # (the compiler scalarizes a _Float16 conversion): 35.7 -> 24.2 ms for 16.8M parameters on one
 # core (BENCHMARKS.md 3(b)); elsewhere the portable loops below run (tested against them). It is
-# built on first use with the system C compiler into ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s); blocks are split across
-# torch.get_num_threads() threads (ctypes releases the GIL). Same formulas and bit tricks as
+# built on first use with the system C compiler into ~/.cache/nanochat and called through
+# ctypes (no torch headers: builds in < 1 s); blocks are split across torch.get_num_threads()
+# threads (ctypes releases the GIL). Same formulas and bit tricks as
 # `_adam_step`/tensor.py; results agree to fp32 rounding (tests compare the backends).
 # ---------------------------------------------------------------------------------------------
 
