@@ -426,8 +426,12 @@ def _native_lib():
 _pool: list = []
 
 
-def _native_adam(p2, g2, mc, ms, v32, vc, vs, h, decoupled: bool, v_fp8: bool) -> None:
-    """Run the C kernel over [n_blocks, B] views, blocks split across torch's thread count."""
+def _native_adam(p2, g2, mc, ms, v32, vc, vs, h, decoupled: bool, v_fp8: bool, pending: list | None = None) -> None:
+    """Run the C kernel over [n_blocks, B] views, blocks split across torch's thread count.
+
+    With `pending` (a list), the thread-pool jobs are appended to it instead of awaited, so the
+    jobs of every tensor of a step queue up together and no thread idles at a per-tensor barrier;
+    the caller waits for them (each job holds its tensors alive through `args`)."""
     lib = _native_lib()
     n, B = p2.shape
     args = (p2.data_ptr(), g2.data_ptr(), mc.data_ptr(), ms.data_ptr(),
@@ -441,10 +445,19 @@ def _native_adam(p2, g2, mc, ms, v32, vc, vs, h, decoupled: bool, v_fp8: bool) -
         from concurrent.futures import ThreadPoolExecutor
         _pool[:] = [ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fp8optim")]
     cuts = [n * i // threads for i in range(threads + 1)]
-    futures = [_pool[0].submit(lib.adam_step, *args, cuts[i], cuts[i + 1], B, int(decoupled), int(v_fp8))
+    keep = (p2, g2, mc, ms, v32, vc, vs, h)  # the pointers' owners stay alive until the job ran
+    futures = [_pool[0].submit(_run_kernel, lib, keep, args, cuts[i], cuts[i + 1], B, int(decoupled), int(v_fp8))
                for i in range(threads)]
+    if pending is not None:
+        pending.extend(futures)
+        return
     for f in futures:
         f.result()
+
+
+def _run_kernel(lib, keep, args, b0, b1, B, decoupled, v_fp8) -> None:
+    if lib.adam_step(*args, b0, b1, B, decoupled, v_fp8):
+        raise RuntimeError(f"FP8Optim native kernel refused block size {B} (at most 1024)")
 
 
 
@@ -488,6 +501,7 @@ class FP8Optim(torch.optim.Optimizer):
         if backend not in ("auto", "native", "compile", "eager"):
             raise ValueError(f"backend must be auto, native, compile or eager; got {backend!r}")
         self._native = compile and backend in ("auto", "native")
+        self._pending: list = []  # native kernel jobs queued during a step (see step)
         self._compile = compile and backend != "eager"
         self._compiled: dict[str, Any] = {}
         self._summary_logged = False
@@ -553,6 +567,7 @@ class FP8Optim(torch.optim.Optimizer):
             self._summary_logged = True
             logger.info("%s", self.summary())
         hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._pending: list = []  # native kernel jobs of this step, awaited below
         for group in self.param_groups:
             h_group = None
             for p in group["params"]:
@@ -565,6 +580,9 @@ class FP8Optim(torch.optim.Optimizer):
                         h_group = self._adam_group_scalars(group)
                     self._adam_param(p, group, h_group)
                 hidden.append((p, p.grad))
+        for job in self._pending:
+            job.result()
+        self._pending = []
         # the fp32-state parameters: the wrapped optimizer steps them, with the FP8 ones hidden
         for p, _ in hidden:
             p.grad = None
@@ -624,7 +642,7 @@ class FP8Optim(torch.optim.Optimizer):
                 _native_adam(p.view(-1, B), grad.view(-1, B), m.codes.view(torch.uint8).view(-1, B), m.scale,
                              None if v_fp8 else v.view(-1, B),
                              vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None,
-                             vq.scale if v_fp8 else None, h, decoupled, v_fp8)
+                             vq.scale if v_fp8 else None, h, decoupled, v_fp8, pending=self._pending)
                 return
             except RuntimeError as e:
                 self._native = False
