@@ -62,6 +62,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import traceback
 from collections import Counter
@@ -183,8 +184,6 @@ def _worker(kw: dict[str, Any], mode: str, seed: int, emulate: bool, threads: in
     torch.set_num_threads(threads)
     log = Path(kw["run_dir"]) / "train.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    import sys
-
     sys.stdout.flush(), sys.stderr.flush()
     with open(log, "w") as f:  # file descriptors, so C-level and logging output follow too
         os.dup2(f.fileno(), 1)

@@ -567,7 +567,6 @@ class FP8Optim(torch.optim.Optimizer):
             self._summary_logged = True
             logger.info("%s", self.summary())
         hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._pending: list = []  # native kernel jobs of this step, awaited below
         for group in self.param_groups:
             h_group = None
             for p in group["params"]:
@@ -580,7 +579,7 @@ class FP8Optim(torch.optim.Optimizer):
                         h_group = self._adam_group_scalars(group)
                     self._adam_param(p, group, h_group)
                 hidden.append((p, p.grad))
-        for job in self._pending:
+        for job in self._pending:  # the native kernel jobs _adam_param queued (several threads)
             job.result()
         self._pending = []
         # the fp32-state parameters: the wrapped optimizer steps them, with the FP8 ones hidden
