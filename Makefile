@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nanochat-installed
 
-.PHONY: install train test test-all clean
+.PHONY: install train test test-other-isa test-all clean
 
 # Re-install only when pyproject.toml changes or TORCH differs from what is installed.
 install:
@@ -28,6 +28,15 @@ train: install
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The tests that compile, again with ATen and inductor on another vector ISA than this CPU's
+# best (AVX-512 -> AVX2, otherwise none): a test that holds only for one vector width (compiled vs
+# eager compared bit for bit) fails here on any machine. Inductor's cache does not key on
+# ATEN_CPU_CAPABILITY, hence a cache directory of its own.
+test-other-isa: install
+	isa=$$($(BIN)/python -c "import torch; print('avx2' if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 'default')"); \
+	echo "compile tests with ATEN_CPU_CAPABILITY=$$isa"; \
+	TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) ATEN_CPU_CAPABILITY=$$isa $(BIN)/python -m pytest -q -k compile $(ARGS)
 
 # Everything, the slow tests included (GPU tests still skip without a GPU).
 test-all: install

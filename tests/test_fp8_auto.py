@@ -7,7 +7,8 @@ higher, which is why the underflow rule exists), with tensorwise and rowwise sca
 calibration in a real training loop, the native-kernel rule, and choices surviving a
 weights_only save and re-apply. --fp8_auto_recheck_every: the same rule on later measurements switches
 a role only after RECHECK_CONFIRM consecutive disagreements, never leaves a set CUDA cannot run,
-and a compiled model follows a switch (its output equals the eager model's, bit for bit).
+and a compiled model follows a switch (its output equals the eager model's within COMPILED_ATOL_REL:
+inductor's vectorized C++ and eager ATen round differently, so never bit for bit).
 """
 
 import copy
@@ -152,6 +153,9 @@ def test_calibration_needs_fp8_layers_and_a_forward():
 
 
 E4 = {"input": "e4m3", "weight": "e4m3", "grad_output": "e4m3"}
+# Compiled vs eager forward of this MLP, largest |difference| / largest |output|: measured 7.5e-7
+# with AVX-512 and AVX2 inductor code, 0 with scalar code; 1e-5 leaves a 13x margin for other CPUs.
+COMPILED_ATOL_REL = 1e-5
 
 
 def _measured(grad_output):
@@ -239,4 +243,7 @@ def test_recheck_measures_real_steps_and_a_compiled_model_follows_the_switch():
         switches = recheck_choices(model, counts, pending)
     assert ("0", "input", "e5m2") in {(s["layer"], s["role"], s["to"]) for s in switches}
     after = compiled(x)  # torch.compile guards on the layer's config: it recompiles
-    assert torch.equal(after, model(x)) and not torch.equal(after, before)
+    eager = model(x)
+    tol = COMPILED_ATOL_REL * eager.abs().max()
+    assert (after - eager).abs().max() <= tol  # the compiled model follows the switch ...
+    assert (after - before).abs().max() > 1000 * tol  # ... which really moved the output (~1.4 of ~18)
