@@ -360,7 +360,7 @@ def _worker(runs: list[dict]) -> None:
             sys.path.insert(0, str(ROOT / "scripts"))
             import base_train
 
-            argv = [a for k, v in kwargs.items() for a in (f"--{k}", str(v))]
+            argv = ["--no_compile"] + [a for k, v in kwargs.items() if k != "compile" for a in (f"--{k}", str(v))]
             assert base_train.main(argv) == 0
             continue
         trainer = NanoChatTrainer(**kwargs)

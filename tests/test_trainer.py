@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanochat.config import TrainConfig, parse_cli
 from nanochat.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import tiny_train_kwargs
 
@@ -87,9 +90,10 @@ def test_lr_schedule_warmup_then_decay():
 
 def test_cli_trains_and_reports(small_corpus, tmp_path):
     kw = tiny_train_kwargs(small_corpus, tmp_path / "cli", num_iterations=5)
-    argv = []
+    argv = ["--no_compile"]
     for k, v in kw.items():
-        argv += [f"--{k}", str(v)]
+        if k != "compile":
+            argv += [f"--{k}", str(v)]
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), *argv],
                        capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -120,13 +124,90 @@ def test_grad_accumulation_matches_one_big_batch(small_corpus, tmp_path):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_compile_with_fp8_trains_like_eager(small_corpus, tmp_path):
-    """--compile --fp8 --fp8_emulate: the compiled model's losses equal the eager run's within
-    1e-3 relative (inductor reorders fp32 arithmetic), and the loss falls."""
+def test_compile_is_the_default():
+    assert TrainConfig().compile is True and TrainConfig().compile_scope == "blocks"
+    assert parse_cli(TrainConfig, ["--no_compile"]).compile is False
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compile_with_fp8_trains_like_eager(small_corpus, tmp_path, scope):
+    """--fp8 --fp8_emulate, compiled per block (the default) or whole: the losses equal the eager
+    run's within 1e-3 relative (inductor reorders fp32 arithmetic), the loss falls, the compiling
+    step's time is reported apart from tokens/s, and evaluation runs the eager model."""
     kw = dict(num_iterations=4, num_samples=0, fp8=True, fp8_emulate=True)
-    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
-    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "compiled", compile=True, **kw)).train()
+    eager_result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "compiled", compile=True,
+                                                 compile_scope=scope, **kw)).train()
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-3), step
     assert compiled[4] < compiled[1]
+    assert eager_result.compile_time_s == 0 and result.compile_time_s > 0
+    assert not any("compile" in f for f in result.fallbacks)
+    assert result.val_loss == pytest.approx(eager_result.val_loss, rel=1e-3)
+
+
+def test_a_failing_compile_falls_back_to_eager_once(small_corpus, tmp_path, monkeypatch):
+    """No usable C++ compiler: one recorded fallback naming --no_compile, and the run trains
+    exactly as an eager one does (the same eager code: losses bitwise equal)."""
+    import torch._inductor.config as inductor_config
+
+    kw = dict(num_iterations=3, num_samples=0)
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no cached kernels
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "broken", compile=True, **kw)).train()
+    compile_fallbacks = [f for f in result.fallbacks if f.startswith("compile:")]
+    assert len(compile_fallbacks) == 1 and "--no_compile" in compile_fallbacks[0]
+    assert _losses(tmp_path / "broken") == _losses(tmp_path / "eager")
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts device-to-host reads: `.item()`/`float()`/`bool()`/`int()` of a tensor
+    (aten._local_scalar_dense) and copies to the CPU (aten._to_copy / copy_ to cpu). On a CPU run a
+    plain `.tolist()` or `.cpu()` is invisible here, which is why the trainer's one read is an
+    explicit copy (common.host_read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        elif func is torch.ops.aten._to_copy.default and torch.device(kwargs.get("device") or args[0].device).type == "cpu" \
+                and ("device" in kwargs or args[0].device.type != "cpu"):
+            self.count += 1
+        elif func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def count_reads_per_step(trainer: NanoChatTrainer) -> list[int]:
+    """Run `trainer.train()` with every step's device reads counted; one entry per step."""
+    per_step: list[int] = []
+    step_fn = trainer._train_step
+
+    def counted(step):
+        with DeviceReads() as reads:
+            out = step_fn(step)
+        per_step.append(reads.count)
+        return out
+
+    trainer._train_step = counted
+    trainer.train()
+    return per_step
+
+
+def test_a_training_step_reads_the_device_once(small_corpus, tmp_path):
+    """--fp8 --fp8_emulate --fp8_opt_level 2: one device read per steady-state step (loss, norm and
+    the non-finite check travel together); a step sampling FP8 statistics adds one (all layers'
+    counts in one read); auto's calibration steps read nothing more, its deciding step one per
+    layer role at most (outside the steady state)."""
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "reads", num_iterations=12, fp8=True, fp8_emulate=True,
+                           fp8_opt_level=2, fp8_stats_every=4, num_samples=0)
+    reads = count_reads_per_step(NanoChatTrainer(**kw))
+    stats_steps = {3, 7, 11}  # steps 4, 8, 12 (0-based here)
+    assert [r for i, r in enumerate(reads) if i not in stats_steps] == [1] * 9
+    assert all(reads[i] <= 2 for i in stats_steps), reads

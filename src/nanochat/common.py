@@ -103,6 +103,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
 
 
+def host_read(t: torch.Tensor) -> list:
+    """A device tensor's values as Python numbers: one device-to-host read. An explicit copy
+    (`_to_copy` to cpu), so a tool counting reads sees it on a CPU run as well as on CUDA."""
+    return t.to("cpu", copy=True).tolist()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)

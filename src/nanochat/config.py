@@ -149,8 +149,16 @@ class TrainConfig(FP8Flags):
     seed: int = 1337
     """Seed for weights, data order and sampling."""
 
-    compile: bool = False
-    """torch.compile the model (after FP8 conversion)."""
+    compile: bool = True
+    """torch.compile the training model (after FP8 conversion); --no_compile runs eagerly.
+    torchao's FP8 layers are fast only compiled (eager casts run as separate kernels). If
+    compiling fails (no C++ compiler for CPU code, an unsupported backend) the run warns once,
+    trains eagerly and records the fallback. Compile time is reported on its own, not in tokens/s."""
+
+    compile_scope: Literal["blocks", "model"] = "blocks"
+    """What --compile compiles: each transformer block (one graph that every block reuses, so
+    compile time does not grow with depth) or the whole model as one graph. BENCHMARKS.md has
+    both measured."""
 
     device: str = "auto"
     """cuda, cpu, mps, or auto (cuda if available)."""

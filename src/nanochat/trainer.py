@@ -48,6 +48,7 @@ from nanochat.checkpoint import checkpoint_path, load_checkpoint, rng_state, sav
 from nanochat.common import (
     format_bytes,
     format_table,
+    host_read,
     logger,
     print0,
     resolve_device,
@@ -57,6 +58,7 @@ from nanochat.common import (
 )
 from nanochat.config import TrainConfig
 from nanochat import instruct
+from nanochat.fp8 import collect_fp8_stats
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
@@ -87,13 +89,17 @@ class TrainResult:
     val_bpb: float
     """Validation bits per byte at the end: comparable across tokenizers (8 = uniform bytes)."""
     tokens_per_sec: float
-    """Training throughput, excluding the first step (compilation, warmup)."""
+    """Training throughput over the steady-state steps: the steps that compiled (see
+    compile_time_s) and auto's eager calibration steps are excluded."""
     steps: int
     """Optimizer steps completed (including those done before a --resume)."""
     epochs: float
     """Passes over the training tokens completed."""
     wall_time_s: float
     """Seconds this call of train() took, setup included."""
+    compile_time_s: float = 0.0
+    """Wall time of the steps that compiled the model (the first step, and the first after auto's
+    calibration): tracing and code generation plus that step's own work. 0 without --compile."""
     fallbacks: list[str] = field(default_factory=list)
     """Every fallback the run took, with its reason (e.g. no FP8 hardware)."""
     optimizer_state_bytes: int = 0
@@ -120,6 +126,17 @@ def _describe_switch(sw: dict[str, Any]) -> str:
     m = sw.get("measured", {})
     figs = ", ".join(f"{d} {v['underflow_pct']:.2f}% underflow / {v['sqnr_db']:.1f} dB" for d, v in m.items())
     return f"{sw['layer']} {sw['role']} {sw['from']} -> {sw['to']} ({figs})"
+
+
+def _is_compile_failure(e: BaseException) -> bool:
+    """An exception raised by torch.compile's machinery (dynamo, inductor, a C++ or Triton
+    toolchain), as opposed to an error of the model or the data that eager would raise too."""
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+
+    if isinstance(e, (BackendCompilerFailed, TorchDynamoException)):
+        return True
+    mod = type(e).__module__ or ""
+    return mod.startswith(("torch._dynamo", "torch._inductor", "triton"))
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
@@ -275,7 +292,7 @@ class NanoChatTrainer:
             self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
                                              for g in adamw.param_groups for p in g["params"])
 
-        self.train_model = torch.compile(self.dist_model) if cfg.compile else self.dist_model
+        self._compile()
         if cfg.fp8 and self.dtype != torch.float32 and self.device.type != "cuda":
             raise ValueError(
                 f"--fp8 with --dtype {cfg.dtype} on {self.device.type}: torchao's FP8 layers only "
@@ -313,6 +330,38 @@ class NanoChatTrainer:
         return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device,
                                       blocks=self.model.transformer.h)
 
+    def _compile(self) -> None:
+        """Set `train_model`, the module the training step calls: `dist_model` compiled whole, or
+        with each transformer block compiled in place (one graph that every block reuses).
+        Compilation itself happens in the first step that runs it (`_compile_pending`)."""
+        cfg = self.config
+        self.train_model = self.dist_model
+        self._compiled_in_place = False
+        self._compile_pending = False
+        self._eager_only = False
+        self.compile_time_s = 0.0
+        if not cfg.compile:
+            return
+        if cfg.compile_scope == "blocks":
+            for block in self.model.transformer.h:
+                block.compile()
+            self._compiled_in_place = True
+        else:
+            self.train_model = torch.compile(self.dist_model)
+        self._compile_pending = True
+
+    def _uncompile(self) -> None:
+        self.train_model = self.dist_model
+        self._compile_pending = False
+        self._eager_only = True  # blocks compiled in place stay so; every forward forces eager
+
+    def _eager(self):
+        """Run compiled code eagerly: blocks compiled in place when a step must be eager (FP8
+        statistics and calibration hooks, evaluation, sampling)."""
+        if self._compiled_in_place:
+            return torch.compiler.set_stance("force_eager")
+        return contextlib.nullcontext()
+
     def _print_header(self) -> None:
         cfg, m = self.config, self.model
         n_params = m.num_params()
@@ -326,7 +375,7 @@ class NanoChatTrainer:
             ["schedule", f"{self.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * self.dist.world_size}"
                          f" x {cfg.seq_len} tokens ({self.steps_per_epoch} steps/epoch)"],
             ["device", f"{self.device} ({self.dtype}), world size {self.dist.world_size}, "
-                       f"compile {'on' if cfg.compile else 'off'}"],
+                       f"compile {(cfg.compile_scope if cfg.compile else 'off')}"],
             ["parallel", self.parallel],
             ["optimizer", f"AdamW, {format_bytes(self.optimizer_state_bytes)} of state"
                           f"{' on each rank' if self.dist.is_distributed else ''} "
@@ -389,7 +438,7 @@ class NanoChatTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._high_precision():
+            with self._high_precision(), self._eager():
                 yield self.model
         finally:
             self.model.train(was_training)
@@ -534,8 +583,8 @@ class NanoChatTrainer:
         self.calib = None
         print0(self._choices_table())
         self._log({"event": "fp8_auto_choices", "choices": self.fp8_choices})
-        if self.config.compile:  # the formats are fixed: compile once, now
-            self.train_model = torch.compile(self.dist_model)
+        if self.config.compile:  # the formats are fixed: the next step compiles, once
+            self._compile_pending = True
 
     def _recheck(self, sampler, step: int) -> None:
         """--fp8_auto_recheck_every after a sampled step: switch roles the calibration rule now assigns
@@ -607,10 +656,120 @@ class NanoChatTrainer:
         from nanochat.fp8 import first_nonfinite_layer
 
         if not loss_finite:
-            where = first_nonfinite_layer(self.model, run=lambda: self.model(x, y))
+            with self._eager():
+                where = first_nonfinite_layer(self.model, run=lambda: self.model(x, y))
         else:
             where = first_nonfinite_layer(self.model)
         return where or "unknown (no module output or gradient is non-finite on a re-run)"
+
+    # ------------------------------------------------------------------- step
+    def _train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step; returns its metrics record.
+
+        In the steady state it reads the device once: loss and gradient norm travel to the host
+        together, one small tensor, and decide the skip of a non-finite step and the clipping
+        event. Steps that sample FP8 statistics or calibrate add a bounded number of reads (one
+        per sample, one per calibration decision), the naming of a non-finite layer a few more."""
+        cfg = self.config
+        lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # FP8 statistics are sampled on the eager model (hooks would force recompiles).
+        # --fp8_auto_recheck_every: once calibrated, a re-check step measures both formats
+        # (and records the statistics of the format in use, as a sampled step does).
+        recheck = bool(cfg.fp8_auto_recheck_every and (step + 1) % cfg.fp8_auto_recheck_every == 0
+                       and self._has_fp8_layers and self.calib is None and self.fp8_choices)
+        sample_stats = recheck or bool(self._has_fp8_layers and cfg.fp8_stats_every
+                                       and (step + 1) % cfg.fp8_stats_every == 0)
+        calibrating = self.calib is not None
+        eager = sample_stats or calibrating or self._eager_only
+        stats = collect_fp8_stats(self.model, both_formats=recheck) if sample_stats else None
+        model = self.dist_model if eager else self.train_model
+        loss_sum = torch.zeros((), device=self.device)
+        with (stats if stats is not None else contextlib.nullcontext()), \
+                (self._eager() if eager else contextlib.nullcontext()):
+            for micro in range(cfg.grad_accum_steps):
+                x, y = self.loader.next_batch(self.device)
+                with distributed.no_grad_sync(model, skip=micro < cfg.grad_accum_steps - 1):
+                    loss = self._forward(model, x, y, compiled=not eager)
+                    (loss / cfg.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+        if not eager:
+            self._compile_pending = False
+        # the mean over ranks: what one process with the global batch would log, and the same
+        # value on every rank, so all ranks agree on skipping a non-finite step
+        loss_mean = distributed.all_reduce_mean(loss_sum) / cfg.grad_accum_steps
+        # The norm first, clipping after: a non-finite norm must leave the gradients as they
+        # are (clip_grad_norm_ would scale all of them by nan) so the culprit can be named.
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        if isinstance(total_norm, distributed.DTensor):  # FSDP: the norm over every rank's shard
+            total_norm = total_norm.full_tensor()
+        loss_value, grad_norm = host_read(torch.stack([loss_mean.float(), total_norm.float()]))
+
+        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        if calibrating:
+            record["calibrating"] = True
+        if stats is not None:
+            stats.all_reduce()  # every rank: the global batch's figures (and the same decisions)
+            self.last_fp8_stats = stats.as_dict()
+            self.counters["stats_samples"] += 1
+            record["fp8_stats"] = self.last_fp8_stats
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            self._skip_nonfinite_step(step, x, y, math.isfinite(loss_value), record)
+            return record
+        self.consecutive_bad = 0
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
+        if grad_norm > max_norm:
+            factor = max_norm / grad_norm
+            self.counters["clip_events"] += 1
+            prev = self.counters["min_clip_factor"]
+            self.counters["min_clip_factor"] = factor if prev is None else min(prev, factor)
+            record["clip_factor"] = factor
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        distributed.after_optimizer_step(self.model)  # FSDP + FP8 all-gather: next scales
+        self._calibration_step()
+        if recheck:
+            self._recheck(stats, step + 1)
+        return record
+
+    def _forward(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, compiled: bool) -> torch.Tensor:
+        """The training forward; the first compiled one falls back to eager if compiling fails."""
+        if not (compiled and self._compile_pending):
+            with self.autocast:
+                return model(x, y)
+        try:
+            with self.autocast:
+                return model(x, y)
+        except Exception as e:  # noqa: BLE001 -- any compiler failure; training goes on eagerly
+            if not _is_compile_failure(e):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self._fallback(f"compile: torch.compile failed ({type(e).__name__}: {first[:240]}); training "
+                           "eagerly. Install a C++ compiler (CPU builds) or pass --no_compile to skip the attempt")
+            self._uncompile()
+            with self.autocast, self._eager():
+                return self.dist_model(x, y)
+
+    def _skip_nonfinite_step(self, step: int, x: torch.Tensor, y: torch.Tensor, loss_finite: bool,
+                             record: dict[str, Any]) -> None:
+        """Skip the update: a non-finite loss or gradient would poison the weights."""
+        where = self._name_nonfinite(x, y, loss_finite)
+        self.counters["overflow_events"] += 1
+        self.counters["skipped_steps"] += 1
+        self.consecutive_bad += 1
+        record.update(skipped=True, nonfinite_at=where)
+        logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
+                       step + 1, "gradient" if loss_finite else "loss", where, self.consecutive_bad)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.consecutive_bad >= self.config.fp8_max_overflows:
+            raise RuntimeError(
+                f"{self.consecutive_bad} consecutive steps with non-finite loss or gradients "
+                f"(last first seen at {where}); stopping. The last good checkpoint in "
+                f"{self.run_dir} is intact: lower --lr, check the data, or try "
+                "--fp8_mode e5m2 / auto (more range for gradients)"
+            )
 
     # ------------------------------------------------------------------ train
     def train(self) -> TrainResult:
@@ -636,109 +795,35 @@ class NanoChatTrainer:
             self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
         self._start_calibration()
-        if self.calib is not None:
-            self.train_model = self.dist_model  # calibrate eagerly; _calibration_step compiles after
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
-        params = [p for p in self.model.parameters() if p.requires_grad]
         recent_losses: list[float] = []
-        consecutive_bad = 0
+        self.consecutive_bad = 0
         timed_tokens, timed_seconds = 0, 0.0
         val_loss = val_bpb = float("nan")
-        fp8_summaries: list[dict[str, Any]] = []
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=start_step, disable=self.dist.rank != 0,
                    dynamic_ncols=True, desc="train")
         for step in range(start_step, self.total_steps):
             t0 = time.perf_counter()
             epoch_before = int(self.loader.epoch)
-            lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            # FP8 statistics are sampled on the eager model (the hooks would force recompiles).
-            # --fp8_auto_recheck_every: once calibrated, a re-check step measures both formats
-            # (and records the statistics of the format in use, as a sampled step does).
-            recheck = bool(cfg.fp8_auto_recheck_every and (step + 1) % cfg.fp8_auto_recheck_every == 0
-                           and self._has_fp8_layers and self.calib is None and self.fp8_choices)
-            sample_stats = recheck or bool(self._has_fp8_layers and cfg.fp8_stats_every
-                                           and (step + 1) % cfg.fp8_stats_every == 0)
-            model = self.dist_model if sample_stats else self.train_model
-            sampler = contextlib.nullcontext()
-            if sample_stats:
-                from nanochat.fp8 import collect_fp8_stats
-
-                sampler = collect_fp8_stats(self.model, both_formats=recheck)
-            loss_sum = torch.zeros((), device=self.device)
-            with sampler:
-                for micro in range(cfg.grad_accum_steps):
-                    x, y = self.loader.next_batch(self.device)
-                    with distributed.no_grad_sync(model, skip=micro < cfg.grad_accum_steps - 1):
-                        with self.autocast:
-                            loss = model(x, y)
-                        (loss / cfg.grad_accum_steps).backward()
-                    loss_sum += loss.detach()
-            # the mean over ranks: what one process with the global batch would log, and the same
-            # value on every rank, so all ranks agree on skipping a non-finite step
-            loss_value = (distributed.all_reduce_mean(loss_sum) / cfg.grad_accum_steps).item()
-            # The norm first, clipping after: a non-finite norm must leave the gradients as they
-            # are (clip_grad_norm_ would scale all of them by nan) so the culprit can be named.
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-            grads = [p.grad for p in params if p.grad is not None]
-            total_norm = torch.nn.utils.get_total_norm(grads)
-            grad_norm = total_norm.item()
-
-            record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-            if sample_stats:
-                sampler.all_reduce()  # every rank: the global batch's figures (and the same decisions)
-                self.last_fp8_stats = sampler.as_dict()
-                self.counters["stats_samples"] += 1
-                record["fp8_stats"] = self.last_fp8_stats
-            if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-                # Skip the update: a non-finite loss or gradient would poison the weights.
-                where = self._name_nonfinite(x, y, math.isfinite(loss_value))
-                self.counters["overflow_events"] += 1
-                self.counters["skipped_steps"] += 1
-                consecutive_bad += 1
-                record.update(skipped=True, nonfinite_at=where)
-                logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
-                               step + 1, "loss" if not math.isfinite(loss_value) else "gradient", where,
-                               consecutive_bad)
-                self.optimizer.zero_grad(set_to_none=True)
-                self._log(record)
-                bar.update(1)
-                if consecutive_bad >= cfg.fp8_max_overflows:
-                    bar.close()
-                    raise RuntimeError(
-                        f"{consecutive_bad} consecutive steps with non-finite loss or gradients "
-                        f"(last first seen at {where}); stopping. The last good checkpoint in "
-                        f"{self.run_dir} is intact: lower --lr, check the data, or try "
-                        "--fp8_mode e5m2 / auto (more range for gradients)"
-                    )
-                continue
-            consecutive_bad = 0
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
-            if grad_norm > max_norm:
-                factor = max_norm / grad_norm
-                self.counters["clip_events"] += 1
-                prev = self.counters["min_clip_factor"]
-                self.counters["min_clip_factor"] = factor if prev is None else min(prev, factor)
-                record["clip_factor"] = factor
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            distributed.after_optimizer_step(self.model)  # FSDP + FP8 all-gather: next scales
-            self._calibration_step()
-            if recheck:
-                self._recheck(sampler, step + 1)
-
+            compiles = self._compile_pending  # this step traces and compiles the model
+            record = self._train_step(step)
             dt = time.perf_counter() - t0
-            if step > start_step:  # the first step pays for compilation and allocator warmup
+            bar.update(1)
+            if record.get("skipped"):
+                self._log(record)
+                continue
+            if compiles:  # compile time is reported on its own, not in tokens/s
+                self.compile_time_s += dt
+            elif not record.get("calibrating"):  # auto's eager calibration steps are excluded too
                 timed_tokens += tokens_per_step
                 timed_seconds += dt
             tok_s = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / dt
             record["tokens_per_sec"] = tok_s
-            recent_losses = (recent_losses + [loss_value])[-20:]
-            bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{lr:.2e}")
-            bar.update(1)
+            recent_losses = (recent_losses + [record["loss"]])[-20:]
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{record['lr']:.2e}")
 
             done = step + 1
             is_last = done == self.total_steps
@@ -749,7 +834,7 @@ class NanoChatTrainer:
                     bar.write(f"step {done}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}")
             self._log(record)
             if cfg.fp8 and int(self.loader.epoch) > epoch_before and not is_last:
-                fp8_summaries.append(self._fp8_summary(f"epoch {int(self.loader.epoch)}"))
+                self._fp8_summary(f"epoch {int(self.loader.epoch)}")
             if (cfg.save_every and done % cfg.save_every == 0) or is_last:
                 self._save(done)
         bar.close()
@@ -771,6 +856,7 @@ class NanoChatTrainer:
             steps=self.total_steps,
             epochs=self.loader.epoch,
             wall_time_s=time.perf_counter() - t_start,
+            compile_time_s=self.compile_time_s,
             fallbacks=list(self.fallbacks) + list(getattr(self.optimizer, "fallbacks", [])),
             optimizer_state_bytes=self.optimizer_state_bytes,
             num_params=self.model.num_params(),

@@ -67,7 +67,7 @@ from nanochat.fp8.hardware import native_gemm_problem
 from nanochat.fp8.linear import (
     CAST_FIELDS, FP8_DTYPES, HYBRID, ROLES, fp8_layers, fp8_report, layer_dtypes, with_dtypes,
 )
-from nanochat.fp8.stats import CastCounts, RoleHooks, all_reduce_counts, role_counts
+from nanochat.fp8.stats import CastCounts, RoleHooks, all_reduce_counts, flush_counts, role_counts
 
 TIE_DB = 0.1
 """SQNR differences within this many dB are ties (well under the ~6 dB one mantissa bit makes)."""
@@ -174,6 +174,7 @@ class AutoCalibration:
         if not self.counts:
             raise RuntimeError("auto calibration saw no forward pass of an FP8 layer; run training "
                                "steps between start_auto_calibration() and finalize()")
+        flush_counts(c for roles in self.counts.values() for fmts in roles.values() for c in fmts.values())
         all_reduce_counts(self.counts)  # under DDP/FSDP: every rank decides on the global batch
         choices = {}
         for name, layer in self.layers.items():

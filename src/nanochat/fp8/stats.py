@@ -37,7 +37,7 @@ an inf/nan appeared.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -45,7 +45,7 @@ import torch.nn as nn
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
-from nanochat.common import format_table
+from nanochat.common import format_table, host_read
 from nanochat.fp8.linear import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, FP8Linear
 
 EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
@@ -69,7 +69,11 @@ def cast_axes(config, role: str) -> list[tuple[int | None, bool]]:
 
 @dataclass
 class CastCounts:
-    """Running sums for one role in one format; merge several casts and steps by adding."""
+    """Running sums for one role in one format; merge several casts and steps by adding.
+
+    `add` never reads the device: its sums stay in one small device tensor until a reader (a
+    property, `CastStats.of`, `flush_counts` for many at once) copies them to the host, so a
+    sampled step costs one device-to-host read for all its layers, not several per cast."""
 
     numel: int = 0
     nonzero: int = 0
@@ -80,6 +84,8 @@ class CastCounts:
     amax: float = 0.0
     scale: float = math.inf
     """The scale applied to the largest element (tensorwise scale; smallest row scale)."""
+    _pending: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """float64 [nonzero, underflow, saturated, signal, noise, amax, scale] not yet on the host."""
 
     def add(self, x: torch.Tensor, dtype: torch.dtype, *, axis: int | None = None,
             round_pow2: bool = False, scale: torch.Tensor | float | None = None) -> "CastCounts":
@@ -96,28 +102,63 @@ class CastCounts:
         back = scaled.clamp(-fmax, fmax).to(dtype).float() / scale
         nonzero = x != 0
         self.numel += x.numel()
-        self.nonzero += int(nonzero.sum())
-        self.underflow += int((nonzero & (back == 0)).sum())  # -0 == 0 is True
-        self.saturated += int((scaled.abs() > fmax * (1 + SATURATION_MARGIN)).sum())
-        self.signal += float(x.double().square().sum())
-        self.noise += float((x - back).double().square().sum())
-        self.amax = max(self.amax, float(x.abs().max()) if x.numel() else 0.0)
-        self.scale = min(self.scale, float(scale.min()))
+        f64 = torch.float64
+        new = torch.stack([
+            nonzero.sum(dtype=f64),
+            (nonzero & (back == 0)).sum(dtype=f64),  # -0 == 0 is True
+            (scaled.abs() > fmax * (1 + SATURATION_MARGIN)).sum(dtype=f64),
+            x.double().square().sum(),
+            (x - back).double().square().sum(),
+            x.abs().amax().double() if x.numel() else x.new_zeros((), dtype=f64),
+            scale.min().double(),
+        ])
+        if self._pending is None:
+            self._pending = new
+        else:
+            old = self._pending
+            self._pending = torch.cat([old[:5] + new[:5], torch.maximum(old[5:6], new[5:6]),
+                                       torch.minimum(old[6:], new[6:])])
+        return self
+
+    def flush(self) -> "CastCounts":
+        flush_counts([self])
         return self
 
     @property
     def sqnr_db(self) -> float:
+        self.flush()
         if self.noise == 0:
             return math.inf
         return 10 * math.log10(self.signal / self.noise) if self.signal > 0 else -math.inf
 
     @property
     def underflow_pct(self) -> float:
+        self.flush()
         return 100.0 * self.underflow / self.nonzero if self.nonzero else 0.0
 
     @property
     def saturation_pct(self) -> float:
+        self.flush()
         return 100.0 * self.saturated / self.numel if self.numel else 0.0
+
+
+def flush_counts(counts) -> None:
+    """Bring the device-side sums of many CastCounts to the host in one read per device."""
+    todo = [c for c in counts if c._pending is not None]
+    by_device: dict[torch.device, list[CastCounts]] = {}
+    for c in todo:
+        by_device.setdefault(c._pending.device, []).append(c)
+    for group in by_device.values():
+        rows = host_read(torch.stack([c._pending for c in group]))
+        for c, (nz, uf, sat, sig, noise, amax, scale) in zip(group, rows):
+            c.nonzero += int(nz)
+            c.underflow += int(uf)
+            c.saturated += int(sat)
+            c.signal += sig
+            c.noise += noise
+            c.amax = max(c.amax, amax)
+            c.scale = min(c.scale, scale)
+            c._pending = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +175,7 @@ class CastStats:
 
     @classmethod
     def of(cls, dtype: str, c: CastCounts) -> "CastStats":
+        c.flush()
         return cls(dtype, c.amax, c.scale, c.underflow_pct, c.saturation_pct, c.sqnr_db, c.numel)
 
     def as_dict(self) -> dict:
@@ -224,6 +266,7 @@ def all_reduce_counts(tree: dict[str, dict[str, dict[str, CastCounts]]]) -> None
         raise RuntimeError("FP8 statistics differ in layers/roles between ranks: every rank must run "
                            "the same model and the same FP8 layers during a sampled step")
     counts = [tree[n][r][f] for n, r, f in keys]
+    flush_counts(counts)
     # NCCL reduces CUDA tensors only (on this rank's device); gloo CPU ones
     backend_device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     # float64 holds integer counts exactly up to 2^53
@@ -274,7 +317,13 @@ class FP8StatsSampler:
         """layer -> role -> {"e4m3": counts, "e5m2": counts} (needs `both_formats=True`)."""
         if not self.both_formats:
             raise RuntimeError("format_counts() needs FP8StatsSampler(..., both_formats=True)")
+        self.flush()
         return self.by_format
+
+    def flush(self) -> None:
+        """Copy every layer's device-side sums to the host: one read for the whole sample."""
+        flush_counts([c for roles in self.counts.values() for _, c in roles.values()]
+                     + [c for roles in self.by_format.values() for fmts in roles.values() for c in fmts.values()])
 
     def all_reduce(self) -> None:
         """Merge every rank's counts (see `all_reduce_counts`); call after the sampled step."""
@@ -292,6 +341,7 @@ class FP8StatsSampler:
 
     def results(self) -> dict[str, dict[str, CastStats]]:
         """layer -> role -> CastStats, in forward order of first appearance."""
+        self.flush()
         return {name: {role: CastStats.of(dt, c) for role, (dt, c) in roles.items()}
                 for name, roles in self.counts.items()}
 
@@ -363,4 +413,5 @@ def first_nonfinite_layer(model: nn.Module, run: Callable[[], object] | None = N
 
 
 __all__ = ["CastCounts", "CastStats", "FP8StatsSampler", "all_reduce_counts", "cast_axes", "collect_fp8_stats",
+           "flush_counts",
            "first_nonfinite_layer", "role_counts", "tensor_stats"]
