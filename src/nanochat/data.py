@@ -255,8 +255,10 @@ def _split_files(root: Path, files: list[Path], skipped: Counter) -> tuple[list[
         return None
     train = [p for p, k in kinds.items() if k == "train"]
     val = [p for p, k in kinds.items() if k in ("validation", "valid", "val", "dev")]
-    skipped[_TEST_SPLIT] += sum(k == "test" for k in kinds.values())
-    skipped[_NOT_SPLIT] += sum(k is None for k in kinds.values())
+    for reason, n in ((_TEST_SPLIT, sum(k == "test" for k in kinds.values())),
+                      (_NOT_SPLIT, sum(k is None for k in kinds.values()))):
+        if n:
+            skipped[reason] += n
     if not train:
         raise DataError(f"{root} is laid out in split files but has no train file (found: "
                         f"{', '.join(sorted(p.relative_to(root).as_posix() for p in files))}); name the "
