@@ -56,6 +56,13 @@ Rendering, and which tokens are scored (the loss mask: True = this token is a tr
   inference. HF's `{% generation %}` markers would avoid the measuring, but few templates have
   them.
 
+* A base model's tokenizer has no template: records are rendered in the plain format
+  (`PLAIN_TEMPLATE`: prompt and answer joined, multiple choice ending in `Answer: B`, chat turns
+  prefixed by their role, EOS after each answer); `choose_chat_template` returns that fallback
+  for the caller to record. --chat_template picks plain, chatml, llama3 or a Jinja file instead.
+  Single-exchange records mark their user message (`shape`, and `choices`: the option letters),
+  which is how the plain format and `choice_items` (multiple-choice accuracy) recognise them.
+
 Every problem is a ValueError saying what is wrong with the record; `nanochat.data` adds the
 file and line.
 """
