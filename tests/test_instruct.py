@@ -12,7 +12,8 @@ the formats written out by hand here:
   documented format written out here; --chat_template plain / chatml / llama3 / a .jinja file
   render as the equivalent hand-written templates; unknown names and our own tokenizer with
   --chat_template are errors;
-- multiple-choice items: the prompt plus each candidate decodes to the rendered question with
+- multiple-choice items (stopping at a prompt-token budget, at least one): the prompt plus each
+  candidate decodes to the rendered question with
   that letter as its answer; with our tokenizer the prompt is `generation_prompt`'s;
 - a Llama-3-like template with BOS and headers scores content + <|eot_id|>; a template that is
   not prefix-stable and a tokenizer that merges across a turn boundary are errors naming the
@@ -566,3 +567,12 @@ def test_choice_items_point_at_the_answer_letter(tok):
             assert items[0].prompt == instruct.generation_prompt(tok, records[0])
     # records without choices are not questions
     assert instruct.choice_items(tok, [instruct.to_messages(PROMPT_COMPLETION[0], "prompt/completion")]) == []
+
+
+def test_choice_items_stop_at_the_token_budget(tok):
+    records = [instruct.to_messages(r, "multiple choice") for r in ARC]
+    every = instruct.choice_items(tok, records)
+    lengths = [len(it.prompt) for it in every]
+    assert instruct.choice_items(tok, records, lengths[0] + lengths[1]) == every[:2]
+    assert instruct.choice_items(tok, records, lengths[0] + lengths[1] - 1) == every[:1]
+    assert instruct.choice_items(tok, records, 1) == every[:1]  # at least one question

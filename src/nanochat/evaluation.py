@@ -30,18 +30,6 @@ from nanochat import instruct
 from nanochat.common import logger
 
 
-def within_budget(items: list[instruct.ChoiceItem], max_tokens: int) -> list[instruct.ChoiceItem]:
-    """The first items whose prompts total at most `max_tokens` tokens (always at least one), so
-    an evaluation costs about as much as --eval_tokens of validation loss."""
-    out, total = [], 0
-    for item in items:
-        total += len(item.prompt)
-        if out and total > max_tokens:
-            break
-        out.append(item)
-    return out
-
-
 @torch.no_grad()
 def choice_counts(model: torch.nn.Module, items: list[instruct.ChoiceItem], *, batch_size: int, seq_len: int,
                   device: torch.device | str, autocast: Any = None) -> tuple[int, int]:
@@ -142,7 +130,7 @@ def evaluate_saved(cfg) -> EvalResult:
         scored = y.to(device) >= 0
         nats += float(loss[scored].double().sum())
         count += int(scored.sum())
-    items = within_budget(instruct.choice_items(tok, corpus.val_records), cfg.eval_tokens)
+    items = instruct.choice_items(tok, corpus.val_records, cfg.eval_tokens)
     accuracy = None
     if items:
         correct, total = choice_counts(model, items, batch_size=cfg.batch_size, seq_len=seq_len,

@@ -410,13 +410,15 @@ class ChoiceItem(NamedTuple):
     """Index of the correct option."""
 
 
-def choice_items(tokenizer: Any, records: list[list[Message]]) -> list[ChoiceItem]:
+def choice_items(tokenizer: Any, records: list[list[Message]], max_tokens: int | None = None) -> list[ChoiceItem]:
     """The multiple-choice records among `records` (others are skipped), each rendered once per
     option letter as the answer. Rendering through `render` keeps the letter's token exactly as
     training scores it (`B` after a chat header, ` B` after `Answer:` in the plain format). The
     answer position is the first scored token at which the letters' renderings differ (a
-    vocabulary without a ` B` token spells it ` ` + `B`: the shared ` ` joins the prompt)."""
-    items = []
+    vocabulary without a ` B` token spells it ` ` + `B`: the shared ` ` joins the prompt).
+    `max_tokens`: stop before the prompts would total more (the first question is always kept),
+    so an evaluation costs about what --eval_tokens says however large the split is."""
+    items, total = [], 0
     for messages in records:
         asked = next((i for i, m in enumerate(messages) if "choices" in m), None)
         if asked is None or asked + 1 >= len(messages):
@@ -434,5 +436,8 @@ def choice_items(tokenizer: Any, records: list[list[Message]]) -> list[ChoiceIte
                 or len({r[at] for r in rendered}) != len(letters):
             raise ValueError(f"the option letters {letters} do not render as one distinct token each after "
                              "the same prompt, so their logits cannot be compared (check the chat template)")
+        total += at
+        if items and max_tokens is not None and total > max_tokens:
+            break
         items.append(ChoiceItem(rendered[0][:at], [r[at] for r in rendered], letters.index(key)))
     return items

@@ -61,7 +61,7 @@ from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
 from nanochat.gpt import GPT, preset_config
-from nanochat.evaluation import choice_counts, within_budget
+from nanochat.evaluation import choice_counts
 from nanochat.hf import HFTokenizer, gpt_config_from_hf, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
 
@@ -227,7 +227,7 @@ class NanoChatTrainer:
             self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
             self.train_mask = self.val_mask = None
         # multiple-choice validation records, this rank's share: accuracy at every evaluation
-        items = (within_budget(instruct.choice_items(self.tokenizer, self.corpus.val_records), cfg.eval_tokens)
+        items = (instruct.choice_items(self.tokenizer, self.corpus.val_records, cfg.eval_tokens)
                  if self.corpus.kind == "instruct" else [])
         self.num_choice_items = len(items)
         self.choice_items = items[self.dist.rank::self.dist.world_size]
