@@ -13,8 +13,8 @@ the formats written out by hand here:
   render as the equivalent hand-written templates; unknown names and our own tokenizer with
   --chat_template are errors;
 - multiple-choice items (stopping at a prompt-token budget, at least one): the prompt plus each
-  candidate decodes to the rendered question with
-  that letter as its answer; with our tokenizer the prompt is `generation_prompt`'s;
+  candidate are the rendering's tokens with that letter as its answer; with our tokenizer the
+  prompt is `generation_prompt`'s;
 - a Llama-3-like template with BOS and headers scores content + <|eot_id|>; a template that is
   not prefix-stable and a tokenizer that merges across a turn boundary are errors naming the
   record and the turn; a Hugging Face tokenizer without a template is an error;
