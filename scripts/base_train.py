@@ -26,6 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     print0(f"\nval bpb {result.val_bpb:.4f} | val loss {result.val_loss:.4f} | train loss "
            f"{result.train_loss:.4f} | {result.tokens_per_sec:,.0f} tokens/s | {result.steps} steps "
            f"({result.epochs:.3f} epochs) in {result.wall_time_s:.0f} s")
+    if result.val_accuracy is not None:
+        print0(f"val accuracy {result.val_accuracy:.4f} (multiple choice)")
+    if result.peak_memory_bytes is not None:
+        print0(f"peak memory {result.peak_memory_bytes / 2**30:.2f} GiB measured "
+               f"(planned {result.planned_memory_bytes / 2**30:.2f} GiB)")
     for f in result.fallbacks:
         print0(f"fallback: {f}")
     print0(f"results: {result.run_dir}/result.json, metrics: {result.run_dir}/metrics.jsonl")

@@ -4,7 +4,9 @@
     python scripts/export_hf.py --model_name org/name --out_dir exported/   # a model as loaded
 
 The result loads with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`. Weights are
-always plain fp32, FP8 training or not. Only Llama-family models (loaded from a Hugging Face
+always plain fp32, FP8 training or not. The tokenizer files are the run's, with the chat template
+the records were rendered with (`chat_template.jinja`; the plain format for a base model), so
+`AutoTokenizer.apply_chat_template` writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
 checkpoint, then trained) can be exported; see nanochat/hf.py for why presets cannot.
 """
 

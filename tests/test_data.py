@@ -5,6 +5,10 @@
   counted in `skipped` and a warning names the unreadable ones once per load;
 - split: val membership equals sha1(id) < VAL_FRACTION recomputed here; identical across loads;
   never empty (smallest-hash doc, or the last 2% of characters of a single document);
+- split files (the hub's ARC layout, parquet and jsonl): train files are exactly the training
+  records and validation files the validation records (compared with the rows written), test
+  rows appear nowhere, a README is skipped; digit and letter labels both map to letters; no
+  validation file falls back to the hash split over the train files; no train file is an error;
 - errors: every DataError case names the problem, what was found and the fix;
 - the built-in stdlib corpus: no tests, no site-packages, deterministic, non-empty val;
 - tokenize_docs: equals concat([bos] + encode(doc)) built here; cached file is reused, loads with
@@ -317,3 +321,41 @@ def test_val_batches_fixed_windows_from_the_start():
     assert len(list(val_batches(tokens, 10, 4, max_tokens=10**9))) == 25  # capped by the stream: 99 windows
     with pytest.raises(DataError, match=r"validation stream has 5 tokens.*seq_len\+1 = 11"):
         list(val_batches(torch.arange(5), 10, 4, 100))
+
+
+# ------------------------------------------------------------------ split files
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_split_files_are_the_splits_and_test_is_never_read(tmp_path, fmt):
+    from nanochat import instruct
+    from tests.test_eval import arc_rows, write_arc
+
+    root = write_arc(tmp_path / "arc", fmt)
+    corpus = load_corpus(root)
+    as_messages = lambda rows: [instruct.to_messages(r, "multiple choice") for r in rows]  # noqa: E731
+    assert corpus.train_records == as_messages(arc_rows(160, "train", 0))
+    assert corpus.val_records == as_messages(arc_rows(24, "validation", 1))
+    test_questions = {r["question"] for r in arc_rows(24, "test", 2)}
+    assert not any(t in doc for t in test_questions for doc in corpus.train_docs + corpus.val_docs)
+    assert corpus.skipped == {"not a split file (train*, validation*, test*)": 1, "test split (never trained on)": 1}
+    assert "split files: train 1 file(s), validation 1 file(s)" in corpus.describe()
+    # digit labels ("1".."4") were relettered: answers are letters of the shown options
+    digit_row = arc_rows(160, "train", 0)[0]
+    assert digit_row["choices"]["label"] == ["1", "2", "3", "4"]
+    assert corpus.train_records[0][1]["content"] == "ABCD"[["1", "2", "3", "4"].index(digit_row["answerKey"])]
+
+
+def test_split_files_without_validation_or_train(tmp_path):
+    from tests.test_eval import write_arc
+
+    root = write_arc(tmp_path / "arc", "jsonl")
+    (root / "ARC-Challenge" / "validation-00000-of-00001.jsonl").unlink()
+    corpus = load_corpus(root)
+    ids = corpus.train_ids + corpus.val_ids
+    assert all(i.startswith("ARC-Challenge/train-") for i in ids) and len(ids) == 160
+    in_order = sorted(ids, key=lambda i: int(i.rsplit("#", 1)[1]))
+    expected_val = [i for i in in_order if _sha1_val(i)] or [min(ids, key=data._val_hash)]
+    assert corpus.val_ids == expected_val
+    assert "train split files only" in corpus.split_note
+    (root / "ARC-Challenge" / "train-00000-of-00001.jsonl").unlink()
+    with pytest.raises(DataError, match="no train file"):
+        load_corpus(root)

@@ -7,6 +7,14 @@ the formats written out by hand here:
   c<|end|>` / ChatML), and the scored tokens decode, run by run, to exactly the assistant answers
   plus their closing token (`B<|end|>`, `c<|im_end|>\\n`): no prompt token is scored;
 - the ARC prompt text (lettered options, numeric labels relettered) equals the documented one;
+- base models: a tokenizer without a chat template falls back to the plain format (said once by
+  the caller, returned as the fallback line); each shape's text and scored runs equal the
+  documented format written out here; --chat_template plain / chatml / llama3 / a .jinja file
+  render as the equivalent hand-written templates; unknown names and our own tokenizer with
+  --chat_template are errors;
+- multiple-choice items (stopping at a prompt-token budget, at least one): the prompt plus each
+  candidate are the rendering's tokens with that letter as its answer; with our tokenizer the
+  prompt is `generation_prompt`'s;
 - a Llama-3-like template with BOS and headers scores content + <|eot_id|>; a template that is
   not prefix-stable and a tokenizer that merges across a turn boundary are errors naming the
   record and the turn; a Hugging Face tokenizer without a template is an error;
@@ -174,7 +182,8 @@ def test_arc_prompt_format(tmp_path):
                                                 "choices": ["shark", "trout", "whale"], "answerKey": "C"}], "jsonl")
     corpus = load_corpus(tmp_path)
     expected = [{"role": "user", "content": "Which is a mammal?\n\nA. shark\nB. trout\nC. whale\n\n"
-                                            "Answer with the letter of the correct option."},
+                                            "Answer with the letter of the correct option.",
+                 "shape": "multiple choice", "choices": "ABC"},
                 {"role": "assistant", "content": "C"}]
     assert corpus.train_records + corpus.val_records == [expected] * 3
 
@@ -496,3 +505,74 @@ def test_one_finetuning_step_on_arc_masks_the_prompt(tmp_path, tok):
     with torch.no_grad():
         after = model(x, y)
     assert torch.isfinite(after) and after.item() < loss.item()
+
+
+# ------------------------------------------------------------- base models, --chat_template
+PLAIN_EXPECTED = {  # (whole text, scored runs) of the first two records of each shape, plain format
+    "prompt/completion": [("<s>Say hello. Hello there!<|im_end|>", [" Hello there!<|im_end|>"]),
+                          ("<s>What is 2+2? 4<|im_end|>", [" 4<|im_end|>"])],
+    "messages": [("<s>System: Be brief.\n\nUser: 2+2?\n\nAssistant: 4<|im_end|>\n\nUser: And 3+3?\n\n"
+                  "Assistant: 6, of course.<|im_end|>", [" 4<|im_end|>", " 6, of course.<|im_end|>"]),
+                 ("<s>User: Hi!\n\nAssistant: Hello, how can I help?<|im_end|>", [" Hello, how can I help?<|im_end|>"])],
+    "multiple choice": [("<s>Which gas do plants absorb from the air?\n\nA. oxygen\nB. carbon dioxide\nC. helium"
+                         "\nD. neon\nAnswer: B<|im_end|>", [" B<|im_end|>"]),
+                        ("<s>Which is a mammal?\n\nA. shark\nB. trout\nC. whale\nAnswer: C<|im_end|>", [" C<|im_end|>"])],
+}
+
+
+@pytest.mark.parametrize("shape", list(ROWS))
+def test_base_model_falls_back_to_the_plain_format(shape):
+    base = _hf_tokenizer(None, bos_token="<s>")
+    tokenizer, fallback = instruct.choose_chat_template(base, None, records=True)
+    assert fallback == instruct.PLAIN_FALLBACK
+    assert instruct.choose_chat_template(base, None, records=False) == (base, None)  # plain text needs none
+    assert tokenizer.chat_template == instruct.PLAIN_TEMPLATE and tokenizer.fingerprint != base.fingerprint
+    for row, (text, scored) in zip(ROWS[shape], PLAIN_EXPECTED[shape]):
+        tokens, mask = tokenize_records(tokenizer, [instruct.to_messages(row, shape)], progress=False)
+        assert tokenizer.decode(tokens.tolist()) == text
+        assert [tokenizer.decode(r) for r in _runs(tokens.tolist(), mask.tolist())] == scored
+
+
+def test_chat_template_flag_builtins_files_and_errors(tmp_path, tok):
+    base = _hf_tokenizer(None, bos_token="<s>")
+    messages = MESSAGES[0]["messages"]
+    (tmp_path / "t.jinja").write_text(CHATML)
+    for flag, reference in (("chatml", CHATML), ("llama3", LLAMA3ISH), (str(tmp_path / "t.jinja"), CHATML)):
+        chosen, fallback = instruct.choose_chat_template(base, flag, records=True)
+        assert fallback is None
+        assert chosen.render_chat(messages) == base.with_chat_template(reference).render_chat(messages)
+    # an explicit choice overrides the checkpoint's own template, without a fallback
+    chosen, fallback = instruct.choose_chat_template(_hf_tokenizer(CHATML, bos_token="<s>"), "plain", records=True)
+    assert fallback is None and chosen.chat_template == instruct.PLAIN_TEMPLATE
+    with pytest.raises(ValueError, match="neither a built-in template"):
+        instruct.choose_chat_template(base, "vicuna", records=True)
+    with pytest.raises(ValueError, match="nanochat's own tokenizer"):
+        instruct.choose_chat_template(tok, "plain", records=True)
+    assert instruct.choose_chat_template(tok, None, records=True) == (tok, None)
+
+
+def test_choice_items_point_at_the_answer_letter(tok):
+    records = [instruct.to_messages(r, "multiple choice") for r in ARC]
+    plain, _ = instruct.choose_chat_template(_hf_tokenizer(None, bos_token="<s>"), None, records=True)
+    for tokenizer in (plain, _hf_tokenizer(CHATML), tok):
+        items = instruct.choice_items(tokenizer, records)
+        assert [it.answer for it in items] == [1, 2, 0]
+        for messages, item in zip(records, items):
+            for letter, cand in zip(messages[0]["choices"], item.candidates):
+                full, mask = instruct.render(tokenizer, [messages[0], {"role": "assistant", "content": letter}])
+                # prompt + candidate is the rendering with that letter, up to and including the letter
+                assert item.prompt + [cand] == full[:len(item.prompt) + 1] and mask[len(item.prompt)]
+                assert tokenizer.decode([cand]).strip() == letter
+        if tokenizer is tok:
+            assert items[0].prompt == instruct.generation_prompt(tok, records[0])
+    # records without choices are not questions
+    assert instruct.choice_items(tok, [instruct.to_messages(PROMPT_COMPLETION[0], "prompt/completion")]) == []
+
+
+def test_choice_items_stop_at_the_token_budget(tok):
+    records = [instruct.to_messages(r, "multiple choice") for r in ARC]
+    every = instruct.choice_items(tok, records)
+    lengths = [len(it.prompt) for it in every]
+    assert instruct.choice_items(tok, records, lengths[0] + lengths[1]) == every[:2]
+    assert instruct.choice_items(tok, records, lengths[0] + lengths[1] - 1) == every[:1]
+    assert instruct.choice_items(tok, records, 1) == every[:1]  # at least one question

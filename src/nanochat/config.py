@@ -181,6 +181,16 @@ class TrainConfig(FP8Flags):
     top_k: int = 50
     """Sample from the k most likely tokens (0: all)."""
 
+    chat_template: str | None = None
+    """How instruction records are rendered for a Hugging Face model: a built-in format (plain:
+    prompt and answer joined, for base models; chatml; llama3) or a Jinja file. Default: the
+    model's own chat template, or plain when it has none (logged, recorded as a fallback)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping
+    them (torch.utils.checkpoint per block): activation memory drops to one block input per
+    layer, at the cost of a second forward pass through every block."""
+
     def __post_init__(self) -> None:
         if self.fp8_opt_level != 0 and not self.fp8:
             raise ValueError(
@@ -275,6 +285,46 @@ class ExportConfig:
     def __post_init__(self) -> None:
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Evaluate a model on a dataset without training: validation loss and, for multiple-choice
+    records, accuracy. `scripts/eval.py`."""
+
+    dataset_path: str
+    """The dataset (as base_train's --dataset_path); its validation split is evaluated (split
+    files: the validation files; otherwise the same hash split as training)."""
+
+    run_dir: str | None = None
+    """A training run directory: its checkpoint and its saved tokenizer (and chat template)."""
+
+    model_name: str | None = None
+    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, as loaded."""
+
+    chat_template: str | None = None
+    """As base_train's --chat_template. Default: the run's saved template, or the model's own, or
+    plain when it has none."""
+
+    seq_len: int = 256
+    """Longest prompt scored; longer prompts keep their last seq_len tokens."""
+
+    batch_size: int = 16
+    """Sequences per forward pass."""
+
+    eval_tokens: int = 32768
+    """Validation tokens for the loss, and prompt tokens for the accuracy (at least one record)."""
+
+    device: str = "auto"
+    """cuda, cpu, mps, or auto (cuda if available)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto is bfloat16 on CUDA and float32 elsewhere."""
+
+    def __post_init__(self) -> None:
+        if (self.run_dir is None) == (self.model_name is None):
+            raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
+        _positive(self, "seq_len", "batch_size", "eval_tokens")
 
 
 ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck"]

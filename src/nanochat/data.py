@@ -30,6 +30,10 @@ The pipeline, and where each step's choice comes from:
    document with the smallest hash becomes validation, and a single document is split by
    characters (its last 2%; a single instruction record cannot be split and is an error).
    `Corpus.describe()` says which rule was applied. Records are split by the same rule.
+   A directory laid out in split files, as the hub's datasets are (`train-*.parquet`,
+   `validation-*.parquet`, `test-*.parquet`, or `train.jsonl`...), is split by its files
+   instead: train files train, validation files evaluate, test files are never read (and a
+   README next to them is skipped).
 
 3. **Token stream.** `tokenize_docs` encodes every document, prefixes each with `<|bos|>` and
    concatenates them into one 1-D stream (nanochat's and GPT-2's layout: no padding, the model
@@ -67,9 +71,11 @@ is built — whose message says what was found and what to do.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -197,6 +203,20 @@ def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
             for p in found:
                 if p.suffix.lower() not in SUPPORTED_EXTENSIONS:
                     skipped[f"other extension ({p.suffix.lower() or 'none'})"] += 1
+            split_files = _split_files(root, files, skipped)
+            if split_files is not None:
+                train_files, val_files = split_files
+                train = list(_read_files(root, train_files, skipped))
+                val = list(_read_files(root, val_files, skipped))
+                _check_one_kind(source, train + val)
+                if not train:
+                    raise DataError(f"--dataset_path {source}: the train split files hold no documents or records")
+                if not val:  # no validation file: held out from the train split by hash, as usual
+                    corpus = _split(name, source, train, dict(sorted(skipped.items())))
+                    return dataclasses.replace(corpus, split_note=f"train split files only, {corpus.split_note}")
+                note = (f"split files: train {len(train_files)} file(s), validation {len(val_files)} file(s)"
+                        + (f"; {skipped[_TEST_SPLIT]} test file(s) never read" if skipped.get(_TEST_SPLIT) else ""))
+                return _corpus(name, source, train, val, note, dict(sorted(skipped.items())))
         docs = list(_read_files(root, files, skipped))
     unreadable = {why: n for why, n in skipped.items() if why != _EMPTY and not why.startswith("other")}
     if unreadable:  # empty files and other extensions are expected; only these deserve a warning
@@ -206,13 +226,45 @@ def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
         raise DataError(f"--dataset_path {source}: the corpus is empty after reading every file "
                         f"({', '.join(f'{n} {w}' for w, n in sorted(skipped.items())) or 'nothing found'}); "
                         "point it at files that contain UTF-8 text")
+    _check_one_kind(source, docs)
+    return _split(name, source, docs, dict(sorted(skipped.items())))
+
+
+def _check_one_kind(source: str, docs: list[_Doc]) -> None:
     plain = next((d.id for d in docs if d.messages is None), None)
     record = next((d.id for d in docs if d.messages is not None), None)
     if plain is not None and record is not None:
         raise DataError(f"--dataset_path {source} mixes plain text ({plain}) and instruction records "
                         f"({record}); a corpus is one or the other: keep pretraining text and fine-tuning "
                         "records in separate directories and train on one at a time")
-    return _split(name, source, docs, dict(sorted(skipped.items())))
+
+
+_SPLIT_NAME = re.compile(r"^(train|validation|valid|val|dev|test)(?=$|[-_.])", re.IGNORECASE)
+_TEST_SPLIT = "test split (never trained on)"
+_NOT_SPLIT = "not a split file (train*, validation*, test*)"
+
+
+def _split_files(root: Path, files: list[Path], skipped: Counter) -> tuple[list[Path], list[Path]] | None:
+    """(train files, validation files) when the directory is laid out in splits, as the hub's
+    datasets are (`ARC-Challenge/train-00000-of-00001.parquet`, `validation-*`, `test-*`, or
+    `train.jsonl`...): a file whose name starts with train / validation (valid, val, dev) / test
+    followed by `-`, `_`, `.` or nothing. Test files are never read; other files (a README) are
+    skipped. None when no file is so named: the hash split applies."""
+    kinds = {p: m.group(1).lower() if (m := _SPLIT_NAME.match(p.name)) else None for p in files}
+    if not any(k in ("train", "test", "validation", "valid", "val", "dev") for k in kinds.values()):
+        return None
+    train = [p for p, k in kinds.items() if k == "train"]
+    val = [p for p, k in kinds.items() if k in ("validation", "valid", "val", "dev")]
+    for reason, n in ((_TEST_SPLIT, sum(k == "test" for k in kinds.values())),
+                      (_NOT_SPLIT, sum(k is None for k in kinds.values()))):
+        if n:
+            skipped[reason] += n
+    if not train:
+        raise DataError(f"{root} is laid out in split files but has no train file (found: "
+                        f"{', '.join(sorted(p.relative_to(root).as_posix() for p in files))}); name the "
+                        "training file(s) train*.jsonl / train-*.parquet, or remove the split names to use "
+                        "the hash split. A test split is never trained on")
+    return train, val
 
 
 def _walk(root: Path, excluded: Iterable[str] = ()) -> list[Path]:
@@ -379,6 +431,13 @@ def _split(name: str, source: str, docs: list[_Doc], skipped: dict[str, int]) ->
             train = [max(docs, key=lambda d: _val_hash(d.id))]
             val = [d for d in docs if d.id != train[0].id]
             note = f"every doc hashed below {VAL_FRACTION:g}: train = the doc with the largest sha1"
+    return _corpus(name, source, train, val, note, skipped)
+
+
+def _corpus(name: str, source: str, train: list[_Doc], val: list[_Doc], note: str,
+            skipped: dict[str, int]) -> Corpus:
+    docs = train + val
+    records = docs[0].messages is not None
     h = hashlib.sha256()
     nbytes = {b"T": 0, b"V": 0}
     for tag, part in ((b"T", train), (b"V", val)):
@@ -480,7 +539,7 @@ def tokenize_docs(tokenizer: Tokenizer, docs: list[str], *, cache_dir: str | os.
     return torch.from_numpy(arr)
 
 
-RECORDS_FORMAT = 2
+RECORDS_FORMAT = 3
 """Bump when `nanochat.instruct` renders records differently: it is part of the cache key."""
 
 

@@ -26,6 +26,10 @@ Every projection is a plain `nn.Linear` called as a module. That is what FP8 tra
 `nanochat.fp8` finds the Linear modules from outside and swaps them for torchao `Float8Linear`;
 this file never imports `nanochat.fp8`.
 
+Activation checkpointing (`model.activation_checkpointing = True`, --activation_checkpointing):
+each block keeps only its input and is recomputed in the backward; the same gradients for a
+second forward's cost (`nanochat.memory` plans the memory it saves).
+
 Dtypes: the parameters are fp32 master weights. On CUDA the trainer runs the forward pass under
 bf16 autocast, on CPU in fp32; nothing here hard-codes an activation dtype, and the loss is
 always computed in fp32.
@@ -40,6 +44,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,6 +288,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
+        # True: recompute each block in the backward instead of keeping its activations (training)
+        self.activation_checkpointing = False
         self.init_rotary()
 
     def materialize(self, device: torch.device | str) -> "GPT":
@@ -358,8 +365,14 @@ class GPT(nn.Module):
         if self.embed_norm is not None:
             x = self.embed_norm(x)
         cos, sin = self.cos[:T], self.sin[:T]
+        checkpointing = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.transformer.h:
-            x = block(x, cos, sin)
+            if checkpointing:
+                # keeps only x for the backward, which runs block's forward again (use_reentrant=False:
+                # the variant torch recommends, correct with inputs that need no grad and torch.compile)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
         x = self.transformer.ln_f(x)
         logits = self.lm_head(x).float()                       # (B, T, V), fp32 for softmax/loss
         if self.config.softcap > 0:

@@ -460,6 +460,22 @@ class HFTokenizer:
             (d / name).write_bytes(data)
         return d
 
+    def with_chat_template(self, source: str) -> "HFTokenizer":
+        """This tokenizer with `source` (Jinja) as its chat template, written as
+        chat_template.jinja (and removed from tokenizer_config.json, so only one template exists):
+        the run's saved tokenizer and an export carry the template the model was trained with,
+        and the fingerprint, which keys the token caches, changes with it."""
+        files = dict(self._files)
+        files["chat_template.jinja"] = source.encode("utf-8")
+        if "chat_template" in self._config:
+            config = {k: v for k, v in self._config.items() if k != "chat_template"}
+            files["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        return HFTokenizer(files)
+
+    def has_token(self, token: str) -> bool:
+        """Whether `token` is one token of the vocabulary (e.g. a template's <|im_start|>)."""
+        return self._tok.token_to_id(token) is not None
+
     def _special(self, key: str) -> str | None:
         value = self._config.get(key)
         return value.get("content") if isinstance(value, dict) else value

@@ -56,6 +56,13 @@ Rendering, and which tokens are scored (the loss mask: True = this token is a tr
   inference. HF's `{% generation %}` markers would avoid the measuring, but few templates have
   them.
 
+* A base model's tokenizer has no template: records are rendered in the plain format
+  (`PLAIN_TEMPLATE`: prompt and answer joined, multiple choice ending in `Answer: B`, chat turns
+  prefixed by their role, EOS after each answer); `choose_chat_template` returns that fallback
+  for the caller to record. --chat_template picks plain, chatml, llama3 or a Jinja file instead.
+  Single-exchange records mark their user message (`shape`, and `choices`: the option letters),
+  which is how the plain format and `choice_items` (multiple-choice accuracy) recognise them.
+
 Every problem is a ValueError saying what is wrong with the record; `nanochat.data` adds the
 file and line.
 """
@@ -63,7 +70,7 @@ file and line.
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import Any, NamedTuple
 
 SHAPES_HELP = (
     '{"text": "..."} (plain text, every token scored); {"prompt": "...", "completion": "..."}; '
@@ -103,13 +110,14 @@ def record_shape(obj: dict[str, Any]) -> str | None:
 def to_messages(obj: dict[str, Any], shape: str) -> list[Message]:
     """The chat messages of a record of `shape` (see `record_shape`); ValueError if malformed."""
     if shape == "prompt/completion":
-        return [{"role": "user", "content": _string(obj, "prompt")},
+        return [{"role": "user", "content": _string(obj, "prompt"), "shape": shape},
                 {"role": "assistant", "content": _string(obj, "completion")}]
     if shape == "messages":
         return _checked_messages(obj["messages"])
     if shape == "multiple choice":
-        prompt, answer = format_multiple_choice(obj)
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        prompt, answer, letters = format_multiple_choice(obj)
+        return [{"role": "user", "content": prompt, "shape": shape, "choices": letters},
+                {"role": "assistant", "content": answer}]
     raise ValueError(f"no messages for a record of shape {shape!r}")
 
 
@@ -145,8 +153,9 @@ def _checked_messages(messages: Any) -> list[Message]:
     return out
 
 
-def format_multiple_choice(obj: dict[str, Any]) -> tuple[str, str]:
-    """(prompt, answer letter) of a multiple-choice record; the format is in the module docstring."""
+def format_multiple_choice(obj: dict[str, Any]) -> tuple[str, str, str]:
+    """(prompt, answer letter, the option letters e.g. "ABCD") of a multiple-choice record; the
+    format is in the module docstring."""
     question, choices = obj["question"], obj.get("choices")
     if isinstance(question, dict):  # original ARC jsonl: {"stem": ..., "choices": [...]}
         if "stem" not in question:
@@ -175,7 +184,8 @@ def format_multiple_choice(obj: dict[str, Any]) -> tuple[str, str]:
     if key not in labels:
         raise ValueError(f'"answerKey" {key!r} is not one of the option labels {labels}')
     options = "\n".join(f"{LETTERS[i]}. {t}" for i, t in enumerate(texts))
-    return f"{question}\n\n{options}\n\n{MC_INSTRUCTION}", LETTERS[labels.index(key)]
+    return (f"{question}\n\n{options}\n\n{MC_INSTRUCTION}", LETTERS[labels.index(key)],
+            LETTERS[:len(texts)])
 
 
 def _preview(value: Any, limit: int = 80) -> str:
@@ -250,8 +260,8 @@ def _render_ours(tokenizer: Any, messages: list[Message], *,
 def _require_template(tokenizer: Any) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this Hugging Face tokenizer has no chat template, so instruction records cannot "
-                         "be formatted for it; add one (a chat_template.jinja file, or \"chat_template\" in "
-                         "tokenizer_config.json, in the model directory) or use a chat model's tokenizer")
+                         "be formatted for it; pass --chat_template plain|chatml|llama3|<file.jinja>, or add "
+                         "one (chat_template.jinja, or \"chat_template\" in tokenizer_config.json)")
 
 
 def _render_template(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[bool]]:
@@ -295,3 +305,139 @@ def _prefix_length(tokenizer: Any, prefix: list[Message], generation: bool, full
             f"{tokenizer.decode(ids[at:at + 3])!r} vs {tokenizer.decode(full_ids[at:at + 3])!r}); the "
             "assistant turn would straddle a token. Check the record's content for leading whitespace")
     return len(ids)
+
+
+# ------------------------------------------------------------ chat templates
+# Built-in templates, by name (--chat_template plain|chatml|llama3). Each is ordinary Jinja, so an
+# exported model's tokenizer renders the same text through transformers' apply_chat_template.
+PLAIN_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0].shape is defined -%}"
+    "{%- set p = messages[0].content -%}"
+    "{%- if messages[0].choices is defined -%}{%- set p = p | replace('\\n\\n@MC@', '\\nAnswer:') -%}{%- endif -%}"
+    "{{- p -}}"
+    "{%- for m in messages[1:] -%}"
+    "{{- '' if (p[-1:] in ' \\n\\t' or m.content[:1] in ' \\n\\t') else ' ' -}}{{- m.content ~ eos_token -}}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{%- for m in messages -%}"
+    "{{- '' if loop.first else '\\n\\n' -}}{{- m.role | capitalize ~ ': ' ~ m.content -}}"
+    "{{- eos_token if m.role == 'assistant' else '' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '\\n\\nAssistant:' if messages else 'Assistant:' -}}{%- endif -%}"
+    "{%- endif -%}"
+).replace("@MC@", MC_INSTRUCTION)
+"""Base models' format. A single prompt and answer (prompt/completion, multiple choice): the
+prompt, then the answer, separated by a space unless either side already has whitespace there,
+then EOS. Multiple choice ends its prompt with `Answer:` instead of the chat instruction:
+`Which is a mammal?\\n\\nA. shark\\nB. whale\\nAnswer: B</s>`. Chat messages: role-prefixed turns
+(`System: ...`, `User: ...`, `Assistant: ...</s>`) separated by blank lines."""
+
+CHATML_TEMPLATE = (
+    "{%- for m in messages -%}{{- '<|im_start|>' ~ m.role ~ '\\n' ~ m.content ~ '<|im_end|>\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+LLAMA3_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for m in messages -%}"
+    "{{- '<|start_header_id|>' ~ m.role ~ '<|end_header_id|>\\n\\n' ~ (m.content | trim) ~ '<|eot_id|>' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+)
+BUILTIN_TEMPLATES = {"plain": PLAIN_TEMPLATE, "chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE}
+_TEMPLATE_TOKENS = {"chatml": ("<|im_start|>", "<|im_end|>"),
+                    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")}
+PLAIN_FALLBACK = (
+    "chat template: the tokenizer has none (a base model), so instruction records are rendered in "
+    "the plain format (prompt and answer joined, multiple choice ending in 'Answer: <letter>', chat "
+    "turns prefixed by their role; EOS after each answer); --chat_template chatml|llama3|<file.jinja> "
+    "chooses another")
+"""The fallback line: logged once and recorded in TrainResult.fallbacks."""
+
+
+def choose_chat_template(tokenizer: Any, chat_template: str | None, *, records: bool) -> tuple[Any, str | None]:
+    """(the tokenizer to render with, the fallback taken or None), for --chat_template.
+
+    `chat_template`: a built-in name (plain, chatml, llama3), a Jinja file, or None: the
+    tokenizer's own template, or the plain format when it has none and the corpus has records
+    (`records`). The returned tokenizer carries the chosen template (it is saved with the run and
+    exported with the model). nanochat's own tokenizer has special tokens instead of a template.
+    """
+    if not hasattr(tokenizer, "render_chat"):
+        if chat_template is not None:
+            raise ValueError(f"--chat_template {chat_template}: nanochat's own tokenizer renders records "
+                             "with its special tokens (<|user_start|>...), not a template; --chat_template "
+                             "applies to Hugging Face models. Drop the flag")
+        return tokenizer, None
+    if chat_template is None:
+        if not records or tokenizer.chat_template is not None:
+            return tokenizer, None
+        return _with_template(tokenizer, "plain"), PLAIN_FALLBACK
+    return _with_template(tokenizer, chat_template), None
+
+
+def _with_template(tokenizer: Any, chat_template: str) -> Any:
+    if chat_template in BUILTIN_TEMPLATES:
+        source = BUILTIN_TEMPLATES[chat_template]
+        missing = [t for t in _TEMPLATE_TOKENS.get(chat_template, ()) if not tokenizer.has_token(t)]
+        if missing:
+            raise ValueError(f"--chat_template {chat_template} writes {', '.join(missing)}, which this "
+                             "tokenizer does not have as tokens; use --chat_template plain (any tokenizer), "
+                             "the model's own template (omit the flag) or a .jinja file")
+        if chat_template == "plain" and tokenizer.eos_id is None:
+            raise ValueError("the plain format ends every answer with the EOS token, and tokenizer_config.json "
+                             "names no eos_token; add one, or pass a --chat_template .jinja file")
+    else:
+        from pathlib import Path
+
+        path = Path(chat_template)
+        if not path.is_file():
+            raise ValueError(f"--chat_template {chat_template!r} is neither a built-in template "
+                             f"({', '.join(BUILTIN_TEMPLATES)}) nor an existing Jinja file")
+        source = path.read_text(encoding="utf-8")
+    return tokenizer.with_chat_template(source)
+
+
+# ------------------------------------------------------------ multiple choice
+class ChoiceItem(NamedTuple):
+    """One multiple-choice question as the model sees it."""
+
+    prompt: list[int]
+    """Token ids up to the answer: the model's logits after the last one are compared."""
+    candidates: list[int]
+    """Token id of each option's letter at the answer position (A, B, ... in order)."""
+    answer: int
+    """Index of the correct option."""
+
+
+def choice_items(tokenizer: Any, records: list[list[Message]], max_tokens: int | None = None) -> list[ChoiceItem]:
+    """The multiple-choice records among `records` (others are skipped), each rendered once per
+    option letter as the answer. Rendering through `render` keeps the letter's token exactly as
+    training scores it (`B` after a chat header, ` B` after `Answer:` in the plain format). The
+    answer position is the first scored token at which the letters' renderings differ (a
+    vocabulary without a ` B` token spells it ` ` + `B`: the shared ` ` joins the prompt).
+    `max_tokens`: stop before the prompts would total more (the first question is always kept),
+    so an evaluation costs about what --eval_tokens says however large the split is."""
+    items, total = [], 0
+    for messages in records:
+        asked = next((i for i, m in enumerate(messages) if "choices" in m), None)
+        if asked is None or asked + 1 >= len(messages):
+            continue
+        letters, key = messages[asked]["choices"], messages[asked + 1]["content"]
+        rendered = []
+        for letter in letters:
+            ids, mask = render(tokenizer, [*messages[:asked + 1], {"role": "assistant", "content": letter}])
+            rendered.append(ids[:len(mask) - mask[::-1].index(True)])  # through the last scored token
+        start = mask.index(True)
+        at = start
+        while all(at < len(r) for r in rendered) and len({r[at] for r in rendered}) == 1:
+            at += 1
+        if any(r[:start] != rendered[0][:start] for r in rendered) or any(at >= len(r) for r in rendered) \
+                or len({r[at] for r in rendered}) != len(letters):
+            raise ValueError(f"the option letters {letters} do not render as one distinct token each after "
+                             "the same prompt, so their logits cannot be compared (check the chat template)")
+        total += at
+        if items and max_tokens is not None and total > max_tokens:
+            break
+        items.append(ChoiceItem(rendered[0][:at], [r[at] for r in rendered], letters.index(key)))
+    return items

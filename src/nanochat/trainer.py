@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanochat import distributed, engine
+from nanochat import distributed, engine, memory
 from nanochat.checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from nanochat.common import (
     format_bytes,
@@ -63,7 +63,8 @@ from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
 from nanochat.gpt import GPT, preset_config
-from nanochat.hf import HFTokenizer, load_hf_model, resolve_model
+from nanochat.evaluation import choice_counts
+from nanochat.hf import HFTokenizer, gpt_config_from_hf, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
 
 # Fields that must match between a checkpoint and a --resume run: they change the model, the
@@ -117,6 +118,13 @@ class TrainResult:
     parallel: str = "none"
     """How the run was spread over processes: none, or ddp/fsdp x world size (backend), with FP8
     all-gather on/off and why."""
+    val_accuracy: float | None = None
+    """Multiple-choice accuracy on the validation records at the end (the correct letter's logit
+    against the other options' letters); None when there are no multiple-choice records."""
+    planned_memory_bytes: int = 0
+    """The memory plan's total per device (an estimate, printed before the weights were loaded)."""
+    peak_memory_bytes: int | None = None
+    """Measured peak of allocated memory on CUDA (torch.cuda.max_memory_allocated); None elsewhere."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -208,6 +216,11 @@ class NanoChatTrainer:
                     f"tokenizer: the corpus ran out of BPE merges at {self.tokenizer.vocab_size} tokens "
                     f"(--vocab_size {cfg.vocab_size} asked); training with the smaller vocabulary"
                 )
+        # A base model has no chat template: records are rendered in the plain format instead.
+        self.tokenizer, template_fallback = instruct.choose_chat_template(
+            self.tokenizer, cfg.chat_template, records=self.corpus.kind == "instruct")
+        if template_fallback:
+            self._fallback(template_fallback)
         token_cache = self.cache_root / "tokens"
         if self.corpus.kind == "instruct":  # loss on the assistant tokens only
             # records laid out whole inside the seq_len+1 windows (data.pack_records)
@@ -230,6 +243,11 @@ class NanoChatTrainer:
             self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
             self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
             self.train_mask = self.val_mask = None
+        # multiple-choice validation records, this rank's share: accuracy at every evaluation
+        items = (instruct.choice_items(self.tokenizer, self.corpus.val_records, cfg.eval_tokens)
+                 if self.corpus.kind == "instruct" else [])
+        self.num_choice_items = len(items)
+        self.choice_items = items[self.dist.rank::self.dist.world_size]
         self.token_bytes = self.tokenizer.token_bytes().to(self.device)
         self.loader = TokenBatches(
             self.train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -247,14 +265,30 @@ class NanoChatTrainer:
         else:
             self.total_steps = cfg.num_epochs * steps_per_epoch
 
-        # 2. Model in fp32 master weights; FP8 conversion before compile.
+        # 2. Model in fp32 master weights; FP8 conversion before compile. First the memory plan:
+        #    a run that cannot fit fails here, before a single weight is allocated.
+        if self.resolved.kind == "hf":
+            hf_json = json.loads((self.resolved.path / "config.json").read_text())
+            model_config = gpt_config_from_hf(hf_json, seq_len=cfg.seq_len)
+        else:
+            model_config = preset_config(cfg.model_name, vocab_size=self.tokenizer.vocab_size, seq_len=cfg.seq_len)
+        sharded = self.dist.is_distributed and cfg.fsdp
+        self.memory_plan = memory.plan_training(
+            model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+            opt_level=cfg.fp8_opt_level if cfg.fp8 else 0, activation_checkpointing=cfg.activation_checkpointing,
+            autocast=self.dtype != torch.float32, shards=self.dist.world_size if sharded else 1,
+            free_bytes=memory.free_bytes(self.device))
+        print0(self.memory_plan.table())
+        self.memory_plan.check(fp8=cfg.fp8)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.resolved.kind == "hf":
             # Built on the meta device and filled from memory-mapped safetensors: no 2x memory.
             self.model, _ = load_hf_model(self.resolved.path, self.device, torch.float32, seq_len=cfg.seq_len)
         else:
-            model_config = preset_config(cfg.model_name, vocab_size=self.tokenizer.vocab_size, seq_len=cfg.seq_len)
             self.model = GPT(model_config).to(self.device)
             self.model.init_weights()
+        self.model.activation_checkpointing = cfg.activation_checkpointing
         self.fp8_report = None
         if cfg.fp8:
             from nanochat.fp8 import FP8Config, convert
@@ -420,6 +454,19 @@ class NanoChatTrainer:
         if total_tokens == 0:
             raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
         return total_nats / total_tokens, total_nats / (math.log(2) * total_bytes)
+
+    @torch.no_grad()
+    def evaluate_accuracy(self) -> float | None:
+        """Multiple-choice accuracy on the validation records (nanochat.evaluation), in high
+        precision, uncompiled; None without multiple-choice records. Ranks score their shares."""
+        if not self.num_choice_items:
+            return None
+        with self._eval_model() as model:
+            correct, total = choice_counts(model, self.choice_items, batch_size=self.config.batch_size,
+                                           seq_len=self.config.seq_len, device=self.device, autocast=self.autocast)
+        counts = distributed.all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=self.device))
+        correct, total = counts.tolist()
+        return correct / total
 
     @contextlib.contextmanager
     def _eval_model(self):
@@ -794,6 +841,13 @@ class NanoChatTrainer:
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
             self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
+        val_accuracy = None
+        if start_step == 0 and self.num_choice_items:  # the starting point fine-tuning improves on
+            val_loss0, val_bpb0 = self.evaluate()
+            val_accuracy = self.evaluate_accuracy()
+            self._log({"step": 0, "val_loss": val_loss0, "val_bpb": val_bpb0, "val_accuracy": val_accuracy})
+            print0(f"step 0: val loss {val_loss0:.4f}, val accuracy {val_accuracy:.4f} "
+                   f"({self.num_choice_items} questions)")
         self._start_calibration()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
@@ -829,9 +883,13 @@ class NanoChatTrainer:
             is_last = done == self.total_steps
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 val_loss, val_bpb = self.evaluate()
+                val_accuracy = self.evaluate_accuracy()
                 record.update(val_loss=val_loss, val_bpb=val_bpb)
+                if val_accuracy is not None:
+                    record["val_accuracy"] = val_accuracy
                 if self.dist.rank == 0:
-                    bar.write(f"step {done}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}")
+                    bar.write(f"step {done}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}"
+                              + (f", val accuracy {val_accuracy:.4f}" if val_accuracy is not None else ""))
             self._log(record)
             if cfg.fp8 and int(self.loader.epoch) > epoch_before and not is_last:
                 self._fp8_summary(f"epoch {int(self.loader.epoch)}")
@@ -846,6 +904,7 @@ class NanoChatTrainer:
 
         if not math.isfinite(val_bpb):  # resumed at the end, or the last step was skipped
             val_loss, val_bpb = self.evaluate()
+            val_accuracy = self.evaluate_accuracy()
         fp8_stats = self._fp8_summary("end of training") if cfg.fp8 else dict(self.counters)
         samples = self.sample(cfg.num_samples) if cfg.num_samples else []
         result = TrainResult(
@@ -868,6 +927,9 @@ class NanoChatTrainer:
             samples=samples,
             run_dir=str(self.run_dir),
             parallel=self.parallel,
+            val_accuracy=val_accuracy,
+            planned_memory_bytes=self.memory_plan.total,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )
         if self.dist.rank == 0:
             (self.run_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))

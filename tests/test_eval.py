@@ -1,0 +1,214 @@
+"""The flagship example in miniature, and multiple-choice accuracy checked against transformers.
+
+Everything is built here: a tiny Llama saved by transformers, a byte-level BPE tokenizer.json
+without a chat template (a base model), and ARC in the hub's layout (`ARC-Challenge/train-*`,
+`validation-*`, `test-*` parquet, letter and digit labels, a README next to them).
+
+- `scripts/base_train.py --model_name <dir> --dataset_path <arc> --fp8 --fp8_emulate
+  --fp8_opt_level 2`, 20 steps on CPU: exits 0 and prints the memory plan, the plain-format
+  fallback line and the accuracy at step 0 and at the end; metrics.jsonl holds both and
+  result.json's val_accuracy is the last one.
+- The step-0 accuracy equals the accuracy computed with transformers' LlamaForCausalLM on the
+  original checkpoint, from text written out by hand in the documented plain format ("question,
+  lettered options, Answer:" and each letter's token): exact (a count of argmaxes; the logits
+  agree to 1e-5, far below the gaps between letters' logits here).
+- The run, exported with scripts/export_hf.py, reloads in transformers with logits equal to our
+  model's (atol/rtol 1e-5) and with the plain template as its chat template
+  (apply_chat_template gives our rendering); its accuracy, computed by transformers, equals the
+  run's final val_accuracy.
+- scripts/eval.py on the run reproduces the run's final accuracy; on the base model, step 0's.
+- choice_counts against a hand count on fixed logits (prompts and option counts of different
+  lengths in one batch; every batch size gives the same count).
+"""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+pytest.importorskip("jinja2")
+
+from nanochat import instruct  # noqa: E402
+from nanochat.evaluation import choice_counts  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = "red green blue cat dog fish sun moon star tree rock sand water fire ice wind".split()
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def arc_rows(n: int, split: str, seed: int) -> list[dict]:
+    """ARC-shaped rows (id, question, choices{text,label}, answerKey); every third with digit
+    labels, as a few ARC questions have. Answers lean to the first option, so there is
+    something a few steps can learn."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        opts = rng.sample(WORDS, 4)
+        key = 0 if rng.random() < 0.7 else rng.randrange(4)
+        labels = ["1", "2", "3", "4"] if i % 3 == 0 else ["A", "B", "C", "D"]
+        rows.append({"id": f"{split}_{i}", "question": f"{split} question {i}: which is {opts[key]}?",
+                     "choices": {"text": opts, "label": labels}, "answerKey": labels[key]})
+    return rows
+
+
+def write_arc(root: Path, fmt: str = "parquet") -> Path:
+    """root/ARC-Challenge/{train,validation,test}-00000-of-00001.<fmt> and a README.md."""
+    arc = root / "ARC-Challenge"
+    arc.mkdir(parents=True)
+    for split, n, seed in (("train", 160, 0), ("validation", 24, 1), ("test", 24, 2)):
+        rows = arc_rows(n, split, seed)
+        path = arc / f"{split}-00000-of-00001.{fmt}"
+        if fmt == "parquet":
+            pq.write_table(pa.Table.from_pylist(rows), path)
+        else:
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "README.md").write_text("# ai2_arc\nThe dataset card.\n")
+    return root
+
+
+def write_base_llama(directory: Path) -> Path:
+    """A tiny Llama saved by transformers, with a byte-level BPE tokenizer.json and no chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    texts = [json.dumps(r) for r in arc_rows(60, "train", 9)] + ["Answer: A B C D"] * 5
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, show_progress=False, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(directory)
+    assert not (directory / "chat_template.jinja").exists()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def reference_accuracy(model_dir: Path, rows: list[dict], *, use_template: bool) -> float:
+    """Accuracy by transformers alone: the plain format written out here (or the directory's
+    chat template via apply_chat_template), each letter's token, argmax over the letters."""
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    correct = 0
+    for row in rows:
+        labels = [str(x) for x in row["choices"]["label"]]
+        letters = "ABCD"[:len(labels)]
+        options = "\n".join(f"{letters[i]}. {t}" for i, t in enumerate(row["choices"]["text"]))
+        user = f"{row['question']}\n\n{options}\n\n{instruct.MC_INSTRUCTION}"
+        if use_template:
+            msgs = [{"role": "user", "content": user, "shape": "multiple choice", "choices": letters}]
+            texts = [tok.apply_chat_template(msgs + [{"role": "assistant", "content": L}], tokenize=False)
+                     for L in letters]
+        else:
+            texts = [f"<s>{row['question']}\n\n{options}\nAnswer: {L}</s>" for L in letters]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        at = next(k for k in range(len(ids[0])) if len({tuple(i[:k + 1]) for i in ids}) > 1)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[0][:at]])).logits[0, -1]
+        scores = torch.stack([logits[i[at]] for i in ids])
+        correct += int(scores.argmax()) == labels.index(row["answerKey"])
+    return correct / len(rows)
+
+
+@pytest.fixture(scope="module")
+def flagship(tmp_path_factory):
+    """The CLI run: (model dir, data dir, run dir, stdout)."""
+    root = tmp_path_factory.mktemp("flagship")
+    model_dir = write_base_llama(root / "Meta-Llama-3-tiny")
+    data = write_arc(root / "arc")
+    run = root / "run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "base_train.py"), "--model_name", str(model_dir),
+           "--dataset_path", str(data), "--fp8", "--fp8_emulate", "--fp8_opt_level", "2", "--fp8_min_dim", "16",
+           "--num_iterations", "20", "--eval_every", "10", "--batch_size", "8", "--seq_len", "64",
+           "--lr", "3e-3", "--warmup_steps", "2", "--num_samples", "0", "--device", "cpu", "--run_dir", str(run)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=600,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return model_dir, data, run, r.stdout + r.stderr
+
+
+def test_flagship_run_reports_plan_fallback_and_accuracy(flagship):
+    model_dir, data, run, out = flagship
+    assert "memory plan (estimate)" in out and "fits" in out
+    assert "fallback: " + instruct.PLAIN_FALLBACK in out
+    assert "step 0: val loss" in out and "val accuracy" in out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    acc = {r["step"]: r["val_accuracy"] for r in records if "val_accuracy" in r}
+    assert sorted(acc) == [0, 10, 20]
+    result = json.loads((run / "result.json").read_text())
+    assert result["val_accuracy"] == acc[20]
+    assert instruct.PLAIN_FALLBACK in result["fallbacks"]
+    assert result["planned_memory_bytes"] > 0 and result["peak_memory_bytes"] is None  # CPU: not measured
+    # the run's tokenizer carries the template it trained with
+    assert (run / "tokenizer" / "chat_template.jinja").read_text() == instruct.PLAIN_TEMPLATE
+    # step 0 = the base checkpoint, scored by transformers from the hand-written plain format
+    val = arc_rows(24, "validation", 1)
+    assert acc[0] == reference_accuracy(model_dir, val, use_template=False)
+
+
+def test_export_reloads_with_our_logits_template_and_accuracy(flagship, tmp_path):
+    from nanochat.checkpoint import load_checkpoint
+    from nanochat.hf import model_from_state_dict
+
+    model_dir, data, run, _ = flagship
+    out = tmp_path / "exported"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--run_dir", str(run),
+                        "--out_dir", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out / "chat_template.jinja").read_text() == instruct.PLAIN_TEMPLATE
+    ours, tok = model_from_state_dict(str(model_dir), load_checkpoint(run)["model"], tokenizer_dir=run / "tokenizer")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.randint(0, tok.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours.eval()(ids), **TOL)
+    # transformers renders records with the exported template exactly as we trained on them
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    row = arc_rows(24, "validation", 1)[0]
+    messages = instruct.to_messages(row, "multiple choice")
+    assert hf_tok.apply_chat_template(messages, tokenize=False) == tok.render_chat(messages)
+    final = json.loads((run / "result.json").read_text())["val_accuracy"]
+    assert reference_accuracy(out, arc_rows(24, "validation", 1), use_template=True) == final
+
+
+def test_eval_script_reproduces_the_runs_accuracy(flagship):
+    model_dir, data, run, out = flagship
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
+    final = json.loads((run / "result.json").read_text())["val_accuracy"]
+    step0 = next(json.loads(line)["val_accuracy"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(line).get("step") == 0)
+    for source, expected in ((["--run_dir", str(run)], final), (["--model_name", str(model_dir)], step0)):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), *source, "--dataset_path", str(data),
+                            "--device", "cpu", "--seq_len", "64"], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        assert report["val_accuracy"] == expected and report["questions"] == 24
+
+
+def test_choice_counts_against_a_hand_count():
+    class Fixed(torch.nn.Module):
+        """Logits that depend only on the last token of the prompt: row = that token's id."""
+
+        def forward(self, x):
+            table = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.0], [5.0, 0.0, 0.0, 4.0, 9.0], [0.0, 1.0, 1.0, 0.0, 0.0]])
+            return table[x]
+
+    items = [instruct.ChoiceItem([2, 0], [1, 2, 3], 0),    # logits 3, 1, 2 -> option 0: correct
+             instruct.ChoiceItem([1], [1, 2, 3, 4], 3),    # 0, 0, 4, 9 -> option 3: correct (token 0's 5
+                                                           # is larger, but token 0 is not an option)
+             instruct.ChoiceItem([0, 2], [1, 3], 1),       # 1, 0 -> option 0: wrong
+             instruct.ChoiceItem([1, 2, 1], [0, 3], 1)]    # 5, 4 -> option 0: wrong
+    # right padding of the shorter prompts must not matter: every batch size gives the same count
+    for batch_size in (1, 2, 4):
+        assert choice_counts(Fixed(), items, batch_size=batch_size, seq_len=8, device="cpu") == (2, 4)
