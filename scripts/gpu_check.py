@@ -7,14 +7,14 @@ Every job runs what a user runs: `NanoChatTrainer` with its defaults (compiled p
 block, bf16 autocast over fp32 master weights), on this Python's standard-library sources with a
 BPE tokenizer trained on the fly (cached after the first job). Jobs, in priority order:
   env       torch / torchao / GPU, and what nanochat.fp8.detect decides for each recipe;
-  bf16      d12 without FP8: tokens/s, compile time, graph breaks, peak memory;
+  bf16      d12 without FP8: tokens/s, compile time, graph breaks, recompile reasons, peak memory;
   fp8       the same with --fp8 (e4m3, tensorwise), then one profiled step: the GEMM kernels that
-            ran (proof that FP8 GEMMs run on the tensor cores) and device reads in that step;
+            ran and the calls of torch._scaled_mm (proof that FP8 GEMMs run), device reads in the step;
   optim     fused AdamW vs FP8Optim levels 0/1/2 on --opt_tensors x --opt_dim^2 fp32 parameters:
             step time, peak memory, the step's backend and fallbacks;
   opt_levels d12 --fp8 at --fp8_opt_level 1 and 2: tokens/s and peak memory of whole steps;
-  scope     d12 bf16 and FP8 compiled as one graph (--compile_scope model): compile time and
-            tokens/s against the per-block default;
+  scope     d12 bf16 and FP8 compiled per block (--compile_scope blocks): compile time and
+            tokens/s against the whole-model default;
   big       --big_model (d26) bf16 vs FP8: the speedup at a size where GEMMs dominate;
   tests     `pytest -m gpu tests/test_gpu.py`.
 Each job has an estimate (ESTIMATES_S, seconds on an H100/H200 class GPU, compile included); one
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import os
 import platform
 import re
@@ -131,13 +132,15 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, *, profil
     device = device_of(cfg)
     reset_memory(device)
     counters.clear()
+    recompiles = RecompileLog()
     trainer = NanoChatTrainer(**trainer_kwargs(cfg, name, model, batch_size, **over))
-    r = trainer.train()
+    with recompiles:
+        r = trainer.train()
     out = dict(settings=over, model=model, batch_size=batch_size, tokens_per_sec=r.tokens_per_sec,
                compile_time_s=r.compile_time_s, wall_time_s=r.wall_time_s, train_loss=r.train_loss,
                val_loss=r.val_loss, fp8_backend=r.fp8_backend, fallbacks=r.fallbacks,
                optimizer_state_bytes=r.optimizer_state_bytes, num_params=r.num_params,
-               peak_gib=peak_gib(device), **graph_breaks())
+               peak_gib=peak_gib(device), recompile_reasons=recompiles.reasons[:3], **graph_breaks())
     if profile:
         out.update(profile_step(trainer, device))
     return out
@@ -162,8 +165,30 @@ def profile_step(trainer, device: torch.device) -> dict:
         if re.search(r"gemm|_mm|matmul|xmma|cutlass|nvjet", name, re.I) and (
                 device.type != "cuda" or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA):
             kernels[name[:160]] = e.count
-    fp8_kernels = {k: v for k, v in kernels.items() if re.search(r"e4m3|e5m2|f8|fp8|scaled_mm", k, re.I)}
-    return {"gemm_kernels": kernels, "fp8_gemm_kernels": fp8_kernels, "device_reads_in_step": reads.count}
+    scaled_mm = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
+    return {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
+
+
+class RecompileLog(logging.Handler):
+    """The first recompile reasons dynamo logs while the block runs (why a graph was not reused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reasons: list[str] = []
+
+    def emit(self, record):
+        if len(self.reasons) < 3:
+            self.reasons.append(record.getMessage()[:600])
+
+    def __enter__(self):
+        torch._logging.set_logs(recompiles=True)
+        self.logger = logging.getLogger("torch._dynamo")
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        torch._logging.set_logs()
 
 
 class ReadCounter(torch.utils._python_dispatch.TorchDispatchMode):
@@ -216,8 +241,8 @@ def job_opt_levels(cfg):
 
 
 def job_scope(cfg):
-    return {"bf16_model": train(cfg, "bf16-model", cfg.model, cfg.batch_size, compile_scope="model"),
-            "fp8_model": train(cfg, "fp8-model", cfg.model, cfg.batch_size, fp8=True, compile_scope="model")}
+    return {"bf16_blocks": train(cfg, "bf16-blocks", cfg.model, cfg.batch_size, compile_scope="blocks"),
+            "fp8_blocks": train(cfg, "fp8-blocks", cfg.model, cfg.batch_size, fp8=True, compile_scope="blocks")}
 
 
 def job_big(cfg):
@@ -281,6 +306,7 @@ def job_tests(cfg: GPUCheckConfig) -> dict:
     if cfg.dry_run:
         return {"skipped": "dry run: the GPU tests need a CUDA device"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           "-p", "no:logging", "-rf", "--tb=line",
                            str(ROOT / "tests" / "test_gpu.py")], cwd=ROOT, capture_output=True, text=True,
                           timeout=cfg.tests_timeout_s)
     tail = (proc.stdout + proc.stderr)[-4000:]
@@ -308,7 +334,7 @@ def ratios(results: dict) -> dict:
         out["big_fp8_over_bf16_tokens_per_sec"] = big["fp8"]["tokens_per_sec"] / big["bf16"]["tokens_per_sec"]
     scope = r.get("scope") or {}
     for kind in ("bf16", "fp8"):
-        whole, blocks = scope.get(f"{kind}_model"), r.get(kind)
+        whole, blocks = r.get(kind), scope.get(f"{kind}_blocks")
         if tps(whole) and tps(blocks):
             out[f"{kind}_compile_s_model_vs_blocks"] = [whole["compile_time_s"], blocks["compile_time_s"]]
             out[f"{kind}_tokens_per_sec_blocks_over_model"] = blocks["tokens_per_sec"] / whole["tokens_per_sec"]

@@ -3,12 +3,12 @@
 #
 #   bash scripts/gpu_check.sh [gpu_check.py flags]       e.g. --jobs env fp8 --budget_s 200
 #
-# The machine needs torch with CUDA (>= 2.11). The other packages come from, in this order:
-#   - wheels in .whl/ (a machine without internet: `pip download -d .whl torchao tyro
-#     docstring-parser typeguard rustbpe tiktoken` elsewhere, for its Python and platform), installed
-#     into .site without touching the machine's environment;
-#   - otherwise the interpreter's own site-packages (`pip install -e .` done beforehand).
-# Environment: OUT (default .cache/gpu_check), PYTHON (default python3).
+# The machine needs torch with CUDA (>= 2.11) and the other packages: the interpreter's own
+# (`pip install -e .` done beforehand) or, where they do not import, the wheels in .whl/, installed
+# into .site without touching the machine's environment (for a machine without internet access:
+# `pip download -d .whl torchao tyro docstring-parser typeguard rustbpe tiktoken` elsewhere, for
+# its Python version and platform).
+# Environment: OUT (default .cache/gpu_check), PYTHON (default python3), WHEELS (default .whl).
 # Exit status: gpu_check.py's; 3 if the wheels in .whl/ do not install; 4 if torchao or
 # nanochat.fp8 does not import (nothing could be measured).
 set -uo pipefail
@@ -20,17 +20,18 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # the tokenizer and token caches outlive a run; keep them out of $OUT
 export NANOCHAT_CACHE=${NANOCHAT_CACHE:-$PWD/.cache}
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+imports() { "$PY" -c "import torchao, tyro, nanochat.fp8" 2>"$OUT/import_error.txt"; }
+WHEELS=${WHEELS:-.whl}
+if ! imports && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target .site .whl/*.whl; then
-    echo "error: installing the wheels in .whl/ into .site failed; see pip's message above" >&2
+      --target .site "$WHEELS"/*.whl; then
+    echo "error: installing the wheels in $WHEELS/ into .site failed; see pip's message above" >&2
     exit 3
   fi
   export PYTHONPATH=$PWD/.site:$PYTHONPATH
 fi
-
-if ! "$PY" -c "import torchao, tyro, nanochat.fp8" 2>"$OUT/import_error.txt"; then
-  echo "error: torchao, tyro or nanochat.fp8 does not import:" >&2
+if ! imports; then
+  echo "error: torchao, tyro or nanochat.fp8 does not import (pip install -e . first, or put the wheels in .whl/):" >&2
   tail -3 "$OUT/import_error.txt" >&2
   exit 4
 fi
