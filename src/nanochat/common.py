@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger("nanochat")
 
 
-class NanoChatError(Exception):
+class NanoChatError(RuntimeError):
     """A failure the user can act on, with a message that says what, where and how to fix it.
     The run itself failed (a corrupt checkpoint, a full disk, a diverged model): exit status 1."""
 
