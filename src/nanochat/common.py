@@ -76,6 +76,10 @@ def run_main(main: Callable[[], int | None], *, debug: bool = False) -> int:
         if debug:
             traceback.print_exc()
         code, message = described
+        # a progress bar the error interrupted ends its line first, so `error:` starts one
+        bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())
+        for bar in list(bars):
+            bar.close()
         print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
         return code
 
