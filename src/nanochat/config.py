@@ -295,7 +295,7 @@ class ExportConfig:
     """Directory to write config.json, model.safetensors and the tokenizer files to."""
 
     run_dir: str | None = None
-    """A training run directory (its checkpoint.pt and tokenizer/) to export."""
+    """A training run directory (its newest checkpoint and tokenizer/) to export."""
 
     model_name: str | None = None
     """Instead of --run_dir: a local Hugging Face directory or a cached hub id, exported as loaded."""

@@ -640,7 +640,7 @@ def model_from_state_dict(model_name: str, state_dict: dict[str, torch.Tensor],
         raise ValueError(
             f"{model_name!r} is a nanochat preset: its ReLU^2 MLP, parameter-free RMSNorm, QK-norm, "
             "embedding norm and logit softcap have no Hugging Face Llama counterpart, so it cannot be "
-            "exported for transformers; its checkpoint.pt is the way to keep it"
+            "exported for transformers; its checkpoint-<step>.pt is the way to keep it"
         )
     config = gpt_config_from_hf(read_config_json(resolved.path))
     with torch.device("meta"):

@@ -19,8 +19,8 @@ is joined first thing; the model is wrapped (DDP, or FSDP2 with --fsdp) after FP
 before the optimizer is built, since FSDP replaces the parameters with sharded DTensors. Logged
 losses are means over ranks, evaluation sums over each rank's share of the validation windows,
 and only rank 0 prints, logs and samples. Distributed runs checkpoint with DCP (every rank
-writes its shards); a single process keeps checkpoint.pt; either resumes in any world size with
-the same global batch (batch_size x world size).
+writes its shards); a single process writes checkpoint-<step>.pt; either resumes in any world
+size with the same global batch (batch_size x world size).
 
 Mixed precision: on CUDA the forward runs under bf16 autocast with fp32 master weights;
 torchao's Float8Linear handles CUDA bf16 autocast itself (it casts its input to bf16 before
@@ -292,7 +292,8 @@ class NanoChatTrainer:
         )
         self._prechecks()
 
-    # Files that make a directory a run's: refused without --resume, deleted by --overwrite.
+    # Files that make a directory a run's: refused without --resume, deleted by --overwrite
+    # (checkpoint.pt: the single checkpoint file of earlier nanochat versions).
     _RUN_FILES = ("metrics.jsonl", "result.json", "checkpoint.pt")
 
     def _existing_run(self) -> list[str]:
