@@ -405,3 +405,23 @@ def test_config_rejects_bad_types_and_values_at_construction():
             NanoChatTrainer(**bad)
     with pytest.raises(UsageError):
         raise UsageError("a UsageError is a ValueError")  # callers that catch ValueError keep working
+
+
+class FailingEvaluation(NanoChatTrainer):
+    def evaluate(self):
+        raise NanoChatError("evaluation failed")
+
+
+def test_final_checkpoint_is_saved_before_the_final_evaluation(small_corpus, tmp_path):
+    run_dir = tmp_path / "r"
+    with pytest.raises(NanoChatError, match="evaluation failed"):
+        FailingEvaluation(**_kw(small_corpus, run_dir, save_every=0, eval_every=0)).train()
+    assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]  # the trained weights survive
+
+
+def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code, errors = _cli(capsys, {"dataset_path": str(small_corpus), "vocab_size": 300,
+                                 "tokenizer_dir": str(blocker / "tok")}, script="tok_train")
+    assert code == 2 and len(errors) == 1 and str(blocker) in errors[0], errors
