@@ -57,7 +57,9 @@ def describe_error(e: BaseException) -> tuple[int, str] | None:
                        "there or point --run_dir (or the output path) at another disk")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return 1, f"cannot write or read{where}: {reason}; fix its permissions or choose another path"
-        return (2 if e.errno in _USAGE_ERRNOS else 1), f"{reason}:{where}" if where else str(e)
+        if e.errno in _USAGE_ERRNOS:
+            return 2, f"{e.filename or e}: {reason}; check the path given on the command line"
+        return 1, f"{e.filename}: {reason}" if e.filename else str(e)
     if isinstance(e, ValueError):  # bad input from a library check (data, tokenizer, HF files)
         return 2, str(e)
     return None

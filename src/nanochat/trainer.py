@@ -547,19 +547,21 @@ class NanoChatTrainer:
         model (the per-tensor names are looked up only when something is wrong)."""
         from nanochat.fp8 import FP8Tensor
 
-        def local(t: torch.Tensor) -> list[torch.Tensor]:
+        def finite(t: torch.Tensor) -> torch.Tensor | None:
+            """A 0-dim bool on the device (no sync); None for what holds no floats."""
             t = t.to_local() if isinstance(t, distributed.DTensor) else t
-            if isinstance(t, FP8Tensor):  # FP8 moments: their codes and block scales
-                return [t.codes.float(), t.scale]
-            return [t] if t.is_floating_point() and t.numel() else []
+            if isinstance(t, FP8Tensor):  # FP8 moments: their codes (a transient fp32 copy) and scales
+                return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
+            return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
 
-        named = [(f"parameter {n}", t) for n, p in self.model.named_parameters() for t in local(p.detach())]
+        named = [(f"parameter {n}", finite(p.detach())) for n, p in self.model.named_parameters()]
         for i, st in enumerate(self.optimizer.state_dict()["state"].values()):
-            named += [(f"optimizer state {i}.{k}", t) for k, v in st.items()
-                      if isinstance(v, torch.Tensor) and v.ndim for t in local(v)]
+            named += [(f"optimizer state {i}.{k}", finite(v)) for k, v in st.items()
+                      if isinstance(v, torch.Tensor) and v.ndim]
+        named = [(n, f) for n, f in named if f is not None]
         if not named:
             return ""
-        flags = torch.stack([torch.isfinite(t).all() for _, t in named])
+        flags = torch.stack([f for _, f in named])
         bad = distributed.all_reduce_sum((~flags).sum().float().reshape(1))  # every rank decides alike
         if bad.item() == 0:
             return ""
