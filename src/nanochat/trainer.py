@@ -313,10 +313,13 @@ class NanoChatTrainer:
         existing = self._existing_run() if d.is_dir() else []
         if cfg.resume:
             if checkpoint.latest_checkpoint(d) is None and distributed.latest_dcp(d) is None:
+                legacy = (f" Its checkpoint.pt was written by an earlier nanochat, without the checksum "
+                          "--resume verifies: it still loads with torch.load(weights_only=True), but "
+                          "cannot be resumed." if (d / "checkpoint.pt").is_file() else "")
                 raise UsageError(
                     f"--resume: no checkpoint in {d} (no checkpoint-<step>.pt with its .json manifest, no "
-                    f"{distributed.DCP_DIRNAME}/). Start a fresh run without --resume, or point --run_dir "
-                    "at the directory of the run you want to continue.")
+                    f"{distributed.DCP_DIRNAME}/).{legacy} Start a fresh run without --resume, or point "
+                    "--run_dir at the directory of the run you want to continue.")
         elif existing and not cfg.overwrite:
             raise UsageError(
                 f"--run_dir {d} already holds a run ({', '.join(existing[:4])}); continue it with --resume, "
