@@ -162,6 +162,9 @@ def resolve_device(name: str = "auto") -> torch.device:
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). "
             "Use --device cpu, or install a CUDA build: make install TORCH=torch"
         )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"numbered from 0; use --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
