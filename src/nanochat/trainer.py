@@ -504,11 +504,13 @@ class NanoChatTrainer:
         return out
 
     # ---------------------------------------------------------------- persist
-    def _save(self, step: int) -> None:
+    def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
         """A checkpoint in a single process (checkpoint.py: verified, the newest
         --keep_checkpoints kept), a DCP directory (every rank) when distributed; the format not
         written is deleted afterwards, so a resume finds one. A model or optimizer state holding
-        inf/nan is never written: the run stops, naming the last checkpoint that is good."""
+        inf/nan is never written: the run stops, naming the last checkpoint that is good.
+        `record`: this step's metrics line when it is logged after the save (the last step's,
+        which waits for the final evaluation), so a resume can log it if the run died between."""
         bad = self._nonfinite_state()
         if bad:
             raise NanoChatError(
@@ -528,6 +530,7 @@ class NanoChatTrainer:
             "fp8_choices": self.fp8_choices,
             "fp8_auto_switches": self.auto_switches,
             "fp8_auto_pending": self.auto_pending,
+            "record": record,
         }
         if self.dist.is_distributed:
             rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
@@ -654,15 +657,15 @@ class NanoChatTrainer:
             self.auto_pending = dict(ckpt.get("fp8_auto_pending") or {})
             logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
         logger.info("resumed from %s at step %d", source, ckpt["step"])
+        self.resumed_record = ckpt.get("record")
         return int(ckpt["step"])
 
-    def _truncate_metrics(self, step: int) -> None:
+    def _truncate_metrics(self, step: int, record: dict[str, Any] | None) -> None:
         """Drop metrics.jsonl's lines from the first record after `step` on: the steps a resume
-        repeats were logged by the interrupted run, and each step must appear once."""
+        repeats were logged by the interrupted run, and each step must appear once. `record`, the
+        checkpoint's own line for `step`, is appended when the run died before logging it."""
         path = self.run_dir / "metrics.jsonl"
-        if not path.is_file():
-            return
-        lines = path.read_text().splitlines(keepends=True)
+        lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
         keep = len(lines)
         for i, line in enumerate(lines):
             try:
@@ -673,9 +676,11 @@ class NanoChatTrainer:
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
                 keep = i
                 break
-        if keep < len(lines):
+        logged = any('"loss"' in line and json.loads(line).get("step") == step for line in lines[:keep])
+        tail = [json.dumps(record) + "\n"] if record is not None and not logged else []
+        if keep < len(lines) or tail:
             tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(lines[:keep]))
+            tmp.write_text("".join(lines[:keep] + tail))
             os.replace(tmp, path)
 
     def _log(self, record: dict[str, Any]) -> None:
@@ -803,7 +808,7 @@ class NanoChatTrainer:
         start_step = self._resume() if cfg.resume else 0
         if self.dist.rank == 0:
             if cfg.resume:
-                self._truncate_metrics(start_step)
+                self._truncate_metrics(start_step, self.resumed_record)
             else:
                 self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
@@ -916,7 +921,7 @@ class NanoChatTrainer:
             done = step + 1
             is_last = done == self.total_steps
             if is_last:  # before the final evaluation: an error there must not lose the trained weights
-                self._save(done)
+                self._save(done, record)
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 val_loss, val_bpb = self.evaluate()
                 record.update(val_loss=val_loss, val_bpb=val_bpb)
