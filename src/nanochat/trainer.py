@@ -514,9 +514,10 @@ class NanoChatTrainer:
         bad = self._nonfinite_state()
         if bad:
             raise NanoChatError(
-                f"step {step}: not saving, {bad} hold inf/nan. {self._good_checkpoint_note()}; the "
-                f"weights went bad after it, at or before step {step}: lower --lr, check the data, or "
-                "try --fp8_mode e5m2 / auto")
+                f"step {step}: not saving, {bad} hold inf/nan. Step {step}'s loss and gradients were "
+                f"finite, so its update made them so (or an earlier update, in weights no batch since "
+                f"used). {self._good_checkpoint_note()}: lower --lr, check the data, or try "
+                "--fp8_mode e5m2 / auto")
         meta = {
             "config": self.config.to_dict(),
             "resolved_paths": self._resolved_paths(),
