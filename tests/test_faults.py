@@ -8,6 +8,7 @@
   then resumes; a NaN written into a weight is never saved, and the stop names a checkpoint that
   verifies and is finite; a write failing with ENOSPC leaves the previous checkpoint intact;
 - a run directory holding a run is refused without --resume/--overwrite (its bytes unchanged);
+  the last checkpoint is written before the final evaluation, so a failure there keeps it;
 - user and environment errors exit 2 (usage) or 1 (runtime) with one `error:` line naming the
   file or flag, and no traceback (`--debug` shows it); checks that need no training fail before
   the first step (no metrics written).
