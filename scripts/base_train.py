@@ -1,24 +1,26 @@
 """Train a GPT with nanochat: `python scripts/base_train.py --help`.
 
 Thin entrypoint: parse flags into TrainConfig (tyro), hand it to NanoChatTrainer, print results.
+A user or environment error is one `error:` line (exit 2: bad flags or input; 1: the run
+failed); `--debug` adds the traceback.
 """
 
 import json
 import sys
 
-from nanochat.common import print0
+from nanochat.common import print0, run_main
 from nanochat.config import TrainConfig, parse_cli
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TrainConfig, argv)
+    return run_main(lambda: train(cfg), debug=cfg.debug)
+
+
+def train(cfg: TrainConfig) -> int:
     from nanochat.trainer import NanoChatTrainer  # after parsing: --help stays fast
 
-    try:
-        result = NanoChatTrainer.from_config(cfg).train()
-    except (ValueError, FileNotFoundError) as e:  # bad input: a message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = NanoChatTrainer.from_config(cfg).train()
     # under torchrun every rank returns a result; rank 0 reports it
     print0("\nsamples:")
     for s in result.samples:

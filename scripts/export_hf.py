@@ -6,18 +6,26 @@
 The result loads with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`. Weights are
 always plain fp32, FP8 training or not. The tokenizer files are the run's, with the chat template
 the records were rendered with (`chat_template.jinja`; the plain format for a base model), so
-`AutoTokenizer.apply_chat_template` writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
-checkpoint, then trained) can be exported; see nanochat/hf.py for why presets cannot.
+`AutoTokenizer.apply_chat_template` writes the text the model was fine-tuned on. Only
+Llama-family models (loaded from a Hugging Face checkpoint, then trained) can be exported; see
+nanochat/hf.py for why presets cannot. Errors are one `error:` line (exit 2: bad flags or
+input; 1: e.g. a corrupt checkpoint); `--debug` adds the traceback.
 """
 
+import sys
+
 from nanochat.checkpoint import load_checkpoint
-from nanochat.common import print0, setup_logging
+from nanochat.common import UsageError, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
 from nanochat.hf import export_hf, load_hf_model, model_from_state_dict, resolve_model
 
 
-def main() -> None:
-    cfg = parse_cli(ExportConfig)
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(ExportConfig, argv)
+    return run_main(lambda: export(cfg), debug=cfg.debug)
+
+
+def export(cfg: ExportConfig) -> int:
     setup_logging()
     if cfg.run_dir is not None:
         try:
@@ -30,12 +38,13 @@ def main() -> None:
     else:
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
-            raise SystemExit(f"error: {cfg.model_name!r} is a nanochat preset; only Hugging Face "
+            raise UsageError(f"--model_name {cfg.model_name!r} is a nanochat preset; only Hugging Face "
                              "models can be exported (see nanochat/hf.py)")
         model, tokenizer = load_hf_model(resolved.path)
     out = export_hf(model, tokenizer, cfg.out_dir)
     print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

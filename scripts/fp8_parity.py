@@ -9,14 +9,19 @@ What is compared, the targets and the default config's reasoning: `nanochat.pari
 
 import sys
 
+from nanochat.common import run_main
 from nanochat.config import ParityConfig, parse_cli, resolved
 from nanochat.parity import run_parity
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = resolved(parse_cli(ParityConfig, argv))
-    run_parity(cfg)
-    return 0
+
+    def sweep() -> int:
+        run_parity(cfg)  # a failing run is recorded in parity.json and the sweep goes on
+        return 0
+
+    return run_main(sweep)  # errors of the sweep itself (the corpus, --out_dir): one line
 
 
 if __name__ == "__main__":

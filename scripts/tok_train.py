@@ -3,6 +3,8 @@
 Thin entrypoint: parse flags into TokTrainConfig (tyro), load the corpus, train, save, print the
 vocabulary size, the compression on the validation split and the time. `base_train.py
 --tokenizer_dir DIR` loads the result; without that flag base_train trains and caches its own.
+Errors are one `error:` line (exit 2: bad flags or input; 1: e.g. a full disk); `--debug` adds
+the traceback.
 """
 
 import dataclasses
@@ -14,7 +16,13 @@ from nanochat.config import FP8Flags, TokTrainConfig, parse_cli
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TokTrainConfig, argv)
-    from nanochat.common import setup_logging  # after parsing: --help stays fast
+    from nanochat.common import run_main  # after parsing: --help stays fast
+
+    return run_main(lambda: train(cfg), debug=cfg.debug)
+
+
+def train(cfg: TokTrainConfig) -> int:
+    from nanochat.common import setup_logging
     from nanochat.data import load_corpus
     from nanochat.tokenizer import Tokenizer, take_chars
 
@@ -23,11 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if changed:
         print(f"note: {', '.join('--' + n for n in changed)} do not apply to tokenizer training "
               "(it has no matmuls); ignored")
-    try:
-        corpus = load_corpus(cfg.dataset_path)
-    except ValueError as e:  # DataError: bad input gets a message, not a traceback
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    corpus = load_corpus(cfg.dataset_path)
     print(f"corpus: {corpus.describe()}")
 
     t0 = time.perf_counter()

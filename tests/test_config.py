@@ -2,10 +2,12 @@
 
 What a user relies on: both spellings of every flag (`--fp8_mode` and `--fp8-mode`), `-f` for
 `--fp8` and `--no-fp8` to turn it off, and exit status 2 with a message naming the fix for a
-bad value — including rules tyro cannot see (`--fp8_opt_level` without `--fp8`).
+bad value — including rules tyro cannot see (`--fp8_opt_level` without `--fp8`). The Python API
+gets the same checks at construction: wrong types, non-finite or out-of-range hyperparameters.
 """
 
 import dataclasses
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -50,10 +52,11 @@ def test_opt_level_without_fp8_message_names_the_fix():
 
 def test_help_shows_underscore_flags():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), "--help"],
-                         capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""}, check=True).stdout
+                         capture_output=True, text=True, check=True,
+                         env={"COLUMNS": "200", "PATH": "", "PYTHONPATH": str(ROOT / "src")}).stdout
     for flag in ("--model_name", "--dataset_path", "--num_iterations", "--run_dir", "--tokenizer_dir",
-                 "--resume", "--seed", "--compile", "--fp8_mode", "--fp8_opt_level", "--fp8_recipe",
-                 "--fp8_emulate", "-f, --fp8, --no_fp8"):
+                 "--resume", "--overwrite", "--keep_checkpoints", "--debug", "--seed", "--compile",
+                 "--fp8_mode", "--fp8_opt_level", "--fp8_recipe", "--fp8_emulate", "-f, --fp8, --no_fp8"):
         assert flag in out, flag
 
 
@@ -74,3 +77,28 @@ def test_config_dict_round_trip():
 def test_tok_train_config_shares_fp8_flags():
     names = {f.name for f in dataclasses.fields(TokTrainConfig)}
     assert {"fp8", "fp8_mode", "fp8_opt_level", "fp8_recipe", "fp8_emulate"} <= names
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_size=2.5), "--batch_size must be an int, got 2.5"),
+    (dict(fp8="yes"), "--fp8 must be a bool, got 'yes'"),
+    (dict(fp8_mode="e3m4"), "--fp8_mode must be one of 'e4m3', 'e5m2', 'auto'"),
+    (dict(fp8=True, fp8_opt_level=True), "--fp8_opt_level must be one of 0, 1, 2, got True"),
+    (dict(weight_decay=math.nan), "--weight_decay must be a finite number"),
+    (dict(lr=math.inf), "--lr must be a finite number"),
+    (dict(grad_clip=math.nan), "--grad_clip must be a finite number"),
+    (dict(beta1=1.0), r"--beta1 must be in \[0, 1\)"),
+    (dict(temperature=-1.0), "--temperature must be >= 0"),
+    (dict(keep_checkpoints=0), "--keep_checkpoints must be >= 1"),
+    (dict(resume=True, overwrite=True), "give one"),
+    (dict(run_dir=""), "--run_dir is empty"),
+])
+def test_api_values_are_checked_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_paths_and_lists_from_python_are_normalized():
+    cfg = TrainConfig(run_dir=Path("runs") / "x", fp8_skip=["lm_head"])
+    assert cfg.run_dir == "runs/x" and cfg.fp8_skip == ("lm_head",)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg

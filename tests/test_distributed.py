@@ -37,6 +37,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanochat.checkpoint import latest_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 STEPS = 8
@@ -140,7 +142,7 @@ def test_two_ranks_match_one_process(two_ranks, single, name):
     result = json.loads((two_ranks[name] / "result.json").read_text())
     assert result["parallel"].startswith(f"{name} x2 (gloo)"), result["parallel"]
     assert (two_ranks[name] / "checkpoint_dcp" / "LATEST").is_file()
-    assert not (two_ranks[name] / "checkpoint.pt").exists()
+    assert latest_checkpoint(two_ranks[name]) is None
 
 
 def test_ddp_fp8_matches_one_process(two_ranks, single):
@@ -208,7 +210,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     resumed, full = _losses(cut), _losses(two_ranks["fsdp_fp8"])  # steps 1-4: the 2-rank run's
     _assert_close({s: resumed[s] for s in range(5, STEPS + 1)},
                   {s: full[s] for s in range(5, STEPS + 1)}, FP8_LOSS_TOL, "resumed at ws 1")
-    assert (cut / "checkpoint.pt").is_file() and not (cut / "checkpoint_dcp").exists()
+    assert latest_checkpoint(cut) is not None and not (cut / "checkpoint_dcp").exists()
 
 
 @pytest.mark.slow
@@ -337,7 +339,7 @@ def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
                                        num_samples=0)).train()
     assert result.parallel == "none"
     assert any("--fsdp ignored" in f for f in result.fallbacks), result.fallbacks
-    assert (tmp_path / "r" / "checkpoint.pt").is_file()
+    assert latest_checkpoint(tmp_path / "r").step == 1
 
 
 # ----------------------------------------------------------------------- worker (torchrun)

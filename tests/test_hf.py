@@ -307,13 +307,13 @@ def test_resolve_preset_and_directory(saved):
 
 def test_resolve_hub_id_from_cache(saved, fake_cache, no_network):
     repo = fake_cache / "models--tiny-org--tiny-llama"
-    main = repo / "snapshots" / "1111aaaa"
-    newer = repo / "snapshots" / "2222bbbb"
+    main = repo / "snapshots" / ("1111aaaa" * 5)  # snapshot names are 40-hex commit hashes
+    newer = repo / "snapshots" / ("2222bbbb" * 5)
     shutil.copytree(saved["llama"][0], main)
     shutil.copytree(saved["llama"][0], newer)
     os.utime(newer, (2e9, 2e9))
     (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("1111aaaa")
+    (repo / "refs" / "main").write_text("1111aaaa" * 5)
     assert resolve_model("tiny-org/tiny-llama").path == main  # refs/main wins over a newer snapshot
     (repo / "refs" / "main").unlink()
     r = resolve_model("tiny-org/tiny-llama")
@@ -321,6 +321,38 @@ def test_resolve_hub_id_from_cache(saved, fake_cache, no_network):
     model, _ = load_hf_model(r.path)
     with torch.no_grad():
         torch.testing.assert_close(model(_ids()), saved["llama"][1](_ids()).logits, **TOL)
+
+
+def test_cache_ref_must_be_a_hash_inside_the_cache(saved, fake_cache, tmp_path, no_network):
+    """refs/main holding a path, or a snapshot symlinked out of the cache, is refused (reference:
+    the directory outside the cache that would otherwise have been loaded)."""
+    outside = tmp_path / "outside"
+    shutil.copytree(saved["llama"][0], outside)
+    repo = fake_cache / "models--tiny-org--tiny-llama"
+    (repo / "snapshots").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("../../../outside")
+    with pytest.raises(ValueError, match=r"refs/main holds '\.\./\.\./\.\./outside', not a commit hash"):
+        resolve_model("tiny-org/tiny-llama")
+    (repo / "refs" / "main").write_text("3" * 40)
+    (repo / "snapshots" / ("3" * 40)).symlink_to(outside)
+    with pytest.raises(ValueError, match="outside the cache"):
+        resolve_model("tiny-org/tiny-llama")
+
+
+def test_malformed_hf_files_name_the_file(saved, tmp_path):
+    model_dir = tmp_path / "m"
+    shutil.copytree(saved["llama"][0], model_dir)
+    (model_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"m/config\.json holds a JSON list"):
+        load_hf_model(model_dir)
+    (model_dir / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"m/config\.json is not valid JSON"):
+        load_hf_model(model_dir)
+    shutil.copy(saved["llama"][0] / "config.json", model_dir / "config.json")
+    (model_dir / "tokenizer.json").write_text('{"truncated": ')
+    with pytest.raises(ValueError, match=r"m/tokenizer\.json is not a tokenizer"):
+        load_hf_model(model_dir)
 
 
 def test_missing_model_errors_without_network(fake_cache, no_network):
@@ -371,10 +403,12 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
             p.mul_(1.1)
     run_dir = tmp_path / "run"
     save_checkpoint(run_dir, {"model": {f"_orig_mod.{k}": v for k, v in model.state_dict().items()},
-                              "config": {"model_name": str(directory)}})
+                              "config": {"model_name": str(directory)}, "step": 1})
     tok.save(run_dir / "tokenizer")
     monkeypatch.setattr("sys.argv", ["export_hf.py", "--run_dir", str(run_dir), "--out_dir", str(tmp_path / "out")])
-    runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+    with pytest.raises(SystemExit) as exit_status:
+        runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+    assert exit_status.value.code == 0
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanochat.checkpoint import latest_checkpoint
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import tiny_train_kwargs
@@ -39,7 +40,7 @@ def test_loss_falls_and_result_is_complete(small_corpus, tmp_path):
     assert result.fallbacks == [] and result.fp8_backend == "off"
     assert len(result.samples) == 1
     assert result.optimizer_state_bytes == 8 * result.num_params
-    assert (tmp_path / "run" / "checkpoint.pt").exists()
+    assert latest_checkpoint(tmp_path / "run").step == 30
     assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 30
 
 

@@ -3,19 +3,87 @@
 Everything here is small and has no opinion about models or FP8. The rule for messages is the
 project's rule: a fallback or a surprising choice is said once, with its reason, and the caller
 records it in the run's results (`TrainResult.fallbacks`); nothing degrades silently.
+
+Errors a user can act on are `NanoChatError`s (`UsageError` for a bad flag or input: exit 2;
+the base class for a run that failed on its environment or its data on disk: exit 1). Every
+entrypoint runs under `run_main`, which prints them, and ordinary OS errors, as one `error:`
+line; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import sys
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger("nanochat")
+
+
+class NanoChatError(RuntimeError):
+    """A failure the user can act on, with a message that says what, where and how to fix it.
+    The run itself failed (a corrupt checkpoint, a full disk, a diverged model): exit status 1."""
+
+    exit_code = 1
+
+
+class UsageError(NanoChatError, ValueError):
+    """A bad flag, argument or input file, found before any work is lost: exit status 2. A
+    ValueError too, so callers that catch ValueError for bad input keep working."""
+
+    exit_code = 2
+
+
+# OS errors whose cause is the path the user gave (exit 2); every other OSError is the
+# environment's (exit 1).
+_USAGE_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def describe_error(e: BaseException) -> tuple[int, str] | None:
+    """(exit status, one-line message) for an error a user can act on; None for a bug."""
+    if isinstance(e, NanoChatError):
+        return e.exit_code, str(e)
+    if isinstance(e, OSError):
+        where = f" {e.filename}" if e.filename else ""
+        reason = e.strerror or str(e)
+        if e.errno == errno.ENOSPC:
+            return 1, (f"no space left on the device of{where or ' a file being written'}; free space "
+                       "there or point --run_dir (or the output path) at another disk")
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return 1, f"cannot write or read{where}: {reason}; fix its permissions or choose another path"
+        if e.errno in _USAGE_ERRNOS:
+            return 2, f"{e.filename or e}: {reason}; check the path given on the command line"
+        return 1, f"{e.filename}: {reason}" if e.filename else str(e)
+    if isinstance(e, ValueError):  # bad input from a library check (data, tokenizer, HF files)
+        return 2, str(e)
+    return None
+
+
+def run_main(main: Callable[[], int | None], *, debug: bool = False) -> int:
+    """Run an entrypoint's body: a user or environment error becomes one `error: ...` line on
+    stderr and its exit status (2 usage, 1 runtime) instead of a traceback; `debug` re-raises
+    so the traceback shows. Anything else is a bug and keeps its traceback."""
+    try:
+        return main() or 0
+    except Exception as e:
+        described = describe_error(e)
+        if described is None:
+            raise
+        if debug:
+            traceback.print_exc()
+        code, message = described
+        # a progress bar the error interrupted ends its line first, so `error:` starts one
+        bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())
+        for bar in list(bars):
+            bar.close()
+        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+        return code
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -76,13 +144,27 @@ def resolve_device(name: str = "auto") -> torch.device:
         if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # torch: "Expected one of cpu, cuda, ... device type at start of ..."
+        raise UsageError(f"--device {name!r} is not a device torch knows ({e}); use cpu, cuda, "
+                         "cuda:N, mps or auto") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise UsageError(f"--device {name!r}: nanochat runs on cpu, cuda (cuda:N) or mps; use one of "
+                         "those or auto")
+    if device.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
+                                     and torch.backends.mps.is_available()):
+        raise UsageError(f"--device {name!r} was requested but this machine has no MPS backend; "
+                         "use --device cpu or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"device={name!r} was requested but torch.cuda.is_available() is False "
+        raise UsageError(
+            f"--device {name!r} was requested but torch.cuda.is_available() is False "
             f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). "
             "Use --device cpu, or install a CUDA build: make install TORCH=torch"
         )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"numbered from 0; use --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
     return device
 
 
@@ -100,7 +182,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
+        raise UsageError(f"unknown --dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
 
 
 def host_read(t: torch.Tensor) -> list:

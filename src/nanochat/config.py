@@ -12,7 +12,11 @@ Flags are shown with underscores (`--fp8_mode`); tyro also accepts the hyphenate
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import sys
+import types
+import typing
 from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
@@ -141,10 +145,21 @@ class TrainConfig(FP8Flags):
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
 
     run_dir: str = "runs/default"
-    """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go."""
+    """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go. A directory that
+    already holds a run is never reused silently: continue it with --resume or replace it with
+    --overwrite."""
 
     resume: bool = False
-    """Continue from the checkpoint in --run_dir (model, optimizer, step, RNG, data position)."""
+    """Continue from the newest checkpoint in --run_dir (model, optimizer, step, RNG, data
+    position); it is verified against its checksum first."""
+
+    overwrite: bool = False
+    """Start a fresh run in a --run_dir that already holds one: deletes its checkpoints,
+    metrics.jsonl and result.json first. Without it (or --resume) such a directory is refused."""
+
+    keep_checkpoints: int = 2
+    """Keep the newest N checkpoints (older ones are deleted after each save), so a damaged
+    newest checkpoint still leaves one to resume from."""
 
     seed: int = 1337
     """Seed for weights, data order and sampling."""
@@ -192,7 +207,22 @@ class TrainConfig(FP8Flags):
     them (torch.utils.checkpoint per block): activation memory drops to one block input per
     layer, at the cost of a second forward pass through every block."""
 
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
     def __post_init__(self) -> None:
+        _normalize_paths(self, "model_name", "dataset_path", "tokenizer_dir", "run_dir")
+        _check_types(self)
+        _finite(self, "lr", "final_lr_frac", "weight_decay", "beta1", "beta2", "grad_clip", "temperature")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --run_dir, --overwrite deletes it: give one")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"--keep_checkpoints must be >= 1 (the newest checkpoint), got {self.keep_checkpoints}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.run_dir.strip():
+            raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
         if self.fp8_opt_level != 0 and not self.fp8:
             raise ValueError(
                 f"--fp8_opt_level {self.fp8_opt_level} needs --fp8: FP8 optimizer states are part "
@@ -201,7 +231,8 @@ class TrainConfig(FP8Flags):
             )
         _positive(self, "seq_len", "batch_size", "grad_accum_steps", "vocab_size", "eval_tokens")
         _non_negative(self, "warmup_steps", "eval_every", "save_every", "grad_clip",
-                      "num_samples", "sample_tokens", "top_k", "weight_decay", "fp8_stats_every")
+                      "num_samples", "sample_tokens", "top_k", "weight_decay", "fp8_stats_every",
+                      "temperature")
         if self.num_iterations == 0 or self.num_iterations < -1:
             raise ValueError(f"--num_iterations must be -1 (use --num_epochs) or positive, got {self.num_iterations}")
         if self.num_iterations == -1 and self.num_epochs < 1:
@@ -264,7 +295,12 @@ class TokTrainConfig(FP8Flags):
     max_chars: int = 20_000_000
     """Train on at most this many characters of the corpus (BPE merges converge long before)."""
 
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
     def __post_init__(self) -> None:
+        _normalize_paths(self, "dataset_path", "tokenizer_dir")
+        _check_types(self)
         if self.vocab_size < 260:
             raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
         _positive(self, "max_chars")
@@ -278,12 +314,17 @@ class ExportConfig:
     """Directory to write config.json, model.safetensors and the tokenizer files to."""
 
     run_dir: str | None = None
-    """A training run directory (its checkpoint.pt and tokenizer/) to export."""
+    """A training run directory (its newest checkpoint and tokenizer/) to export."""
 
     model_name: str | None = None
     """Instead of --run_dir: a local Hugging Face directory or a cached hub id, exported as loaded."""
 
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
     def __post_init__(self) -> None:
+        _normalize_paths(self, "out_dir", "run_dir", "model_name")
+        _check_types(self)
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
 
@@ -438,6 +479,68 @@ auto-recheck re-checks at steps 6 and 8."""
 
 def resolved(cfg: ParityConfig) -> ParityConfig:
     return dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
+
+
+def _normalize_paths(cfg, *names: str) -> None:
+    """pathlib.Path values (API callers) become the str the field holds, so configs stay JSON;
+    a list of --fp8_skip patterns becomes the tuple that keeps the config hashable."""
+    for n in names:
+        if isinstance(getattr(cfg, n), os.PathLike):
+            object.__setattr__(cfg, n, os.fspath(getattr(cfg, n)))
+    if isinstance(getattr(cfg, "fp8_skip", None), list):
+        object.__setattr__(cfg, "fp8_skip", tuple(cfg.fp8_skip))
+
+
+def _matches(value, hint) -> bool:
+    """Whether `value` has the annotated type (the subset of typing these configs use)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _matches(value, args[0])
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_matches(v, args[0]) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Annotated:
+        return _describe(args[0])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is tuple:
+        return f"a tuple of {_describe(args[0])}"
+    if hint is type(None):
+        return "None"
+    return f"{'an' if hint.__name__[0] in 'aeiou' else 'a'} {hint.__name__}"
+
+
+def _check_types(cfg) -> None:
+    """The CLI checks types itself; this catches the Python API's mistakes (batch_size=2.5,
+    fp8="yes") at construction instead of deep inside training."""
+    hints = typing.get_type_hints(type(cfg), include_extras=True)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not _matches(value, hints[f.name]):
+            raise ValueError(f"--{f.name} must be {_describe(hints[f.name])}, got {value!r} "
+                             f"({type(value).__name__})")
+
+
+def _finite(cfg, *names: str) -> None:
+    for n in names:
+        if not math.isfinite(getattr(cfg, n)):
+            raise ValueError(f"--{n} must be a finite number, got {getattr(cfg, n)}")
 
 
 def _positive(cfg, *names: str) -> None:

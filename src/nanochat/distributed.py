@@ -44,7 +44,7 @@ rank would otherwise have to run exactly the same forwards). It costs one full f
 weights per rank while it lives (4 bytes/param, against the 16 bytes/param of weights,
 gradients and Adam moments that FSDP shards).
 
-Checkpoints. A single process writes `checkpoint.pt` (checkpoint.py: one file, weights_only).
+Checkpoints. A single process writes `checkpoint-<step>.pt` (checkpoint.py: weights_only).
 A distributed run writes a `torch.distributed.checkpoint` (DCP) directory: every rank writes
 its own shards in parallel, and DCP records which slice of which tensor each file holds, so it
 loads into any world size, FSDP or DDP, or a single process (no process group needed). FP8
@@ -61,7 +61,7 @@ and then atomically replaces LATEST (`os.replace`) before deleting older step di
 crash at any point leaves LATEST naming a complete checkpoint. (A directory cannot be replaced
 atomically by `rename`, hence the pointer file.) Whichever format a run writes, it deletes the
 other afterwards, so resume finds one checkpoint; if a crash left both, the newer one wins.
-DCP stores its index (`.metadata`) with pickle, so unlike checkpoint.pt a DCP checkpoint must
+DCP stores its index (`.metadata`) with pickle, so unlike checkpoint-*.pt a DCP checkpoint must
 come from a trusted source; everything nanochat adds is JSON (trainer.json) or tensors.
 """
 
@@ -462,7 +462,7 @@ def read_dcp_meta(path: str | os.PathLike) -> dict[str, Any]:
 @torch.no_grad()
 def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
                           model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]) -> None:
-    """Load a single process's state dicts (checkpoint.pt) into an FSDP-sharded model and its
+    """Load a single process's state dicts (checkpoint-<step>.pt) into an FSDP-sharded model and its
     optimizer: every rank holds the full tensors and keeps its own rows.
 
     FP8 moments are dequantized before slicing and requantized per shard by FP8Optim's

@@ -58,7 +58,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nanochat.common import logger, warn_once
+from nanochat.common import UsageError, logger, warn_once
 from nanochat.gpt import GPT, PRESETS, GPTConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -93,18 +93,48 @@ def hf_cache_dirs() -> list[Path]:
 
 def _find_in_cache(repo_id: str, cache: Path) -> Path | None:
     """The snapshot directory of `repo_id` in one cache: the revision refs/main points to if it
-    is complete (has config.json), else the most recently modified snapshot that is."""
+    is complete (has config.json), else the most recently modified snapshot that is.
+
+    refs/main must hold a commit hash (40 hex digits, as huggingface_hub writes it) and every
+    snapshot must resolve inside the cache's snapshots/ directory: a ref or a symlink that leads
+    elsewhere would load files from outside the cache, so it is an error naming the file."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
     ref = repo / "refs" / "main"
     if ref.is_file():
-        main = snapshots / ref.read_text().strip()
+        rev = ref.read_text(encoding="utf-8", errors="replace").strip()
+        if not re.fullmatch(r"[0-9a-f]{40}", rev):
+            raise UsageError(f"{ref} holds {rev[:60]!r}, not a commit hash (40 hex digits, what "
+                             f"huggingface_hub writes); delete {ref} or download {repo_id} again")
+        main = _inside(snapshots / rev, snapshots)
         if (main / "config.json").is_file():
             return main
-    complete = [s for s in snapshots.iterdir() if (s / "config.json").is_file()]
+    complete = [_inside(s, snapshots) for s in snapshots.iterdir() if (s / "config.json").is_file()]
     return max(complete, key=lambda s: s.stat().st_mtime) if complete else None
+
+
+def _inside(path: Path, root: Path) -> Path:
+    """`path`, refused unless it stays inside `root` once symlinks and `..` are resolved."""
+    real, real_root = path.resolve(), root.resolve()
+    if not real.is_relative_to(real_root):
+        raise UsageError(f"Hugging Face cache snapshot {path} resolves to {real}, outside the cache "
+                         f"directory {real_root}; remove it and download the model again")
+    return path
+
+
+def read_config_json(path: Path) -> dict:
+    """A model directory's config.json as a dict; a clear error naming the file otherwise."""
+    file = Path(path) / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{file} is not valid JSON ({e}); restore it from the model's source") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{file} holds a JSON {type(config).__name__}, expected an object with the "
+                         "model's settings; restore it from the model's source")
+    return config
 
 
 def resolve_model(name: str) -> ResolvedModel:
@@ -348,8 +378,12 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     the rotary tables are fp32. seq_len defaults to the checkpoint's context length.
     """
     path = Path(path)
-    hf_config = json.loads((path / "config.json").read_text())
-    config = gpt_config_from_hf(hf_config, seq_len=seq_len)
+    hf_config = read_config_json(path)
+    try:
+        config = gpt_config_from_hf(hf_config, seq_len=seq_len)
+    except (KeyError, TypeError) as e:  # a field missing or of the wrong type
+        raise UsageError(f"{path / 'config.json'}: {type(e).__name__} {e} while reading the model's "
+                         "settings; the file is incomplete or not a Llama-family config") from None
     tokenizer = HFTokenizer.load(path)
 
     with torch.device("meta"):
@@ -423,8 +457,19 @@ class HFTokenizer:
         if "tokenizer.json" not in files:
             raise FileNotFoundError("tokenizer.json is required")
         self._files = dict(files)
-        self._tok = _Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
-        self._config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        try:
+            self._tok = _Tokenizer.from_str(files["tokenizer.json"].decode("utf-8"))
+        except Exception as e:  # the tokenizers library raises its own Exception subclass
+            raise UsageError(f"tokenizer.json is not a tokenizer the tokenizers library reads ({e}); "
+                             "restore it from the model's source") from None
+        try:
+            self._config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"tokenizer_config.json is not valid JSON ({e}); restore it from the "
+                             "model's source") from None
+        if not isinstance(self._config, dict):
+            raise UsageError(f"tokenizer_config.json holds a JSON {type(self._config).__name__}, "
+                             "expected an object; restore it from the model's source")
         self.chat_template: str | None = self._find_chat_template()
         """Jinja source of the checkpoint's chat template, or None if it has none."""
         h = hashlib.sha256()
@@ -451,7 +496,10 @@ class HFTokenizer:
                 "SentencePiece tokenizer.model, convert it where transformers is installed: "
                 "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
             )
-        return cls({n: (d / n).read_bytes() for n in _TOKENIZER_FILES if (d / n).is_file()})
+        try:
+            return cls({n: (d / n).read_bytes() for n in _TOKENIZER_FILES if (d / n).is_file()})
+        except UsageError as e:
+            raise UsageError(f"{d}/{e}") from None  # the message starts with the file's name
 
     def save(self, directory: str | os.PathLike) -> Path:
         d = Path(directory)
@@ -608,9 +656,9 @@ def model_from_state_dict(model_name: str, state_dict: dict[str, torch.Tensor],
         raise ValueError(
             f"{model_name!r} is a nanochat preset: its ReLU^2 MLP, parameter-free RMSNorm, QK-norm, "
             "embedding norm and logit softcap have no Hugging Face Llama counterpart, so it cannot be "
-            "exported for transformers; its checkpoint.pt is the way to keep it"
+            "exported for transformers; its checkpoint-<step>.pt is the way to keep it"
         )
-    config = gpt_config_from_hf(json.loads((resolved.path / "config.json").read_text()))
+    config = gpt_config_from_hf(read_config_json(resolved.path))
     with torch.device("meta"):
         model = GPT(config)
     model.materialize("cpu")

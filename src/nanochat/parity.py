@@ -151,7 +151,7 @@ def run_one(kw: dict[str, Any], mode: str, seed: int, *, emulate: bool) -> dict[
     t0 = time.perf_counter()
     base = dict(mode=mode, seed=seed, commit=code_version(), reused=False)
     try:
-        r = NanoChatTrainer(**kw).train()
+        r = NanoChatTrainer(**kw, overwrite=True).train()  # a run not reused is trained again
     except Exception as e:  # noqa: BLE001 -- recorded in parity.json and in the table, never hidden
         traceback.print_exc()
         return dict(base, error=f"{type(e).__name__}: {e}", wall_time_s=time.perf_counter() - t0,

@@ -51,6 +51,8 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
+from nanochat.common import UsageError
+
 # GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (see the module docstring).
 SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
@@ -188,26 +190,48 @@ class Tokenizer:
                     f"{d} is not a nanochat tokenizer: {name} is missing (a tokenizer directory "
                     f"holds {META_FILE} and {RANKS_FILE}); {make_one}"
                 )
+        meta_path = d / META_FILE
         try:
-            meta = json.loads((d / META_FILE).read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{d / META_FILE} is not valid JSON ({e}); {make_one}") from None
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UsageError(f"{meta_path} is not valid JSON ({e}); {make_one}") from None
+        if not isinstance(meta, dict):
+            raise UsageError(f"{meta_path} holds a JSON {type(meta).__name__}, expected the object "
+                             f"tokenizer training writes; {make_one}")
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{d / META_FILE}: format {meta.get('format')!r} version {meta.get('version')!r} "
+            raise UsageError(
+                f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r} "
                 f"is not {FORMAT!r} version {FORMAT_VERSION}; retrain it: {make_one}"
             )
+        kinds = {"pattern": str, "special_tokens": dict, "fingerprint": str}
+        for key, kind in kinds.items():
+            if not isinstance(meta.get(key), kind):
+                got = "missing" if key not in meta else f"a JSON {type(meta[key]).__name__}"
+                raise UsageError(f"{meta_path}: {key!r} is {got}, expected a JSON "
+                                 f"{'string' if kind is str else 'object'}; the file was edited or "
+                                 f"truncated: {make_one}")
+        if not all(isinstance(v, int) for v in meta["special_tokens"].values()):
+            raise UsageError(f"{meta_path}: 'special_tokens' must map names to integer ids; {make_one}")
         ranks: dict[bytes, int] = {}
-        for lineno, line in enumerate((d / RANKS_FILE).read_text(encoding="ascii").splitlines(), 1):
+        try:
+            text = (d / RANKS_FILE).read_text(encoding="ascii")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{d / RANKS_FILE} is not the ASCII file tokenizer training writes ({e}); "
+                             f"{make_one}") from None
+        for lineno, line in enumerate(text.splitlines(), 1):
             try:
                 tok, rank = line.split()
                 ranks[base64.b64decode(tok, validate=True)] = int(rank)
             except ValueError as e:
-                raise ValueError(f"{d / RANKS_FILE}:{lineno}: expected 'base64 rank', got {line!r} ({e})") from None
+                raise UsageError(f"{d / RANKS_FILE}:{lineno}: expected 'base64 rank', got {line!r} ({e})") from None
         specials = sorted(meta["special_tokens"].items(), key=lambda kv: kv[1])
-        tok = cls(ranks, meta["pattern"], [name for name, _ in specials])
+        try:
+            tok = cls(ranks, meta["pattern"], [name for name, _ in specials])
+        except ValueError as e:  # the ranks are not a vocabulary, or the pattern does not compile
+            raise UsageError(f"{d}: {e} (pattern and specials from {meta_path}, ranks from "
+                             f"{d / RANKS_FILE}); {make_one}") from None
         if tok.special_tokens != meta["special_tokens"] or tok.fingerprint != meta["fingerprint"]:
-            raise ValueError(
+            raise UsageError(
                 f"{d}: the files do not match the fingerprint recorded at save time "
                 f"({tok.fingerprint} != {meta['fingerprint']}); they were edited or truncated. {make_one}"
             )

@@ -19,8 +19,8 @@ is joined first thing; the model is wrapped (DDP, or FSDP2 with --fsdp) after FP
 before the optimizer is built, since FSDP replaces the parameters with sharded DTensors. Logged
 losses are means over ranks, evaluation sums over each rank's share of the validation windows,
 and only rank 0 prints, logs and samples. Distributed runs checkpoint with DCP (every rank
-writes its shards); a single process keeps checkpoint.pt; either resumes in any world size with
-the same global batch (batch_size x world size).
+writes its shards); a single process writes checkpoint-<step>.pt; either resumes in any world
+size with the same global batch (batch_size x world size).
 
 Mixed precision: on CUDA the forward runs under bf16 autocast with fp32 master weights;
 torchao's Float8Linear handles CUDA bf16 autocast itself (it casts its input to bf16 before
@@ -43,9 +43,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanochat import distributed, engine, memory
-from nanochat.checkpoint import checkpoint_path, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nanochat import checkpoint, distributed, engine, memory
+from nanochat.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from nanochat.common import (
+    NanoChatError,
+    UsageError,
     format_bytes,
     format_table,
     host_read,
@@ -188,7 +190,14 @@ class NanoChatTrainer:
         setup_logging()
         self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if cfg.fp8 and self.dtype != torch.float32 and self.device.type != "cuda":
+            raise UsageError(
+                f"--fp8 with --dtype {cfg.dtype} on {self.device.type}: torchao's FP8 layers only "
+                "support bf16 autocast on CUDA (elsewhere they would round outputs to the wrong dtype). "
+                "Use --dtype float32 (the default off CUDA) with --fp8."
+            )
         self.run_dir = Path(cfg.run_dir)
+        self._check_run_dir()
         self.fallbacks: list[str] = []
         self.cache_root = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))
         seed_everything(cfg.seed)
@@ -327,16 +336,87 @@ class NanoChatTrainer:
                                              for g in adamw.param_groups for p in g["params"])
 
         self._compile()
-        if cfg.fp8 and self.dtype != torch.float32 and self.device.type != "cuda":
-            raise ValueError(
-                f"--fp8 with --dtype {cfg.dtype} on {self.device.type}: torchao's FP8 layers only "
-                "support bf16 autocast on CUDA (elsewhere they would round outputs to the wrong dtype). "
-                "Use --dtype float32 (the default off CUDA) with --fp8."
-            )
         self.autocast = (
             torch.autocast(self.device.type, dtype=self.dtype)
             if self.dtype != torch.float32 else contextlib.nullcontext()
         )
+        self._prechecks()
+
+    # Files that make a directory a run's: refused without --resume, deleted by --overwrite
+    # (checkpoint.pt: the single checkpoint file of earlier nanochat versions).
+    _RUN_FILES = ("metrics.jsonl", "result.json", "checkpoint.pt")
+
+    def _existing_run(self) -> list[str]:
+        """What in --run_dir belongs to an earlier run (checkpoints, DCP checkpoints, metrics)."""
+        found = [c.path.name for c in checkpoint.list_checkpoints(self.run_dir)]
+        found += [n for n in self._RUN_FILES if (self.run_dir / n).exists()]
+        if distributed.dcp_root(self.run_dir).exists():
+            found.append(distributed.dcp_root(self.run_dir).name + "/")
+        return found
+
+    def _check_run_dir(self) -> None:
+        """Before any work: --run_dir is a directory (or can become one), and a run already in it
+        is continued (--resume) or replaced (--overwrite), never silently clobbered."""
+        cfg, d = self.config, self.run_dir
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"--run_dir {d} exists and is not a directory; give a directory path")
+        existing = self._existing_run() if d.is_dir() else []
+        if cfg.resume:
+            if checkpoint.latest_checkpoint(d) is None and distributed.latest_dcp(d) is None:
+                legacy = (f" Its checkpoint.pt was written by an earlier nanochat, without the checksum "
+                          "--resume verifies: it still loads with torch.load(weights_only=True), but "
+                          "cannot be resumed." if (d / "checkpoint.pt").is_file() else "")
+                raise UsageError(
+                    f"--resume: no checkpoint in {d} (no checkpoint-<step>.pt with its .json manifest, no "
+                    f"{distributed.DCP_DIRNAME}/).{legacy} Start a fresh run without --resume, or point "
+                    "--run_dir at the directory of the run you want to continue.")
+        elif existing and not cfg.overwrite:
+            raise UsageError(
+                f"--run_dir {d} already holds a run ({', '.join(existing[:4])}); continue it with --resume, "
+                "replace it with --overwrite (deletes its checkpoints and metrics), or choose a new --run_dir")
+
+    def _prepare_run_dir(self) -> None:
+        """Create --run_dir, prove it writable, make room for --overwrite, and remove what a killed
+        save left behind (rank 0 deletes; every rank probes, since each writes there)."""
+        d = self.run_dir
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".write-probe-{os.getpid()}-{self.dist.rank}"
+            probe.write_bytes(b"nanochat")
+            probe.unlink()
+        except OSError as e:
+            raise UsageError(f"--run_dir {d} is not writable ({e.strerror or e}); fix its permissions or "
+                             "choose another --run_dir") from None
+        if self.dist.rank != 0:
+            return
+        if self.config.overwrite and self._existing_run():
+            logger.info("--overwrite: deleting the previous run's checkpoints and metrics in %s", d)
+            checkpoint.remove_checkpoints(d)
+            shutil.rmtree(distributed.dcp_root(d), ignore_errors=True)
+            for name in self._RUN_FILES:
+                (d / name).unlink(missing_ok=True)
+        for p in checkpoint.clean_interrupted(d):
+            logger.info("removed %s, left by an interrupted save", p)
+
+    def _prechecks(self) -> None:
+        """Everything that would otherwise fail after training has started, checked now."""
+        cfg = self.config
+        # one evaluation window (val_batches raises the data error, naming the fix)
+        next(iter(val_batches(self.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
+                              rank=self.dist.rank, world_size=self.dist.world_size,
+                              loss_mask=self.val_mask)), None)
+        if cfg.num_samples and self.corpus.kind == "instruct":
+            for r in self.corpus.val_records[:cfg.num_samples]:
+                instruct.generation_prompt(self.tokenizer, r)
+        self._prepare_run_dir()
+        # room for one more checkpoint: the new one is complete before older ones are deleted
+        need = sum(distributed.local_numel(t) * t.element_size() for t in self.model.state_dict().values()
+                   if isinstance(t, torch.Tensor)) + self.optimizer_state_bytes
+        free = shutil.disk_usage(self.run_dir).free
+        if free < need:
+            raise NanoChatError(
+                f"--run_dir {self.run_dir}: {format_bytes(free)} free on its disk, one checkpoint needs about "
+                f"{format_bytes(need)}; free space or choose a --run_dir on another disk")
 
     def _parallelize(self) -> torch.nn.Module:
         """Wrap the model for this world size; returns the module the training step calls (DDP
@@ -519,11 +599,23 @@ class NanoChatTrainer:
         return out
 
     # ---------------------------------------------------------------- persist
-    def _save(self, step: int) -> None:
-        """checkpoint.pt in a single process, a DCP directory (every rank) when distributed; the
-        format not written is deleted afterwards, so a resume finds exactly one."""
+    def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
+        """A checkpoint in a single process (checkpoint.py: verified, the newest
+        --keep_checkpoints kept), a DCP directory (every rank) when distributed; the format not
+        written is deleted afterwards, so a resume finds one. A model or optimizer state holding
+        inf/nan is never written: the run stops, naming the last checkpoint that is good.
+        `record`: this step's metrics line when it is logged after the save (the last step's,
+        which waits for the final evaluation), so a resume can log it if the run died between."""
+        bad = self._nonfinite_state()
+        if bad:
+            raise NanoChatError(
+                f"step {step}: not saving, {bad} hold inf/nan. Step {step}'s loss and gradients were "
+                f"finite, so its update made them so (or an earlier update, in weights no batch since "
+                f"used). {self._good_checkpoint_note()}: lower --lr, check the data, or try "
+                "--fp8_mode e5m2 / auto")
         meta = {
             "config": self.config.to_dict(),
+            "resolved_paths": self._resolved_paths(),
             "step": step,
             "world_size": self.dist.world_size,
             "data": self.loader.state_dict(),
@@ -534,30 +626,81 @@ class NanoChatTrainer:
             "fp8_choices": self.fp8_choices,
             "fp8_auto_switches": self.auto_switches,
             "fp8_auto_pending": self.auto_pending,
+            "record": record,
         }
         if self.dist.is_distributed:
             rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
             distributed.save_dcp(self.run_dir, self.model, self.optimizer, step=step, meta=meta, tensors=rng)
             if self.dist.rank == 0:
-                checkpoint_path(self.run_dir).unlink(missing_ok=True)
+                checkpoint.remove_checkpoints(self.run_dir)
             return
         save_checkpoint(self.run_dir, {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "rng": rng_state(),
             **meta,
-        })
+        }, step=step, keep=self.config.keep_checkpoints)
         shutil.rmtree(distributed.dcp_root(self.run_dir), ignore_errors=True)
 
+    def _nonfinite_state(self) -> str:
+        """'' when every parameter and optimizer state is finite, else which tensors are not.
+
+        One flag per tensor, stacked and reduced once: a single device-to-host read for the whole
+        model (the per-tensor names are looked up only when something is wrong)."""
+        from nanochat.fp8 import FP8Tensor
+
+        def finite(t: torch.Tensor) -> torch.Tensor | None:
+            """A 0-dim bool on the device (no sync); None for what holds no floats."""
+            t = t.to_local() if isinstance(t, distributed.DTensor) else t
+            if isinstance(t, FP8Tensor):  # FP8 moments: their codes (a transient fp32 copy) and scales
+                return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
+            return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
+
+        named = [(f"parameter {n}", finite(p.detach())) for n, p in self.model.named_parameters()]
+        for i, st in enumerate(self.optimizer.state_dict()["state"].values()):
+            named += [(f"optimizer state {i}.{k}", finite(v)) for k, v in st.items()
+                      if isinstance(v, torch.Tensor) and v.ndim]
+        named = [(n, f) for n, f in named if f is not None]
+        if not named:
+            return ""
+        flags = torch.stack([f for _, f in named])
+        bad = distributed.all_reduce_sum((~flags).sum().float().reshape(1))  # every rank decides alike
+        if bad.item() == 0:
+            return ""
+        names = [n for (n, _), ok in zip(named, flags.tolist()) if not ok]
+        return (f"{len(names)} of {len(named)} tensors on this rank ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''})" if names else "tensors on another rank")
+
+    def _good_checkpoint_note(self) -> str:
+        """Which checkpoint a resume would start from, checked now (checksum; DCP: complete)."""
+        if self.dist.is_distributed:
+            dcp = distributed.latest_dcp(self.run_dir)
+            return (f"The last good checkpoint is {dcp} (complete, saved before the problem)" if dcp else
+                    f"No checkpoint of this run was saved in {self.run_dir} before the problem")
+        good = checkpoint.last_good_checkpoint(self.run_dir)
+        if good is None:
+            return f"No checkpoint of this run was saved in {self.run_dir} before the problem"
+        return f"The last good checkpoint is {good.path} (step {good.step}, verified, finite)"
+
+    def _resolved_paths(self) -> dict[str, str | None]:
+        """The path-valued fields as absolute, symlink-free paths: what resume compares (so `tok/`
+        and `tok`, relative and absolute, name the same directory)."""
+        cfg = self.config
+        out = {}
+        for k in ("model_name", "dataset_path", "tokenizer_dir"):
+            v = getattr(cfg, k)
+            out[k] = None if v is None else (os.path.realpath(v) if os.path.exists(v) else v)
+        return out
+
     def _find_checkpoint(self) -> tuple[str, Path]:
-        """("dcp", step dir) or ("pt", checkpoint.pt): the newest checkpoint of run_dir. Both exist
-        only after a crash between writing one and deleting the other; then the newer wins."""
-        dcp_dir, pt = distributed.latest_dcp(self.run_dir), checkpoint_path(self.run_dir)
+        """("dcp", step dir) or ("pt", checkpoint file): the newest checkpoint of run_dir. Both
+        exist only after a crash between writing one and deleting the other; the later step wins."""
+        dcp_dir, pt = distributed.latest_dcp(self.run_dir), checkpoint.latest_checkpoint(self.run_dir)
         if dcp_dir is None:
-            return "pt", pt  # load_checkpoint explains a missing file
-        pointer = distributed.dcp_root(self.run_dir) / distributed.LATEST
-        if pt.is_file() and pt.stat().st_mtime > pointer.stat().st_mtime:
-            return "pt", pt
+            return "pt", self.run_dir  # load_checkpoint explains a missing file
+        dcp_step = distributed.read_dcp_meta(dcp_dir)["step"]
+        if pt is not None and pt.step > dcp_step:
+            return "pt", self.run_dir
         return "dcp", dcp_dir
 
     def _resume(self) -> int:
@@ -566,19 +709,28 @@ class NanoChatTrainer:
             ckpt = distributed.read_dcp_meta(source)
         else:
             ckpt = load_checkpoint(self.run_dir, map_location=self.device)
+            source = checkpoint.latest_checkpoint(self.run_dir).path
         saved = ckpt["config"]
         now = self.config.to_dict()
-        diff = {k: (saved.get(k), now[k]) for k in _RESUME_MUST_MATCH if saved.get(k) != now[k]}
+        saved_paths = ckpt.get("resolved_paths") or {}
+        resolved_now = self._resolved_paths()
+
+        def same(k: str) -> bool:
+            if saved.get(k) == now[k]:
+                return True
+            return k in resolved_now and saved_paths.get(k, saved.get(k)) == resolved_now[k]
+
+        diff = {k: (saved.get(k), now[k]) for k in _RESUME_MUST_MATCH if not same(k)}
         saved_ranks = ckpt.get("world_size", 1)
         if saved["batch_size"] * saved_ranks != now["batch_size"] * self.dist.world_size:
             diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks",
                                   f"{now['batch_size']} x {self.dist.world_size} ranks")
         if diff:
             lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
+            raise UsageError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
                              "use the checkpoint's values or a new --run_dir")
         if ckpt["tokenizer_fingerprint"] != self.tokenizer.fingerprint:
-            raise ValueError("--resume: the tokenizer differs from the one the checkpoint was trained "
+            raise UsageError("--resume: the tokenizer differs from the one the checkpoint was trained "
                              "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
         if kind == "dcp":
             tensors = {"rng_cpu": torch.get_rng_state()}
@@ -601,7 +753,31 @@ class NanoChatTrainer:
             self.auto_pending = dict(ckpt.get("fp8_auto_pending") or {})
             logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
         logger.info("resumed from %s at step %d", source, ckpt["step"])
+        self.resumed_record = ckpt.get("record")
         return int(ckpt["step"])
+
+    def _truncate_metrics(self, step: int, record: dict[str, Any] | None) -> None:
+        """Drop metrics.jsonl's lines from the first record after `step` on: the steps a resume
+        repeats were logged by the interrupted run, and each step must appear once. `record`, the
+        checkpoint's own line for `step`, is appended when the run died before logging it."""
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+        keep = len(lines)
+        for i, line in enumerate(lines):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                keep = i
+                break
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+                keep = i
+                break
+        logged = any('"loss"' in line and json.loads(line).get("step") == step for line in lines[:keep])
+        tail = [json.dumps(record) + "\n"] if record is not None and not logged else []
+        if keep < len(lines) or tail:
+            tmp = path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(lines[:keep] + tail))
+            os.replace(tmp, path)
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.rank == 0:
@@ -806,15 +982,16 @@ class NanoChatTrainer:
         self.counters["overflow_events"] += 1
         self.counters["skipped_steps"] += 1
         self.consecutive_bad += 1
+        self.bad_since = step + 1 if self.consecutive_bad == 1 else self.bad_since
         record.update(skipped=True, nonfinite_at=where)
         logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
                        step + 1, "gradient" if loss_finite else "loss", where, self.consecutive_bad)
         self.optimizer.zero_grad(set_to_none=True)
         if self.consecutive_bad >= self.config.fp8_max_overflows:
-            raise RuntimeError(
-                f"{self.consecutive_bad} consecutive steps with non-finite loss or gradients "
-                f"(last first seen at {where}); stopping. The last good checkpoint in "
-                f"{self.run_dir} is intact: lower --lr, check the data, or try "
+            raise NanoChatError(
+                f"{self.consecutive_bad} consecutive steps with non-finite loss or gradients, steps "
+                f"{self.bad_since}-{step + 1} (last first seen at {where}); stopping at step {step + 1}. "
+                f"{self._good_checkpoint_note()}: lower --lr, check the data, or try "
                 "--fp8_mode e5m2 / auto (more range for gradients)"
             )
 
@@ -829,7 +1006,6 @@ class NanoChatTrainer:
         t_start = time.perf_counter()
         cfg = self.config
         self._setup()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
                                          "stats_samples": 0, "min_clip_factor": None}
         self.fp8_choices: dict[str, dict[str, str]] | None = None
@@ -837,9 +1013,11 @@ class NanoChatTrainer:
         self.auto_pending: dict[str, int] = {}
         self.last_fp8_stats: dict[str, Any] | None = None
         start_step = self._resume() if cfg.resume else 0
-        if not cfg.resume and self.dist.rank == 0:
-            (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
-            self.tokenizer.save(self.run_dir / "tokenizer")
+        if self.dist.rank == 0:
+            if cfg.resume:
+                self._truncate_metrics(start_step, self.resumed_record)
+            else:
+                self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
         val_accuracy = None
         if start_step == 0 and self.num_choice_items:  # the starting point fine-tuning improves on
@@ -853,7 +1031,7 @@ class NanoChatTrainer:
 
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
         recent_losses: list[float] = []
-        self.consecutive_bad = 0
+        self.consecutive_bad, self.bad_since = 0, 0
         timed_tokens, timed_seconds = 0, 0.0
         val_loss = val_bpb = float("nan")
         self.model.train()
@@ -881,6 +1059,8 @@ class NanoChatTrainer:
 
             done = step + 1
             is_last = done == self.total_steps
+            if is_last:  # before the final evaluation: an error there must not lose the trained weights
+                self._save(done, record)
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 val_loss, val_bpb = self.evaluate()
                 val_accuracy = self.evaluate_accuracy()
@@ -893,7 +1073,7 @@ class NanoChatTrainer:
             self._log(record)
             if cfg.fp8 and int(self.loader.epoch) > epoch_before and not is_last:
                 self._fp8_summary(f"epoch {int(self.loader.epoch)}")
-            if (cfg.save_every and done % cfg.save_every == 0) or is_last:
+            if cfg.save_every and done % cfg.save_every == 0 and not is_last:
                 self._save(done)
         bar.close()
         if self.calib is not None:  # the run ended before calibration did: keep the hybrid

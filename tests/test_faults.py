@@ -1,0 +1,429 @@
+"""Faults a run must survive or report, each checked against a reference that cannot be faked:
+
+- kill -9 at seeded random points of training and of saving (mid-write, between the file's and
+  its manifest's rename), in a subprocess: `--resume` continues from a complete checkpoint and
+  the run's losses, its final weights and metrics.jsonl (each step once) equal an uninterrupted
+  run's bit for bit (the same eager CPU code runs in both, so equality is exact);
+- flipped bytes in the newest checkpoint are refused naming it and the previous good one, which
+  then resumes; a NaN written into a weight is never saved, and the stop names a checkpoint that
+  verifies and is finite; a write failing with ENOSPC leaves the previous checkpoint intact;
+- a run directory holding a run is refused without --resume/--overwrite (its bytes unchanged);
+  the last checkpoint is written before the final evaluation, so a failure there keeps it;
+- user and environment errors exit 2 (usage) or 1 (runtime) with one `error:` line naming the
+  file or flag, and no traceback (`--debug` shows it); checks that need no training fail before
+  the first step (no metrics written).
+"""
+
+import errno
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat import checkpoint
+from nanochat.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from nanochat.common import NanoChatError, UsageError
+from nanochat.trainer import NanoChatTrainer
+from tests.conftest import tiny_train_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, SAVE_EVERY = 8, 2
+WRITES_PER_SAVE = 319
+"""torch.save's write calls for one d2 checkpoint (counted); a mid-write kill picks one of them."""
+
+
+def _kw(corpus, run_dir, **over):
+    return tiny_train_kwargs(corpus, run_dir, **{"num_iterations": STEPS, "save_every": SAVE_EVERY,
+                                                 "num_samples": 0, **over})
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _argv(kw: dict) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        if isinstance(v, bool):
+            out += [f"--{k}"] if v else []
+        else:
+            out += [f"--{k}", str(v)]
+    return out
+
+
+def _cli(capsys, kw: dict, *extra: str, script: str = "base_train") -> tuple[int, str]:
+    """Run an entrypoint in this process: (exit status, the stderr lines starting with error:)."""
+    capsys.readouterr()
+    try:
+        code = _script(script).main([*_argv(kw), *extra])
+    except SystemExit as e:  # parse errors exit from tyro / parse_cli
+        code = e.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    return code, [l for l in err.splitlines() if l.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def reference(small_corpus, tmp_path_factory):
+    """The uninterrupted run: its losses and final weights."""
+    run_dir = tmp_path_factory.mktemp("faults") / "full"
+    trainer = NanoChatTrainer(**_kw(small_corpus, run_dir))
+    trainer.train()
+    return _losses(run_dir), {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+# A child that trains and SIGKILLs itself at a chosen point (deterministic per seed).
+CHILD = r"""
+import json, os, signal, sys
+from nanochat import checkpoint
+from nanochat.trainer import NanoChatTrainer
+kw, point, save_no, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+saves = {"n": 0}
+real_save = checkpoint.save_checkpoint
+def counting_save(*a, **k):
+    saves["n"] += 1
+    return real_save(*a, **k)
+checkpoint.save_checkpoint = counting_save
+import nanochat.trainer as trainer_module
+trainer_module.save_checkpoint = counting_save
+if point == "write":      # the n-th write of torch.save in save number save_no
+    real_write, calls = checkpoint._HashingWriter.write, {"n": 0}
+    def write(self, data):
+        if saves["n"] == save_no:
+            calls["n"] += 1
+            if calls["n"] == n:
+                die()
+        return real_write(self, data)
+    checkpoint._HashingWriter.write = write
+elif point == "rename":   # before the n-th rename (1: the .pt, 2: its manifest) of save save_no
+    real_replace, calls = os.replace, {"n": 0}
+    def replace(src, dst):
+        if saves["n"] == save_no and os.path.basename(dst).startswith("checkpoint-"):
+            calls["n"] += 1
+            if calls["n"] == n:
+                die()
+        return real_replace(src, dst)
+    checkpoint.os.replace = replace
+elif point == "step":     # after step n's update, before it is logged
+    real_log = NanoChatTrainer._log
+    def log(self, record):
+        if record.get("step") == n and "loss" in record:
+            die()
+        return real_log(self, record)
+    NanoChatTrainer._log = log
+NanoChatTrainer(**kw).train()
+"""
+
+
+def _kill_point(seed: int) -> tuple[str, int, int]:
+    """(where, save number, n) for a seed: every kind of point is covered by seeds 0-2."""
+    rng = random.Random(seed)
+    kind = ("write", "rename", "step")[seed % 3]
+    if kind == "write":
+        return kind, rng.randint(2, STEPS // SAVE_EVERY), rng.randint(1, WRITES_PER_SAVE)
+    if kind == "rename":
+        return kind, rng.randint(2, STEPS // SAVE_EVERY), rng.randint(1, 2)
+    return kind, 0, rng.randint(SAVE_EVERY + 1, STEPS - 1)
+
+
+# seeded points, and the last step between its checkpoint and its metrics line (the final
+# evaluation runs in between)
+@pytest.mark.parametrize("point", [_kill_point(seed) for seed in range(5)] + [("step", 0, STEPS)], ids=str)
+def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, reference, point):
+    ref_losses, ref_weights = reference
+    run_dir = tmp_path / "cut"
+    kw = _kw(small_corpus, run_dir)
+    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kw), point[0], str(point[1]), str(point[2])],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})
+    assert r.returncode == -signal.SIGKILL, (point, r.returncode, r.stderr[-3000:])
+    before = {c.step for c in list_checkpoints(run_dir)}
+    assert before, point  # every kill point comes after the first complete save
+
+    trainer = NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True))
+    trainer.train()
+    steps = [rec["step"] for rec in _records(run_dir) if "loss" in rec]
+    assert steps == list(range(1, STEPS + 1)), (point, steps)  # each step logged once, in order
+    assert _losses(run_dir) == ref_losses, point
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, ref_weights[name]), (point, name)
+    # what the killed save left is gone; the newest --keep_checkpoints remain, all verified
+    names = sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".checkpoint", "checkpoint")))
+    assert names == ["checkpoint-000006.json", "checkpoint-000006.pt", "checkpoint-000008.json",
+                     "checkpoint-000008.pt"], (point, names)
+
+
+def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
+    """A SIGKILL from outside at a random instant (wherever it lands: setup, a step, a save)."""
+    ref_losses, _ = reference
+    run_dir = tmp_path / "cut"
+    kw = _kw(small_corpus, run_dir)
+    proc = subprocess.Popen([sys.executable, "-c", "import json, sys\nfrom nanochat.trainer import "
+                             "NanoChatTrainer\nNanoChatTrainer(**json.loads(sys.argv[1])).train()", json.dumps(kw)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    # wait for the first checkpoint, then kill within the next ~0.5 s (the run's remaining steps)
+    deadline = time.monotonic() + 120
+    while latest_checkpoint(run_dir) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(random.Random(7).uniform(0, 0.5))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True)).train()
+    assert _losses(run_dir) == ref_losses
+    assert [rec["step"] for rec in _records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
+
+
+def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_corpus, tmp_path, reference, capsys):
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir)
+    NanoChatTrainer(**kw).train()
+    newest = latest_checkpoint(run_dir)
+    data = bytearray(newest.path.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 200):
+        data[i] ^= 0xFF
+    newest.path.write_bytes(bytes(data))
+    code, errors = _cli(capsys, {**kw, "resume": True})
+    assert code == 1 and len(errors) == 1, errors
+    assert "checkpoint-000008.pt is not usable" in errors[0] and "sha256" in errors[0]
+    assert "checkpoint-000006.pt (step 6) verifies" in errors[0]
+    # the fix the message gives: delete the bad one, resume from step 6 (steps 7-8 run again)
+    newest.path.unlink()
+    newest.manifest.unlink()
+    NanoChatTrainer(**{**kw, "resume": True}).train()
+    assert _losses(run_dir) == reference[0]
+    assert [r["step"] for r in _records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "foreign"])
+def test_damaged_checkpoint_is_one_error_line(small_corpus, tmp_path, capsys, damage):
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir, num_iterations=2)
+    NanoChatTrainer(**kw).train()
+    path = latest_checkpoint(run_dir).path
+    size = path.stat().st_size
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: size // 2])
+    elif damage == "zeroed":
+        path.write_bytes(bytes(size))
+    else:
+        torch.save({"weights": torch.ones(3)}, path)
+    code, errors = _cli(capsys, {**kw, "resume": True})
+    assert code == 1 and len(errors) == 1 and "checkpoint-000002.pt is not usable" in errors[0], errors
+
+
+class NaNWriter(NanoChatTrainer):
+    """Writes a NaN into one weight right after the optimizer update of step `at`."""
+
+    at = 0
+
+    def _calibration_step(self) -> None:  # called right after every optimizer step
+        super()._calibration_step()
+        self._updates = getattr(self, "_updates", 0) + 1
+        if self._updates == self.at:
+            with torch.no_grad():
+                self.model.transformer.h[0].attn.c_q.weight[0, 0] = float("nan")
+
+
+def test_nan_in_a_weight_is_never_saved(small_corpus, tmp_path):
+    NaNWriter.at = 4  # the update just before the step-4 save
+    run_dir = tmp_path / "r"
+    with pytest.raises(NanoChatError, match=r"step 4: not saving.*c_q\.weight.*checkpoint-000002\.pt \(step 2, "
+                                            r"verified, finite\)"):
+        NaNWriter(**_kw(small_corpus, run_dir)).train()
+    assert [c.step for c in list_checkpoints(run_dir)] == [2]
+    assert all(torch.isfinite(t).all() for t in load_checkpoint(run_dir)["model"].values())
+
+
+def test_overflow_stop_names_the_bad_steps_and_a_good_checkpoint(small_corpus, tmp_path, capsys):
+    NaNWriter.at = 5  # after the step-4 save: every later loss is NaN, steps 6.. are skipped
+    run_dir = tmp_path / "r"
+    with pytest.raises(NanoChatError, match=r"steps 6-8.*stopping at step 8.*checkpoint-000004\.pt \(step 4, verified"):
+        NaNWriter(**_kw(small_corpus, run_dir, fp8_max_overflows=3, num_iterations=20)).train()
+    assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
+
+
+def test_enospc_keeps_the_previous_checkpoint(small_corpus, tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir)
+    real_write = checkpoint._HashingWriter.write
+
+    def full_after_first_save(self, data):
+        if latest_checkpoint(run_dir) is not None and self.size > 4096:
+            self.error = OSError(errno.ENOSPC, "No space left on device")
+            raise self.error
+        return real_write(self, data)
+
+    monkeypatch.setattr(checkpoint._HashingWriter, "write", full_after_first_save)
+    code, errors = _cli(capsys, kw)
+    assert code == 1 and len(errors) == 1, errors
+    assert "no space left" in errors[0] and "checkpoint-000004.pt" in errors[0]
+    assert "checkpoint-000002.pt is intact" in errors[0]
+    monkeypatch.undo()
+    assert sorted(p.name for p in run_dir.glob("*checkpoint*")) == ["checkpoint-000002.json", "checkpoint-000002.pt"]
+    assert load_checkpoint(run_dir)["step"] == 2
+
+
+def test_a_run_directory_is_never_clobbered(small_corpus, tmp_path, capsys):
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir, num_iterations=2)
+    NanoChatTrainer(**kw).train()
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    code, errors = _cli(capsys, kw)
+    assert code == 2 and len(errors) == 1 and "--resume" in errors[0] and "--overwrite" in errors[0], errors
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    code, _ = _cli(capsys, {**kw, "num_iterations": 4}, "--overwrite")
+    assert code == 0
+    assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
+    assert [r["step"] for r in _records(run_dir) if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_resume_compares_resolved_paths(small_corpus, tmp_path, monkeypatch):
+    tok = tmp_path / "tok"
+    NanoChatTrainer(**_kw(small_corpus, tmp_path / "first", num_iterations=1)).train()
+    import shutil
+
+    shutil.copytree(tmp_path / "first" / "tokenizer", tok)
+    monkeypatch.chdir(tmp_path)
+    NanoChatTrainer(**_kw(small_corpus, tmp_path / "r", num_iterations=2, tokenizer_dir="tok/")).train()
+    NanoChatTrainer(**_kw(small_corpus, "r", num_iterations=3, tokenizer_dir=str(tok), resume=True)).train()
+    assert latest_checkpoint(tmp_path / "r").step == 3
+
+
+def test_errors_before_work_are_one_line(small_corpus, tmp_path, capsys, monkeypatch):
+    """Each case: exit status, one error line naming what to fix, and no step was run."""
+    kw = _kw(small_corpus, tmp_path / "r")
+    cases = [
+        (dict(device="tpu9"), 2, "--device 'tpu9'"),
+        (dict(seq_len=8192, batch_size=1), 2, "one evaluation window needs seq_len+1 = 8193"),
+        (dict(run_dir=str(small_corpus / "string.py" / "sub")), 2, "not writable"),
+    ]
+    for over, want_code, want in cases:
+        code, errors = _cli(capsys, {**kw, **over})
+        assert code == want_code and len(errors) == 1 and want in errors[0], (over, code, errors)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    # values tyro parses are checked by TrainConfig at parse time; tyro prints the message in its
+    # own box (exit 2, no traceback)
+    for over, want in ((dict(temperature=-1), "--temperature must be >= 0"),
+                       (dict(weight_decay="nan"), "--weight_decay must be a finite number")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            _script("base_train").main(_argv({**kw, **over}))
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and want in err and "Traceback" not in err, err
+
+    real = Path.write_bytes
+
+    def read_only_dir(self, data):  # root ignores permission bits, so the refusal is simulated
+        if self.name.startswith(".write-probe"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only_dir)
+    code, errors = _cli(capsys, kw)
+    assert code == 2 and "is not writable (Permission denied)" in errors[0], errors
+    monkeypatch.undo()
+
+    monkeypatch.setattr("nanochat.trainer.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
+    code, errors = _cli(capsys, kw)
+    assert code == 1 and "1000 B free" in errors[0] and "one checkpoint needs" in errors[0], errors
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("meta, want", [
+    ("[1, 2]", "holds a JSON list"),
+    ("no-fingerprint", "'fingerprint' is missing"),
+    ("bad-regex", "Parsing error"),
+])
+def test_broken_tokenizer_meta_names_the_file(small_corpus, tmp_path, capsys, meta, want):
+    NanoChatTrainer(**_kw(small_corpus, tmp_path / "first", num_iterations=1)).train()
+    tok = tmp_path / "first" / "tokenizer"
+    path = tok / "tokenizer_meta.json"
+    d = json.loads(path.read_text())
+    if meta == "no-fingerprint":
+        del d["fingerprint"]
+        path.write_text(json.dumps(d))
+    elif meta == "bad-regex":
+        d["pattern"] = "(unclosed"
+        path.write_text(json.dumps(d))
+    else:
+        path.write_text(meta)
+    code, errors = _cli(capsys, _kw(small_corpus, tmp_path / "r", tokenizer_dir=str(tok)))
+    assert code == 2 and len(errors) == 1 and want in errors[0] and "tokenizer_meta.json" in errors[0], errors
+
+
+def test_malformed_hf_tokenizer_names_the_file(small_corpus, tmp_path, capsys):
+    """(A malformed config.json next to a valid tokenizer: tests/test_hf.py.)"""
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "tokenizer.json").write_text("{}")
+    code, errors = _cli(capsys, _kw(small_corpus, tmp_path / "r", model_name=str(model_dir)))
+    assert code == 2 and len(errors) == 1 and "hf/tokenizer.json is not a tokenizer" in errors[0], errors
+
+
+def test_debug_shows_the_traceback(small_corpus, tmp_path, capsys):
+    capsys.readouterr()
+    code = _script("base_train").main([*_argv(_kw(small_corpus, tmp_path / "r")), "--device", "tpu9", "--debug"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "error: --device 'tpu9'" in err
+
+
+def test_fp8_with_bf16_on_cpu_is_one_consistent_error(small_corpus, tmp_path):
+    """Checked in a subprocess: the whole stderr, logging included, is the one error line."""
+    kw = _kw(small_corpus, tmp_path / "r", fp8=True, dtype="bfloat16")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), *_argv(kw)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert r.stderr.startswith("error: --fp8 with --dtype bfloat16 on cpu")
+
+
+def test_config_rejects_bad_types_and_values_at_construction():
+    for bad in (dict(batch_size=2.5), dict(fp8="yes"), dict(weight_decay=float("nan")), dict(fp8_mode="fp4"),
+                dict(fp8=True, fp8_opt_level=3), dict(temperature=-1), dict(lr=float("inf")),
+                dict(beta2=1.0), dict(keep_checkpoints=0), dict(resume=True, overwrite=True)):
+        with pytest.raises(ValueError):
+            NanoChatTrainer(**bad)
+    with pytest.raises(UsageError):
+        raise UsageError("a UsageError is a ValueError")  # callers that catch ValueError keep working
+
+
+class FailingEvaluation(NanoChatTrainer):
+    def evaluate(self):
+        raise NanoChatError("evaluation failed")
+
+
+def test_final_checkpoint_is_saved_before_the_final_evaluation(small_corpus, tmp_path):
+    run_dir = tmp_path / "r"
+    with pytest.raises(NanoChatError, match="evaluation failed"):
+        FailingEvaluation(**_kw(small_corpus, run_dir, save_every=0, eval_every=0)).train()
+    assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]  # the trained weights survive
+
+
+def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code, errors = _cli(capsys, {"dataset_path": str(small_corpus), "vocab_size": 300,
+                                 "tokenizer_dir": str(blocker / "tok")}, script="tok_train")
+    assert code == 2 and len(errors) == 1 and str(blocker) in errors[0], errors
