@@ -114,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         for pair in cfg.pairs:
             base_over, cand_over = PAIRS[pair]
+            if pair == "stats" and not cfg.quick:  # at least two statistics steps in every run, at the default period
+                from nanochat.config import TrainConfig
+
+                steps = max(cfg.num_iterations, 2 * TrainConfig().fp8_stats_every)
+                base_over, cand_over = dict(base_over, num_iterations=steps), dict(cand_over, num_iterations=steps)
             if pair == "scope":
                 base_over = dict(base_over, model_name=cfg.scope_model, num_iterations=cfg.scope_steps,
                                  batch_size=cfg.scope_batch_size)

@@ -166,7 +166,25 @@ def profile_step(trainer, device: torch.device) -> dict:
                 device.type != "cuda" or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA):
             kernels[name[:160]] = e.count
     scaled_mm = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
-    return {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
+    out = {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
+    period = trainer.config.fp8_stats_every
+    if period:  # what one statistics step costs, in steps: sets the default period (<= 2%)
+        normal = [timed_step(trainer, 2 * period - 2, device) for _ in range(3)]
+        sampled = [timed_step(trainer, 2 * period - 1, device) for _ in range(2)][-1:]  # 1st: eager warmup
+        cost = sampled[0] / statistics.median(normal) - 1
+        out.update(step_s=statistics.median(normal), stats_step_s=sampled[0], stats_step_cost_steps=cost,
+                   stats_overhead_pct_at_default=100 * cost / period)
+    return out
+
+
+def timed_step(trainer, step: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    trainer._train_step(step)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 class RecompileLog(logging.Handler):

@@ -107,8 +107,8 @@ class CastCounts:
             nonzero.sum(dtype=f64),
             (nonzero & (back == 0)).sum(dtype=f64),  # -0 == 0 is True
             (scaled.abs() > fmax * (1 + SATURATION_MARGIN)).sum(dtype=f64),
-            x.double().square().sum(),
-            (x - back).double().square().sum(),
+            (x * x).sum(dtype=f64),  # fp32 squares, summed in fp64: no fp64 copy of x
+            (x - back).square().sum(dtype=f64),
             x.abs().amax().double() if x.numel() else x.new_zeros((), dtype=f64),
             scale.min().double(),
         ])
