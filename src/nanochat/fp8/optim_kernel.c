@@ -1,0 +1,175 @@
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float dec(uint32_t u) {            /* e4m3fn bits -> float (tensor.py: decode) */
+    uint32_t mag = u & 0x7Fu;
+    uint32_t bits = ((mag << 20) + (120u << 23)) | ((u & 0x80u) << 24);
+    float normal; memcpy(&normal, &bits, 4);
+    float sub = (float)mag * 0.001953125f;        /* subnormal: mantissa * 2^-9 */
+    sub = (u & 0x80u) ? -sub : sub;
+    return mag < 8u ? sub : normal;
+}
+
+static inline uint32_t enc(float y) {             /* float -> e4m3fn bits, RNE, saturating (encode) */
+    uint32_t bits; memcpy(&bits, &y, 4);
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t a = bits & 0x7FFFFFFFu;
+    a = a < 0x43E00000u ? a : 0x43E00000u;          /* |y| <= 448 (saturate) */
+    /* round to 3 mantissa bits by the FPU: adding c = 2^(e+20) leaves ulp 2^(e-3), and for
+       |y| < 2^-6 c = 2^14 leaves e4m3's subnormal step 2^-9 (bit-identical to the integer
+       rounding of tensor.py's encode on every finite float, checked exhaustively) */
+    uint32_t cb = (a & 0x7F800000u) + (20u << 23);
+    cb = cb > (141u << 23) ? cb : (141u << 23);
+    float ay, c; memcpy(&ay, &a, 4); memcpy(&c, &cb, 4);
+    float r = (ay + c) - c;
+    uint32_t rb; memcpy(&rb, &r, 4);
+    int32_t normal = (int32_t)(rb >> 20) - (120 << 3);
+    int32_t sub = (int32_t)(r * 512.0f);              /* r < 2^-6: exactly k * 2^-9, k < 8 */
+    int32_t mag = rb < (121u << 23) ? sub : normal;
+    return (uint32_t)mag | sign;
+}
+
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+/* e4m3fn codes -> floats * s, 8 at a time: the 7 magnitude bits placed as fp16 bits (exponent
+   bias 15 instead of 7, so the value is 2^-8 of the e4m3 one; fp16 subnormals are exactly e4m3's
+   subnormals) and converted by F16C's vcvtph2ps; s carries the 2^8. Exact, and ~4x fewer
+   instructions than dec() (the compiler does not vectorize a _Float16 conversion by itself). */
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    const __m256 sc = _mm256_set1_ps(s * 256.0f);
+    for (int64_t i = 0; i < B; i += 8) {             /* B is a multiple of 8 (FP8Optim checks) */
+        __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, m7f), 7),
+                                 _mm_slli_epi16(_mm_and_si128(u, m80), 8));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
+    }
+}
+/* floats * s -> e4m3fn codes, 16 at a time: |y| saturated at 448 and rounded to 3 mantissa
+   bits by enc()'s FPU trick, the sign put back, scaled by 2^-8 and converted to fp16 by
+   vcvtps2ph (exact: at most 3 mantissa bits, and e4m3's range scaled lands inside fp16's); the
+   fp16 bits shifted right by 7 are the e4m3 magnitude bits, subnormals included. floor1: a
+   positive input never becomes code 0 (the second moment's rule). Equal to enc() on every
+   finite float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    const __m256 sc = _mm256_set1_ps(s), lim = _mm256_set1_ps(448.0f), down = _mm256_set1_ps(0.00390625f);
+    const __m256 tiny = _mm256_set1_ps(0.001953125f), zero = _mm256_setzero_ps();
+    const __m256i expm = _mm256_set1_epi32(0x7F800000), add20 = _mm256_set1_epi32(20 << 23);
+    const __m256i c14 = _mm256_set1_epi32(141 << 23), absm = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    int64_t i = 0;
+    for (; i + 16 <= B; i += 16) {
+        __m128i q[2];
+        for (int k = 0; k < 2; ++k) {
+            __m256 x = _mm256_loadu_ps(in + i + 8 * k), y = _mm256_mul_ps(x, sc);
+            __m256i yb = _mm256_castps_si256(y);
+            __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(yb, absm)), lim);
+            __m256i cb = _mm256_max_epi32(_mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(a), expm), add20), c14);
+            __m256 c = _mm256_castsi256_ps(cb);
+            __m256 r = _mm256_sub_ps(_mm256_add_ps(a, c), c);
+            if (floor1) r = _mm256_blendv_ps(r, _mm256_max_ps(r, tiny), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+            r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(absm, yb)));  /* sign back */
+            __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(r, down), _MM_FROUND_TO_NEAREST_INT);
+            q[k] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 7), m7f), _mm_and_si128(_mm_srli_epi16(h, 8), m80));
+        }
+        _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi16(q[0], q[1]));
+    }
+    for (; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
+}
+#else
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    for (int64_t i = 0; i < B; ++i) out[i] = dec(c[i]) * s;
+}
+
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
+}
+#endif
+
+#define BMAX 1024
+/* h = lr, beta1, beta2, eps, wd, step_size, bias_correction2_sqrt, 1 - beta1, 1 - beta2,
+   1 - lr * wd (NH values; the differences computed in double by the caller, as torch does in
+   Python, since 1 - (float)0.999 is 1.3e-5 off). One function per (decoupled weight decay,
+   v in FP8) so the inner loops carry no branches. */
+#define NH 10
+#define DEFINE_ADAM(NAME, DEC, VFP8) \
+static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict mc, float *restrict ms, \
+                 uint8_t *restrict vc, float *restrict vs, float *restrict v32, const float *h, \
+                 int64_t b0, int64_t b1, int64_t B) { \
+    const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], step_size = h[5], bc2 = h[6]; \
+    const float w1 = h[7], w2 = h[8], decay = h[9], ibc2 = 1.0f / bc2; (void)lr; (void)beta1; \
+    float mbuf[BMAX], rbuf[BMAX]; \
+    for (int64_t b = b0; b < b1; ++b) { \
+        float *restrict pp = p + b * B; const float *restrict gg = g + b * B; \
+        uint8_t *restrict mcb = mc + b * B; \
+        uint8_t *restrict vcb = VFP8 ? vc + b * B : 0; float *restrict vv = VFP8 ? 0 : v32 + b * B; \
+        dec_block(mcb, mbuf, B, ms[b]);  /* decoded moments, then updated in place */ \
+        if (VFP8) dec_block(vcb, rbuf, B, vs[b]); \
+        float am = 0.0f, ar = 0.0f; \
+        _Pragma("omp simd reduction(max:am, ar)") \
+        for (int64_t i = 0; i < B; ++i) { \
+            float pi = pp[i], gi = gg[i]; \
+            if (!DEC) gi = gi + wd * pi; \
+            float mi = mbuf[i]; \
+            mi = mi + w1 * (gi - mi); \
+            float v; \
+            if (VFP8) { float r0 = rbuf[i]; v = r0 * r0 * beta2 + w2 * gi * gi; } \
+            else { v = vv[i] * beta2 + w2 * gi * gi; vv[i] = v; } \
+            float ri = sqrtf(v); \
+            if (DEC) pi = pi * decay; \
+            pp[i] = pi - step_size * mi / (ri * ibc2 + eps);  /* one division */ \
+            mbuf[i] = mi; rbuf[i] = ri; \
+            float a = fabsf(mi); \
+            am = a > am ? a : am; ar = ri > ar ? ri : ar; \
+        } \
+        const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
+        ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
+        enc_block(mbuf, ims, mcb, B, 0); \
+        if (VFP8) { \
+            const float irs = ar > 0.0f ? 448.0f / ar : 1.0f; \
+            vs[b] = ar > 0.0f ? ar * (1.0f / 448.0f) : 1.0f; \
+            enc_block(rbuf, irs, vcb, B, 1);  /* sqrt(v) > 0 never becomes code 0 */ \
+        } \
+    } \
+}
+
+DEFINE_ADAM(adam_dq, 1, 1)
+DEFINE_ADAM(adam_df, 1, 0)
+DEFINE_ADAM(adam_lq, 0, 1)
+DEFINE_ADAM(adam_lf, 0, 0)
+
+int adam_step(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc, float *vs, float *v32,
+              const float *h, int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
+    if (B > BMAX) return 1;
+    if (decoupled && vfp8) adam_dq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    else if (decoupled) adam_df(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    else if (vfp8) adam_lq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    else adam_lf(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    return 0;
+}
+
+/* Every tensor of a step in one call. Tensor t has nb[t] blocks; ptr[8 t .. 8 t + 6] are its
+   p, g, m codes, m scales, fp32 v, v codes, v scales (the unused ones NULL) and h + NH t its
+   hyperparameters. The blocks of all tensors, concatenated, are numbered 0..sum(nb); this call
+   steps blocks [b0, b1) of that numbering, so threads split a step by cutting one range. */
+int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
+               int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
+    if (B > BMAX) return 1;
+    int64_t start = 0;
+    for (int64_t t = 0; t < n && start < b1; start += nb[t], ++t) {
+        int64_t lo = b0 > start ? b0 - start : 0, hi = b1 - start < nb[t] ? b1 - start : nb[t];
+        if (lo >= hi) continue;
+        void *const *q = ptr + 8 * t;
+        adam_step((float *)q[0], (const float *)q[1], (uint8_t *)q[2], (float *)q[3], (uint8_t *)q[5],
+                  (float *)q[6], (float *)q[4], h + NH * t, lo, hi, B, decoupled, vfp8);
+    }
+    return 0;
+}
