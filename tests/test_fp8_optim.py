@@ -485,3 +485,151 @@ def test_kernel_fallback_is_recorded(monkeypatch):
     assert "native CPU kernel is unavailable" in opt.fallbacks[0] and "no C compiler (test)" in opt.fallbacks[0]
     for a, b in zip(p, ref):  # the compiled fallback computes what the eager reference does
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _many_params(seed=0):
+    """Ten FP8-state matrices of two shapes in two param groups, and a small fp32-state bias."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(16, 256)] * 6 + [(32, 256)] * 2, [(16, 256)] * 2 + [(10,)]
+    return [[torch.nn.Parameter(torch.randn(*s, generator=g)) for s in group] for group in shapes]
+
+
+def _grouped(kind, groups):
+    decay, no_decay = groups
+    if kind == "sgd":
+        return torch.optim.SGD([dict(params=decay), dict(params=no_decay, weight_decay=0.0)], lr=1e-2,
+                               momentum=0.9, weight_decay=0.1)
+    return torch.optim.AdamW([dict(params=decay), dict(params=no_decay, weight_decay=0.0)], lr=1e-2,
+                             weight_decay=0.1, fused=True)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_compiled_step_is_one_call_per_shape(kind, monkeypatch):
+    """The compile backend steps the 10 FP8-state tensors (2 shapes, 2 param groups) in 2 compiled
+    calls a step, not 10, and computes what the eager step does (tolerance: fp32 rounding)."""
+    calls = []
+    real_compile = torch.compile
+
+    def counting_compile(fn, **kw):
+        compiled = real_compile(fn, **kw)
+
+        def counted(*args, **kwargs):
+            calls.append(fn.__name__)
+            return compiled(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    comp_groups, eager_groups = _many_params(), _many_params()
+    comp = FP8Optim(_grouped(kind, comp_groups), opt_level=2, backend="compile")
+    eager = FP8Optim(_grouped(kind, eager_groups), opt_level=2, backend="eager")
+    per_step = []
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in sum(comp_groups, [])]
+        for opt, groups in ((comp, comp_groups), (eager, eager_groups)):
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            for p, grad in zip(sum(groups, []), grads):
+                p.grad = grad.clone()
+        calls.clear()
+        comp.step()
+        per_step.append(len(calls))
+        eager.step()
+    assert comp._compile and not comp.fallbacks
+    assert per_step == [2, 2, 2]
+    for a, b in zip(sum(comp_groups, []), sum(eager_groups, [])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what makes the host wait for a device: reading a tensor's value into Python
+    (aten._local_scalar_dense: .item(), float(), bool()) and copies that cross devices. On CPU
+    every read counts, so a step that reads none here reads none on a GPU either."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(str(func))
+        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            dst = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device", src.device)
+            if torch.is_tensor(src) and src.device != torch.device(dst):
+                self.reads.append(f"{func} {src.device} -> {dst}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend,level", [("native", 1), ("native", 2), ("eager", 2), ("compile", 2)])
+def test_step_reads_no_values_from_the_device(backend, level, monkeypatch):
+    """Steady-state steps (after the first, which allocates state and compiles): no value read
+    into Python and no cross-device copy, for the FP8 tensors and the fp32 one stepped by fused
+    AdamW. Reference: the old step read each parameter's step count with float().
+
+    Dynamo does not trace under a dispatch mode, so the compiled calls run with the mode
+    suspended: what they run cannot read a value either (fullgraph=True refuses the graph break
+    an .item() makes), and everything around them is counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    real_compile = torch.compile
+
+    def compile_outside_the_mode(fn, **kw):
+        compiled = real_compile(fn, **kw)
+
+        def run(*args, **kwargs):
+            with _disable_current_modes():
+                return compiled(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "compile", compile_outside_the_mode)
+    groups = _many_params()
+    opt = FP8Optim(_grouped("adamw", groups), opt_level=level, backend=backend)
+    params = sum(groups, [])
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        if step == 0:
+            opt.step()
+            continue
+        opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
+        with _DeviceReads() as mode:
+            opt.step()
+        assert mode.reads == [], mode.reads
+    assert not opt.fallbacks
+    assert all(opt.state[p]["step"].item() == 4 for p in params)
+
+
+def test_native_kernel_can_be_turned_off(monkeypatch):
+    """NANOCHAT_NATIVE_OPTIM=0: the default backend skips the C kernel, records why, and the
+    compiled step computes what the eager one does."""
+    monkeypatch.setenv("NANOCHAT_NATIVE_OPTIM", "0")
+    p = _params(shapes=((64, 128),))
+    ref = [torch.nn.Parameter(x.detach().clone()) for x in p]
+    opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2)
+    ref_opt = FP8Optim(torch.optim.AdamW(ref, lr=1e-3), opt_level=2, backend="eager")
+    _run(opt, p, 2)
+    _run(ref_opt, ref, 2)
+    assert len(opt.fallbacks) == 1 and "NANOCHAT_NATIVE_OPTIM=0" in opt.fallbacks[0]
+    assert not opt._native and opt._compile
+    torch.testing.assert_close(p[0], ref[0], rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_cache_is_keyed_on_the_cpu(tmp_path, monkeypatch):
+    """A cache directory shared by two machines: a CPU with other features gets its own build
+    (the kernel is compiled with -march=native), the same CPU reuses its own."""
+    from nanochat.fp8 import optim as optim_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    builds = []
+    for cpu in ("flags : sse2 avx2 f16c", "flags : sse2 avx2 f16c avx512f", "flags : sse2 avx2 f16c"):
+        monkeypatch.setattr(optim_mod, "_native", {})
+        monkeypatch.setattr(optim_mod, "_cpu_identity", lambda cpu=cpu: cpu)
+        try:
+            optim_mod._native_lib()
+        except RuntimeError as e:
+            pytest.skip(f"the kernel does not build here: {e}")
+        builds.append(sorted(p.name for p in (tmp_path / "nanochat").glob("*.so")))
+    assert len(builds[0]) == 1 and len(builds[1]) == 2 and builds[2] == builds[1]
