@@ -544,6 +544,7 @@ def test_compiled_step_is_one_call_per_shape(kind, monkeypatch):
         eager.step()
     assert comp._compile and not comp.fallbacks
     assert per_step == [2, 2, 2]
+    assert comp.step_backends() == {"compile": (2, 10)}
     for a, b in zip(sum(comp_groups, []), sum(eager_groups, [])):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
@@ -640,3 +641,42 @@ def test_kernel_cache_is_keyed_on_the_cpu(tmp_path, monkeypatch):
             pytest.skip(f"the kernel does not build here: {e}")
         builds.append(sorted(p.name for p in (tmp_path / "nanochat").glob("*.so")))
     assert len(builds[0]) == 1 and len(builds[1]) == 2 and builds[2] == builds[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_cuda_step_is_compiled_per_shape_and_never_syncs(level):
+    """On CUDA the default backend is the compiled multi-tensor step: 10 FP8-state tensors of two
+    shapes in 2 compiled calls a step; steady-state steps run under
+    torch.cuda.set_sync_debug_mode("error"), which raises on any host-device synchronization
+    (a blocking copy, .item()); parameters equal the eager step's on the same GPU within fp32
+    rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def on_cuda(groups):
+        return [[torch.nn.Parameter(p.detach().cuda()) for p in group] for group in groups]
+
+    comp_groups, eager_groups = on_cuda(_many_params()), on_cuda(_many_params())
+    comp = FP8Optim(_grouped("adamw", comp_groups), opt_level=level)
+    eager = FP8Optim(_grouped("adamw", eager_groups), opt_level=level, backend="eager")
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=g).cuda() for p in sum(comp_groups, [])]
+        for opt, groups in ((comp, comp_groups), (eager, eager_groups)):
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 / (step + 1)
+            for p, grad in zip(sum(groups, []), grads):
+                p.grad = grad.clone()
+        torch.cuda.synchronize()
+        if step > 0:  # the first step allocates state and compiles
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            comp.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        eager.step()
+    assert not comp.fallbacks
+    assert comp.step_backends() == {"compile": (2, 10)}
+    for a, b in zip(sum(comp_groups, []), sum(eager_groups, [])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

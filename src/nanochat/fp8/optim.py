@@ -388,6 +388,7 @@ class FP8Optim(torch.optim.Optimizer):
         self._adamw = kind is torch.optim.AdamW
         self._compile = compile and backend != "eager"
         self._compiled: dict[str, Any] = {}
+        self._backends: dict[str, tuple[int, int]] = {}  # the last step's, see step_backends
         self._summary_logged = False
         self.fallbacks: list[str] = []
         """Each fallback this optimizer took (native kernel unavailable, compile failed), with its
@@ -455,6 +456,7 @@ class FP8Optim(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None and self._uses_fp8(p, group):
                     mine.append((p, group))
+        self._backends = {}
         if mine:
             self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the FP8 ones hidden
@@ -468,9 +470,19 @@ class FP8Optim(torch.optim.Optimizer):
                 p.grad = g
         return loss
 
+    def _count(self, backend: str, tensors: int) -> None:
+        calls, n = self._backends.get(backend, (0, 0))
+        self._backends[backend] = (calls + 1, n + tensors)
+
+    def step_backends(self) -> dict[str, tuple[int, int]]:
+        """How the last step ran: backend ("native", "compile", "eager") -> (calls, tensors).
+        The parameters with fp32 state, stepped by the wrapped optimizer, are not counted."""
+        return dict(self._backends)
+
     def _run(self, name: str, fn, *args, **flags) -> None:
         """fn(*args, **flags), compiled once per `name` and flags; dynamo then keeps one graph per
-        list length and tensor shape (a model has few, so its limit of 8 is lifted)."""
+        list length and tensor shape (a model has few, so its limit of 8 is lifted). args[0] is
+        the list of parameters."""
         key = name + repr(sorted(flags.items()))
         if self._compile:
             compiled = self._compiled.get(key)
@@ -479,6 +491,7 @@ class FP8Optim(torch.optim.Optimizer):
             try:
                 with torch._dynamo.utils.disable_cache_limit():
                     compiled(*args, **flags)
+                self._count("compile", len(args[0]))
                 return
             except Exception as e:  # no C++ compiler, unsupported backend, ...
                 self._compile = False
@@ -488,6 +501,7 @@ class FP8Optim(torch.optim.Optimizer):
                 self.fallbacks.append(msg)
                 warn_once("fp8optim-eager", msg)
         fn(*args, **flags)
+        self._count("eager", len(args[0]))
 
     def _step_adam(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
         """Every FP8-state Adam(W) parameter: the fp32 CPU ones in one native kernel call, the
@@ -523,6 +537,7 @@ class FP8Optim(torch.optim.Optimizer):
             try:
                 _native_adam([i[0] for i in items], _adam_table([i[1] for i in items], [i[2] for i in items]),
                              B, decoupled, v_fp8)
+                self._count("native", len(items))
             except RuntimeError as e:
                 self._native = False
                 msg = (f"FP8Optim: the native CPU kernel is unavailable ({e}); "
