@@ -11,6 +11,12 @@
 - Compiled step (torch.compile) and the native CPU kernel: equal to the eager step (fp32
   rounding; codes on a rounding tie may differ by one step), changing lr every step does not
   recompile, and splitting blocks across threads changes nothing (torch.equal).
+- The C kernel's portable, AVX2 and AVX-512 variants agree (fp32 rounding); its build cache is
+  keyed on the CPU; NANOCHAT_NATIVE_OPTIM=0 turns it off as a recorded fallback.
+- Multi-tensor: the compile backend makes one compiled call per parameter shape a step (10
+  tensors, 2 shapes: 2 calls) and matches the eager step; no step reads a value into Python or
+  copies across devices (a dispatch mode counts aten._local_scalar_dense and such copies: 0);
+  on CUDA (marked gpu) the same under torch.cuda.set_sync_debug_mode("error").
 - Schedulers (LambdaLR, StepLR) and manual `param_groups[i]["lr"]` drive the wrapped optimizer.
 - state_dict -> load_state_dict is bit-exact and loads with torch.load(weights_only=True); level
   2 <-> level 0 and plain AdamW -> level 2 convert within e4m3's 2^-4 relative error.

@@ -35,17 +35,18 @@ floored at the smallest subnormal):
 The study (`scripts/bench_optim.py --study`, figures in BENCHMARKS.md) runs the four options on
 the same gradient streams, two gradient distributions and two beta2.
 
-The step, per FP8 parameter: decode the codes -> fp32 math -> write p, the new codes and scales
-in place, with no full-size temporaries. Three implementations of the same formulas:
-- native (default for fp32 Adam/AdamW parameters on CPU): a ~60-line C kernel (below), built
-  with the system compiler on first use and called through ctypes; one 256-element block at a
-  time, so the block stays in L1, auto-vectorized. On CPU it is ~5x faster than the torch.compile
-  version, whose uint8 loads/stores go through a memcpy'd stack buffer (BENCHMARKS.md).
-- compile: `torch.compile(fullgraph=True, dynamic=False)` of `_adam_step`/`_sgd_step`, one graph
-  per parameter size (used on GPU, for SGD, for bf16 parameters, or if the C build fails).
-- eager: the same Python function run eagerly (`compile=False`, or when compilation fails).
-Hyperparameters go in as one small fp32 tensor, so a schedule changing lr every step does not
-recompile. Every fallback is logged once with its reason.
+The step: decode the codes -> fp32 math -> write p, the new codes and scales in place, with no
+full-size temporaries, for all FP8-state parameters at once. Three implementations:
+- native (default for fp32 Adam/AdamW parameters on CPU): the C kernel in optim_kernel.c, built
+  on first use and called through ctypes, once per step for every tensor (blocks split across
+  threads). ~5x faster on CPU than the compiled version (BENCHMARKS.md 3(b)).
+- compile: `torch.compile(fullgraph=True, dynamic=False)` of `_adam_multi`/`_sgd_multi` over the
+  list of same-shape tensors: one compiled call per (shape, dtype, device), not per parameter
+  (used on GPU, for SGD, for bf16 parameters, or if the C build fails).
+- eager: the same Python functions run eagerly (`compile=False`, or when compilation fails).
+Nothing in the step reads a device value into Python or copies to or from the device:
+hyperparameters and step counts are 0-dim CPU tensors (a changing lr does not recompile). Every
+fallback is logged once with its reason and kept in `fallbacks`.
 
 Under FSDP2 (nanochat/distributed.py) a parameter is a DTensor holding this rank's rows. The
 step works on the local shard (`_local`: p, its gradient and its states), so the kernels and
