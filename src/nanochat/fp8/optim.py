@@ -305,17 +305,17 @@ def _native_lib():
 _pool: list = []
 
 
-def _native_adam(views: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool) -> None:
-    """Step every tensor in one kernel call per thread. views[t] = (p, g, m codes, m scales,
-    v fp32, v codes, v scales) of tensor t as [n_blocks, B] views (the unused ones None); h is
+def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool) -> None:
+    """Step every tensor in one kernel call per thread. tensors[t] = (p, g, m codes, m scales,
+    v fp32, v codes, v scales) of tensor t, contiguous (the unused ones None); h is
     _adam_table's [n_tensors, 10] fp32."""
     lib = _native_lib()
-    n = len(views)
+    n = len(tensors)
     ptrs = (ctypes.c_void_p * (8 * n))()
     nb = (ctypes.c_int64 * n)()
-    for t, view in enumerate(views):
-        ptrs[8 * t:8 * t + 7] = [None if x is None else x.data_ptr() for x in view]
-        nb[t] = view[0].shape[0]
+    for t, ts in enumerate(tensors):
+        ptrs[8 * t:8 * t + 7] = [None if x is None else x.data_ptr() for x in ts]
+        nb[t] = ts[0].numel() // block_size
     total = sum(nb)
     threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
     cuts = [total * i // threads for i in range(threads + 1)]
@@ -521,16 +521,13 @@ class FP8Optim(torch.optim.Optimizer):
             vq = _local(state["exp_avg_sq_sqrt"]) if self.opt_level >= 2 else None
             v = None if vq is not None else _local(state["exp_avg_sq"])
             pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
-            view = (pl.view(-1, B), g.reshape(-1, B), m.codes.view(torch.uint8).view(-1, B), m.scale,
-                    None if v is None else v.view(-1, B),
-                    None if vq is None else vq.codes.view(torch.uint8).view(-1, B),
-                    None if vq is None else vq.scale)
-            item = (view, state["step"], group)
+            tensors = (pl, g, m.codes, m.scale, v, None if vq is None else vq.codes, None if vq is None else vq.scale)
+            item = (tensors, state["step"], group)
             if (self._native and pl.device.type == "cpu" and pl.dtype == torch.float32
                     and g.dtype == torch.float32 and g.is_contiguous() and B <= 1024):
                 native[decoupled].append(item)
             else:
-                compiled[(decoupled, pl.device, pl.dtype, g.dtype, tuple(view[0].shape))].append(item)
+                compiled[(decoupled, pl.device, pl.dtype, g.dtype, pl.numel())].append(item)
         for same_device in steps.values():  # torch's Adam counts steps first, then steps
             torch._foreach_add_(same_device, 1.0)
         v_fp8 = self.opt_level >= 2
@@ -546,19 +543,22 @@ class FP8Optim(torch.optim.Optimizer):
                 self.fallbacks.append(msg)
                 warn_once("fp8optim-native", msg)
                 for item in items:
-                    view = item[0]
-                    compiled[(decoupled, view[0].device, view[0].dtype, view[1].dtype, tuple(view[0].shape))].append(item)
+                    pl, g = item[0][:2]
+                    compiled[(decoupled, pl.device, pl.dtype, g.dtype, pl.numel())].append(item)
         hypers: dict[int, tuple] = {}  # per param group, made once a step
         for (decoupled, *_), items in compiled.items():
             for _, _, group in items:
                 if id(group) not in hypers:
                     hypers[id(group)] = tuple(_host_scalar(x) for x in (
                         group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"]))
-            views = list(zip(*(i[0] for i in items)))
-            if v_fp8:
-                views[4] = []
-            else:
-                views[5] = views[6] = []
+            # [n_blocks, B] views, codes as uint8; the unused v representation as an empty list
+            views = [[i[0][0].view(-1, B) for i in items],
+                     [i[0][1].reshape(-1, B) for i in items],  # a gradient may be non-contiguous
+                     [i[0][2].view(torch.uint8).view(-1, B) for i in items],
+                     [i[0][3] for i in items]]
+            views.append([] if v_fp8 else [i[0][4].view(-1, B) for i in items])
+            views.append([i[0][5].view(torch.uint8).view(-1, B) for i in items] if v_fp8 else [])
+            views.append([i[0][6] for i in items] if v_fp8 else [])
             self._run("adam", _adam_multi, *(list(v) for v in views), [i[1] for i in items],
                       [hypers[id(i[2])] for i in items], decoupled=decoupled, v_fp8=v_fp8)
 

@@ -49,17 +49,59 @@ static inline uint32_t enc(float y) {             /* float -> e4m3fn bits, RNE, 
    (a + 0x7FFFF + lsb, then >> 20), the exponent rebiased from 127 to 7; below 2^-6 the
    subnormal code is round(|y| * 2^9) by vcvtps2dq; saturating at 448 (0x43E00000). Equal to
    enc() on every float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
-static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+static inline __m512 dec16(const uint8_t *restrict c, __m512 sc256) {  /* sc256 = scale * 2^8 */
     const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
+    __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, m7f), 7),
+                                _mm256_slli_epi16(_mm256_and_si256(u, m80), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), sc256);
+}
+
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
     const __m512 sc = _mm512_set1_ps(s * 256.0f);
     int64_t i = 0;
-    for (; i + 16 <= B; i += 16) {
-        __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + i)));
-        __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, m7f), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(u, m80), 8));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtph_ps(h), sc));
-    }
+    for (; i + 16 <= B; i += 16) _mm512_storeu_ps(out + i, dec16(c + i, sc));
     for (; i < B; ++i) out[i] = dec(c[i]) * s;
+}
+
+/* The block loop of DEFINE_ADAM below with the decode inside it (no decoded copy of the moments
+   written and read back), 16 elements a step; B % 16 == 0. Same operations in the same order. */
+#define HAVE_UPDATE16 1
+static inline __attribute__((always_inline)) void update16(
+        float *restrict pp, const float *restrict gg, const uint8_t *restrict mcb, float msb,
+        const uint8_t *restrict vcb, float vsb, float *restrict vv, float *restrict mbuf, float *restrict rbuf,
+        int64_t B, const float *h, float ibc2, int dec_wd, int vfp8, float *am_out, float *ar_out) {
+    const __m512 beta2 = _mm512_set1_ps(h[2]), eps = _mm512_set1_ps(h[3]), wd = _mm512_set1_ps(h[4]);
+    const __m512 step_size = _mm512_set1_ps(h[5]), w1 = _mm512_set1_ps(h[7]), w2 = _mm512_set1_ps(h[8]);
+    const __m512 decay = _mm512_set1_ps(h[9]), ib = _mm512_set1_ps(ibc2);
+    const __m512 msc = _mm512_set1_ps(msb * 256.0f), vsc = _mm512_set1_ps(vsb * 256.0f);
+    __m512 am = _mm512_setzero_ps(), ar = _mm512_setzero_ps();
+    for (int64_t i = 0; i < B; i += 16) {
+        __m512 pi = _mm512_loadu_ps(pp + i), gi = _mm512_loadu_ps(gg + i);
+        if (!dec_wd) gi = _mm512_fmadd_ps(wd, pi, gi);
+        __m512 mi = dec16(mcb + i, msc);
+        mi = _mm512_fmadd_ps(w1, _mm512_sub_ps(gi, mi), mi);
+        __m512 g2 = _mm512_mul_ps(w2, _mm512_mul_ps(gi, gi)), v;
+        if (vfp8) {
+            __m512 r0 = dec16(vcb + i, vsc);
+            v = _mm512_fmadd_ps(_mm512_mul_ps(r0, r0), beta2, g2);
+        } else {
+            v = _mm512_fmadd_ps(_mm512_loadu_ps(vv + i), beta2, g2);
+            _mm512_storeu_ps(vv + i, v);
+        }
+        __m512 ri = _mm512_sqrt_ps(v);
+        if (dec_wd) pi = _mm512_mul_ps(pi, decay);
+        __m512 upd = _mm512_div_ps(_mm512_mul_ps(step_size, mi), _mm512_fmadd_ps(ri, ib, eps));
+        _mm512_storeu_ps(pp + i, _mm512_sub_ps(pi, upd));
+        _mm512_storeu_ps(mbuf + i, mi);
+        am = _mm512_max_ps(_mm512_abs_ps(mi), am);  /* a NaN keeps am, as the scalar loop */
+        if (vfp8) {
+            _mm512_storeu_ps(rbuf + i, ri);
+            ar = _mm512_max_ps(ri, ar);
+        }
+    }
+    *am_out = _mm512_reduce_max_ps(am);
+    *ar_out = vfp8 ? _mm512_reduce_max_ps(ar) : 0.0f;
 }
 
 static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
@@ -150,6 +192,13 @@ static inline void enc_block(const float *restrict in, float s, uint8_t *restric
 }
 #endif
 
+#ifndef HAVE_UPDATE16
+#define HAVE_UPDATE16 0
+static inline void update16(float *pp, const float *gg, const uint8_t *mcb, float msb, const uint8_t *vcb,
+                            float vsb, float *vv, float *mbuf, float *rbuf, int64_t B, const float *h,
+                            float ibc2, int dec_wd, int vfp8, float *am_out, float *ar_out) {}
+#endif
+
 #define BMAX 1024
 /* h = lr, beta1, beta2, eps, wd, step_size, bias_correction2_sqrt, 1 - beta1, 1 - beta2,
    1 - lr * wd (NH values; the differences computed in double by the caller, as torch does in
@@ -167,9 +216,12 @@ static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict m
         float *restrict pp = p + b * B; const float *restrict gg = g + b * B; \
         uint8_t *restrict mcb = mc + b * B; \
         uint8_t *restrict vcb = VFP8 ? vc + b * B : 0; float *restrict vv = VFP8 ? 0 : v32 + b * B; \
+        float am = 0.0f, ar = 0.0f; \
+        if (HAVE_UPDATE16 && B % 16 == 0) \
+            update16(pp, gg, mcb, ms[b], vcb, VFP8 ? vs[b] : 0.0f, vv, mbuf, rbuf, B, h, ibc2, DEC, VFP8, &am, &ar); \
+        else { \
         dec_block(mcb, mbuf, B, ms[b]);  /* decoded moments, then updated in place */ \
         if (VFP8) dec_block(vcb, rbuf, B, vs[b]); \
-        float am = 0.0f, ar = 0.0f; \
         _Pragma("omp simd reduction(max:am, ar)") \
         for (int64_t i = 0; i < B; ++i) { \
             float pi = pp[i], gi = gg[i]; \
@@ -185,6 +237,7 @@ static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict m
             mbuf[i] = mi; rbuf[i] = ri; \
             float a = fabsf(mi); \
             am = a > am ? a : am; ar = ri > ar ? ri : ar; \
+        } \
         } \
         const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
         ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
