@@ -242,8 +242,8 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s). Because it is
 # built with -march=native, the cache key holds the source, the flags, the compiler's identity
 # and this CPU's model and feature flags: a home directory shared by different machines never
-# loads another CPU's build. One call steps every tensor of a step; the blocks of all tensors
-# are cut into torch.get_num_threads() ranges, one per thread (ctypes releases the GIL).
+# loads another CPU's build. One call per thread steps every tensor of a step: the threads
+# (torch.get_num_threads(); ctypes releases the GIL) take chunks of blocks from a shared counter.
 # NANOCHAT_NATIVE_OPTIM=0 turns it off (the step then runs compiled; a recorded fallback).
 # ---------------------------------------------------------------------------------------------
 
@@ -292,8 +292,9 @@ def _native_lib():
                 os.replace(out, so)
         lib = ctypes.CDLL(str(so))
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.adam_multi.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64, i64, i32, i32]
-        lib.adam_multi.restype = i32
+        lib.adam_dynamic.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64,
+                                     ctypes.POINTER(i64), i64, i32, i32]
+        lib.adam_dynamic.restype = i32
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
         _native["error"] = f"{type(e).__name__}: {detail}"
@@ -318,17 +319,18 @@ def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupl
         nb[t] = ts[0].numel() // block_size
     total = sum(nb)
     threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
-    cuts = [total * i // threads for i in range(threads + 1)]
-    args = (n, ptrs, nb, h.data_ptr())
-    flags = (block_size, int(decoupled), int(v_fp8))
+    # 128 blocks (32K elements) a take: ~0.1 ms of work, so a late thread delays the step by
+    # at most that much, and the shared counter is touched ~500 times for 16M parameters
+    next_block = ctypes.c_int64(0)
+    args = (n, ptrs, nb, h.data_ptr(), total, 128, ctypes.byref(next_block), block_size, int(decoupled), int(v_fp8))
     jobs = []
-    if threads > 1:  # the calling thread runs the last range itself
+    if threads > 1:  # the calling thread works too
         if not _pool or _pool[0]._max_workers < threads - 1:
             from concurrent.futures import ThreadPoolExecutor
             _pool[:] = [ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8optim")]
-        jobs = [_pool[0].submit(lib.adam_multi, *args, cuts[i], cuts[i + 1], *flags) for i in range(threads - 1)]
-    failed = lib.adam_multi(*args, cuts[-2], cuts[-1], *flags)
-    failed |= any([job.result() for job in jobs])  # every job ends before the views may be freed
+        jobs = [_pool[0].submit(lib.adam_dynamic, *args) for _ in range(threads - 1)]
+    failed = lib.adam_dynamic(*args)
+    failed |= any([job.result() for job in jobs])  # every job ends before the tensors may be freed
     if failed:
         raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (at most 1024)")
 

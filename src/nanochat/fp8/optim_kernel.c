@@ -282,3 +282,19 @@ int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
     }
     return 0;
 }
+
+/* adam_multi over all `total` blocks by every thread that calls it: each takes the next `chunk`
+   blocks from the shared counter *next until none are left. A thread that starts late (its core
+   busy, e.g. with OpenMP threads still spinning after torch's last parallel region) leaves its
+   share to the others instead of holding them at a barrier. Blocks are independent, so the
+   result does not depend on who stepped which. */
+int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h, int64_t total,
+                 int64_t chunk, int64_t *next, int64_t B, int decoupled, int vfp8) {
+    int failed = 0;
+    for (;;) {
+        int64_t b0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
+        if (b0 >= total) break;
+        failed |= adam_multi(n, ptr, nb, h, b0, b0 + chunk < total ? b0 + chunk : total, B, decoupled, vfp8);
+    }
+    return failed;
+}
