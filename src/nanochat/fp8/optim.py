@@ -45,7 +45,8 @@ full-size temporaries, for all FP8-state parameters at once. Three implementatio
   (used on GPU, for SGD, for bf16 parameters, or if the C build fails).
 - eager: the same Python functions run eagerly (`compile=False`, or when compilation fails).
 Nothing in the step reads a device value into Python or copies to or from the device:
-hyperparameters and step counts are 0-dim CPU tensors (a changing lr does not recompile). Every
+hyperparameters are 0-dim CPU tensors (a changing lr does not recompile), step counts 0-dim
+tensors on the parameter's device. Every
 fallback is logged once with its reason and kept in `fallbacks`.
 
 Under FSDP2 (nanochat/distributed.py) a parameter is a DTensor holding this rank's rows. The
@@ -92,10 +93,10 @@ _INV_E4M3_MAX = 1.0 / fp8_max(E4M3)
 
 # ---------------------------------------------------------------------------------------------
 # Fused steps. All tensors are 2-D [n_blocks, B] views (codes as uint8), scales [n_blocks].
-# Hyperparameters and the step count are 0-dim CPU tensors (float64 for the hyperparameters,
-# torch's float32 for the step), as in torchao's optimizers: a changing lr does not recompile,
-# and on a GPU the compiled kernels take them as scalar arguments read on the host, so nothing
-# is copied to the device or read back from it.
+# Hyperparameters are 0-dim float64 CPU tensors, as in torchao's optimizers: a changing lr does
+# not recompile, and on a GPU the compiled kernels take them as scalar arguments read on the
+# host, so nothing is copied to the device or read back from it. Step counts are 0-dim float32
+# tensors on the parameter's device (the bias corrections are computed where they are used).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -116,7 +117,7 @@ def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, fl
 def _adam_step(p, g, m_codes, m_scale, v, v_codes, v_scale, step, lr, beta1, beta2, eps, wd,
                decoupled: bool, v_fp8: bool):
     """Adam(W) on one parameter; m in FP8; v in FP8 as sqrt(v) (v_fp8) or fp32 in `v`."""
-    # as torch's Adam: bias corrections in float64 (here on 0-dim host tensors)
+    # as torch's Adam: bias corrections in float64 (0-dim tensors)
     step_size = lr / (1 - beta1**step)
     bc2_sqrt = (1 - beta2**step).sqrt()
     pf = p.float()
@@ -517,12 +518,14 @@ class FP8Optim(torch.optim.Optimizer):
             state = self.state[p]
             if len(state) == 0:
                 self._init_adam_state(p, state)
-            steps[state["step"].device].append(state["step"])
+            pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
+            if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
+                state["step"] = state["step"].to(pl.device, torch.float32)
+            steps[pl.device].append(state["step"])
             decoupled = bool(group.get("decoupled_weight_decay", self._adamw))
             m = _local(state["exp_avg"])
             vq = _local(state["exp_avg_sq_sqrt"]) if self.opt_level >= 2 else None
             v = None if vq is not None else _local(state["exp_avg_sq"])
-            pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
             tensors = (pl, g, m.codes, m.scale, v, None if vq is None else vq.codes, None if vq is None else vq.scale)
             item = (tensors, state["step"], group)
             if (self._native and pl.device.type == "cpu" and pl.dtype == torch.float32
@@ -588,7 +591,9 @@ class FP8Optim(torch.optim.Optimizer):
             self._run("sgd", _sgd_multi, ps, gs, codes, scales, hyp, first=first, nesterov=nesterov)
 
     def _init_adam_state(self, p: torch.Tensor, state: dict) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch (non-capturable): host float32
+        # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
+        # corrections are then computed there, inside the compiled step, never on the host
+        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
         shard = _local(p).shape  # FSDP: this rank's rows; the state is wrapped like p
         state["exp_avg"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
                                                  device=p.device), p)
