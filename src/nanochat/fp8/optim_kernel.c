@@ -107,20 +107,22 @@ static inline __attribute__((always_inline)) void update16(
 static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
     const __m512 sc = _mm512_set1_ps(s), k512 = _mm512_set1_ps(512.0f), zero = _mm512_setzero_ps();
     const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), lim = _mm512_set1_epi32(0x43E00000);
-    const __m512i half = _mm512_set1_epi32(0x7FFFF), one = _mm512_set1_epi32(1);
-    const __m512i bias = _mm512_set1_epi32(120 << 3), min_normal = _mm512_set1_epi32(121 << 23);
-    const __m512i m80 = _mm512_set1_epi32(0x80);
+    /* rounding offset 0x7FFFF with the exponent rebias folded in: (a + this + lsb) >> 20 is the
+       normal code directly (the subnormal lanes, where it is garbage, are blended away) */
+    const __m512i half = _mm512_set1_epi32(0x7FFFF - (120 << 23)), one = _mm512_set1_epi32(1);
+    const __m512i min_normal = _mm512_set1_epi32(121 << 23), m80 = _mm512_set1_epi32(0x80);
     int64_t i = 0;
     for (; i + 16 <= B; i += 16) {
         __m512 x = _mm512_loadu_ps(in + i);
         __m512i yb = _mm512_castps_si512(_mm512_mul_ps(x, sc));
         __m512i a = _mm512_min_epu32(_mm512_and_si512(yb, absm), lim);
         __m512i t = _mm512_add_epi32(_mm512_add_epi32(a, half), _mm512_and_si512(_mm512_srli_epi32(a, 20), one));
-        __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(t, 20), bias);
+        __m512i normal = _mm512_srli_epi32(t, 20);
         __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(a), k512));
         __m512i mag = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, min_normal), normal, sub);
         if (floor1) mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), mag, one);
-        __m512i code = _mm512_or_si512(mag, _mm512_and_si512(_mm512_srli_epi32(yb, 24), m80));
+        /* code = mag | ((yb >> 24) & 0x80) in one ternary-logic op (A | (B & C): 0xF8) */
+        __m512i code = _mm512_ternarylogic_epi32(mag, _mm512_srli_epi32(yb, 24), m80, 0xF8);
         _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(code));
     }
     for (; i < B; ++i) {
