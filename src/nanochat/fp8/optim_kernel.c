@@ -50,10 +50,11 @@ static inline uint32_t enc(float y) {             /* float -> e4m3fn bits, RNE, 
    subnormal code is round(|y| * 2^9) by vcvtps2dq; saturating at 448 (0x43E00000). Equal to
    enc() on every float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
 static inline __m512 dec16(const uint8_t *restrict c, __m512 sc256) {  /* sc256 = scale * 2^8 */
-    const __m256i m7f = _mm256_set1_epi16(0x7F), m80 = _mm256_set1_epi16(0x80);
+    const __m256i m80 = _mm256_set1_epi16(0x80);
     __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
-    __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(u, m7f), 7),
-                                _mm256_slli_epi16(_mm256_and_si256(u, m80), 8));
+    /* (u + (u & 0x80)) << 7 = (magnitude << 7) | (sign << 15): adding the sign bit to itself
+       carries it one place up, where fp16 keeps its sign */
+    __m256i h = _mm256_slli_epi16(_mm256_add_epi16(u, _mm256_and_si256(u, m80)), 7);
     return _mm512_mul_ps(_mm512_cvtph_ps(h), sc256);
 }
 
@@ -137,12 +138,12 @@ static inline void enc_block(const float *restrict in, float s, uint8_t *restric
    subnormals) and converted by F16C's vcvtph2ps; s carries the 2^8. Exact, and ~4x fewer
    instructions than dec() (the compiler does not vectorize a _Float16 conversion by itself). */
 static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
-    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    const __m128i m80 = _mm_set1_epi16(0x80);
     const __m256 sc = _mm256_set1_ps(s * 256.0f);
     for (int64_t i = 0; i < B; i += 8) {             /* B is a multiple of 8 (FP8Optim checks) */
         __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
-        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, m7f), 7),
-                                 _mm_slli_epi16(_mm_and_si128(u, m80), 8));
+        /* (u + (u & 0x80)) << 7 = (magnitude << 7) | (sign << 15), as dec16 above */
+        __m128i h = _mm_slli_epi16(_mm_add_epi16(u, _mm_and_si128(u, m80)), 7);
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
     }
 }
