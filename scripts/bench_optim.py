@@ -5,8 +5,9 @@
 
 (a) moment bytes per parameter: torch AdamW, torchao AdamWFp8, FP8Optim levels 0/1/2;
 (b) median step time over --steps steps on --n_tensors x --dim^2 fp32 parameters (16M by default),
-    all optimizers stepped round-robin so machine load hits them alike; ratios to
-    torch.optim.AdamW(fused=True) and to torchao AdamWFp8;
+    all optimizers stepped round-robin so machine load hits them alike, the whole measurement
+    repeated --repeats times; ratios to torch.optim.AdamW(fused=True), to torchao AdamWFp8, and
+    level 1 to level 2 (on CPU: wall-clock at the default thread count and 1-thread CPU time);
 (c) the same small GPT (nanochat.gpt, preset --preset) trained --train_steps steps on bytes of
     stdlib sources (vocab 256) with AdamW and with FP8Optim levels 1 and 2: final val loss, gap;
 (d) --study: the second-moment representation study behind optim.py's choice (update error and
@@ -25,7 +26,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import tyro
 
 from nanochat.common import format_table, seed_everything
 from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
@@ -44,6 +44,12 @@ class BenchOptimConfig:
     """(b) each tensor is dim x dim fp32."""
     steps: int = 25
     """(b) timed steps per optimizer (the median is reported)."""
+    repeats: int = 1
+    """(b) repeat the timing this many times (each repeat prints its own table)."""
+    device: str = "cpu"
+    """(b) where the parameters live ("cuda": the compiled multi-tensor step; timed with syncs)."""
+    torchao: bool = True
+    """(b) also time torchao's AdamWFp8 (slow on CPU; --no-torchao skips it)."""
     preset: str = "d2"
     """(c) nanochat.gpt size preset trained with each optimizer."""
     train_steps: int = 300
@@ -58,7 +64,7 @@ class BenchOptimConfig:
     """Write all figures as JSON here."""
 
     def __post_init__(self) -> None:
-        for name in ("n_tensors", "dim", "steps", "train_steps"):
+        for name in ("n_tensors", "dim", "steps", "train_steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
@@ -79,10 +85,10 @@ def load() -> str:
 # ---- (a) + (b) ---------------------------------------------------------------------------------
 
 
-def _optimizers(params_for, quick: bool):
+def _optimizers(params_for, quick: bool, torchao: bool):
     """name -> optimizer over its own copy of the parameters."""
     opts = {"torch AdamW fused": torch.optim.AdamW(params_for("fused"), lr=1e-3, weight_decay=0.1, fused=True)}
-    if not quick:
+    if torchao and not quick:
         from torchao.optim import AdamWFp8
         opts["torchao AdamWFp8"] = AdamWFp8(params_for("ao"), lr=1e-3, weight_decay=0.1)
     for level in (0, 1, 2):
@@ -109,9 +115,10 @@ def _moment_bytes(opt) -> float:
 
 
 def bench_speed(args) -> dict:
+    device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
-    base = [torch.randn(args.dim, args.dim, generator=g) for _ in range(args.n_tensors)]
-    grads = [torch.randn(args.dim, args.dim, generator=g) * 1e-2 for _ in range(args.n_tensors)]
+    base = [torch.randn(args.dim, args.dim, generator=g).to(device) for _ in range(args.n_tensors)]
+    grads = [(torch.randn(args.dim, args.dim, generator=g) * 1e-2).to(device) for _ in range(args.n_tensors)]
     made: dict[str, list] = {}
 
     def params_for(name):
@@ -121,43 +128,61 @@ def bench_speed(args) -> dict:
         made[name] = ps
         return ps
 
-    opts = _optimizers(params_for, args.quick)
+    opts = _optimizers(params_for, args.quick, args.torchao)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     for opt in opts.values():  # warm-up: state allocation and compilation
         opt.step()
         opt.step()
+    sync()
     warm = time.perf_counter() - t0
     n = args.n_tensors * args.dim * args.dim
     results = {}
+    backends = {name: opt.step_backends() for name, opt in opts.items() if isinstance(opt, FP8Optim)}
     # wall clock at the default thread count is what a run sees; on a loaded machine it also
     # measures how each implementation copes with contention (OpenMP barriers suffer most), so
     # the single-thread CPU time (process_time) is printed too: the work per step, load-independent
     threads = torch.get_num_threads()
-    for label, n_threads, clock in (("wall", threads, time.perf_counter), ("cpu", 1, time.process_time)):
+    clocks = [("wall", threads, time.perf_counter)]
+    if device.type == "cpu":
+        clocks.append(("cpu", 1, time.process_time))
+    for label, n_threads, clock in clocks:
         torch.set_num_threads(n_threads)
-        times = {name: [] for name in opts}
-        for _ in range(args.steps):  # round-robin so load changes hit every optimizer alike
+        runs = []
+        for repeat in range(args.repeats):
+            times = {name: [] for name in opts}
+            for _ in range(args.steps):  # round-robin so load changes hit every optimizer alike
+                for name, opt in opts.items():
+                    sync()
+                    t = clock()
+                    opt.step()
+                    sync()
+                    times[name].append(clock() - t)
+            med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            fused = med["torch AdamW fused"]
+            ao = med.get("torchao AdamWFp8")
+            rows, out = [], {}
             for name, opt in opts.items():
-                t = clock()
-                opt.step()
-                times[name].append(clock() - t)
-        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
-        fused = med["torch AdamW fused"]
-        ao = med.get("torchao AdamWFp8")
-        rows, out = [], {}
-        for name, opt in opts.items():
-            bpp = _moment_bytes(opt)
-            out[name] = dict(bytes_per_param=bpp, median_ms=med[name], vs_fused=med[name] / fused,
-                             vs_torchao=(med[name] / ao) if ao else None)
-            rows.append([name, f"{bpp:.3f}", f"{med[name]:.1f}", f"{med[name] / fused:.2f}x",
-                         f"{med[name] / ao:.2f}x" if ao else "-"])
-        what = (f"wall-clock, {n_threads} threads" if label == "wall" else "CPU time (process_time), 1 thread")
-        print(f"\n(a, b) {args.n_tensors} x {args.dim}^2 = {n / 1e6:.1f}M fp32 params, median of {args.steps} "
-              f"steps, {what}, {load()} (warm-up incl. compile {warm:.0f} s)")
-        print(format_table(["optimizer", "moment bytes/param", "step ms", "vs fused AdamW", "vs torchao"], rows))
-        results[label] = dict(threads=n_threads, results=out, load_after=os.getloadavg())
+                bpp = _moment_bytes(opt)
+                out[name] = dict(bytes_per_param=bpp, median_ms=med[name], vs_fused=med[name] / fused,
+                                 vs_torchao=(med[name] / ao) if ao else None, backend=backends.get(name))
+                rows.append([name, f"{bpp:.3f}", f"{med[name]:.2f}", f"{med[name] / fused:.2f}x",
+                             f"{med[name] / ao:.2f}x" if ao else "-"])
+            what = (f"wall-clock, {n_threads} threads" if label == "wall" else "CPU time (process_time), 1 thread")
+            if device.type != "cpu":
+                what = f"wall-clock on {torch.cuda.get_device_name(device)}, synchronized"
+            l1_vs_l2 = med["FP8Optim level 1"] / med["FP8Optim level 2"]
+            print(f"\n(a, b) {args.n_tensors} x {args.dim}^2 = {n / 1e6:.1f}M fp32 params, median of {args.steps} "
+                  f"steps, {what}, repeat {repeat + 1}/{args.repeats}, {load()} (warm-up incl. compile {warm:.0f} s)")
+            print(format_table(["optimizer", "moment bytes/param", "step ms", "vs fused AdamW", "vs torchao"], rows))
+            print(f"level 2 / fused AdamW {med['FP8Optim level 2'] / fused:.2f}x, level 1 / fused AdamW "
+                  f"{med['FP8Optim level 1'] / fused:.2f}x, level 1 / level 2 {l1_vs_l2:.2f}x; "
+                  f"FP8Optim step backends: {backends.get('FP8Optim level 2')}")
+            runs.append(dict(results=out, level1_vs_level2=l1_vs_l2, load_after=os.getloadavg()))
+        results[label] = dict(threads=n_threads, runs=runs, results=runs[-1]["results"],
+                              load_after=os.getloadavg())
     torch.set_num_threads(threads)
-    return dict(numel=n, **results)
+    return dict(numel=n, device=str(device), **results)
 
 
 # ---- (c) ---------------------------------------------------------------------------------------

@@ -35,17 +35,19 @@ floored at the smallest subnormal):
 The study (`scripts/bench_optim.py --study`, figures in BENCHMARKS.md) runs the four options on
 the same gradient streams, two gradient distributions and two beta2.
 
-The step, per FP8 parameter: decode the codes -> fp32 math -> write p, the new codes and scales
-in place, with no full-size temporaries. Three implementations of the same formulas:
-- native (default for fp32 Adam/AdamW parameters on CPU): a ~60-line C kernel (below), built
-  with the system compiler on first use and called through ctypes; one 256-element block at a
-  time, so the block stays in L1, auto-vectorized. On CPU it is ~5x faster than the torch.compile
-  version, whose uint8 loads/stores go through a memcpy'd stack buffer (BENCHMARKS.md).
-- compile: `torch.compile(fullgraph=True, dynamic=False)` of `_adam_step`/`_sgd_step`, one graph
-  per parameter size (used on GPU, for SGD, for bf16 parameters, or if the C build fails).
-- eager: the same Python function run eagerly (`compile=False`, or when compilation fails).
-Hyperparameters go in as one small fp32 tensor, so a schedule changing lr every step does not
-recompile. Every fallback is logged once with its reason.
+The step: decode the codes -> fp32 math -> write p, the new codes and scales in place, with no
+full-size temporaries, for all FP8-state parameters at once. Three implementations:
+- native (default for fp32 Adam/AdamW parameters on CPU): the C kernel in optim_kernel.c, built
+  on first use and called through ctypes, once per step for every tensor (blocks split across
+  threads). ~5x faster on CPU than the compiled version (BENCHMARKS.md 3(b)).
+- compile: `torch.compile(fullgraph=True, dynamic=False)` of `_adam_multi`/`_sgd_multi` over the
+  list of same-shape tensors: one compiled call per (shape, dtype, device), not per parameter
+  (used on GPU, for SGD, for bf16 parameters, or if the C build fails).
+- eager: the same Python functions run eagerly (`compile=False`, or when compilation fails).
+Nothing in the step reads a device value into Python or copies to or from the device:
+hyperparameters are 0-dim CPU tensors (a changing lr does not recompile), step counts 0-dim
+tensors on the parameter's device. Every
+fallback is logged once with its reason and kept in `fallbacks`.
 
 Under FSDP2 (nanochat/distributed.py) a parameter is a DTensor holding this rank's rows. The
 step works on the local shard (`_local`: p, its gradient and its states), so the kernels and
@@ -61,7 +63,14 @@ fp32 state (on every rank: the rule reads the global shape) and the summary says
 
 from __future__ import annotations
 
-import math
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
 from collections import defaultdict
 from typing import Any
 
@@ -81,9 +90,13 @@ MIN_NUMEL = 4096  # bitsandbytes/torchao rule: smaller tensors keep fp32 state
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 _INV_E4M3_MAX = 1.0 / fp8_max(E4M3)
 
+
 # ---------------------------------------------------------------------------------------------
-# Fused per-parameter steps. All tensors are 2-D [n_blocks, B] views (codes as uint8), scales
-# [n_blocks]; `h` is a 1-D fp32 tensor of hyperparameters (a tensor so changes don't recompile).
+# Fused steps. All tensors are 2-D [n_blocks, B] views (codes as uint8), scales [n_blocks].
+# Hyperparameters are 0-dim float64 CPU tensors, as in torchao's optimizers: a changing lr does
+# not recompile, and on a GPU the compiled kernels take them as scalar arguments read on the
+# host, so nothing is copied to the device or read back from it. Step counts are 0-dim float32
+# tensors on the parameter's device (the bias corrections are computed where they are used).
 # ---------------------------------------------------------------------------------------------
 
 
@@ -101,15 +114,18 @@ def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, fl
     return new_scale
 
 
-def _adam_step(p, g, m_codes, m_scale, v, v_codes, v_scale, h, decoupled: bool, v_fp8: bool):
+def _adam_step(p, g, m_codes, m_scale, v, v_codes, v_scale, step, lr, beta1, beta2, eps, wd,
+               decoupled: bool, v_fp8: bool):
     """Adam(W) on one parameter; m in FP8; v in FP8 as sqrt(v) (v_fp8) or fp32 in `v`."""
-    lr, beta1, beta2, eps, wd, step_size, bc2_sqrt = (h[i] for i in range(7))
+    # as torch's Adam: bias corrections in float64 (0-dim tensors)
+    step_size = lr / (1 - beta1**step)
+    bc2_sqrt = (1 - beta2**step).sqrt()
     pf = p.float()
     gf = g.float()
     if not decoupled:  # Adam's L2 penalty goes into the gradient (torch: grad.add(param, alpha=wd))
         gf = gf + wd * pf
     m = decode(m_codes, E4M3) * m_scale[:, None]
-    m = m.lerp(gf, 1 - beta1)  # torch: exp_avg.lerp_(grad, 1 - beta1)
+    m = m + (1 - beta1) * (gf - m)  # torch: exp_avg.lerp_(grad, 1 - beta1), its weight < 0.5 branch
     if v_fp8:
         r_old = decode(v_codes, E4M3) * v_scale[:, None]  # stored sqrt(v)
         vv = r_old * r_old * beta2 + (1 - beta2) * gf * gf
@@ -133,17 +149,40 @@ def _adam_step(p, g, m_codes, m_scale, v, v_codes, v_scale, h, decoupled: bool, 
     p.copy_(pf - upd + tie)
 
 
-def _sgd_step(p, g, b_codes, b_scale, h, nesterov: bool):
-    """SGD with momentum on one parameter, buffer in FP8. h = lr, momentum, dampening, wd, first."""
-    lr, momentum, dampening, wd, first = (h[i] for i in range(5))
+def _adam_multi(ps, gs, m_codes, m_scales, vs, v_codes, v_scales, steps, hypers, decoupled: bool, v_fp8: bool):
+    """_adam_step over lists of same-shape tensors: one compiled graph, one call for all of them.
+    hypers[i] = (lr, beta1, beta2, eps, weight_decay) of tensor i's param group."""
+    for i in range(len(ps)):
+        _adam_step(ps[i], gs[i], m_codes[i], m_scales[i], None if v_fp8 else vs[i],
+                   v_codes[i] if v_fp8 else None, v_scales[i] if v_fp8 else None, steps[i], *hypers[i],
+                   decoupled=decoupled, v_fp8=v_fp8)
+
+
+def _sgd_step(p, g, b_codes, b_scale, lr, momentum, dampening, wd, first: bool, nesterov: bool):
+    """SGD with momentum on one parameter, buffer in FP8; `first`: the buffer's first step."""
     pf = p.float()
     d_p = g.float() + wd * pf
-    buf = decode(b_codes, E4M3) * b_scale[:, None]
-    # torch: first step buf = clone(d_p); later buf.mul_(momentum).add_(d_p, alpha=1 - dampening)
-    buf = torch.where(first > 0, d_p, buf * momentum + (1 - dampening) * d_p)
+    if first:  # torch: buf = clone(d_p)
+        buf = d_p
+    else:  # torch: buf.mul_(momentum).add_(d_p, alpha=1 - dampening)
+        buf = decode(b_codes, E4M3) * b_scale[:, None] * momentum + (1 - dampening) * d_p
     new_scale = _requantize(buf, b_codes, b_scale, floor=False)
     d = d_p + momentum * buf if nesterov else buf
     p.copy_(pf - lr * d + 0.0 * new_scale[:, None])  # `+ 0 * scale`: see _adam_step
+
+
+def _sgd_multi(ps, gs, b_codes, b_scales, hypers, first: bool, nesterov: bool):
+    """_sgd_step over lists of same-shape tensors; hypers[i] = (lr, momentum, dampening, wd)."""
+    for i in range(len(ps)):
+        _sgd_step(ps[i], gs[i], b_codes[i], b_scales[i], *hypers[i], first=first, nesterov=nesterov)
+
+
+def _host_scalar(x) -> torch.Tensor:
+    """A hyperparameter as a 0-dim float64 tensor; one that already is a tensor stays where it is
+    (reading it back to the host would wait for the device)."""
+    if torch.is_tensor(x):
+        return x.detach().to(torch.float64)
+    return torch.tensor(float(x), dtype=torch.float64)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -194,210 +233,53 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
     return FP8Tensor(codes.view(E4M3).view(v.shape), scale, block_size)
 
 
-
 # ---------------------------------------------------------------------------------------------
-# Native CPU kernel. Inductor's code for the step above runs ~10x fused AdamW on CPU: it loads
-# and stores the 1-byte codes 8 at a time through `Vectorized<uint8_t>::loadu(ptr, 8)`, which
-# goes through a stack buffer and memcpy (ATen vec256_int.h), and it sweeps each tensor twice.
-# The same math written as plain C loops, one 256-element block at a time (the block stays in
-# L1: decode, then one loop updates p and collects the absmax, then one encodes) is
-# auto-vectorized by the C compiler (-O3 -march=native; -fno-trapping-math lets it if-convert
-# the selects); decode and encode are written with F16C intrinsics where the CPU has them
-# (the compiler scalarizes a _Float16 conversion): 35.7 -> 24.2 ms for 16.8M parameters on one
-# core (BENCHMARKS.md 3(b)); elsewhere the portable loops below run (tested against them). It is
-# built on first use with the system C compiler into ~/.cache/nanochat and called through
-# ctypes (no torch headers: builds in < 1 s); blocks are split across torch.get_num_threads()
-# threads (ctypes releases the GIL). Same formulas and bit tricks as
-# `_adam_step`/tensor.py; results agree to fp32 rounding (tests compare the backends).
+# Native CPU kernel (optim_kernel.c, shipped with the package). Inductor's code for the step
+# above runs ~10x fused AdamW on CPU: it loads and stores the 1-byte codes 8 at a time through
+# `Vectorized<uint8_t>::loadu(ptr, 8)`, which goes through a stack buffer and memcpy (ATen
+# vec256_int.h), and it sweeps each tensor twice. The same math as plain C loops, one
+# 256-element block at a time (the block stays in L1), is auto-vectorized by the C compiler
+# (BENCHMARKS.md 3(b)). It is built on first use with the system C compiler into
+# ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s). Because it is
+# built with -march=native, the cache key holds the source, the flags, the compiler's identity
+# and this CPU's model and feature flags: a home directory shared by different machines never
+# loads another CPU's build. One call per thread steps every tensor of a step: the threads
+# (torch.get_num_threads(); ctypes releases the GIL) take chunks of blocks from a shared counter.
+# NANOCHAT_NATIVE_OPTIM=0 turns it off (the step then runs compiled; a recorded fallback).
 # ---------------------------------------------------------------------------------------------
 
-_C_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
-
-static inline float dec(uint32_t u) {            /* e4m3fn bits -> float (tensor.py: decode) */
-    uint32_t mag = u & 0x7Fu;
-    uint32_t bits = ((mag << 20) + (120u << 23)) | ((u & 0x80u) << 24);
-    float normal; memcpy(&normal, &bits, 4);
-    float sub = (float)mag * 0.001953125f;        /* subnormal: mantissa * 2^-9 */
-    sub = (u & 0x80u) ? -sub : sub;
-    return mag < 8u ? sub : normal;
-}
-
-static inline uint32_t enc(float y) {             /* float -> e4m3fn bits, RNE, saturating (encode) */
-    uint32_t bits; memcpy(&bits, &y, 4);
-    uint32_t sign = (bits >> 24) & 0x80u;
-    uint32_t a = bits & 0x7FFFFFFFu;
-    a = a < 0x43E00000u ? a : 0x43E00000u;          /* |y| <= 448 (saturate) */
-    /* round to 3 mantissa bits by the FPU: adding c = 2^(e+20) leaves ulp 2^(e-3), and for
-       |y| < 2^-6 c = 2^14 leaves e4m3's subnormal step 2^-9 (bit-identical to the integer
-       rounding of tensor.py's encode on every finite float, checked exhaustively) */
-    uint32_t cb = (a & 0x7F800000u) + (20u << 23);
-    cb = cb > (141u << 23) ? cb : (141u << 23);
-    float ay, c; memcpy(&ay, &a, 4); memcpy(&c, &cb, 4);
-    float r = (ay + c) - c;
-    uint32_t rb; memcpy(&rb, &r, 4);
-    int32_t normal = (int32_t)(rb >> 20) - (120 << 3);
-    int32_t sub = (int32_t)(r * 512.0f);              /* r < 2^-6: exactly k * 2^-9, k < 8 */
-    int32_t mag = rb < (121u << 23) ? sub : normal;
-    return (uint32_t)mag | sign;
-}
-
-#if defined(__F16C__) && defined(__AVX2__)
-#include <immintrin.h>
-/* e4m3fn codes -> floats * s, 8 at a time: the 7 magnitude bits placed as fp16 bits (exponent
-   bias 15 instead of 7, so the value is 2^-8 of the e4m3 one; fp16 subnormals are exactly e4m3's
-   subnormals) and converted by F16C's vcvtph2ps; s carries the 2^8. Exact, and ~4x fewer
-   instructions than dec() (the compiler does not vectorize a _Float16 conversion by itself). */
-static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
-    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
-    const __m256 sc = _mm256_set1_ps(s * 256.0f);
-    for (int64_t i = 0; i < B; i += 8) {             /* B is a multiple of 8 (FP8Optim checks) */
-        __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
-        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(u, m7f), 7),
-                                 _mm_slli_epi16(_mm_and_si128(u, m80), 8));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
-    }
-}
-/* floats * s -> e4m3fn codes, 16 at a time: |y| saturated at 448 and rounded to 3 mantissa
-   bits by enc()'s FPU trick, the sign put back, scaled by 2^-8 and converted to fp16 by
-   vcvtps2ph (exact: at most 3 mantissa bits, and e4m3's range scaled lands inside fp16's); the
-   fp16 bits shifted right by 7 are the e4m3 magnitude bits, subnormals included. floor1: a
-   positive input never becomes code 0 (the second moment's rule). Equal to enc() on every
-   finite float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
-static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
-    const __m256 sc = _mm256_set1_ps(s), lim = _mm256_set1_ps(448.0f), down = _mm256_set1_ps(0.00390625f);
-    const __m256 tiny = _mm256_set1_ps(0.001953125f), zero = _mm256_setzero_ps();
-    const __m256i expm = _mm256_set1_epi32(0x7F800000), add20 = _mm256_set1_epi32(20 << 23);
-    const __m256i c14 = _mm256_set1_epi32(141 << 23), absm = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
-    int64_t i = 0;
-    for (; i + 16 <= B; i += 16) {
-        __m128i q[2];
-        for (int k = 0; k < 2; ++k) {
-            __m256 x = _mm256_loadu_ps(in + i + 8 * k), y = _mm256_mul_ps(x, sc);
-            __m256i yb = _mm256_castps_si256(y);
-            __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(yb, absm)), lim);
-            __m256i cb = _mm256_max_epi32(_mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(a), expm), add20), c14);
-            __m256 c = _mm256_castsi256_ps(cb);
-            __m256 r = _mm256_sub_ps(_mm256_add_ps(a, c), c);
-            if (floor1) r = _mm256_blendv_ps(r, _mm256_max_ps(r, tiny), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
-            r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(absm, yb)));  /* sign back */
-            __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(r, down), _MM_FROUND_TO_NEAREST_INT);
-            q[k] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 7), m7f), _mm_and_si128(_mm_srli_epi16(h, 8), m80));
-        }
-        _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi16(q[0], q[1]));
-    }
-    for (; i < B; ++i) {
-        uint32_t q = enc(in[i] * s);
-        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
-    }
-}
-#else
-static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
-    for (int64_t i = 0; i < B; ++i) out[i] = dec(c[i]) * s;
-}
-
-static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
-    _Pragma("omp simd")
-    for (int64_t i = 0; i < B; ++i) {
-        uint32_t q = enc(in[i] * s);
-        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
-    }
-}
-#endif
-
-#define BMAX 1024
-/* h = lr, beta1, beta2, eps, wd, step_size, bias_correction2_sqrt. One function per
-   (decoupled weight decay, v in FP8) so the inner loops carry no branches. */
-#define DEFINE_ADAM(NAME, DEC, VFP8) \
-static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict mc, float *restrict ms, \
-                 uint8_t *restrict vc, float *restrict vs, float *restrict v32, const float *h, \
-                 int64_t b0, int64_t b1, int64_t B) { \
-    const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], step_size = h[5], bc2 = h[6]; \
-    const float w1 = 1.0f - beta1, w2 = 1.0f - beta2, decay = 1.0f - lr * wd, ibc2 = 1.0f / bc2; \
-    float mbuf[BMAX], rbuf[BMAX]; \
-    for (int64_t b = b0; b < b1; ++b) { \
-        float *restrict pp = p + b * B; const float *restrict gg = g + b * B; \
-        uint8_t *restrict mcb = mc + b * B; \
-        uint8_t *restrict vcb = VFP8 ? vc + b * B : 0; float *restrict vv = VFP8 ? 0 : v32 + b * B; \
-        dec_block(mcb, mbuf, B, ms[b]);  /* decoded moments, then updated in place */ \
-        if (VFP8) dec_block(vcb, rbuf, B, vs[b]); \
-        float am = 0.0f, ar = 0.0f; \
-        _Pragma("omp simd reduction(max:am, ar)") \
-        for (int64_t i = 0; i < B; ++i) { \
-            float pi = pp[i], gi = gg[i]; \
-            if (!DEC) gi = gi + wd * pi; \
-            float mi = mbuf[i]; \
-            mi = mi + w1 * (gi - mi); \
-            float v; \
-            if (VFP8) { float r0 = rbuf[i]; v = r0 * r0 * beta2 + w2 * gi * gi; } \
-            else { v = vv[i] * beta2 + w2 * gi * gi; vv[i] = v; } \
-            float ri = sqrtf(v); \
-            if (DEC) pi = pi * decay; \
-            pp[i] = pi - step_size * mi / (ri * ibc2 + eps);  /* one division */ \
-            mbuf[i] = mi; rbuf[i] = ri; \
-            float a = fabsf(mi); \
-            am = a > am ? a : am; ar = ri > ar ? ri : ar; \
-        } \
-        const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
-        ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
-        enc_block(mbuf, ims, mcb, B, 0); \
-        if (VFP8) { \
-            const float irs = ar > 0.0f ? 448.0f / ar : 1.0f; \
-            vs[b] = ar > 0.0f ? ar * (1.0f / 448.0f) : 1.0f; \
-            enc_block(rbuf, irs, vcb, B, 1);  /* sqrt(v) > 0 never becomes code 0 */ \
-        } \
-    } \
-}
-
-DEFINE_ADAM(adam_dq, 1, 1)
-DEFINE_ADAM(adam_df, 1, 0)
-DEFINE_ADAM(adam_lq, 0, 1)
-DEFINE_ADAM(adam_lf, 0, 0)
-
-int adam_step(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc, float *vs, float *v32,
-              const float *h, int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
-    if (B > BMAX) return 1;
-    if (decoupled && vfp8) adam_dq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    else if (decoupled) adam_df(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    else if (vfp8) adam_lq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    else adam_lf(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    return 0;
-}
-"""
-
+KERNEL_SOURCE = pathlib.Path(__file__).with_name("optim_kernel.c")
+KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno",
+                "-shared", "-fPIC")
 _native: dict[str, Any] = {}
+
+
+def _cpu_identity() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l.strip() for l in f if l.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "\n".join(dict.fromkeys(lines))  # the same lines repeat per core
+    except OSError:
+        return f"{platform.processor()} {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def _native_lib():
     """The compiled kernel (ctypes.CDLL), or raise with the reason it is unavailable."""
+    if os.environ.get("NANOCHAT_NATIVE_OPTIM", "1") == "0":
+        raise RuntimeError("turned off by NANOCHAT_NATIVE_OPTIM=0")
     if "lib" in _native:
         return _native["lib"]
     if "error" in _native:
         raise RuntimeError(_native["error"])
-    import ctypes
-    import hashlib
-    import os
-    import pathlib
-    import platform
-    import shutil
-    import subprocess
-    import tempfile
-
     try:
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
             raise RuntimeError("no C compiler (cc/gcc) on PATH")
-        flags = ["-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno",
-                 "-shared", "-fPIC"]
-        cpu = ""
-        try:  # -march=native: key the cache on this CPU's feature flags
-            cpu = next(l for l in open("/proc/cpuinfo") if l.startswith("flags"))
-        except (OSError, StopIteration):
-            cpu = platform.processor()
-        key = hashlib.sha256((_C_SOURCE + " ".join(flags) + cpu + platform.machine()).encode()).hexdigest()[:16]
+        source = KERNEL_SOURCE.read_text()
+        compiler = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([source, " ".join(KERNEL_FLAGS), cc, compiler, _cpu_identity(),
+                                        platform.machine()]).encode()).hexdigest()[:16]
         cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "nanochat"
         cache.mkdir(parents=True, exist_ok=True)
         so = cache / f"fp8optim-{key}.so"
@@ -405,16 +287,15 @@ def _native_lib():
             # Build next to the target and os.replace it there: the rename is atomic only on one
             # filesystem, and concurrent processes (torchrun ranks) may dlopen the file meanwhile.
             with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                src = pathlib.Path(tmp) / "fp8optim.c"
-                src.write_text(_C_SOURCE)
                 out = pathlib.Path(tmp) / so.name
-                subprocess.run([cc, *flags, "-o", str(out), str(src), "-lm"], check=True,
+                subprocess.run([cc, *KERNEL_FLAGS, "-o", str(out), str(KERNEL_SOURCE), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
                 os.replace(out, so)
         lib = ctypes.CDLL(str(so))
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.adam_step.argtypes = [ptr] * 8 + [i64, i64, i64, i32, i32]
-        lib.adam_step.restype = i32
+        lib.adam_dynamic.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64,
+                                     ctypes.POINTER(i64), i64, i32, i32]
+        lib.adam_dynamic.restype = i32
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
         _native["error"] = f"{type(e).__name__}: {detail}"
@@ -426,38 +307,45 @@ def _native_lib():
 _pool: list = []
 
 
-def _native_adam(p2, g2, mc, ms, v32, vc, vs, h, decoupled: bool, v_fp8: bool, pending: list | None = None) -> None:
-    """Run the C kernel over [n_blocks, B] views, blocks split across torch's thread count.
-
-    With `pending` (a list), the thread-pool jobs are appended to it instead of awaited, so the
-    jobs of every tensor of a step queue up together and no thread idles at a per-tensor barrier;
-    the caller waits for them (each job holds its tensors alive through `args`)."""
+def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool) -> None:
+    """Step every tensor in one kernel call per thread. tensors[t] = (p, g, m codes, m scales,
+    v fp32, v codes, v scales) of tensor t, contiguous (the unused ones None); h is
+    _adam_table's [n_tensors, 10] fp32."""
     lib = _native_lib()
-    n, B = p2.shape
-    args = (p2.data_ptr(), g2.data_ptr(), mc.data_ptr(), ms.data_ptr(),
-            vc.data_ptr() if v_fp8 else None, vs.data_ptr() if v_fp8 else None,
-            None if v_fp8 else v32.data_ptr(), h.data_ptr())
-    threads = min(torch.get_num_threads(), max(1, n // 512))  # >= 128K elements per thread
-    if threads == 1:
-        lib.adam_step(*args, 0, n, B, int(decoupled), int(v_fp8))
-        return
-    if not _pool or _pool[0]._max_workers < threads:
-        from concurrent.futures import ThreadPoolExecutor
-        _pool[:] = [ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fp8optim")]
-    cuts = [n * i // threads for i in range(threads + 1)]
-    keep = (p2, g2, mc, ms, v32, vc, vs, h)  # the pointers' owners stay alive until the job ran
-    futures = [_pool[0].submit(_run_kernel, lib, keep, args, cuts[i], cuts[i + 1], B, int(decoupled), int(v_fp8))
-               for i in range(threads)]
-    if pending is not None:
-        pending.extend(futures)
-        return
-    for f in futures:
-        f.result()
+    n = len(tensors)
+    ptrs = (ctypes.c_void_p * (8 * n))()
+    nb = (ctypes.c_int64 * n)()
+    for t, ts in enumerate(tensors):
+        ptrs[8 * t:8 * t + 7] = [None if x is None else x.data_ptr() for x in ts]
+        nb[t] = ts[0].numel() // block_size
+    total = sum(nb)
+    threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
+    # 128 blocks (32K elements) a take: ~0.1 ms of work, so a late thread delays the step by
+    # at most that much, and the shared counter is touched ~500 times for 16M parameters
+    next_block = ctypes.c_int64(0)
+    args = (n, ptrs, nb, h.data_ptr(), total, 128, ctypes.byref(next_block), block_size, int(decoupled), int(v_fp8))
+    jobs = []
+    if threads > 1:  # the calling thread works too
+        if not _pool or _pool[0]._max_workers < threads - 1:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool[:] = [ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8optim")]
+        jobs = [_pool[0].submit(lib.adam_dynamic, *args) for _ in range(threads - 1)]
+    failed = lib.adam_dynamic(*args)
+    failed |= any([job.result() for job in jobs])  # every job ends before the tensors may be freed
+    if failed:
+        raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (at most 1024)")
 
 
-def _run_kernel(lib, keep, args, b0, b1, B, decoupled, v_fp8) -> None:
-    if lib.adam_step(*args, b0, b1, B, decoupled, v_fp8):
-        raise RuntimeError(f"FP8Optim native kernel refused block size {B} (at most 1024)")
+def _adam_table(steps: list[torch.Tensor], groups: list[dict]) -> torch.Tensor:
+    """The native kernel's hyperparameters, [n_tensors, 10] fp32 (optim_kernel.c: NH), computed
+    on the host from the (CPU) step counts without reading them into Python; bias corrections
+    and 1 - beta in float64, as torch computes them."""
+    s = torch.stack(steps).to(torch.float64)
+    lr, b1, b2, eps, wd = (torch.tensor(col, dtype=torch.float64) for col in zip(*(
+        (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
+        for g in groups)))
+    return torch.stack([lr, b1, b2, eps, wd, lr / (1 - b1**s), (1 - b2**s).sqrt(), 1 - b1, 1 - b2, 1 - lr * wd],
+                       dim=1).float().contiguous()
 
 
 
@@ -501,9 +389,10 @@ class FP8Optim(torch.optim.Optimizer):
         if backend not in ("auto", "native", "compile", "eager"):
             raise ValueError(f"backend must be auto, native, compile or eager; got {backend!r}")
         self._native = compile and backend in ("auto", "native")
-        self._pending: list = []  # native kernel jobs queued during a step (see step)
+        self._adamw = kind is torch.optim.AdamW
         self._compile = compile and backend != "eager"
         self._compiled: dict[str, Any] = {}
+        self._backends: dict[str, tuple[int, int]] = {}  # the last step's, see step_backends
         self._summary_logged = False
         self.fallbacks: list[str] = []
         """Each fallback this optimizer took (native kernel unavailable, compile failed), with its
@@ -566,23 +455,16 @@ class FP8Optim(torch.optim.Optimizer):
         if not self._summary_logged:
             self._summary_logged = True
             logger.info("%s", self.summary())
-        hidden: list[tuple[torch.Tensor, torch.Tensor]] = []
+        mine: list[tuple[torch.Tensor, dict]] = []  # FP8-state parameters with a gradient
         for group in self.param_groups:
-            h_group = None
             for p in group["params"]:
-                if p.grad is None or not self._uses_fp8(p, group):
-                    continue
-                if self.is_sgd:
-                    self._sgd_param(p, group)
-                else:
-                    if h_group is None:
-                        h_group = self._adam_group_scalars(group)
-                    self._adam_param(p, group, h_group)
-                hidden.append((p, p.grad))
-        for job in self._pending:  # the native kernel jobs _adam_param queued (several threads)
-            job.result()
-        self._pending = []
+                if p.grad is not None and self._uses_fp8(p, group):
+                    mine.append((p, group))
+        self._backends = {}
+        if mine:
+            self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the FP8 ones hidden
+        hidden = [(p, p.grad) for p, _ in mine]
         for p, _ in hidden:
             p.grad = None
         try:
@@ -592,16 +474,28 @@ class FP8Optim(torch.optim.Optimizer):
                 p.grad = g
         return loss
 
+    def _count(self, backend: str, tensors: int) -> None:
+        calls, n = self._backends.get(backend, (0, 0))
+        self._backends[backend] = (calls + 1, n + tensors)
+
+    def step_backends(self) -> dict[str, tuple[int, int]]:
+        """How the last step ran: backend ("native", "compile", "eager") -> (calls, tensors).
+        The parameters with fp32 state, stepped by the wrapped optimizer, are not counted."""
+        return dict(self._backends)
+
     def _run(self, name: str, fn, *args, **flags) -> None:
+        """fn(*args, **flags), compiled once per `name` and flags; dynamo then keeps one graph per
+        list length and tensor shape (a model has few, so its limit of 8 is lifted). args[0] is
+        the list of parameters."""
         key = name + repr(sorted(flags.items()))
         if self._compile:
             compiled = self._compiled.get(key)
             if compiled is None:
                 compiled = self._compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False)
             try:
-                # one graph per parameter size; a model has few sizes, so lift dynamo's limit (8)
                 with torch._dynamo.utils.disable_cache_limit():
                     compiled(*args, **flags)
+                self._count("compile", len(args[0]))
                 return
             except Exception as e:  # no C++ compiler, unsupported backend, ...
                 self._compile = False
@@ -611,68 +505,95 @@ class FP8Optim(torch.optim.Optimizer):
                 self.fallbacks.append(msg)
                 warn_once("fp8optim-eager", msg)
         fn(*args, **flags)
+        self._count("eager", len(args[0]))
 
-    def _adam_group_scalars(self, group: dict) -> tuple[float, ...]:
-        beta1, beta2 = (float(b) for b in group["betas"])
-        return float(group["lr"]), beta1, beta2, float(group["eps"]), float(group["weight_decay"])
-
-    def _adam_param(self, p: torch.Tensor, group: dict, scalars: tuple[float, ...]) -> None:
-        state = self.state[p]
-        if len(state) == 0:
-            self._init_adam_state(p, state)
-        lr, beta1, beta2, eps, wd = scalars
-        state["step"] += 1
-        step = float(state["step"])
-        # as torch's single-tensor Adam: bias corrections in float64 on the host
-        bias_correction1 = 1 - beta1 ** step
-        bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
-        h = torch.tensor([lr, beta1, beta2, eps, wd, lr / bias_correction1, bias_correction2_sqrt],
-                         dtype=torch.float32, device=p.device)
+    def _step_adam(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
+        """Every FP8-state Adam(W) parameter: the fp32 CPU ones in one native kernel call, the
+        others in one compiled call per (device, dtypes, shape, weight-decay kind)."""
         B = self.block_size
-        m = _local(state["exp_avg"])
-        v_fp8 = "exp_avg_sq_sqrt" in state
-        vq = _local(state["exp_avg_sq_sqrt"]) if v_fp8 else None
-        v = None if v_fp8 else _local(state["exp_avg_sq"])
-        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
-        p, grad = _local(p), _local(p.grad)  # from here on: this rank's shard
-        if (self._native and p.device.type == "cpu" and p.dtype == torch.float32
-                and grad.dtype == torch.float32 and grad.is_contiguous() and B <= 1024):
+        native: dict[bool, list] = defaultdict(list)
+        compiled: dict[tuple, list] = defaultdict(list)
+        steps: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for p, group in mine:
+            state = self.state[p]
+            if len(state) == 0:
+                self._init_adam_state(p, state)
+            pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
+            if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
+                state["step"] = state["step"].to(pl.device, torch.float32)
+            steps[pl.device].append(state["step"])
+            decoupled = bool(group.get("decoupled_weight_decay", self._adamw))
+            m = _local(state["exp_avg"])
+            vq = _local(state["exp_avg_sq_sqrt"]) if self.opt_level >= 2 else None
+            v = None if vq is not None else _local(state["exp_avg_sq"])
+            tensors = (pl, g, m.codes, m.scale, v, None if vq is None else vq.codes, None if vq is None else vq.scale)
+            item = (tensors, state["step"], group)
+            if (self._native and pl.device.type == "cpu" and pl.dtype == torch.float32
+                    and g.dtype == torch.float32 and g.is_contiguous() and B <= 1024):
+                native[decoupled].append(item)
+            else:
+                compiled[(decoupled, pl.device, pl.dtype, g.dtype, pl.numel())].append(item)
+        for same_device in steps.values():  # torch's Adam counts steps first, then steps
+            torch._foreach_add_(same_device, 1.0)
+        v_fp8 = self.opt_level >= 2
+        for decoupled, items in native.items():
             try:
-                _native_adam(p.view(-1, B), grad.view(-1, B), m.codes.view(torch.uint8).view(-1, B), m.scale,
-                             None if v_fp8 else v.view(-1, B),
-                             vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None,
-                             vq.scale if v_fp8 else None, h, decoupled, v_fp8, pending=self._pending)
-                return
+                _native_adam([i[0] for i in items], _adam_table([i[1] for i in items], [i[2] for i in items]),
+                             B, decoupled, v_fp8)
+                self._count("native", len(items))
             except RuntimeError as e:
                 self._native = False
                 msg = (f"FP8Optim: the native CPU kernel is unavailable ({e}); "
                        "using torch.compile for the step instead (~5x slower on CPU).")
                 self.fallbacks.append(msg)
                 warn_once("fp8optim-native", msg)
-        self._run(
-            "adam", _adam_step, p.view(-1, B), grad.reshape(-1, B),
-            m.codes.view(torch.uint8).view(-1, B), m.scale,
-            None if v_fp8 else v.view(-1, B),
-            vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None,
-            vq.scale if v_fp8 else None, h, decoupled=decoupled, v_fp8=v_fp8,
-        )
+                for item in items:
+                    pl, g = item[0][:2]
+                    compiled[(decoupled, pl.device, pl.dtype, g.dtype, pl.numel())].append(item)
+        hypers: dict[int, tuple] = {}  # per param group, made once a step
+        for (decoupled, *_), items in compiled.items():
+            for _, _, group in items:
+                if id(group) not in hypers:
+                    hypers[id(group)] = tuple(_host_scalar(x) for x in (
+                        group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"]))
+            # [n_blocks, B] views, codes as uint8; the unused v representation as an empty list
+            views = [[i[0][0].view(-1, B) for i in items],
+                     [i[0][1].reshape(-1, B) for i in items],  # a gradient may be non-contiguous
+                     [i[0][2].view(torch.uint8).view(-1, B) for i in items],
+                     [i[0][3] for i in items]]
+            views.append([] if v_fp8 else [i[0][4].view(-1, B) for i in items])
+            views.append([i[0][5].view(torch.uint8).view(-1, B) for i in items] if v_fp8 else [])
+            views.append([i[0][6] for i in items] if v_fp8 else [])
+            self._run("adam", _adam_multi, *(list(v) for v in views), [i[1] for i in items],
+                      [hypers[id(i[2])] for i in items], decoupled=decoupled, v_fp8=v_fp8)
 
-    def _sgd_param(self, p: torch.Tensor, group: dict) -> None:
-        state = self.state[p]
-        first = state.get("momentum_buffer") is None
-        if first:
-            state["momentum_buffer"] = _like(FP8Tensor.zeros(_local(p).shape, dtype=E4M3,
-                                                             block_size=self.block_size, device=p.device), p)
-        buf = _local(state["momentum_buffer"])
-        h = torch.tensor([float(group["lr"]), float(group["momentum"]), float(group["dampening"]),
-                          float(group["weight_decay"]), 1.0 if first else 0.0],
-                         dtype=torch.float32, device=p.device)
+    def _step_sgd(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
+        """Every FP8-state SGD parameter, one compiled call per (device, dtypes, shape, kind)."""
         B = self.block_size
-        self._run("sgd", _sgd_step, _local(p).view(-1, B), _local(p.grad).reshape(-1, B),
-                  buf.codes.view(torch.uint8).view(-1, B), buf.scale, h, nesterov=bool(group["nesterov"]))
+        calls: dict[tuple, list] = defaultdict(list)
+        hypers: dict[int, tuple] = {}
+        for p, group in mine:
+            state = self.state[p]
+            first = state.get("momentum_buffer") is None
+            if first:
+                state["momentum_buffer"] = _like(FP8Tensor.zeros(_local(p).shape, dtype=E4M3,
+                                                                 block_size=B, device=p.device), p)
+            buf = _local(state["momentum_buffer"])
+            pl, g = _local(p), _local(p.grad)
+            if id(group) not in hypers:
+                hypers[id(group)] = tuple(_host_scalar(group[k]) for k in ("lr", "momentum", "dampening",
+                                                                           "weight_decay"))
+            key = (first, bool(group["nesterov"]), pl.device, pl.dtype, g.dtype, (pl.numel() // B, B))
+            calls[key].append((pl.view(-1, B), g.reshape(-1, B), buf.codes.view(torch.uint8).view(-1, B),
+                               buf.scale, hypers[id(group)]))
+        for (first, nesterov, *_), items in calls.items():
+            ps, gs, codes, scales, hyp = (list(x) for x in zip(*items))
+            self._run("sgd", _sgd_multi, ps, gs, codes, scales, hyp, first=first, nesterov=nesterov)
 
     def _init_adam_state(self, p: torch.Tensor, state: dict) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)  # as torch (non-capturable): host float32
+        # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
+        # corrections are then computed there, inside the compiled step, never on the host
+        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
         shard = _local(p).shape  # FSDP: this rank's rows; the state is wrapped like p
         state["exp_avg"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
                                                  device=p.device), p)

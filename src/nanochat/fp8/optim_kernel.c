@@ -1,0 +1,303 @@
+/* FP8Optim's Adam(W) step on CPU (nanochat/fp8/optim.py builds it with the system C compiler,
+   -O3 -march=native, and calls it through ctypes). The formulas and bit tricks are those of
+   optim.py's _adam_step and tensor.py's encode/decode; results agree to fp32 rounding.
+
+   One 256-element block at a time, so the block stays in L1: decode both moments, one loop
+   updates p and the moments and collects the absmax, then encode. The loops are
+   auto-vectorized (-fno-trapping-math lets the compiler if-convert the selects); decode and
+   encode are written with intrinsics where the CPU has AVX-512 or AVX2+F16C (the compiler
+   scalarizes a _Float16 conversion), and as portable loops elsewhere (tested against each
+   other). No torch headers: it builds in under a second. */
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float dec(uint32_t u) {            /* e4m3fn bits -> float (tensor.py: decode) */
+    uint32_t mag = u & 0x7Fu;
+    uint32_t bits = ((mag << 20) + (120u << 23)) | ((u & 0x80u) << 24);
+    float normal; memcpy(&normal, &bits, 4);
+    float sub = (float)mag * 0.001953125f;        /* subnormal: mantissa * 2^-9 */
+    sub = (u & 0x80u) ? -sub : sub;
+    return mag < 8u ? sub : normal;
+}
+
+static inline uint32_t enc(float y) {             /* float -> e4m3fn bits, RNE, saturating (encode) */
+    uint32_t bits; memcpy(&bits, &y, 4);
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t a = bits & 0x7FFFFFFFu;
+    a = a < 0x43E00000u ? a : 0x43E00000u;          /* |y| <= 448 (saturate) */
+    /* round to 3 mantissa bits by the FPU: adding c = 2^(e+20) leaves ulp 2^(e-3), and for
+       |y| < 2^-6 c = 2^14 leaves e4m3's subnormal step 2^-9 (bit-identical to the integer
+       rounding of tensor.py's encode on every finite float, checked exhaustively) */
+    uint32_t cb = (a & 0x7F800000u) + (20u << 23);
+    cb = cb > (141u << 23) ? cb : (141u << 23);
+    float ay, c; memcpy(&ay, &a, 4); memcpy(&c, &cb, 4);
+    float r = (ay + c) - c;
+    uint32_t rb; memcpy(&rb, &r, 4);
+    int32_t normal = (int32_t)(rb >> 20) - (120 << 3);
+    int32_t sub = (int32_t)(r * 512.0f);              /* r < 2^-6: exactly k * 2^-9, k < 8 */
+    int32_t mag = rb < (121u << 23) ? sub : normal;
+    return (uint32_t)mag | sign;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+/* AVX-512, 16 elements a step. Decode as the F16C version below (the codes' magnitude bits
+   placed as fp16 bits, converted by vcvtph2ps). Encode by integer rounding of the float bits,
+   which mask registers make cheap here: 3 mantissa bits kept with round-to-nearest-even
+   (a + 0x7FFFF + lsb, then >> 20), the exponent rebiased from 127 to 7; below 2^-6 the
+   subnormal code is round(|y| * 2^9) by vcvtps2dq; saturating at 448 (0x43E00000). Equal to
+   enc() on every float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
+static inline __m512 dec16(const uint8_t *restrict c, __m512 sc256) {  /* sc256 = scale * 2^8 */
+    const __m256i m80 = _mm256_set1_epi16(0x80);
+    __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+    /* (u + (u & 0x80)) << 7 = (magnitude << 7) | (sign << 15): adding the sign bit to itself
+       carries it one place up, where fp16 keeps its sign */
+    __m256i h = _mm256_slli_epi16(_mm256_add_epi16(u, _mm256_and_si256(u, m80)), 7);
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), sc256);
+}
+
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    const __m512 sc = _mm512_set1_ps(s * 256.0f);
+    int64_t i = 0;
+    for (; i + 16 <= B; i += 16) _mm512_storeu_ps(out + i, dec16(c + i, sc));
+    for (; i < B; ++i) out[i] = dec(c[i]) * s;
+}
+
+/* The block loop of DEFINE_ADAM below with the decode inside it (no decoded copy of the moments
+   written and read back), 16 elements a step; B % 16 == 0. Same operations in the same order. */
+#define HAVE_UPDATE16 1
+static inline __attribute__((always_inline)) void update16(
+        float *restrict pp, const float *restrict gg, const uint8_t *restrict mcb, float msb,
+        const uint8_t *restrict vcb, float vsb, float *restrict vv, float *restrict mbuf, float *restrict rbuf,
+        int64_t B, const float *h, float ibc2, int dec_wd, int vfp8, float *am_out, float *ar_out) {
+    const __m512 beta2 = _mm512_set1_ps(h[2]), eps = _mm512_set1_ps(h[3]), wd = _mm512_set1_ps(h[4]);
+    const __m512 step_size = _mm512_set1_ps(h[5]), w1 = _mm512_set1_ps(h[7]), w2 = _mm512_set1_ps(h[8]);
+    const __m512 decay = _mm512_set1_ps(h[9]), ib = _mm512_set1_ps(ibc2);
+    const __m512 msc = _mm512_set1_ps(msb * 256.0f), vsc = _mm512_set1_ps(vsb * 256.0f);
+    __m512 am = _mm512_setzero_ps(), ar = _mm512_setzero_ps();
+    for (int64_t i = 0; i < B; i += 16) {
+        __m512 pi = _mm512_loadu_ps(pp + i), gi = _mm512_loadu_ps(gg + i);
+        if (!dec_wd) gi = _mm512_fmadd_ps(wd, pi, gi);
+        __m512 mi = dec16(mcb + i, msc);
+        mi = _mm512_fmadd_ps(w1, _mm512_sub_ps(gi, mi), mi);
+        __m512 g2 = _mm512_mul_ps(w2, _mm512_mul_ps(gi, gi)), v;
+        if (vfp8) {
+            __m512 r0 = dec16(vcb + i, vsc);
+            v = _mm512_fmadd_ps(_mm512_mul_ps(r0, r0), beta2, g2);
+        } else {
+            v = _mm512_fmadd_ps(_mm512_loadu_ps(vv + i), beta2, g2);
+            _mm512_storeu_ps(vv + i, v);
+        }
+        __m512 ri = _mm512_sqrt_ps(v);
+        if (dec_wd) pi = _mm512_mul_ps(pi, decay);
+        __m512 upd = _mm512_div_ps(_mm512_mul_ps(step_size, mi), _mm512_fmadd_ps(ri, ib, eps));
+        _mm512_storeu_ps(pp + i, _mm512_sub_ps(pi, upd));
+        _mm512_storeu_ps(mbuf + i, mi);
+        am = _mm512_max_ps(_mm512_abs_ps(mi), am);  /* a NaN keeps am, as the scalar loop */
+        if (vfp8) {
+            _mm512_storeu_ps(rbuf + i, ri);
+            ar = _mm512_max_ps(ri, ar);
+        }
+    }
+    *am_out = _mm512_reduce_max_ps(am);
+    *ar_out = vfp8 ? _mm512_reduce_max_ps(ar) : 0.0f;
+}
+
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    const __m512 sc = _mm512_set1_ps(s), k512 = _mm512_set1_ps(512.0f), zero = _mm512_setzero_ps();
+    const __m512i absm = _mm512_set1_epi32(0x7FFFFFFF), lim = _mm512_set1_epi32(0x43E00000);
+    /* rounding offset 0x7FFFF with the exponent rebias folded in: (a + this + lsb) >> 20 is the
+       normal code directly (the subnormal lanes, where it is garbage, are blended away) */
+    const __m512i half = _mm512_set1_epi32(0x7FFFF - (120 << 23)), one = _mm512_set1_epi32(1);
+    const __m512i min_normal = _mm512_set1_epi32(121 << 23), m80 = _mm512_set1_epi32(0x80);
+    int64_t i = 0;
+    for (; i + 16 <= B; i += 16) {
+        __m512 x = _mm512_loadu_ps(in + i);
+        __m512i yb = _mm512_castps_si512(_mm512_mul_ps(x, sc));
+        __m512i a = _mm512_min_epu32(_mm512_and_si512(yb, absm), lim);
+        __m512i t = _mm512_add_epi32(_mm512_add_epi32(a, half), _mm512_and_si512(_mm512_srli_epi32(a, 20), one));
+        __m512i normal = _mm512_srli_epi32(t, 20);
+        __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(a), k512));
+        __m512i mag = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(a, min_normal), normal, sub);
+        if (floor1) mag = _mm512_mask_max_epu32(mag, _mm512_cmp_ps_mask(x, zero, _CMP_GT_OQ), mag, one);
+        /* code = mag | ((yb >> 24) & 0x80) in one ternary-logic op (A | (B & C): 0xF8) */
+        __m512i code = _mm512_ternarylogic_epi32(mag, _mm512_srli_epi32(yb, 24), m80, 0xF8);
+        _mm_storeu_si128((__m128i *)(out + i), _mm512_cvtepi32_epi8(code));
+    }
+    for (; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
+}
+#elif defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+/* e4m3fn codes -> floats * s, 8 at a time: the 7 magnitude bits placed as fp16 bits (exponent
+   bias 15 instead of 7, so the value is 2^-8 of the e4m3 one; fp16 subnormals are exactly e4m3's
+   subnormals) and converted by F16C's vcvtph2ps; s carries the 2^8. Exact, and ~4x fewer
+   instructions than dec() (the compiler does not vectorize a _Float16 conversion by itself). */
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    const __m128i m80 = _mm_set1_epi16(0x80);
+    const __m256 sc = _mm256_set1_ps(s * 256.0f);
+    for (int64_t i = 0; i < B; i += 8) {             /* B is a multiple of 8 (FP8Optim checks) */
+        __m128i u = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + i)));
+        /* (u + (u & 0x80)) << 7 = (magnitude << 7) | (sign << 15), as dec16 above */
+        __m128i h = _mm_slli_epi16(_mm_add_epi16(u, _mm_and_si128(u, m80)), 7);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(h), sc));
+    }
+}
+/* floats * s -> e4m3fn codes, 16 at a time: |y| saturated at 448 and rounded to 3 mantissa
+   bits by enc()'s FPU trick, the sign put back, scaled by 2^-8 and converted to fp16 by
+   vcvtps2ph (exact: at most 3 mantissa bits, and e4m3's range scaled lands inside fp16's); the
+   fp16 bits shifted right by 7 are the e4m3 magnitude bits, subnormals included. floor1: a
+   positive input never becomes code 0 (the second moment's rule). Equal to enc() on every
+   finite float (checked exhaustively); a tail of B % 16 elements goes through enc(). */
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    const __m256 sc = _mm256_set1_ps(s), lim = _mm256_set1_ps(448.0f), down = _mm256_set1_ps(0.00390625f);
+    const __m256 tiny = _mm256_set1_ps(0.001953125f), zero = _mm256_setzero_ps();
+    const __m256i expm = _mm256_set1_epi32(0x7F800000), add20 = _mm256_set1_epi32(20 << 23);
+    const __m256i c14 = _mm256_set1_epi32(141 << 23), absm = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m128i m7f = _mm_set1_epi16(0x7F), m80 = _mm_set1_epi16(0x80);
+    int64_t i = 0;
+    for (; i + 16 <= B; i += 16) {
+        __m128i q[2];
+        for (int k = 0; k < 2; ++k) {
+            __m256 x = _mm256_loadu_ps(in + i + 8 * k), y = _mm256_mul_ps(x, sc);
+            __m256i yb = _mm256_castps_si256(y);
+            __m256 a = _mm256_min_ps(_mm256_castsi256_ps(_mm256_and_si256(yb, absm)), lim);
+            __m256i cb = _mm256_max_epi32(_mm256_add_epi32(_mm256_and_si256(_mm256_castps_si256(a), expm), add20), c14);
+            __m256 c = _mm256_castsi256_ps(cb);
+            __m256 r = _mm256_sub_ps(_mm256_add_ps(a, c), c);
+            if (floor1) r = _mm256_blendv_ps(r, _mm256_max_ps(r, tiny), _mm256_cmp_ps(x, zero, _CMP_GT_OQ));
+            r = _mm256_or_ps(r, _mm256_castsi256_ps(_mm256_andnot_si256(absm, yb)));  /* sign back */
+            __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(r, down), _MM_FROUND_TO_NEAREST_INT);
+            q[k] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h, 7), m7f), _mm_and_si128(_mm_srli_epi16(h, 8), m80));
+        }
+        _mm_storeu_si128((__m128i *)(out + i), _mm_packus_epi16(q[0], q[1]));
+    }
+    for (; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
+}
+#else
+static inline void dec_block(const uint8_t *restrict c, float *restrict out, int64_t B, float s) {
+    for (int64_t i = 0; i < B; ++i) out[i] = dec(c[i]) * s;
+}
+
+static inline void enc_block(const float *restrict in, float s, uint8_t *restrict out, int64_t B, int floor1) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < B; ++i) {
+        uint32_t q = enc(in[i] * s);
+        out[i] = (uint8_t)((floor1 && in[i] > 0.0f && q == 0u) ? 1u : q);
+    }
+}
+#endif
+
+#ifndef HAVE_UPDATE16
+#define HAVE_UPDATE16 0
+static inline void update16(float *pp, const float *gg, const uint8_t *mcb, float msb, const uint8_t *vcb,
+                            float vsb, float *vv, float *mbuf, float *rbuf, int64_t B, const float *h,
+                            float ibc2, int dec_wd, int vfp8, float *am_out, float *ar_out) {}
+#endif
+
+#define BMAX 1024
+/* h = lr, beta1, beta2, eps, wd, step_size, bias_correction2_sqrt, 1 - beta1, 1 - beta2,
+   1 - lr * wd (NH values; the differences computed in double by the caller, as torch does in
+   Python, since 1 - (float)0.999 is 1.3e-5 off). One function per (decoupled weight decay,
+   v in FP8) so the inner loops carry no branches. */
+#define NH 10
+#define DEFINE_ADAM(NAME, DEC, VFP8) \
+static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict mc, float *restrict ms, \
+                 uint8_t *restrict vc, float *restrict vs, float *restrict v32, const float *h, \
+                 int64_t b0, int64_t b1, int64_t B) { \
+    const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], step_size = h[5], bc2 = h[6]; \
+    const float w1 = h[7], w2 = h[8], decay = h[9], ibc2 = 1.0f / bc2; (void)lr; (void)beta1; \
+    float mbuf[BMAX], rbuf[BMAX]; \
+    for (int64_t b = b0; b < b1; ++b) { \
+        float *restrict pp = p + b * B; const float *restrict gg = g + b * B; \
+        uint8_t *restrict mcb = mc + b * B; \
+        uint8_t *restrict vcb = VFP8 ? vc + b * B : 0; float *restrict vv = VFP8 ? 0 : v32 + b * B; \
+        float am = 0.0f, ar = 0.0f; \
+        if (HAVE_UPDATE16 && B % 16 == 0) \
+            update16(pp, gg, mcb, ms[b], vcb, VFP8 ? vs[b] : 0.0f, vv, mbuf, rbuf, B, h, ibc2, DEC, VFP8, &am, &ar); \
+        else { \
+        dec_block(mcb, mbuf, B, ms[b]);  /* decoded moments, then updated in place */ \
+        if (VFP8) dec_block(vcb, rbuf, B, vs[b]); \
+        _Pragma("omp simd reduction(max:am, ar)") \
+        for (int64_t i = 0; i < B; ++i) { \
+            float pi = pp[i], gi = gg[i]; \
+            if (!DEC) gi = gi + wd * pi; \
+            float mi = mbuf[i]; \
+            mi = mi + w1 * (gi - mi); \
+            float v; \
+            if (VFP8) { float r0 = rbuf[i]; v = r0 * r0 * beta2 + w2 * gi * gi; } \
+            else { v = vv[i] * beta2 + w2 * gi * gi; vv[i] = v; } \
+            float ri = sqrtf(v); \
+            if (DEC) pi = pi * decay; \
+            pp[i] = pi - step_size * mi / (ri * ibc2 + eps);  /* one division */ \
+            mbuf[i] = mi; rbuf[i] = ri; \
+            float a = fabsf(mi); \
+            am = a > am ? a : am; ar = ri > ar ? ri : ar; \
+        } \
+        } \
+        const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
+        ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
+        enc_block(mbuf, ims, mcb, B, 0); \
+        if (VFP8) { \
+            const float irs = ar > 0.0f ? 448.0f / ar : 1.0f; \
+            vs[b] = ar > 0.0f ? ar * (1.0f / 448.0f) : 1.0f; \
+            enc_block(rbuf, irs, vcb, B, 1);  /* sqrt(v) > 0 never becomes code 0 */ \
+        } \
+    } \
+}
+
+DEFINE_ADAM(adam_dq, 1, 1)
+DEFINE_ADAM(adam_df, 1, 0)
+DEFINE_ADAM(adam_lq, 0, 1)
+DEFINE_ADAM(adam_lf, 0, 0)
+
+int adam_step(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc, float *vs, float *v32,
+              const float *h, int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
+    if (B > BMAX) return 1;
+    if (decoupled && vfp8) adam_dq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    else if (decoupled) adam_df(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    else if (vfp8) adam_lq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    else adam_lf(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    return 0;
+}
+
+/* Every tensor of a step in one call. Tensor t has nb[t] blocks; ptr[8 t .. 8 t + 6] are its
+   p, g, m codes, m scales, fp32 v, v codes, v scales (the unused ones NULL) and h + NH t its
+   hyperparameters. The blocks of all tensors, concatenated, are numbered 0..sum(nb); this call
+   steps blocks [b0, b1) of that numbering, so threads split a step by cutting one range. */
+int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
+               int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
+    if (B > BMAX) return 1;
+    int64_t start = 0;
+    for (int64_t t = 0; t < n && start < b1; start += nb[t], ++t) {
+        int64_t lo = b0 > start ? b0 - start : 0, hi = b1 - start < nb[t] ? b1 - start : nb[t];
+        if (lo >= hi) continue;
+        void *const *q = ptr + 8 * t;
+        adam_step((float *)q[0], (const float *)q[1], (uint8_t *)q[2], (float *)q[3], (uint8_t *)q[5],
+                  (float *)q[6], (float *)q[4], h + NH * t, lo, hi, B, decoupled, vfp8);
+    }
+    return 0;
+}
+
+/* adam_multi over all `total` blocks by every thread that calls it: each takes the next `chunk`
+   blocks from the shared counter *next until none are left. A thread that starts late (its core
+   busy, e.g. with OpenMP threads still spinning after torch's last parallel region) leaves its
+   share to the others instead of holding them at a barrier. Blocks are independent, so the
+   result does not depend on who stepped which. */
+int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h, int64_t total,
+                 int64_t chunk, int64_t *next, int64_t B, int decoupled, int vfp8) {
+    int failed = 0;
+    for (;;) {
+        int64_t b0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
+        if (b0 >= total) break;
+        failed |= adam_multi(n, ptr, nb, h, b0, b0 + chunk < total ? b0 + chunk : total, B, decoupled, vfp8);
+    }
+    return failed;
+}
