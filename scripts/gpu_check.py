@@ -81,7 +81,7 @@ DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_l
                steps=3, opt_tensors=2, opt_dim=256, opt_steps=2, tests_timeout_s=120.0)
 
 ESTIMATES_S = {"env": 5, "bf16": 75, "fp8": 80, "optim": 40, "opt_levels": 100, "scope": 120,
-               "big": 120, "tests": 90}
+               "big": 180, "tests": 70}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -312,12 +312,11 @@ def job_optim(cfg: GPUCheckConfig) -> dict:
     return out
 
 
-def step_backend(opt) -> str:
-    if not hasattr(opt, "opt_level"):
+def step_backend(opt) -> str | dict:
+    """torch's fused step, or FP8Optim.step_backends(): backend -> (calls, tensors) of the last step."""
+    if not hasattr(opt, "step_backends"):
         return "torch fused"
-    if opt.opt_level == 0:
-        return "torch fused (level 0 steps the wrapped AdamW)"
-    return "compiled" if getattr(opt, "_compile", False) else "eager"
+    return opt.step_backends() or "torch fused (level 0: the wrapped AdamW steps every tensor)"
 
 
 def job_tests(cfg: GPUCheckConfig) -> dict:
