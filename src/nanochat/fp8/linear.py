@@ -73,20 +73,15 @@ from typing import Iterator, Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import Float8LinearConfig, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
 from nanochat.common import format_table, warn_once
+from nanochat.fp8.config import HYBRID, ROLES, FP8Config
 from nanochat.fp8.hardware import detect, native_gemm_problem
-
-ROLES = ("input", "weight", "grad_output")
-"""The three tensors a Linear casts to FP8; each role has one dtype in both GEMMs it feeds."""
-
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-DTYPE_NAMES = {v: k for k, v in FP8_DTYPES.items()}
-
-HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
-"""`auto` before calibration: e4m3 forward operands, e5m2 gradients (torchao's tensorwise default)."""
+from nanochat.fp8.tensor import DTYPE_NAMES, FP8_DTYPES
 
 # Float8LinearConfig's six cast fields, by the role whose tensor each one casts.
 CAST_FIELDS = {
@@ -94,68 +89,6 @@ CAST_FIELDS = {
     "weight": ("cast_config_weight", "cast_config_weight_for_grad_input"),
     "grad_output": ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
 }
-
-MODES = ("e4m3", "e5m2", "auto")
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FP8Config:
-    """Everything that decides how a model is converted; `FP8Config.from_flags(train_config)`."""
-
-    mode: Literal["e4m3", "e5m2", "auto"] = "e4m3"
-    """FP8 format of every cast (e4m3, e5m2), or measured per layer and role (auto)."""
-
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao scaling recipe (Float8LinearConfig.from_recipe_name)."""
-
-    emulate: bool = False
-    """Simulate FP8 GEMMs in high precision on any device (torchao `emulate=True`)."""
-
-    opt_level: Literal[0, 1, 2] = 0
-    """Adam moments in FP8 (FP8Optim's business; carried here so one object describes FP8)."""
-
-    skip_fqns: tuple[str, ...] = ("lm_head",)
-    """fnmatch patterns against the full module name; matching Linears stay in high precision."""
-
-    min_dim: int = 128
-    """Linears with min(in_features, out_features) below this stay in high precision."""
-
-    auto_steps: int = 4
-    """mode=auto: training steps (calib.step() calls, each with all its passes) measured first."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"FP8 mode must be one of {', '.join(MODES)}, got {self.mode!r} "
-                             "(--fp8_mode e4m3 is the default)")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"FP8 recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r} "
-                             "(--fp8_recipe tensorwise is the default)")
-        if self.opt_level not in (0, 1, 2):
-            raise ValueError(f"FP8 opt_level must be 0, 1 or 2, got {self.opt_level!r}")
-        if isinstance(self.skip_fqns, str):
-            raise ValueError(f"skip_fqns must be a sequence of patterns, got the string {self.skip_fqns!r}; "
-                             f"write skip_fqns=({self.skip_fqns!r},)")
-        object.__setattr__(self, "skip_fqns", tuple(self.skip_fqns))
-        if self.min_dim < 16:
-            raise ValueError(f"FP8 min_dim must be >= 16 (FP8 GEMM dimensions are multiples of 16), "
-                             f"got {self.min_dim}")
-        if self.auto_steps < 1:
-            raise ValueError(f"FP8 auto_steps must be >= 1, got {self.auto_steps}")
-
-    @classmethod
-    def from_flags(cls, flags: object) -> "FP8Config":
-        """Read `fp8_mode`, `fp8_recipe`, ... from any object with those attributes (TrainConfig)."""
-        names = {"mode": "fp8_mode", "recipe": "fp8_recipe", "emulate": "fp8_emulate",
-                 "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
-                 "auto_steps": "fp8_auto_steps"}
-        return cls(**{k: getattr(flags, v) for k, v in names.items() if hasattr(flags, v)})
-
-    def role_dtypes(self) -> dict[str, str]:
-        """The format of each role at conversion time (auto: the hybrid until calibrated)."""
-        if self.mode == "auto":
-            return dict(HYBRID)
-        return {role: self.mode for role in ROLES}
 
 
 def float8_linear_config(recipe: str, dtypes: dict[str, str], *, emulate: bool) -> Float8LinearConfig:
