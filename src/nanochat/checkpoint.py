@@ -213,7 +213,7 @@ def load_checkpoint(source: str | os.PathLike, map_location: str | torch.device 
     problem = verify_checkpoint(c)
     if problem is None:
         # FP8Tensor registers itself with torch.serialization.add_safe_globals on import.
-        import nanochat.fp8  # noqa: F401
+        import nanochat.fp8.tensor  # noqa: F401
 
         try:
             payload = torch.load(c.path, map_location=map_location, weights_only=True)

@@ -259,7 +259,7 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
 
 
 def _has_fp8_all_gather(model: nn.Module) -> bool:
-    import nanochat.fp8  # noqa: F401  (first torchao import of a run: nanochat.fp8 mutes its log noise)
+    import nanochat.fp8._torchao  # noqa: F401  (first torchao import of a run: mutes its log noise)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     return any(isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)
