@@ -266,15 +266,6 @@ def _has_fp8_all_gather(model: nn.Module) -> bool:
                for p in model.parameters())
 
 
-def after_optimizer_step(model: nn.Module) -> None:
-    """Precompute the FP8 weight scales for the next forward's all-gather (one all-reduce for all
-    layers); a no-op unless the model all-gathers in FP8."""
-    if _has_fp8_all_gather(model):
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        precompute_float8_dynamic_scale_for_fsdp(model)
-
-
 class _ByteAllGather(AllGather):
     """FSDP2's all-gather on uint8 views of its buffers, for gloo, which rejects float8 tensors
     ("Invalid scalar type"); the same bytes move, so the result is the same. NCCL all-gathers
@@ -504,7 +495,7 @@ def _fsync_tree(root: Path) -> None:
 __all__ = [
     "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
-    "fp8_all_gather_problem", "enable_fp8_all_gather", "after_optimizer_step", "full_copy",
+    "fp8_all_gather_problem", "enable_fp8_all_gather", "full_copy",
     "dcp_root", "latest_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
     "DCP_DIRNAME", "LATEST",
 ]
