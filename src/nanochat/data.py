@@ -92,7 +92,7 @@ import torch
 from tqdm import tqdm
 
 from nanochat import instruct
-from nanochat.common import format_bytes, logger, warn_once
+from nanochat.common import format_bytes, logger, umask, warn_once, write_atomic
 from nanochat.tokenizer import META_FILE, Tokenizer, take_chars
 
 TEXT_EXTENSIONS = (".txt", ".md", ".py")
@@ -488,7 +488,7 @@ def get_or_train_tokenizer(corpus: Corpus, vocab_size: int, cache_root: str | os
                   f"--vocab_size {vocab_size}: BPE ran out of pairs to merge (a small corpus)")
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-tokenizer-"))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700
+    tmp.chmod(0o777 & ~umask())  # mkdtemp makes 0700
     tok.save(tmp)
     try:
         os.rename(tmp, target)
@@ -535,7 +535,7 @@ def tokenize_docs(tokenizer: Tokenizer, docs: list[str], *, cache_dir: str | os.
 
     if path is not None:
         disk = arr.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else arr  # half the bytes
-        _write_atomic(path, lambda f: np.save(f, disk, allow_pickle=False))
+        write_atomic(path, lambda f: np.save(f, disk, allow_pickle=False))
     return torch.from_numpy(arr)
 
 
@@ -599,7 +599,7 @@ def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids
 
     if path is not None:
         disk = tokens.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else tokens
-        _write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask, starts=starts))
+        write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask, starts=starts))
     return result(tokens, mask, starts)
 
 
@@ -657,21 +657,6 @@ def pack_records(tokens: torch.Tensor, loss_mask: torch.Tensor, starts: torch.Te
     packed_mask = torch.zeros(total, dtype=torch.bool)
     packed[dest], packed_mask[dest] = tokens, loss_mask
     return packed, packed_mask, Packing(len(st), int(long_records), int(pad), int(total))
-
-
-def _write_atomic(path: Path, write) -> None:
-    """write(binary file) into a temp file next to `path`, then os.replace: readers of the cache
-    see the old file or the whole new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; caches are shared by runs
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------ batches
@@ -818,9 +803,3 @@ def _scored_windows(tokens: torch.Tensor, loss_mask: torch.Tensor | None,
         return loss_mask[:0].view(0, seq_len + 1), torch.zeros(0, dtype=torch.int64)
     windows = loss_mask.unfold(0, seq_len + 1, seq_len)
     return windows, windows[:, 1:].any(dim=1).nonzero().squeeze(1)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -84,8 +84,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # private module in torch 2.11-2.13 (no public alias yet).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from nanochat.checkpoint import fsync_path
-from nanochat.common import DistEnv, dist_env
+from nanochat.common import DistEnv, dist_env, fsync_path, write_atomic
 
 DCP_DIRNAME = "checkpoint_dcp"
 LATEST = "LATEST"
@@ -186,13 +185,13 @@ def wrap_model(model: nn.Module, *, fsdp: bool, device: torch.device,
 
 
 @contextlib.contextmanager
-def no_grad_sync(train_model: nn.Module, skip: bool) -> Iterator[None]:
+def no_grad_sync(module: nn.Module, skip: bool) -> Iterator[None]:
     """Under DDP, skip the gradient all-reduce of a backward that is not the last micro-batch of
     an optimizer step (the grads accumulate locally and the last backward reduces their sum).
     FSDP2 reduce-scatters every micro-batch: holding unsharded gradients would cost the memory
     it exists to save."""
-    if skip and hasattr(train_model, "no_sync"):
-        with train_model.no_sync():
+    if skip and hasattr(module, "no_sync"):
+        with module.no_sync():
             yield
     else:
         yield
@@ -350,10 +349,7 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
     barrier()  # every rank's files are written before rank 0 publishes them
     if rank0:
         os.rename(tmp, final)
-        pointer_tmp = root / f".{LATEST}.tmp"
-        pointer_tmp.write_text(json.dumps({"dir": name, "step": step}))
-        fsync_path(pointer_tmp)
-        os.replace(pointer_tmp, root / LATEST)
+        write_atomic(root / LATEST, json.dumps({"dir": name, "step": step}), fsync=True)
         fsync_path(root)
         for old in root.glob("step-*"):
             if old.name != name:

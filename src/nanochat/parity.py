@@ -69,7 +69,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from nanochat.common import format_table
+from nanochat.common import format_table, write_atomic
 from nanochat.config import ParityConfig
 
 FIXED_MODES = ("e4m3", "e5m2")
@@ -478,10 +478,7 @@ def environment(cfg: ParityConfig, device) -> dict[str, Any]:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str))
-    os.replace(tmp, path)  # a reader never sees half a file
+    write_atomic(path, json.dumps(payload, indent=2, default=str))
 
 
 def run_parity(cfg: ParityConfig) -> dict[str, Any]:

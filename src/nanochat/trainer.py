@@ -57,6 +57,7 @@ from nanochat.common import (
     resolve_dtype,
     seed_everything,
     setup_logging,
+    write_atomic,
 )
 from nanochat.config import TrainConfig, flag_text
 from nanochat import instruct
@@ -738,9 +739,7 @@ class NanoChatTrainer:
         logged = any('"loss"' in line and json.loads(line).get("step") == step for line in lines[:keep])
         tail = [json.dumps(record) + "\n"] if record is not None and not logged else []
         if keep < len(lines) or tail:
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(lines[:keep] + tail))
-            os.replace(tmp, path)
+            write_atomic(path, "".join(lines[:keep] + tail))
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.rank == 0:
@@ -805,11 +804,15 @@ class NanoChatTrainer:
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.fp8.end_step(step) and cfg.compile:  # auto's formats are fixed: the next step compiles
+        self._after_optimizer_step(step)
+        return record
+
+    def _after_optimizer_step(self, step: int) -> None:
+        """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""
+        if self.fp8.end_step(step) and self.config.compile:  # auto's formats are fixed: compile next step
             self._compile_pending = True
         for event in self.fp8.pop_events():
             self._log(event)
-        return record
 
     def _forward(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, compiled: bool) -> torch.Tensor:
         """The training forward; the first compiled one falls back to eager if compiling fails."""
