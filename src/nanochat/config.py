@@ -358,7 +358,7 @@ ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck"]
 @dataclass(frozen=True, kw_only=True)
 class ParityConfig:
     """Train one model per FP8 mode and seed (same weights and data within a seed); compare
-    final val losses. `scripts/fp8_parity.py`, `nanochat.parity`."""
+    final val losses. `scripts/fp8_parity.py` (the harness: scripts/parity.py)."""
 
     model_name: str = "d4"
     """Model size preset (d2, d4, ...; see base_train --model_name). FP8 needs width >= 128."""
