@@ -266,7 +266,7 @@ def summarize(cfg: ParityConfig, runs: dict[str, dict[str, dict]]) -> dict[str, 
 
 
 def check_targets(cfg: ParityConfig, summary: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The issue's two targets, per mode and overall. A failed or missing run misses."""
+    """The two targets, per mode and overall. A failed or missing run misses."""
     within = {m: bool(all(math.isfinite(g) and abs(g) <= cfg.gap_target_pct for g in s["gaps_pct"]))
               for m, s in summary.items() if m != "baseline"}
     out: dict[str, Any] = {"gap_target_pct": cfg.gap_target_pct, "within_gap": within}

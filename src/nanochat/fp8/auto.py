@@ -49,8 +49,8 @@ projections flushed 5-25% of its values at step 50 (BENCHMARKS.md section 4).
 `recheck_choices` applies the same rules to a later step measured in both formats and switches
 a role once the rule has disagreed with its format at RECHECK_CONFIRM consecutive re-checks;
 the format in use keeps the full underflow margin, the other must be within half of it
-(RECHECK_HYSTERESIS). A run without re-check keeps its calibrated formats for good (the issue's
-contract: fixed after K steps, never recalibrated on resume); with it, the switches and the
+(RECHECK_HYSTERESIS). A run without re-check keeps its calibrated formats for good (fixed after K
+steps, never recalibrated on resume); with it, the switches and the
 pending counts are checkpointed too. Measured effect on the final loss of 5 d4 runs: none
 (+0.03% +- 0.03% against auto without it).
 """
