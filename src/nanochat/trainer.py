@@ -1,30 +1,25 @@
-"""NanoChatTrainer: the training loop, evaluation, checkpoints, logging, FP8 wiring.
+"""NanoChatTrainer: the training loop, evaluation, checkpoints, logging.
 
 One object, one method: `NanoChatTrainer(**fields_of_TrainConfig).train() -> TrainResult`. The
 CLI (`scripts/base_train.py`) builds the same `TrainConfig` from flags and calls the same code,
 so anything the command line can do, Python can do with the same names.
 
-The order of operations is the part worth reading, because FP8 makes it matter:
-  1. data and tokenizer first — every data error is raised before a model is built;
-  2. the model is built in fp32 (master weights), then FP8 conversion swaps eligible nn.Linear
-     layers for torchao's Float8Linear *before* torch.compile sees the model;
-  3. the optimizer is built on the converted model's parameters (conversion keeps the same
-     Parameter objects, so the order does not actually matter for correctness — it matters for
-     `--fp8_mode auto`, whose calibration runs eagerly before compile);
-  4. evaluation and sampling run the *uncompiled* model inside `fp8_disabled`, i.e. in high
-     precision: the number we report is the model's quality, not FP8's inference noise.
+Where to read what (methods of NanoChatTrainer, in file order):
+  _setup          device, run directory, data (every data error before a model exists), model
+                  (fp32 master weights; FP8 conversion before compile), parallel wrapping,
+                  optimizer, compile, prechecks
+  evaluate        validation loss and bits per byte; evaluate_accuracy: multiple choice; sample:
+                  generation. All in high precision on the uncompiled model: the figure is the
+                  model's quality, not FP8's inference noise
+  _save, _resume  verified checkpoints (DCP directories when distributed); metrics.jsonl
+  _train_step     one optimizer step: one device-to-host read in the steady state
+  _train          the loop: step, time, evaluate, log, save; then _result builds TrainResult
 
-Distributed (under torchrun; nanochat/distributed.py explains the choices): the process group
-is joined first thing; the model is wrapped (DDP, or FSDP2 with --fsdp) after FP8 conversion and
-before the optimizer is built, since FSDP replaces the parameters with sharded DTensors. Logged
-losses are means over ranks, evaluation sums over each rank's share of the validation windows,
-and only rank 0 prints, logs and samples. Distributed runs checkpoint with DCP (every rank
-writes its shards); a single process writes checkpoint-<step>.pt; either resumes in any world
-size with the same global batch (batch_size x world size).
-
-Mixed precision: on CUDA the forward runs under bf16 autocast with fp32 master weights;
-torchao's Float8Linear handles CUDA bf16 autocast itself (it casts its input to bf16 before
-quantizing). On CPU everything is fp32 unless --dtype says otherwise.
+FP8 is one component, `nanochat.fp8.FP8Training`, called at fixed points: after the model is
+built (conversion), around each step's passes (calibration, statistics), after the backward
+(non-finite check, clipping count) and after the optimizer step (auto's formats, re-checks).
+Distributed runs (torchrun): docs/distributed.md. Mixed precision: bf16 autocast over fp32
+master weights on CUDA, fp32 elsewhere unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -155,6 +150,27 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac:
 
 class NanoChatTrainer:
     """Train a GPT. `NanoChatTrainer(model_name="d4", fp8=True, fp8_mode="e5m2").train()`."""
+
+    # What a run is made of, set by _setup (declared here so each has one name to grep for).
+    model: GPT
+    """The model: what is saved, evaluated and sampled (FP8 layers converted in place)."""
+    dist_model: torch.nn.Module
+    """`model` wrapped for the world size (DDP), or `model` itself; eager steps call it."""
+    compiled: torch.nn.Module
+    """`dist_model` compiled (or with its blocks compiled in place); compiled steps call it."""
+    fp8: FP8Training
+    """FP8's side of the loop (conversion, calibration, statistics, non-finite steps, counters)."""
+    optimizer: torch.optim.Optimizer
+    tokenizer: Tokenizer | HFTokenizer
+    loader: TokenBatches
+    """The training batches (its position is checkpointed)."""
+    train_tokens: torch.Tensor
+    val_tokens: torch.Tensor
+    train_mask: torch.Tensor | None
+    """Instruction data: True where a target token is scored; None for plain text."""
+    val_mask: torch.Tensor | None
+    fallbacks: list[str]
+    """Every fallback the run took, with its reason (TrainResult.fallbacks)."""
 
     def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
         if config is not None and kwargs:
@@ -619,14 +635,8 @@ class NanoChatTrainer:
 
         One flag per tensor, stacked and reduced once: a single device-to-host read for the whole
         model (the per-tensor names are looked up only when something is wrong)."""
-        from nanochat.fp8 import FP8Tensor
-
         def finite(t: torch.Tensor) -> torch.Tensor | None:
-            """A 0-dim bool on the device (no sync); None for what holds no floats."""
-            t = t.to_local() if isinstance(t, distributed.DTensor) else t
-            if isinstance(t, FP8Tensor):  # FP8 moments: their codes (a transient fp32 copy) and scales
-                return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
-            return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
+            return FP8Training.all_finite(t.to_local() if isinstance(t, distributed.DTensor) else t)
 
         named = [(f"parameter {n}", finite(p.detach())) for n, p in self.model.named_parameters()]
         for i, st in enumerate(self.optimizer.state_dict()["state"].values()):

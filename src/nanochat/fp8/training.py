@@ -42,6 +42,7 @@ from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, s
 from nanochat.fp8.config import FP8Config
 from nanochat.fp8.linear import convert, fp8_disabled, is_fp8_model
 from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats, first_nonfinite_layer
+from nanochat.fp8.tensor import FP8Tensor
 
 
 class FP8Step:
@@ -128,6 +129,14 @@ class FP8Training:
     def high_precision(self):
         """Context: the FP8 layers run F.linear in high precision (evaluation, generation)."""
         return fp8_disabled(self.model) if is_fp8_model(self.model) else contextlib.nullcontext()
+
+    @staticmethod
+    def all_finite(t: torch.Tensor) -> torch.Tensor | None:
+        """A 0-dim bool on the device (no sync) saying `t` holds no inf/nan; None for a tensor
+        without floats. FP8 optimizer moments: their codes (a transient fp32 copy) and scales."""
+        if isinstance(t, FP8Tensor):
+            return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
+        return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
 
     # ----------------------------------------------------------------- each step
     def begin_step(self, step: int) -> FP8Step:
