@@ -7,6 +7,9 @@ so a run can be resumed and inspected without unpickling anything.
 
 Flags are shown with underscores (`--fp8_mode`); tyro also accepts the hyphenated spelling
 (`--fp8-mode`). Invalid values exit with status 2 and a message that names the fix.
+
+The FP8 flags are not written here: they are generated from `nanochat.fp8.FP8Config` (field,
+type, help text and checks), each named by `FP8_FLAGS`, so FP8 has one definition.
 """
 
 from __future__ import annotations
