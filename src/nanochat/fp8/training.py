@@ -16,7 +16,8 @@ skips and clips, and keep the auto choices in checkpoints. This object holds tha
         record |= fp8.check_step(step, loss.item(), norm.item(), max_norm=1.0)
         if record.get("skipped"): continue        # non-finite: gradients already zeroed
         torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm); optimizer.step(); optimizer.zero_grad()
-        if fp8.end_step(step): compiled = torch.compile(model)   # formats fixed: compile now
+        fp8.end_step(step)                        # True when auto's formats were just fixed
+        if compiled is None and not fp8.calibrating: compiled = torch.compile(model)
     summary = fp8.summary()
 
 `examples/custom_loop.py` runs it on a transformers model. With `FP8Config(enabled=False)` it
@@ -41,6 +42,7 @@ from nanochat.common import NanoChatError, format_table, logger, print0
 from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration
 from nanochat.fp8.config import FP8Config
 from nanochat.fp8.linear import convert, fp8_disabled, is_fp8_model
+from nanochat.fp8.optim import FP8Optim
 from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats, first_nonfinite_layer
 from nanochat.fp8.tensor import FP8Tensor
 
@@ -117,8 +119,6 @@ class FP8Training:
         if not self.config.enabled:
             self.optimizer = optimizer
             return optimizer
-        from nanochat.fp8.optim import FP8Optim
-
         self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level)
         if self.config.opt_level:  # tensors too small or of a size the blocks do not fit
             for reason, (n, numel) in self.optimizer.fp32_states().items():
