@@ -227,7 +227,7 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
         if not self.run_dir.strip():
             raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
         self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
-        _positive(self, "seq_len", "batch_size", "grad_accum_steps", "vocab_size", "eval_tokens")
+        _positive(self, "seq_len", "batch_size", "grad_accum_steps", "eval_tokens")
         _non_negative(self, "warmup_steps", "eval_every", "save_every", "grad_clip",
                       "num_samples", "sample_tokens", "top_k", "weight_decay", "temperature")
         if self.num_iterations == 0 or self.num_iterations < -1:
@@ -238,8 +238,7 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
         if not 0 <= self.final_lr_frac <= 1:
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
-        if self.vocab_size < 260:
-            raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
+        _check_vocab_size(self)
 
     def to_dict(self) -> dict:
         """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""
@@ -287,8 +286,7 @@ class TokTrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     def __post_init__(self) -> None:
         _normalize_paths(self, "dataset_path", "tokenizer_dir")
         _check_types(self)
-        if self.vocab_size < 260:
-            raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
+        _check_vocab_size(self)
         _positive(self, "max_chars")
 
 
@@ -448,12 +446,8 @@ class ParityConfig:
                              f"(e.g. --modes baseline {' '.join(self.modes)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds needs distinct seeds, at least one, got {' '.join(map(str, self.seeds)) or 'none'}")
-        for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs", "recheck_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        _positive(self, "num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs", "recheck_every")
+        _non_negative(self, "eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct")
 
 
 QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
@@ -527,6 +521,11 @@ def _finite(cfg, *names: str) -> None:
     for n in names:
         if not math.isfinite(getattr(cfg, n)):
             raise ValueError(f"--{n} must be a finite number, got {getattr(cfg, n)}")
+
+
+def _check_vocab_size(cfg) -> None:
+    if cfg.vocab_size < 260:
+        raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {cfg.vocab_size}")
 
 
 def _positive(cfg, *names: str) -> None:
