@@ -424,9 +424,8 @@ class NanoChatTrainer:
         self.parallel = "none"
         if not self.dist.is_distributed:
             if cfg.fsdp:
-                self.fallbacks.append("fsdp: --fsdp ignored in a single process (launch with torchrun "
-                                      "--nproc_per_node=N to shard)")
-                logger.warning("WARNING: %s", self.fallbacks[-1])
+                self._fallback("fsdp: --fsdp ignored in a single process (launch with torchrun "
+                               "--nproc_per_node=N to shard)")
             return self.model
         kind = "fsdp" if cfg.fsdp else "ddp"
         self.parallel = f"{kind} x{self.dist.world_size} ({distributed.backend_name()})"
