@@ -724,7 +724,10 @@ class NanoChatTrainer:
             self.optimizer.load_state_dict(ckpt["optimizer"])
         self.loader.load_state_dict(ckpt["data"])
         set_rng_state(ckpt["rng"])
-        self.fp8.load_state_dict(ckpt)
+        try:
+            self.fp8.load_state_dict(ckpt)
+        except ValueError as e:  # FP8 choices that do not fit this model: say it in flags
+            raise ValueError(flag_text(str(e))) from None
         logger.info("resumed from %s at step %d", source, ckpt["step"])
         self.resumed_record = ckpt.get("record")
         return int(ckpt["step"])

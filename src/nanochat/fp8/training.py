@@ -89,7 +89,8 @@ class FP8Training:
         self.config = config = config if config is not None else FP8Config()
         self.report = convert(model, config) if config.enabled else None
         self.fallbacks: list[str] = [self.report.fallback] if self.report and self.report.fallback else []
-        """Every fallback taken, with its reason (no FP8 hardware, fp32 moments, short calibration)."""
+        """Every fallback taken, with its reason (no FP8 hardware, fp32 moments, short calibration).
+        Fields are named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
         self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
                                          "stats_samples": 0, "min_clip_factor": None}
         self.choices: dict[str, dict[str, str]] | None = None
@@ -122,7 +123,7 @@ class FP8Training:
         self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level)
         if self.config.opt_level:  # tensors too small or of a size the blocks do not fit
             for reason, (n, numel) in self.optimizer.fp32_states().items():
-                self.fallbacks.append(f"fp8_opt_level {self.config.opt_level}: {n} tensors / {numel:,} "
+                self.fallbacks.append(f"`opt_level` {self.config.opt_level}: {n} tensors / {numel:,} "
                                       f"params keep fp32 moments ({reason})")
         return self.optimizer
 
@@ -231,7 +232,7 @@ class FP8Training:
             self._calibration.close()
             self._calibration = None
             self.fallbacks.append(
-                f"fp8 auto: the run ended after fewer than {self.config.auto_steps} calibration steps; "
+                f"fp8 auto: the run ended after fewer than `auto_steps` {self.config.auto_steps} steps; "
                 "formats stayed at the hybrid default (e4m3 forward, e5m2 gradients)")
 
     # ------------------------------------------------------------------ reports
