@@ -10,9 +10,9 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from nanochat.fp8 import FP8Config, FP8Training
+from nanochat.fp8 import FP8Config, FP8Training  # first: it imports torchao with its log noise muted
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def main(argv: list[str] | None = None) -> float:
