@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: TrainConfig) -> int:
     from nanochat.trainer import NanoChatTrainer  # after parsing: --help stays fast
 
-    result = NanoChatTrainer.from_config(cfg).train()
+    result = NanoChatTrainer(cfg).train()
     # under torchrun every rank returns a result; rank 0 reports it
     print0("\nsamples:")
     for s in result.samples:

@@ -41,7 +41,7 @@ class BenchFP8LinearConfig:
     repeats: int = 3
     """Interleaved measurements per variant; the median is reported."""
     threads: int = 2
-    """torch intra-op threads (the development machines have 2 cores)."""
+    """torch intra-op threads (the CPU figures in BENCHMARKS.md: a 2-core machine)."""
     device: str = "cpu"
     out: str | None = None
     """Write the figures as JSON here."""

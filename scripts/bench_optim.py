@@ -290,7 +290,7 @@ def study(args) -> dict:
     mean = torch.randn(n, generator=g)
     noise = [torch.randn(n, generator=g) for _ in range(steps)]
     scenarios = {
-        # every block spans |g| 1e-8..1e2 (log-uniform): the stress case of the issue
+        # every block spans |g| 1e-8..1e2 (log-uniform): the widest range a block must hold
         "extreme": torch.logspace(-8, 2, n)[torch.randperm(n, generator=g)],
         # blocks at 1e-6..1 apart, within a block lognormal with a 1-decade sigma: typical layers
         "typical": (torch.logspace(-6, 0, n_blocks)[:, None]

@@ -29,7 +29,7 @@ def export(cfg: ExportConfig) -> int:
     setup_logging()
     if cfg.run_dir is not None:
         try:
-            import nanochat.fp8  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
+            import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
         except ImportError:
             pass
         ckpt = load_checkpoint(cfg.run_dir)

@@ -4,14 +4,15 @@
     OMP_NUM_THREADS=1 python scripts/fp8_parity.py --jobs 2   # two runs at once (~half the time)
     python scripts/fp8_parity.py --quick --seeds 1            # a seconds-long smoke run
 
-What is compared, the targets and the default config's reasoning: `nanochat.parity`.
+What is compared, the targets and the default config's reasoning: scripts/parity.py and
+docs/fp8_parity.md.
 """
 
 import sys
 
 from nanochat.common import run_main
 from nanochat.config import ParityConfig, parse_cli, resolved
-from nanochat.parity import run_parity
+from parity import run_parity  # the harness, next to this script
 
 
 def main(argv: list[str] | None = None) -> int:

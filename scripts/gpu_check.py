@@ -3,8 +3,8 @@
     bash scripts/gpu_check.sh                 # ~8 minutes; figures in $OUT/gpu_check.json
     .venv/bin/python scripts/gpu_check.py --dry_run    # the same jobs at toy sizes on the CPU
 
-Every job runs what a user runs: `NanoChatTrainer` with its defaults (compiled per transformer
-block, bf16 autocast over fp32 master weights), on this Python's standard-library sources with a
+Every job runs what a user runs: `NanoChatTrainer` with its defaults (the whole model compiled,
+bf16 autocast over fp32 master weights), on this Python's standard-library sources with a
 BPE tokenizer trained on the fly (cached after the first job). Jobs, in priority order:
   env       torch / torchao / GPU, and what nanochat.fp8.detect decides for each recipe;
   bf16      d12 without FP8: tokens/s, compile time, graph breaks, recompile reasons, peak memory;

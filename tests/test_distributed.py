@@ -384,7 +384,7 @@ def _worker(runs: list[dict]) -> None:
         (run_dir / f"states-rank{rank}.json").write_text(json.dumps(_describe_states(trainer)))
         if spec.get("record_fp8"):
             (run_dir / f"fp8-rank{rank}.json").write_text(json.dumps(
-                {"choices": trainer.fp8_choices, "stats": trainer.last_fp8_stats}))
+                {"choices": trainer.fp8.choices, "stats": trainer.fp8.last_stats}))
     distributed.barrier()
     dist.destroy_process_group()
 

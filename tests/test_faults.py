@@ -237,8 +237,8 @@ class NaNWriter(NanoChatTrainer):
 
     at = 0
 
-    def _calibration_step(self) -> None:  # called right after every optimizer step
-        super()._calibration_step()
+    def _after_optimizer_step(self, step: int) -> None:  # called right after every optimizer step
+        super()._after_optimizer_step(step)
         self._updates = getattr(self, "_updates", 0) + 1
         if self._updates == self.at:
             with torch.no_grad():

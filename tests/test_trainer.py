@@ -155,9 +155,10 @@ def test_a_failing_compile_falls_back_to_eager_once(small_corpus, tmp_path, monk
 
     kw = dict(num_iterations=3, num_samples=0)
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no cached kernels
-    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "broken", compile=True, **kw)).train()
+    # inductor's own patch: monkeypatch's undo would leave cpp.cxx hidden for the later tests
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "broken", compile=True, **kw)).train()
     compile_fallbacks = [f for f in result.fallbacks if f.startswith("compile:")]
     assert len(compile_fallbacks) == 1 and "--no_compile" in compile_fallbacks[0]
     assert _losses(tmp_path / "broken") == _losses(tmp_path / "eager")

@@ -163,3 +163,24 @@ def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, caplog):
     losses = [r["loss"] for r in _records(tmp_path / "fb") if "step" in r]
     assert losses[-1] < losses[0]
     assert result.optimizer_state_bytes < 8 * result.num_params  # FP8 moments work without FP8 matmuls
+
+
+def test_fp8_summaries_are_logged_under_their_own_label(small_corpus, tmp_path):
+    """Each fp8_summary line of metrics.jsonl carries the label it was made for ("epoch N" after
+    an epoch, "end of training" at the end), also when its table lists layers (sampled statistics)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("bisect.py", "colorsys.py", "keyword.py"):  # ~10 KB: an epoch is a few steps
+        (corpus / name).write_text((small_corpus / name).read_text())
+    kw = tiny_train_kwargs(corpus, tmp_path / "lab", num_iterations=1, fp8=True, fp8_emulate=True,
+                           fp8_stats_every=1, num_samples=0)
+    steps_per_epoch = NanoChatTrainer(**kw)
+    steps_per_epoch._setup()
+    n = steps_per_epoch.steps_per_epoch
+    assert 1 <= n <= 20, n
+    kw.update(num_iterations=n + 2, overwrite=True)
+    NanoChatTrainer(**kw).train()
+    labels = [r["label"] for r in _records(tmp_path / "lab") if r.get("event") == "fp8_summary"]
+    assert labels == ["epoch 1", "end of training"]
+    summaries = [r for r in _records(tmp_path / "lab") if r.get("event") == "fp8_summary"]
+    assert all(s["layers"] for s in summaries)  # the case that used to log "most saturation"

@@ -3,7 +3,7 @@
 Public API:
     from nanochat.trainer import NanoChatTrainer, TrainResult   # the training loop
     from nanochat.config import TrainConfig                     # every flag, one dataclass
-    import nanochat.fp8                                         # FP8 for anyone's own loop
+    from nanochat.fp8 import FP8Config, FP8Training             # FP8 for anyone's own loop
 
 `NanoChatTrainer`, `TrainResult` and `TrainConfig` are also reachable as `nanochat.X`; they are
 imported lazily so that `import nanochat.fp8` stays light (it must not pull in the trainer).

@@ -26,14 +26,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nanochat.common import NanoChatError, UsageError, format_bytes
+from nanochat.common import NanoChatError, UsageError, format_bytes, fsync_path, write_atomic
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"checkpoint-(\d+)\.pt")
@@ -123,24 +122,23 @@ def save_checkpoint(run_dir: str | os.PathLike, payload: dict[str, Any], *, step
     target = run_dir / checkpoint_name(step)
     manifest = target.with_suffix(".json")
     manifest.unlink(missing_ok=True)  # re-saving a step: uncommit the old one before replacing it
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=run_dir)
     writer = _HashingWriter(None)
+
+    def write(f) -> None:
+        writer.f = f
+        try:
+            torch.save({"format_version": FORMAT_VERSION, **payload}, writer)
+        except RuntimeError as e:
+            if writer.error is not None:
+                raise writer.error from e
+            raise
+
     try:
-        with os.fdopen(fd, "wb") as f:
-            writer.f = f
-            try:
-                torch.save({"format_version": FORMAT_VERSION, **payload}, writer)
-            except RuntimeError as e:
-                if writer.error is not None:
-                    raise writer.error from e
-                raise
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _write_json_atomic(manifest, {"file": target.name, "sha256": writer.sha.hexdigest(),
-                                      "bytes": writer.size, "step": step, "format_version": FORMAT_VERSION})
+        write_atomic(target, write, fsync=True)  # interrupted: no partial file, the previous ones kept
+        write_atomic(manifest, json.dumps({"file": target.name, "sha256": writer.sha.hexdigest(),
+                                           "bytes": writer.size, "step": step,
+                                           "format_version": FORMAT_VERSION}, indent=1), fsync=True)
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
         target.unlink(missing_ok=True)  # never committed
         prev = latest_checkpoint(run_dir)
         kept = f"the previous checkpoint {prev.path} is intact" if prev else "no earlier checkpoint exists"
@@ -151,10 +149,6 @@ def save_checkpoint(run_dir: str | os.PathLike, payload: dict[str, Any], *, step
                 "--keep_checkpoints, or point --run_dir at another disk, then continue with --resume"
             ) from e
         raise NanoChatError(f"could not write checkpoint {target}: {e}; {kept}") from e
-    except BaseException:
-        # Interrupted (exception, Ctrl-C): drop the partial file, keep the previous checkpoints.
-        Path(tmp).unlink(missing_ok=True)
-        raise
     fsync_path(run_dir)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         old.manifest.unlink(missing_ok=True)
@@ -213,7 +207,7 @@ def load_checkpoint(source: str | os.PathLike, map_location: str | torch.device 
     problem = verify_checkpoint(c)
     if problem is None:
         # FP8Tensor registers itself with torch.serialization.add_safe_globals on import.
-        import nanochat.fp8  # noqa: F401
+        import nanochat.fp8.tensor  # noqa: F401
 
         try:
             payload = torch.load(c.path, map_location=map_location, weights_only=True)
@@ -246,31 +240,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (a directory: makes a rename in it durable, POSIX); a no-op
-    where it cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,4 +1,5 @@
-"""Shared plumbing: device and dtype choice, logging that prints once, seeding, distributed env.
+"""Shared plumbing: device and dtype choice, logging that prints once, seeding, distributed env,
+atomic file writes.
 
 Everything here is small and has no opinion about models or FP8. The rule for messages is the
 project's rule: a fallback or a surprising choice is said once, with its reason, and the caller
@@ -17,9 +18,12 @@ import logging
 import os
 import random
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -213,3 +217,51 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[BinaryIO], None], *,
+                 fsync: bool = False) -> None:
+    """Write `path` so that a reader sees the old file or the whole new one, never a part, and a
+    crash leaves no partial file: a temp file in the same directory (a rename is atomic only
+    within one file system), then os.replace. `content`: text (UTF-8), bytes, or a function
+    writing to the binary file. The file gets the permissions open() would give (mkstemp's are
+    0600; caches and tokenizers are shared). `fsync`: on disk before the rename (checkpoints)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~umask())
+        with os.fdopen(fd, "wb") as f:
+            if callable(content):
+                content(f)
+            else:
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def umask() -> int:
+    """This process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a directory (a directory: makes a rename in it durable, POSIX); a no-op
+    where it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

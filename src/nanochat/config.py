@@ -7,14 +7,21 @@ so a run can be resumed and inspected without unpickling anything.
 
 Flags are shown with underscores (`--fp8_mode`); tyro also accepts the hyphenated spelling
 (`--fp8-mode`). Invalid values exit with status 2 and a message that names the fix.
+
+The FP8 flags are not written here: they are generated from `nanochat.fp8.FP8Config` (field,
+type, help text and checks), each named by `FP8_FLAGS`, so FP8 has one definition.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import math
 import os
+import re
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -22,66 +29,61 @@ from typing import Annotated, Literal, TypeVar
 
 import tyro
 
-FP8Mode = Literal["e4m3", "e5m2", "auto"]
-FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+from nanochat.fp8.config import FP8Config, FP8Recipe
+
+FP8_FLAGS = {
+    "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "emulate": "fp8_emulate",
+    "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
+    "auto_steps": "fp8_auto_steps", "auto_recheck_every": "fp8_auto_recheck_every",
+    "stats_every": "fp8_stats_every", "max_overflows": "fp8_max_overflows",
+}
+"""FP8Config field -> the flag that sets it. The flags are generated from FP8Config (type, help
+text, validation); only their names, `-f` and `--fp8`'s default (off) are the CLI's own."""
+
+
+def flag_text(text: str) -> str:
+    """An FP8Config message or help text as the CLI shows it: `mode` becomes --fp8_mode."""
+    return re.sub(r"`(\w+)`", lambda m: "--" + FP8_FLAGS[m[1]] if m[1] in FP8_FLAGS else m[0], text)
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (what tyro shows as help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, docs = tree.body[0].body, {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs
+
+
+def _fp8_flags() -> type:
+    """The FP8 flags as a dataclass that TrainConfig and TokTrainConfig inherit."""
+    hints, docs = typing.get_type_hints(FP8Config), _attribute_docs(FP8Config)
+    fields = []
+    for f in dataclasses.fields(FP8Config):
+        arg = tyro.conf.arg(help=flag_text(docs[f.name]), aliases=("-f",) if f.name == "enabled" else None)
+        default = False if f.name == "enabled" else f.default
+        fields.append((FP8_FLAGS[f.name], Annotated[hints[f.name], arg], dataclasses.field(default=default)))
+
+    def fp8_config(self) -> FP8Config:
+        """The FP8Config these flags describe (raises ValueError naming the flags)."""
+        try:
+            return FP8Config(**{name: getattr(self, flag) for name, flag in FP8_FLAGS.items()})
+        except ValueError as e:
+            raise ValueError(flag_text(str(e))) from None
+
+    return dataclasses.make_dataclass(
+        "FP8Flags", fields, namespace={"fp8_config": fp8_config, "__module__": __name__,
+                                       "__doc__": "The FP8 flags, generated from nanochat.fp8.FP8Config."},
+        frozen=True, kw_only=True)
+
+
+FP8Flags = _fp8_flags()
 
 
 @dataclass(frozen=True, kw_only=True)
-class FP8Flags:
-    """The FP8 flags, shared by every entrypoint so they are spelled the same everywhere."""
-
-    fp8: Annotated[bool, tyro.conf.arg(aliases=("-f",))] = False
-    """Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
-    FP8 kernels; elsewhere it warns once and trains in high precision unless --fp8_emulate)."""
-
-    fp8_mode: FP8Mode = "e4m3"
-    """FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
-    e5m2: 2 mantissa bits, range +-57344 (more range); auto: chosen per layer and tensor role by
-    measured quantization error during the first --fp8_auto_steps steps."""
-
-    fp8_recipe: FP8Recipe = "tensorwise"
-    """torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
-    weight-gradient GEMM kept in high precision."""
-
-    fp8_emulate: bool = False
-    """Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
-    numerics studies). Implies the FP8 path even without FP8 hardware."""
-
-    fp8_opt_level: Literal[0, 1, 2] = 0
-    """Adam moments in FP8: 0 keeps both in fp32; 1 stores the first moment (momentum) in FP8;
-    2 stores both moments in FP8. Works on any device (it is only storage); needs --fp8."""
-
-    fp8_skip: tuple[str, ...] = ("lm_head",)
-    """Module-name patterns (fnmatch, matched against the full name) never converted to FP8.
-    The output head is skipped by default: its logits feed a softmax over the whole vocabulary
-    and are the most precision-sensitive matmul of the model."""
-
-    fp8_min_dim: int = 128
-    """Linear layers with min(in_features, out_features) below this stay in high precision:
-    the casts cost more than the FP8 GEMM saves (nanochat's rule; see BENCHMARKS.md)."""
-
-    fp8_auto_steps: int = 4
-    """--fp8_mode auto: number of forward+backward passes measured before formats are fixed."""
-
-    fp8_auto_recheck_every: int = 0
-    """--fp8_mode auto: every N steps after calibration, measure both formats again and switch a
-    layer's role to the other format once the calibration rule has picked it at 2 re-checks in a
-    row (e.g. a gradient whose small values started to flush to zero after the first steps).
-    Switches are logged, listed in the summary and kept in checkpoints; a re-check step also
-    records the FP8 statistics. 0 (default): formats stay as calibrated."""
-
-    fp8_stats_every: int = 200
-    """Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
-    them off. A sampled step runs the uncompiled model with hooks and costs ~2.8 more steps
-    (measured on CPU; BENCHMARKS.md), so 200 keeps statistics under 2% of the run's time."""
-
-    fp8_max_overflows: int = 10
-    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
-    such step is skipped); the last good checkpoint stays intact."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig(FP8Flags):
+class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Train (or continue training) a GPT on a corpus. `scripts/base_train.py`."""
 
     model_name: str = "d4"
@@ -224,16 +226,10 @@ class TrainConfig(FP8Flags):
                 raise ValueError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.run_dir.strip():
             raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
-        if self.fp8_opt_level != 0 and not self.fp8:
-            raise ValueError(
-                f"--fp8_opt_level {self.fp8_opt_level} needs --fp8: FP8 optimizer states are part "
-                "of FP8 training. Add --fp8 (on hardware without FP8 matmuls it still stores the "
-                "moments in FP8), or use --fp8_opt_level 0."
-            )
-        _positive(self, "seq_len", "batch_size", "grad_accum_steps", "vocab_size", "eval_tokens")
+        self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
+        _positive(self, "seq_len", "batch_size", "grad_accum_steps", "eval_tokens")
         _non_negative(self, "warmup_steps", "eval_every", "save_every", "grad_clip",
-                      "num_samples", "sample_tokens", "top_k", "weight_decay", "fp8_stats_every",
-                      "temperature")
+                      "num_samples", "sample_tokens", "top_k", "weight_decay", "temperature")
         if self.num_iterations == 0 or self.num_iterations < -1:
             raise ValueError(f"--num_iterations must be -1 (use --num_epochs) or positive, got {self.num_iterations}")
         if self.num_iterations == -1 and self.num_epochs < 1:
@@ -242,19 +238,7 @@ class TrainConfig(FP8Flags):
             raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
         if not 0 <= self.final_lr_frac <= 1:
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
-        if self.vocab_size < 260:
-            raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
-        if self.fp8_auto_recheck_every < 0:
-            raise ValueError(f"--fp8_auto_recheck_every must be >= 0 (0: off), got {self.fp8_auto_recheck_every}")
-        if self.fp8_auto_recheck_every and self.fp8_mode != "auto":
-            raise ValueError("--fp8_auto_recheck_every re-checks the formats of --fp8_mode auto; add "
-                             f"--fp8_mode auto or drop it (mode is {self.fp8_mode})")
-        if self.fp8_auto_steps < 1:
-            raise ValueError(f"--fp8_auto_steps must be >= 1, got {self.fp8_auto_steps}")
-        if self.fp8_min_dim < 16:
-            raise ValueError(f"--fp8_min_dim must be >= 16 (FP8 GEMMs need dimensions divisible by 16), got {self.fp8_min_dim}")
-        if self.fp8_max_overflows < 1:
-            raise ValueError(f"--fp8_max_overflows must be >= 1, got {self.fp8_max_overflows}")
+        _check_vocab_size(self)
 
     def to_dict(self) -> dict:
         """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""
@@ -276,7 +260,7 @@ class TrainConfig(FP8Flags):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokTrainConfig(FP8Flags):
+class TokTrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Train a BPE tokenizer on a corpus and save it. `scripts/tok_train.py`.
 
     The FP8 flags are accepted so one command line works for both scripts; they do not apply here
@@ -302,8 +286,7 @@ class TokTrainConfig(FP8Flags):
     def __post_init__(self) -> None:
         _normalize_paths(self, "dataset_path", "tokenizer_dir")
         _check_types(self)
-        if self.vocab_size < 260:
-            raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {self.vocab_size}")
+        _check_vocab_size(self)
         _positive(self, "max_chars")
 
 
@@ -376,7 +359,7 @@ ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck"]
 @dataclass(frozen=True, kw_only=True)
 class ParityConfig:
     """Train one model per FP8 mode and seed (same weights and data within a seed); compare
-    final val losses. `scripts/fp8_parity.py`, `nanochat.parity`."""
+    final val losses. `scripts/fp8_parity.py` (the harness: scripts/parity.py)."""
 
     model_name: str = "d4"
     """Model size preset (d2, d4, ...; see base_train --model_name). FP8 needs width >= 128."""
@@ -463,12 +446,8 @@ class ParityConfig:
                              f"(e.g. --modes baseline {' '.join(self.modes)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds needs distinct seeds, at least one, got {' '.join(map(str, self.seeds)) or 'none'}")
-        for name in ("num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs", "recheck_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        _positive(self, "num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs", "recheck_every")
+        _non_negative(self, "eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct")
 
 
 QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
@@ -542,6 +521,11 @@ def _finite(cfg, *names: str) -> None:
     for n in names:
         if not math.isfinite(getattr(cfg, n)):
             raise ValueError(f"--{n} must be a finite number, got {getattr(cfg, n)}")
+
+
+def _check_vocab_size(cfg) -> None:
+    if cfg.vocab_size < 260:
+        raise ValueError(f"--vocab_size must be >= 260 (256 bytes + special tokens), got {cfg.vocab_size}")
 
 
 def _positive(cfg, *names: str) -> None:

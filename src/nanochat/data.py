@@ -1,72 +1,20 @@
 """Corpora -> documents -> one token stream -> deterministic (x, y) batches.
 
-The pipeline, and where each step's choice comes from:
+1. Documents: `load_corpus(path)` reads a file or a directory of .txt / .md / .py (a file is a
+   document), .jsonl / .parquet (a line or row with "text" is a document; one without may be an
+   instruction record, `nanochat.instruct`). Without a path: this Python's standard library.
+2. Validation split: a document is in validation iff sha1(its id) falls in the lowest 2% of the
+   hash range (stable when files come and go, no seed); split files (`train-*`, `validation-*`)
+   are used as they are.
+3. Token stream: `tokenize_docs` joins BOS-prefixed documents into one stream (cached, keyed by
+   content and tokenizer); `tokenize_records` + `pack_records` do the same for records, with a
+   loss mask and no record crossing a window boundary.
+4. Batches: `TokenBatches` cuts seq_len+1 windows with stride seq_len, visits them in an order
+   seeded by (seed, epoch), gives rank r its slice of each global batch, and resumes from two
+   ints (epoch, step).
 
-1. **Documents.** `load_corpus(path)` reads a file or a directory (recursively, hidden entries
-   ignored) of `.txt` / `.md` / `.py` (one file = one document), `.jsonl` (one line = one
-   document, its "text" field) or `.parquet` (one row = one document, its "text" column). Files
-   are visited in sorted relative-path order, so the corpus is the same on every machine.
-   A `.jsonl` line / `.parquet` row without "text" may instead be an *instruction record*
-   (prompt/completion, chat messages, ARC-style multiple choice; `nanochat.instruct` lists the
-   shapes and how each becomes chat messages). Such a corpus has `kind == "instruct"`: its
-   `train_records` / `val_records` are message lists, and `tokenize_records` turns them into a
-   token stream plus a loss mask that scores only the assistant's tokens. One file holds one
-   shape (a line of another shape is an error naming it: usually a bug in the export); a
-   corpus is plain text or records, not both.
-   Without a path the corpus is the running interpreter's own standard library: every `.py`
-   under `sysconfig.get_paths()["stdlib"]`, minus `site-packages` and the test suites (`test/`,
-   `tests/`, `idle_test/`). With the tests it is ~31 MB on Python 3.11; without, 12.2 MB in
-   734 files (3 of them empty). The tests are 60% of the bytes but mostly repetitive
-   `assertEqual` boilerplate plus deliberately odd inputs (bad encodings, generated data), and
-   without them there are already 3.4M training tokens at a 4096 vocabulary: a 5-minute run
-   would have to train at 11k tokens/s just to read them once.
-   Figures vary slightly across Python versions (3.12 removed distutils, every version adds and
-   drops modules), so the run header prints them (`Corpus.describe()`).
-
-2. **Validation split.** A document is in validation iff sha1(document id) falls in the lowest
-   2% of the hash range (id = relative path, `path#line` for jsonl, `path#row` for parquet).
-   Hashing the id rather than shuffling keeps each document on its side when files are added
-   or removed, and needs no seed. Small corpora can come out with an empty side; then the
-   document with the smallest hash becomes validation, and a single document is split by
-   characters (its last 2%; a single instruction record cannot be split and is an error).
-   `Corpus.describe()` says which rule was applied. Records are split by the same rule.
-   A directory laid out in split files, as the hub's datasets are (`train-*.parquet`,
-   `validation-*.parquet`, `test-*.parquet`, or `train.jsonl`...), is split by its files
-   instead: train files train, validation files evaluate, test files are never read (and a
-   README next to them is skipped).
-
-3. **Token stream.** `tokenize_docs` encodes every document, prefixes each with `<|bos|>` and
-   concatenates them into one 1-D stream (nanochat's and GPT-2's layout: no padding, the model
-   sees document boundaries as BOS tokens and may attend across them). Streams are cached as
-   `.npy` (uint16 on disk when the vocabulary fits, int32 in memory) keyed by a hash of the
-   documents' content and the tokenizer's fingerprint, so a stale cache is impossible.
-   `tokenize_records` does the same for instruction records: each record rendered by
-   `nanochat.instruct.render` (our special tokens, or the checkpoint's chat template), with a
-   parallel boolean loss mask (True = scored) and each record's start offset, cached as one
-   `.npz`. `pack_records` then lays the records out for a given seq_len so that no record
-   crosses a window boundary: a record that does not fit in what is left of the current window
-   starts the next one, and the gap is filled with masked padding. Without it a record cut by a
-   boundary would be scored with part of its prompt missing (the model learning to answer
-   questions it was not shown). A record longer than a window cannot be kept whole: it starts at
-   a window and its tail is trained without its beginning; the trainer counts these and records
-   them as a fallback with the fix (a larger --seq_len).
-
-4. **Batches.** `TokenBatches` cuts the stream into windows of seq_len+1 tokens with stride
-   seq_len — consecutive windows share one token, so every token but the first is a prediction
-   target exactly once per epoch (stride seq_len+1 would never predict the shared token).
-   Each epoch visits the windows in a fresh order drawn from a `torch.Generator` seeded by
-   (seed, epoch) — never the global RNG, so model code that draws random numbers cannot shift
-   the data. A global batch is `batch_size * world_size` consecutive entries of that order and
-   rank r takes the r-th slice, so the ranks of a distributed run together read exactly what one
-   process with `world_size` times the batch would. The position is two ints (epoch, step),
-   which is all a checkpoint needs to resume on the same next batch.
-   With a loss mask, y is -1 (the model's cross-entropy ignore_index) at every target that is
-   not scored, and windows with no scored target at all are left out (they would cost a step
-   and teach nothing; a batch of them would make the mean loss 0/0 = NaN), so `num_windows`
-   counts only windows with something to learn. `val_batches` applies the same rules.
-
-Every data problem is a `DataError` raised by `load_corpus` / `TokenBatches` — before any model
-is built — whose message says what was found and what to do.
+Every data problem is a `DataError` raised before any model is built, naming the fix. Why each
+choice was made, with the figures: docs/data.md.
 """
 
 from __future__ import annotations
@@ -92,7 +40,7 @@ import torch
 from tqdm import tqdm
 
 from nanochat import instruct
-from nanochat.common import format_bytes, logger, warn_once
+from nanochat.common import format_bytes, logger, umask, warn_once, write_atomic
 from nanochat.tokenizer import META_FILE, Tokenizer, take_chars
 
 TEXT_EXTENSIONS = (".txt", ".md", ".py")
@@ -488,7 +436,7 @@ def get_or_train_tokenizer(corpus: Corpus, vocab_size: int, cache_root: str | os
                   f"--vocab_size {vocab_size}: BPE ran out of pairs to merge (a small corpus)")
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-tokenizer-"))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes 0700
+    tmp.chmod(0o777 & ~umask())  # mkdtemp makes 0700
     tok.save(tmp)
     try:
         os.rename(tmp, target)
@@ -535,7 +483,7 @@ def tokenize_docs(tokenizer: Tokenizer, docs: list[str], *, cache_dir: str | os.
 
     if path is not None:
         disk = arr.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else arr  # half the bytes
-        _write_atomic(path, lambda f: np.save(f, disk, allow_pickle=False))
+        write_atomic(path, lambda f: np.save(f, disk, allow_pickle=False))
     return torch.from_numpy(arr)
 
 
@@ -599,7 +547,7 @@ def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids
 
     if path is not None:
         disk = tokens.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else tokens
-        _write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask, starts=starts))
+        write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask, starts=starts))
     return result(tokens, mask, starts)
 
 
@@ -657,21 +605,6 @@ def pack_records(tokens: torch.Tensor, loss_mask: torch.Tensor, starts: torch.Te
     packed_mask = torch.zeros(total, dtype=torch.bool)
     packed[dest], packed_mask[dest] = tokens, loss_mask
     return packed, packed_mask, Packing(len(st), int(long_records), int(pad), int(total))
-
-
-def _write_atomic(path: Path, write) -> None:
-    """write(binary file) into a temp file next to `path`, then os.replace: readers of the cache
-    see the old file or the whole new one, never a partial one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; caches are shared by runs
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ------------------------------------------------------------------ batches
@@ -818,9 +751,3 @@ def _scored_windows(tokens: torch.Tensor, loss_mask: torch.Tensor | None,
         return loss_mask[:0].view(0, seq_len + 1), torch.zeros(0, dtype=torch.int64)
     windows = loss_mask.unfold(0, seq_len + 1, seq_len)
     return windows, windows[:, 1:].any(dim=1).nonzero().squeeze(1)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

@@ -3,66 +3,20 @@
     torchrun --nproc_per_node=8 scripts/base_train.py ...           # DDP
     torchrun --nproc_per_node=8 scripts/base_train.py --fsdp ...    # FSDP2
 
-torchrun starts one process per device and tells each its RANK, LOCAL_RANK and WORLD_SIZE
-(`common.dist_env()`); `init_distributed` joins them into one process group: NCCL on CUDA,
-gloo on CPU (how the tests run). Every rank reads its own share of each global batch
-(`data.TokenBatches` with rank/world_size), so the ranks together see exactly what one process
-with world_size times the batch would; gradients are averaged across ranks, so the update is
-the same too (the tests measure how close: reduction order is the only difference).
+`init_distributed` joins the process group (NCCL on CUDA, gloo on CPU). Every rank reads its
+share of each global batch and gradients are averaged, so the ranks together take the step one
+process with world_size times the batch would. DDP (default) keeps the whole model on every
+rank; FSDP2 (`fully_shard` per block, then the root) shards parameters, gradients and optimizer
+state along dim 0.
 
-Two ways to spread the model, chosen by `--fsdp`:
-- DDP (default): every rank holds the whole model and optimizer; gradients are all-reduced
-  during backward. Simplest and fastest while the model, its gradients and the Adam moments
-  fit on one device.
-- FSDP2 (`torch.distributed.fsdp.fully_shard`): each transformer block, then the root, is
-  sharded along dim 0 across ranks. A parameter becomes a DTensor whose local tensor is this
-  rank's rows; the block's parameters are all-gathered just before its forward (and again in
-  backward) and freed after; gradients are reduce-scattered. Parameters, gradients and the
-  optimizer state cost 1/world_size per rank. This is torchtitan's layout, minus its options.
-  FSDP1 (FullyShardedDataParallel, flat parameters) is not used: DTensor parameters are what
-  torchao's FP8 all-gather and DCP resharding build on.
+Under FSDP2 with tensorwise FP8 and one weight format, weights are all-gathered in FP8
+(torchao's `WeightWithDynamicFloat8CastTensor`; same numerics, a quarter of fp32's bytes);
+otherwise the run header says why not. Evaluation under FSDP runs on an unsharded
+high-precision copy (`full_copy`).
 
-FP8 under FSDP2. With tensorwise scaling an FP8 layer casts its *whole* weight with one scale
-in every forward. FSDP2 can all-gather that weight already in FP8 (torchao's
-`WeightWithDynamicFloat8CastTensor`): half the bytes of a bf16 all-gather, a quarter of fp32,
-and the same numerics (the scale comes from the amax over all shards, as the unsharded cast
-would compute it; measured: identical losses with and without). After each optimizer step
-`precompute_float8_dynamic_scale_for_fsdp` computes all those amaxes in one all-reduce, instead
-of one per layer per forward. Both are on whenever they apply: FSDP, tensorwise recipe, one
-fixed weight format (e4m3 or e5m2; `--fp8_mode auto` may choose per layer, so not there), and
-every FP8 weight's rows divisible by the world size (torchao 0.18 does not pad a shorter last
-shard in its all-gather hook, pytorch/ao#3982; d2 at 3 ranks crashed gloo). The run header's
-`parallel` row says on, or off and why.
-Rowwise recipes scale per row, which an FP8 all-gather cannot express; they all-gather fp32.
-gloo has no float8 collectives, so on CPU the FP8 all-gather moves the same bytes as uint8
-(`_ByteAllGather`); NCCL all-gathers float8 directly.
-
-Evaluation under FSDP runs on a plain, unsharded high-precision copy (`full_copy`): with the
-FP8 all-gather the sharded model cannot produce fp32 weights at all (the all-gathered weight
-*is* FP8), and an unsharded copy also frees evaluation and sampling from FSDP's lockstep (every
-rank would otherwise have to run exactly the same forwards). It costs one full fp32 copy of the
-weights per rank while it lives (4 bytes/param, against the 16 bytes/param of weights,
-gradients and Adam moments that FSDP shards).
-
-Checkpoints. A single process writes `checkpoint-<step>.pt` (checkpoint.py: weights_only).
-A distributed run writes a `torch.distributed.checkpoint` (DCP) directory: every rank writes
-its own shards in parallel, and DCP records which slice of which tensor each file holds, so it
-loads into any world size, FSDP or DDP, or a single process (no process group needed). FP8
-optimizer states (FP8Tensor, wrapped as DTensor under FSDP) are resharded by slicing on whole
-256-element blocks, bit for bit; where a world size's shards would cut blocks (d2 at 3 ranks:
-43 rows of 128) they load through fp32 and FP8Optim requantizes them (`_fp32_templates`).
-Layout and atomicity:
-
-    <run_dir>/checkpoint_dcp/step-000200/   DCP files + trainer.json (step, config, data position)
-    <run_dir>/checkpoint_dcp/LATEST         {"dir": "step-000200", "step": 200}
-
-The ranks write into `.tmp-step-000200/`; after a barrier rank 0 renames it to `step-000200/`
-and then atomically replaces LATEST (`os.replace`) before deleting older step directories: a
-crash at any point leaves LATEST naming a complete checkpoint. (A directory cannot be replaced
-atomically by `rename`, hence the pointer file.) Whichever format a run writes, it deletes the
-other afterwards, so resume finds one checkpoint; if a crash left both, the newer one wins.
-DCP stores its index (`.metadata`) with pickle, so unlike checkpoint-*.pt a DCP checkpoint must
-come from a trusted source; everything nanochat adds is JSON (trainer.json) or tensors.
+Distributed runs checkpoint with DCP (`<run_dir>/checkpoint_dcp/step-N/` plus a LATEST pointer
+replaced atomically): every rank writes its shards, and a checkpoint loads into any world size.
+The reasons, the measurements and the layout in full: docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -84,8 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # private module in torch 2.11-2.13 (no public alias yet).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from nanochat.checkpoint import fsync_path
-from nanochat.common import DistEnv, dist_env
+from nanochat.common import DistEnv, dist_env, fsync_path, write_atomic
 
 DCP_DIRNAME = "checkpoint_dcp"
 LATEST = "LATEST"
@@ -186,13 +139,13 @@ def wrap_model(model: nn.Module, *, fsdp: bool, device: torch.device,
 
 
 @contextlib.contextmanager
-def no_grad_sync(train_model: nn.Module, skip: bool) -> Iterator[None]:
+def no_grad_sync(module: nn.Module, skip: bool) -> Iterator[None]:
     """Under DDP, skip the gradient all-reduce of a backward that is not the last micro-batch of
     an optimizer step (the grads accumulate locally and the last backward reduces their sum).
     FSDP2 reduce-scatters every micro-batch: holding unsharded gradients would cost the memory
     it exists to save."""
-    if skip and hasattr(train_model, "no_sync"):
-        with train_model.no_sync():
+    if skip and hasattr(module, "no_sync"):
+        with module.no_sync():
             yield
     else:
         yield
@@ -259,20 +212,11 @@ def enable_fp8_all_gather(model: nn.Module) -> int:
 
 
 def _has_fp8_all_gather(model: nn.Module) -> bool:
-    import nanochat.fp8  # noqa: F401  (first torchao import of a run: nanochat.fp8 mutes its log noise)
+    import nanochat.fp8._torchao  # noqa: F401  (first torchao import of a run: mutes its log noise)
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     return any(isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)
                for p in model.parameters())
-
-
-def after_optimizer_step(model: nn.Module) -> None:
-    """Precompute the FP8 weight scales for the next forward's all-gather (one all-reduce for all
-    layers); a no-op unless the model all-gathers in FP8."""
-    if _has_fp8_all_gather(model):
-        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-        precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 class _ByteAllGather(AllGather):
@@ -359,10 +303,7 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
     barrier()  # every rank's files are written before rank 0 publishes them
     if rank0:
         os.rename(tmp, final)
-        pointer_tmp = root / f".{LATEST}.tmp"
-        pointer_tmp.write_text(json.dumps({"dir": name, "step": step}))
-        fsync_path(pointer_tmp)
-        os.replace(pointer_tmp, root / LATEST)
+        write_atomic(root / LATEST, json.dumps({"dir": name, "step": step}), fsync=True)
         fsync_path(root)
         for old in root.glob("step-*"):
             if old.name != name:
@@ -504,7 +445,7 @@ def _fsync_tree(root: Path) -> None:
 __all__ = [
     "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
-    "fp8_all_gather_problem", "enable_fp8_all_gather", "after_optimizer_step", "full_copy",
+    "fp8_all_gather_problem", "enable_fp8_all_gather", "full_copy",
     "dcp_root", "latest_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
     "DCP_DIRNAME", "LATEST",
 ]

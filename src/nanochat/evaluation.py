@@ -84,7 +84,7 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
     from nanochat.checkpoint import load_checkpoint
 
     try:
-        import nanochat.fp8  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
+        import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
     except ImportError:
         pass
     ckpt = load_checkpoint(run_dir)

@@ -1,47 +1,20 @@
 """Hugging Face checkpoints in and out: find them, load them into our GPT, wrap their tokenizer,
 export ours back.
 
-A Hugging Face model directory is `config.json` (architecture), one or more `*.safetensors`
-files (weights; several are listed in `model.safetensors.index.json`) and `tokenizer.json`
-(+ `tokenizer_config.json` with the chat template). The Llama family (Llama 2 and 3, Mistral,
-Qwen2) is one architecture with a few switches, and `nanochat.gpt.GPT` already has them, so a
-checkpoint is loaded into our own model code, not into `transformers`: FP8 conversion, the
-trainer and generation then see the same `nn.Linear` modules as for a nanochat preset.
+The Llama family (Llama 2 and 3, Mistral, Qwen2) is one architecture with a few switches that
+`nanochat.gpt.GPT` already has, so a checkpoint is loaded into our own model code (the same
+`nn.Linear` modules for FP8 conversion, the trainer and generation as a nanochat preset):
 
-    HF Llama                                   nanochat.gpt
-    model.embed_tokens                         transformer.wte
-    model.layers.i.input_layernorm             transformer.h.i.ln_1          (learned weight)
-    model.layers.i.self_attn.{q,k,v,o}_proj    transformer.h.i.attn.c_{q,k,v,proj}
-    model.layers.i.post_attention_layernorm    transformer.h.i.ln_2
-    model.layers.i.mlp.{gate,up,down}_proj     transformer.h.i.mlp.c_{gate,fc,proj}
-    model.norm                                 transformer.ln_f
-    lm_head                                    lm_head                       (absent when tied)
+    model.embed_tokens -> transformer.wte, model.layers.i.self_attn.{q,k,v,o}_proj ->
+    transformer.h.i.attn.c_{q,k,v,proj}, model.layers.i.mlp.{gate,up,down}_proj ->
+    transformer.h.i.mlp.c_{gate,fc,proj}, model.norm -> transformer.ln_f, lm_head -> lm_head
 
-Config differences handled here: rope theta and scaling (none, linear, llama3), GQA, an explicit
-head_dim, q/k/v biases (Qwen2, Llama's attention_bias), tied embeddings; and nanochat's own
-extras switched off (no QK-norm, no embedding norm, no softcap). Anything else we do not
-implement (another model_type, a rope type such as yarn, mlp_bias, partial rotary) is an error
-naming it rather than a model that silently computes something else. A sliding attention window
-(Mistral v0.1, Qwen2 with use_sliding_window) is exact as long as the context is no longer than
-the window, so the context is capped at the window (logged) and a longer one is an error.
-
-Memory: the model is built on the meta device (no storage), cast there, then `to_empty`
-allocates it once on the target device and each tensor is copied in from a memory-mapped
-safetensors file (`safe_open`) one at a time: peak memory is the model plus one tensor, never a
-second full state dict.
-
-Resolution never touches the network. A hub id (`org/name`) is looked up in the local Hugging
-Face cache (`HF_HUB_CACHE`, `HF_HOME/hub`, `~/.cache/huggingface/hub`, layout
-`models--org--name/snapshots/<rev>/`); when it is not there the error says where we looked and
-how to bring the files over from a machine with network.
-
-Export (`export_hf`) writes the inverse: `config.json` + `model.safetensors` + tokenizer files,
-always plain high-precision weights (an FP8-trained model keeps ordinary `nn.Linear.weight`
-Parameters; torchao's Float8Linear casts only inside its matmuls). Only models whose architecture
-maps exactly onto Llama (or Qwen2) are exported. nanochat's own presets do not: ReLU^2 MLP,
-parameter-free RMSNorm, QK-norm, the embedding norm and the logit softcap have no Llama
-counterpart, and a custom `trust_remote_code` model was rejected as code we would have to ship
-and keep in sync. Exporting them is an error listing what does not map.
+Anything we do not implement (another model_type, a rope type such as yarn, ...) is an error
+naming it, never a model that silently computes something else. Weights are copied one tensor
+at a time from memory-mapped safetensors into a model built on the meta device (peak memory:
+the model plus one tensor). Resolution never touches the network: a hub id is looked up in the
+local Hugging Face cache. `export_hf` writes the inverse, for architectures that map exactly.
+Details (config switches, sliding windows, the export's limits): docs/hf.md.
 """
 
 from __future__ import annotations

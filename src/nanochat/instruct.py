@@ -1,70 +1,22 @@
 """Instruction records -> chat messages -> one record's tokens with a loss mask.
 
-Fine-tuning data comes in a few shapes. Each one is normalized to a list of chat messages
-(`[{"role": "system"|"user"|"assistant", "content": str}, ...]`), and only those messages are
-rendered, so every shape gets the same formatting and the same masking:
+Every record shape is normalized to chat messages, then rendered, so each gets the same
+formatting and masking:
 
-    {"text": str}                                   plain text: not a record, see nanochat.data
     {"prompt": str, "completion": str}              -> user: prompt, assistant: completion
-    {"messages": [{"role", "content"}, ...]}        -> the messages as they are (a system message
-                                                       only first; other keys of a message ignored)
+    {"messages": [{"role", "content"}, ...]}        -> the messages as they are
     {"question", "choices", "answerKey"}            -> user: the question with lettered options,
                                                        assistant: the letter (multiple choice)
 
-Multiple choice is the AI2 ARC shape as published on Hugging Face (`question`: str,
-`choices`: {"text": [...], "label": [...]}, `answerKey`: a label) and as in the original ARC
-jsonl (`question`: {"stem": str, "choices": [{"text", "label"}, ...]}); `choices` may also be a
-plain list of option strings (labelled A, B, ... in order). The options are always shown with
-the letters A, B, C... in the record's order, whatever labels the record uses (a few ARC
-questions use 1-4), and the answer is the letter of the option whose label is `answerKey`:
-
-    Which gas do plants absorb?
-
-    A. oxygen
-    B. carbon dioxide
-
-    Answer with the letter of the correct option.
-
-with the assistant answering `B`. Only the letter, not "B. carbon dioxide": a one-token answer
-is what a multiple-choice evaluation compares, and the loss on it is a direct proxy of accuracy.
-
-Rendering, and which tokens are scored (the loss mask: True = this token is a training target):
-
-* Our own tokenizer (nanochat presets) has no chat template, only reserved special tokens:
-
-      <|bos|><|user_start|>prompt<|end|><|assistant_start|>completion<|end|>
-                                                          ^^^^^^^^^^^^^^^^^^^ scored
-
-  The completion and its closing <|end|> are scored, so the model learns to stop; the
-  <|assistant_start|> that opens the turn is not (at inference the prompt supplies it). There
-  is no system marker: a system message is prepended to the first user message, separated by
-  a blank line (karpathy/nanochat does the same). Each message is encoded on its own and the
-  pieces meet at special tokens, so no BPE merge can cross a turn boundary.
-* A Hugging Face tokenizer renders the record through its checkpoint's chat template (BOS,
-  end-of-turn and EOS tokens are whatever the template writes). Templates do not say where an
-  assistant turn starts, so it is measured: for the assistant message i, the conversation up to
-  it rendered with the generation prompt (`messages[:i]`, add_generation_prompt=True) and the
-  conversation including it (`messages[:i+1]`) are encoded, and the scored span is the tokens
-  between the two lengths — the content plus whatever the template closes the turn with
-  (<|im_end|>, <|eot_id|>, </s>). This is only right if both encodings are token prefixes of
-  the whole conversation's encoding; that is checked for every turn and a template that is not
-  prefix-stable (e.g. one that drops reasoning from past assistant turns, or a tokenizer that
-  merges text across a turn boundary) is an error naming the turn, never a shifted mask.
-  The rejected alternative, encoding each rendered piece separately and concatenating, cannot
-  fail — but SentencePiece-style tokenizers (Llama 2, Mistral) put a word-start marker at the
-  beginning of every encode call, so each piece would gain a space the model never sees at
-  inference. HF's `{% generation %}` markers would avoid the measuring, but few templates have
-  them.
-
-* A base model's tokenizer has no template: records are rendered in the plain format
-  (`PLAIN_TEMPLATE`: prompt and answer joined, multiple choice ending in `Answer: B`, chat turns
-  prefixed by their role, EOS after each answer); `choose_chat_template` returns that fallback
-  for the caller to record. --chat_template picks plain, chatml, llama3 or a Jinja file instead.
-  Single-exchange records mark their user message (`shape`, and `choices`: the option letters),
-  which is how the plain format and `choice_items` (multiple-choice accuracy) recognise them.
+Rendering: our tokenizer uses its reserved special tokens (`<|user_start|>`, ...); a Hugging
+Face tokenizer uses its checkpoint's chat template, and the scored span of each assistant turn
+is measured by encoding the conversation with and without it (a template that is not
+prefix-stable is an error naming the turn); a base model without a template gets the plain
+format (`PLAIN_TEMPLATE`, recorded as a fallback). Only the assistant's tokens, and the token
+that closes its turn, are scored.
 
 Every problem is a ValueError saying what is wrong with the record; `nanochat.data` adds the
-file and line.
+file and line. The formats in full, with the rejected alternatives: docs/instruct.md.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ import base64
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -51,7 +50,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from nanochat.common import UsageError
+from nanochat.common import UsageError, write_atomic
 
 # GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (see the module docstring).
 SPLIT_PATTERN = (
@@ -174,8 +173,8 @@ class Tokenizer:
             "special_tokens": self.special_tokens, "vocab_size": self.vocab_size,
             "fingerprint": self.fingerprint,
         }
-        _write_atomic(d / RANKS_FILE, ranks_text)
-        _write_atomic(d / META_FILE, json.dumps(meta, indent=2) + "\n")
+        write_atomic(d / RANKS_FILE, ranks_text)
+        write_atomic(d / META_FILE, json.dumps(meta, indent=2) + "\n")
         return d
 
     @classmethod
@@ -256,22 +255,3 @@ def take_chars(texts: Iterable[str], max_chars: int) -> Iterator[str]:
             return
         yield text[:left]
         left -= len(text)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Temp file in the same directory, then os.replace: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a saved tokenizer is shareable
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

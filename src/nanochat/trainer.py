@@ -1,30 +1,25 @@
-"""NanoChatTrainer: the training loop, evaluation, checkpoints, logging, FP8 wiring.
+"""NanoChatTrainer: the training loop, evaluation, checkpoints, logging.
 
 One object, one method: `NanoChatTrainer(**fields_of_TrainConfig).train() -> TrainResult`. The
 CLI (`scripts/base_train.py`) builds the same `TrainConfig` from flags and calls the same code,
 so anything the command line can do, Python can do with the same names.
 
-The order of operations is the part worth reading, because FP8 makes it matter:
-  1. data and tokenizer first — every data error is raised before a model is built;
-  2. the model is built in fp32 (master weights), then FP8 conversion swaps eligible nn.Linear
-     layers for torchao's Float8Linear *before* torch.compile sees the model;
-  3. the optimizer is built on the converted model's parameters (conversion keeps the same
-     Parameter objects, so the order does not actually matter for correctness — it matters for
-     `--fp8_mode auto`, whose calibration runs eagerly before compile);
-  4. evaluation and sampling run the *uncompiled* model inside `fp8_disabled`, i.e. in high
-     precision: the number we report is the model's quality, not FP8's inference noise.
+Where to read what (methods of NanoChatTrainer, in file order):
+  _setup          device, run directory, data (every data error before a model exists), model
+                  (fp32 master weights; FP8 conversion before compile), parallel wrapping,
+                  optimizer, compile, prechecks
+  evaluate        validation loss and bits per byte; evaluate_accuracy: multiple choice; sample:
+                  generation. All in high precision on the uncompiled model: the figure is the
+                  model's quality, not FP8's inference noise
+  _save, _resume  verified checkpoints (DCP directories when distributed); metrics.jsonl
+  _train_step     one optimizer step: one device-to-host read in the steady state
+  _train          the loop: step, time, evaluate, log, save; then _result builds TrainResult
 
-Distributed (under torchrun; nanochat/distributed.py explains the choices): the process group
-is joined first thing; the model is wrapped (DDP, or FSDP2 with --fsdp) after FP8 conversion and
-before the optimizer is built, since FSDP replaces the parameters with sharded DTensors. Logged
-losses are means over ranks, evaluation sums over each rank's share of the validation windows,
-and only rank 0 prints, logs and samples. Distributed runs checkpoint with DCP (every rank
-writes its shards); a single process writes checkpoint-<step>.pt; either resumes in any world
-size with the same global batch (batch_size x world size).
-
-Mixed precision: on CUDA the forward runs under bf16 autocast with fp32 master weights;
-torchao's Float8Linear handles CUDA bf16 autocast itself (it casts its input to bf16 before
-quantizing). On CPU everything is fp32 unless --dtype says otherwise.
+FP8 is one component, `nanochat.fp8.FP8Training`, called at fixed points: after the model is
+built (conversion), around each step's passes (calibration, statistics), after the backward
+(non-finite check, clipping count) and after the optimizer step (auto's formats, re-checks).
+Distributed runs (torchrun): docs/distributed.md. Mixed precision: bf16 autocast over fp32
+master weights on CUDA, fp32 elsewhere unless --dtype says otherwise.
 """
 
 from __future__ import annotations
@@ -57,10 +52,11 @@ from nanochat.common import (
     resolve_dtype,
     seed_everything,
     setup_logging,
+    write_atomic,
 )
-from nanochat.config import TrainConfig
+from nanochat.config import TrainConfig, flag_text
 from nanochat import instruct
-from nanochat.fp8 import collect_fp8_stats
+from nanochat.fp8 import FP8Training
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
@@ -132,12 +128,6 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
-def _describe_switch(sw: dict[str, Any]) -> str:
-    m = sw.get("measured", {})
-    figs = ", ".join(f"{d} {v['underflow_pct']:.2f}% underflow / {v['sqnr_db']:.1f} dB" for d, v in m.items())
-    return f"{sw['layer']} {sw['role']} {sw['from']} -> {sw['to']} ({figs})"
-
-
 def _is_compile_failure(e: BaseException) -> bool:
     """An exception raised by torch.compile's machinery (dynamo, inductor, a C++ or Triton
     toolchain), as opposed to an error of the model or the data that eager would raise too."""
@@ -161,6 +151,27 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac:
 class NanoChatTrainer:
     """Train a GPT. `NanoChatTrainer(model_name="d4", fp8=True, fp8_mode="e5m2").train()`."""
 
+    # What a run is made of, set by _setup (declared here so each has one name to grep for).
+    model: GPT
+    """The model: what is saved, evaluated and sampled (FP8 layers converted in place)."""
+    dist_model: torch.nn.Module
+    """`model` wrapped for the world size (DDP), or `model` itself; eager steps call it."""
+    compiled: torch.nn.Module
+    """`dist_model` compiled (or with its blocks compiled in place); compiled steps call it."""
+    fp8: FP8Training
+    """FP8's side of the loop (conversion, calibration, statistics, non-finite steps, counters)."""
+    optimizer: torch.optim.Optimizer
+    tokenizer: Tokenizer | HFTokenizer
+    loader: TokenBatches
+    """The training batches (its position is checkpointed)."""
+    train_tokens: torch.Tensor
+    val_tokens: torch.Tensor
+    train_mask: torch.Tensor | None
+    """Instruction data: True where a target token is scored; None for plain text."""
+    val_mask: torch.Tensor | None
+    fallbacks: list[str]
+    """Every fallback the run took, with its reason (TrainResult.fallbacks)."""
+
     def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
         if config is not None and kwargs:
             raise TypeError("pass either a TrainConfig or keyword fields, not both")
@@ -175,10 +186,6 @@ class NanoChatTrainer:
             config = TrainConfig(**kwargs)
         self.config = config
 
-    @classmethod
-    def from_config(cls, config: TrainConfig) -> "NanoChatTrainer":
-        return cls(config)
-
     # ------------------------------------------------------------------ setup
     def _fallback(self, message: str) -> None:
         """Record a fallback in the run's results and say it once, now."""
@@ -186,6 +193,9 @@ class NanoChatTrainer:
         logger.warning("WARNING: %s", message)
 
     def _setup(self) -> None:
+        """Everything before the first step, in the order that makes errors come early: device,
+        run directory, data (every data error before a model exists), model (FP8 conversion
+        before compile), parallel wrapping, optimizer, compile, prechecks."""
         cfg = self.config
         setup_logging()
         self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
@@ -201,9 +211,21 @@ class NanoChatTrainer:
         self.fallbacks: list[str] = []
         self.cache_root = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))
         seed_everything(cfg.seed)
+        self._setup_data()
+        self._setup_model()
+        self.dist_model = self._parallelize()  # before the optimizer: FSDP replaces the parameters
+        self._setup_optimizer()
+        self._compile()
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.dtype != torch.float32 else contextlib.nullcontext()
+        )
+        self._prechecks()
 
-        # 1. Data and tokenizer: every data problem surfaces here, before any model exists.
-        #    A Hugging Face checkpoint brings its own tokenizer; a preset uses ours.
+    def _setup_data(self) -> None:
+        """Corpus, tokenizer (a Hugging Face model brings its own, a preset uses ours), token
+        streams, multiple-choice items and the batch loader."""
+        cfg = self.config
         self.resolved = resolve_model(cfg.model_name)
         self.corpus = load_corpus(cfg.dataset_path)
         logger.info("corpus: %s", self.corpus.describe())
@@ -230,25 +252,11 @@ class NanoChatTrainer:
             self.tokenizer, cfg.chat_template, records=self.corpus.kind == "instruct")
         if template_fallback:
             self._fallback(template_fallback)
-        token_cache = self.cache_root / "tokens"
         if self.corpus.kind == "instruct":  # loss on the assistant tokens only
-            # records laid out whole inside the seq_len+1 windows (data.pack_records)
-            for split in ("train", "val"):
-                tokens, mask, starts = tokenize_records(
-                    self.tokenizer, getattr(self.corpus, f"{split}_records"), cache_dir=token_cache,
-                    ids=getattr(self.corpus, f"{split}_ids"), with_starts=True)
-                tokens, mask, packing = pack_records(tokens, mask, starts, cfg.seq_len, self.tokenizer.bos_id)
-                setattr(self, f"{split}_tokens", tokens)
-                setattr(self, f"{split}_mask", mask)
-                logger.info("%s records: %d packed into windows of %d tokens, %.1f%% padding", split,
-                            packing.records, cfg.seq_len + 1, packing.pad_pct)
-                if packing.long_records:
-                    self._fallback(
-                        f"instruction data: {packing.long_records} of {packing.records} {split} records are "
-                        f"longer than a window (--seq_len {cfg.seq_len} + 1 tokens); their tokens past the "
-                        "first window are trained without the record's beginning. Raise --seq_len to keep "
-                        "them whole")
+            self.train_tokens, self.train_mask = self._pack("train", self.corpus.train_records, self.corpus.train_ids)
+            self.val_tokens, self.val_mask = self._pack("val", self.corpus.val_records, self.corpus.val_ids)
         else:
+            token_cache = self.cache_root / "tokens"
             self.train_tokens = tokenize_docs(self.tokenizer, self.corpus.train_docs, cache_dir=token_cache)
             self.val_tokens = tokenize_docs(self.tokenizer, self.corpus.val_docs, cache_dir=token_cache)
             self.train_mask = self.val_mask = None
@@ -262,20 +270,35 @@ class NanoChatTrainer:
             self.train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
             rank=self.dist.rank, world_size=self.dist.world_size, loss_mask=self.train_mask,
         )
-        steps_per_epoch = self.loader.steps_per_epoch // cfg.grad_accum_steps
-        if steps_per_epoch < 1:
+        self.steps_per_epoch = self.loader.steps_per_epoch // cfg.grad_accum_steps
+        if self.steps_per_epoch < 1:
             raise ValueError(
                 f"one optimizer step needs {cfg.grad_accum_steps} batches but an epoch has only "
                 f"{self.loader.steps_per_epoch}; lower --grad_accum_steps or --batch_size"
             )
-        self.steps_per_epoch = steps_per_epoch
-        if cfg.num_iterations > 0:
-            self.total_steps = cfg.num_iterations
-        else:
-            self.total_steps = cfg.num_epochs * steps_per_epoch
+        self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.steps_per_epoch
 
-        # 2. Model in fp32 master weights; FP8 conversion before compile. First the memory plan:
-        #    a run that cannot fit fails here, before a single weight is allocated.
+    def _pack(self, split: str, records: list, ids: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Instruction records laid out whole inside the seq_len+1 windows (data.pack_records):
+        tokens and loss mask of one split."""
+        cfg = self.config
+        tokens, mask, starts = tokenize_records(self.tokenizer, records, cache_dir=self.cache_root / "tokens",
+                                                ids=ids, with_starts=True)
+        tokens, mask, packing = pack_records(tokens, mask, starts, cfg.seq_len, self.tokenizer.bos_id)
+        logger.info("%s records: %d packed into windows of %d tokens, %.1f%% padding", split,
+                    packing.records, cfg.seq_len + 1, packing.pad_pct)
+        if packing.long_records:
+            self._fallback(
+                f"instruction data: {packing.long_records} of {packing.records} {split} records are "
+                f"longer than a window (--seq_len {cfg.seq_len} + 1 tokens); their tokens past the "
+                "first window are trained without the record's beginning. Raise --seq_len to keep "
+                "them whole")
+        return tokens, mask
+
+    def _setup_model(self) -> None:
+        """The memory plan first (a run that cannot fit fails before a weight is allocated), then
+        the model in fp32 master weights, then FP8 conversion (before compile)."""
+        cfg = self.config
         if self.resolved.kind == "hf":
             hf_json = json.loads((self.resolved.path / "config.json").read_text())
             model_config = gpt_config_from_hf(hf_json, seq_len=cfg.seq_len)
@@ -298,19 +321,11 @@ class NanoChatTrainer:
             self.model = GPT(model_config).to(self.device)
             self.model.init_weights()
         self.model.activation_checkpointing = cfg.activation_checkpointing
-        self.fp8_report = None
-        if cfg.fp8:
-            from nanochat.fp8 import FP8Config, convert
+        self.fp8 = FP8Training(self.model, cfg.fp8_config())
 
-            self.fp8_config = FP8Config.from_flags(cfg)
-            self.fp8_report = convert(self.model, self.fp8_config)
-            if self.fp8_report.fallback:
-                self.fallbacks.append(self.fp8_report.fallback)
-
-        # 3. Spread over ranks (before the optimizer: FSDP replaces parameters with DTensors).
-        self.dist_model = self._parallelize()
-
-        # 4. Optimizer: AdamW, no weight decay on embeddings / norms / biases.
+    def _setup_optimizer(self) -> None:
+        """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it with --fp8."""
+        cfg = self.config
         adamw = torch.optim.AdamW(
             self.model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
@@ -319,28 +334,12 @@ class NanoChatTrainer:
         )
         for group in adamw.param_groups:
             group["initial_lr"] = cfg.lr
+        self.optimizer = self.fp8.wrap_optimizer(adamw)
         if cfg.fp8:
-            from nanochat.fp8 import FP8Optim
-
-            self.optimizer = FP8Optim(adamw, opt_level=cfg.fp8_opt_level)
-            if cfg.fp8_opt_level:  # tensors too small or of a size the blocks do not fit
-                for reason, (n, numel) in self.optimizer.fp32_states().items():
-                    self.fallbacks.append(f"fp8_opt_level {cfg.fp8_opt_level}: {n} tensors / {numel:,} "
-                                          f"params keep fp32 moments ({reason})")
             self.optimizer_state_bytes = self.optimizer.state_bytes()
-        else:
-            self.optimizer = adamw
-            # torch creates the two fp32 moments lazily at the first step; count them now
-            # (this rank's: its shard under FSDP).
+        else:  # torch creates the two fp32 moments at the first step; count them now (this rank's)
             self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
                                              for g in adamw.param_groups for p in g["params"])
-
-        self._compile()
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=self.dtype)
-            if self.dtype != torch.float32 else contextlib.nullcontext()
-        )
-        self._prechecks()
 
     # Files that make a directory a run's: refused without --resume, deleted by --overwrite
     # (checkpoint.pt: the single checkpoint file of earlier nanochat versions).
@@ -425,13 +424,12 @@ class NanoChatTrainer:
         self.parallel = "none"
         if not self.dist.is_distributed:
             if cfg.fsdp:
-                self.fallbacks.append("fsdp: --fsdp ignored in a single process (launch with torchrun "
-                                      "--nproc_per_node=N to shard)")
-                logger.warning("WARNING: %s", self.fallbacks[-1])
+                self._fallback("fsdp: --fsdp ignored in a single process (launch with torchrun "
+                               "--nproc_per_node=N to shard)")
             return self.model
         kind = "fsdp" if cfg.fsdp else "ddp"
         self.parallel = f"{kind} x{self.dist.world_size} ({distributed.backend_name()})"
-        if cfg.fsdp and self._has_fp8_layers:
+        if cfg.fsdp and self.fp8.has_fp8_layers:
             problem = distributed.fp8_all_gather_problem(self.model, fsdp=True)
             if problem is None and cfg.fp8_mode == "auto":
                 problem = "--fp8_mode auto may give layers different weight formats after calibration"
@@ -445,11 +443,11 @@ class NanoChatTrainer:
                                       blocks=self.model.transformer.h)
 
     def _compile(self) -> None:
-        """Set `train_model`, the module the training step calls: `dist_model` compiled whole, or
+        """Set `compiled`, the module a compiled training step calls: `dist_model` compiled whole, or
         with each transformer block compiled in place (one graph that every block reuses).
         Compilation itself happens in the first step that runs it (`_compile_pending`)."""
         cfg = self.config
-        self.train_model = self.dist_model
+        self.compiled = self.dist_model
         self._compiled_in_place = False
         self._compile_pending = False
         self._eager_only = False
@@ -461,11 +459,11 @@ class NanoChatTrainer:
                 block.compile()
             self._compiled_in_place = True
         else:
-            self.train_model = torch.compile(self.dist_model)
+            self.compiled = torch.compile(self.dist_model)
         self._compile_pending = True
 
     def _uncompile(self) -> None:
-        self.train_model = self.dist_model
+        self.compiled = self.dist_model
         self._compile_pending = False
         self._eager_only = True  # blocks compiled in place stay so; every forward forces eager
 
@@ -495,11 +493,11 @@ class NanoChatTrainer:
                           f"{' on each rank' if self.dist.is_distributed else ''} "
                           f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
         ]
-        if self.fp8_report is not None:
-            rows.append(["fp8", self.fp8_report.summary()])
+        if self.fp8.report is not None:
+            rows.append(["fp8", self.fp8.report.summary()])
         print0(format_table(["run", ""], rows))
-        if self.fp8_report is not None:
-            print0(self.fp8_report.table())
+        if self.fp8.report is not None:
+            print0(self.fp8.report.table())
             if cfg.fp8_opt_level:
                 print0(self.optimizer.summary())
             print0("fp8: evaluation and sampling run in high precision ("
@@ -565,18 +563,10 @@ class NanoChatTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._high_precision(), self._eager():
+            with self.fp8.high_precision(), self._eager():
                 yield self.model
         finally:
             self.model.train(was_training)
-
-    def _high_precision(self):
-        from nanochat.fp8 import fp8_disabled, is_fp8_model
-
-        if is_fp8_model(self.model):
-
-            return fp8_disabled(self.model)
-        return contextlib.nullcontext()
 
     def sample(self, num_samples: int) -> list[str]:
         """Continue the first tokens of a few validation documents (high precision); on rank 0
@@ -620,12 +610,9 @@ class NanoChatTrainer:
             "world_size": self.dist.world_size,
             "data": self.loader.state_dict(),
             "tokenizer_fingerprint": self.tokenizer.fingerprint,
-            "counters": dict(self.counters),
-            # --fp8_mode auto: the measured formats, so a resumed run does not recalibrate, and
-            # --fp8_auto_recheck_every's switches so far and its count of pending disagreements
-            "fp8_choices": self.fp8_choices,
-            "fp8_auto_switches": self.auto_switches,
-            "fp8_auto_pending": self.auto_pending,
+            # counters, and --fp8_mode auto's measured formats (a resumed run does not recalibrate)
+            # with --fp8_auto_recheck_every's switches so far and its pending disagreements
+            **self.fp8.state_dict(),
             "record": record,
         }
         if self.dist.is_distributed:
@@ -647,14 +634,8 @@ class NanoChatTrainer:
 
         One flag per tensor, stacked and reduced once: a single device-to-host read for the whole
         model (the per-tensor names are looked up only when something is wrong)."""
-        from nanochat.fp8 import FP8Tensor
-
         def finite(t: torch.Tensor) -> torch.Tensor | None:
-            """A 0-dim bool on the device (no sync); None for what holds no floats."""
-            t = t.to_local() if isinstance(t, distributed.DTensor) else t
-            if isinstance(t, FP8Tensor):  # FP8 moments: their codes (a transient fp32 copy) and scales
-                return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
-            return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
+            return FP8Training.all_finite(t.to_local() if isinstance(t, distributed.DTensor) else t)
 
         named = [(f"parameter {n}", finite(p.detach())) for n, p in self.model.named_parameters()]
         for i, st in enumerate(self.optimizer.state_dict()["state"].values()):
@@ -743,15 +724,10 @@ class NanoChatTrainer:
             self.optimizer.load_state_dict(ckpt["optimizer"])
         self.loader.load_state_dict(ckpt["data"])
         set_rng_state(ckpt["rng"])
-        self.counters.update(ckpt.get("counters", {}))
-        if ckpt.get("fp8_choices"):
-            from nanochat.fp8 import apply_fp8_choices
-
-            apply_fp8_choices(self.model, ckpt["fp8_choices"])
-            self.fp8_choices = ckpt["fp8_choices"]
-            self.auto_switches = list(ckpt.get("fp8_auto_switches") or [])
-            self.auto_pending = dict(ckpt.get("fp8_auto_pending") or {})
-            logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
+        try:
+            self.fp8.load_state_dict(ckpt)
+        except ValueError as e:  # FP8 choices that do not fit this model: say it in flags
+            raise ValueError(flag_text(str(e))) from None
         logger.info("resumed from %s at step %d", source, ckpt["step"])
         self.resumed_record = ckpt.get("record")
         return int(ckpt["step"])
@@ -775,115 +751,19 @@ class NanoChatTrainer:
         logged = any('"loss"' in line and json.loads(line).get("step") == step for line in lines[:keep])
         tail = [json.dumps(record) + "\n"] if record is not None and not logged else []
         if keep < len(lines) or tail:
-            tmp = path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(lines[:keep] + tail))
-            os.replace(tmp, path)
+            write_atomic(path, "".join(lines[:keep] + tail))
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    # ------------------------------------------------------------ fp8 monitor
-    @property
-    def _has_fp8_layers(self) -> bool:
-        return self.fp8_report is not None and bool(self.fp8_report.converted)
-
-    def _start_calibration(self) -> None:
-        """--fp8_mode auto: measure both formats during the first steps, eagerly (hooks)."""
-        self.calib = None
-        if self.config.fp8_mode == "auto" and self._has_fp8_layers and self.fp8_choices is None:
-            from nanochat.fp8 import start_auto_calibration
-
-            self.calib = start_auto_calibration(self.model, steps=self.config.fp8_auto_steps)
-            logger.info("fp8 auto: measuring e4m3 and e5m2 on every FP8 layer for %d step(s)%s",
-                        self.config.fp8_auto_steps, "; compiling after that" if self.config.compile else "")
-
-    def _calibration_step(self) -> None:
-        if self.calib is None or not self.calib.step():
-            return
-        self.fp8_choices = self.calib.choices
-        self.calib = None
-        print0(self._choices_table())
-        self._log({"event": "fp8_auto_choices", "choices": self.fp8_choices})
-        if self.config.compile:  # the formats are fixed: the next step compiles, once
-            self._compile_pending = True
-
-    def _recheck(self, sampler, step: int) -> None:
-        """--fp8_auto_recheck_every after a sampled step: switch roles the calibration rule now assigns
-        to the other format (confirmed over consecutive samples; see fp8.auto.recheck_choices).
-        A compiled model recompiles by itself: torch.compile guards on each layer's config."""
-        from nanochat.fp8 import fp8_choices, recheck_choices
-
-        switches = recheck_choices(self.model, sampler.format_counts(), self.auto_pending)
-        if not switches:
-            return
-        self.fp8_choices = fp8_choices(self.model)
-        for sw in switches:
-            sw["step"] = step
-            self._log({"event": "fp8_auto_switch", **sw})
-        self.auto_switches += switches
-        print0(f"fp8 auto re-check at step {step}: " + "; ".join(_describe_switch(sw) for sw in switches))
-
-    def _choices_table(self) -> str:
-        rows = [[name, *(roles.get(r, "-") for r in ("input", "weight", "grad_output"))]
-                for name, roles in (self.fp8_choices or {}).items()]
-        return "fp8 auto: formats chosen by measurement\n" + format_table(
-            ["layer", "input", "weight", "grad_output"], rows)
-
     def _fp8_summary(self, label: str) -> dict[str, Any]:
         """The per-epoch (and final) FP8 report: printed, logged to metrics.jsonl, returned."""
-        c = self.counters
-        layers = self.last_fp8_stats or {}
-
-        def worst(key: str) -> list[tuple[str, str, float]]:
-            flat = [(name, role, st[key]) for name, roles in layers.items() for role, st in roles.items()]
-            return sorted(flat, key=lambda t: -t[2])[:5]
-
-        summary = {
-            "overflow_events": c["overflow_events"], "skipped_steps": c["skipped_steps"],
-            "clip_events": c["clip_events"], "min_clip_factor": c.get("min_clip_factor"),
-            "stats_samples": c.get("stats_samples", 0),
-            "top_underflow": [list(t) for t in worst("underflow_pct")],
-            "top_saturation": [list(t) for t in worst("saturation_pct")],
-            "choices": self.fp8_choices,
-            "auto_switches": list(self.auto_switches),
-            "layers": layers,
-        }
-        if self.dist.rank == 0:
-            clip = (f", smallest clip factor {c['min_clip_factor']:.3f}"
-                    if c.get("min_clip_factor") is not None else "")
-            lines = [f"fp8 summary ({label}): {c['overflow_events']} overflow events, "
-                     f"{c['skipped_steps']} skipped steps, {c['clip_events']} clipping events{clip}; "
-                     f"statistics from {c.get('stats_samples', 0)} sampled step(s)"]
-            if layers:
-                rows = []
-                for label, key in (("most underflow", "top_underflow"), ("most saturation", "top_saturation")):
-                    top = [(n, r, v) for n, r, v in summary[key] if v > 0]
-                    rows += [[label, f"{n} ({r})", f"{v:.3f} %"] for n, r, v in top]
-                    if not top:
-                        rows.append([label, "none: 0 % in every layer and role", ""])
-                lines.append(format_table(["", "layer (role)", "share of values"], rows))
-            if self.fp8_choices:
-                lines.append(self._choices_table())
-            if self.config.fp8_auto_recheck_every:
-                lines.append(f"fp8 auto re-check: {len(self.auto_switches)} switch(es)"
-                             + "".join(f"\n  step {sw['step']}: {_describe_switch(sw)}" for sw in self.auto_switches))
-            print0("\n".join(lines))
+        summary = self.fp8.summary()
+        print0(self.fp8.summary_text(summary, label))
         self._log({"event": "fp8_summary", "label": label, **summary})
         return summary
-
-    def _name_nonfinite(self, x: torch.Tensor, y: torch.Tensor, loss_finite: bool) -> str:
-        """Where the inf/nan appeared: the first module whose output is non-finite (re-running the
-        forward with hooks) when the loss itself is, else the layer whose gradient went first."""
-        from nanochat.fp8 import first_nonfinite_layer
-
-        if not loss_finite:
-            with self._eager():
-                where = first_nonfinite_layer(self.model, run=lambda: self.model(x, y))
-        else:
-            where = first_nonfinite_layer(self.model)
-        return where or "unknown (no module output or gradient is non-finite on a re-run)"
 
     # ------------------------------------------------------------------- step
     def _train_step(self, step: int) -> dict[str, Any]:
@@ -897,24 +777,16 @@ class NanoChatTrainer:
         lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # FP8 statistics are sampled on the eager model (hooks would force recompiles).
-        # --fp8_auto_recheck_every: once calibrated, a re-check step measures both formats
-        # (and records the statistics of the format in use, as a sampled step does).
-        recheck = bool(cfg.fp8_auto_recheck_every and (step + 1) % cfg.fp8_auto_recheck_every == 0
-                       and self._has_fp8_layers and self.calib is None and self.fp8_choices)
-        sample_stats = recheck or bool(self._has_fp8_layers and cfg.fp8_stats_every
-                                       and (step + 1) % cfg.fp8_stats_every == 0)
-        calibrating = self.calib is not None
-        eager = sample_stats or calibrating or self._eager_only
-        stats = collect_fp8_stats(self.model, both_formats=recheck) if sample_stats else None
-        model = self.dist_model if eager else self.train_model
+        # FP8 statistics and auto's calibration run on the eager model (hooks would force recompiles)
+        fp8_step = self.fp8.begin_step(step)
+        eager = fp8_step.eager or self._eager_only
+        module = self.dist_model if eager else self.compiled
         loss_sum = torch.zeros((), device=self.device)
-        with (stats if stats is not None else contextlib.nullcontext()), \
-                (self._eager() if eager else contextlib.nullcontext()):
+        with fp8_step, (self._eager() if eager else contextlib.nullcontext()):
             for micro in range(cfg.grad_accum_steps):
                 x, y = self.loader.next_batch(self.device)
-                with distributed.no_grad_sync(model, skip=micro < cfg.grad_accum_steps - 1):
-                    loss = self._forward(model, x, y, compiled=not eager)
+                with distributed.no_grad_sync(module, skip=micro < cfg.grad_accum_steps - 1):
+                    loss = self._forward(module, x, y, compiled=not eager)
                     (loss / cfg.grad_accum_steps).backward()
                 loss_sum += loss.detach()
         if not eager:
@@ -930,41 +802,38 @@ class NanoChatTrainer:
         loss_value, grad_norm = host_read(torch.stack([loss_mean.float(), total_norm.float()]))
 
         record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-        if calibrating:
-            record["calibrating"] = True
-        if stats is not None:
-            stats.all_reduce()  # every rank: the global batch's figures (and the same decisions)
-            self.last_fp8_stats = stats.as_dict()
-            self.counters["stats_samples"] += 1
-            record["fp8_stats"] = self.last_fp8_stats
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            self._skip_nonfinite_step(step, x, y, math.isfinite(loss_value), record)
-            return record
-        self.consecutive_bad = 0
+        record.update(fp8_step.record())  # every rank: the global batch's statistics
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+
+        def rerun() -> None:  # the forward again, eagerly, to find where a non-finite loss began
+            with self._eager():
+                self.model(x, y)
+
+        record.update(self.fp8.check_step(step, loss_value, grad_norm, max_norm=max_norm, rerun=rerun,
+                                          note=self._good_checkpoint_note))
+        if record.get("skipped"):  # non-finite: the gradients were dropped, the weights stay
+            return record
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
-        if grad_norm > max_norm:
-            factor = max_norm / grad_norm
-            self.counters["clip_events"] += 1
-            prev = self.counters["min_clip_factor"]
-            self.counters["min_clip_factor"] = factor if prev is None else min(prev, factor)
-            record["clip_factor"] = factor
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        distributed.after_optimizer_step(self.model)  # FSDP + FP8 all-gather: next scales
-        self._calibration_step()
-        if recheck:
-            self._recheck(stats, step + 1)
+        self._after_optimizer_step(step)
         return record
 
-    def _forward(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, compiled: bool) -> torch.Tensor:
+    def _after_optimizer_step(self, step: int) -> None:
+        """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""
+        if self.fp8.end_step(step) and self.config.compile:  # auto's formats are fixed: compile next step
+            self._compile_pending = True
+        for event in self.fp8.pop_events():
+            self._log(event)
+
+    def _forward(self, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, compiled: bool) -> torch.Tensor:
         """The training forward; the first compiled one falls back to eager if compiling fails."""
         if not (compiled and self._compile_pending):
             with self.autocast:
-                return model(x, y)
+                return module(x, y)
         try:
             with self.autocast:
-                return model(x, y)
+                return module(x, y)
         except Exception as e:  # noqa: BLE001 -- any compiler failure; training goes on eagerly
             if not _is_compile_failure(e):
                 raise
@@ -975,26 +844,6 @@ class NanoChatTrainer:
             with self.autocast, self._eager():
                 return self.dist_model(x, y)
 
-    def _skip_nonfinite_step(self, step: int, x: torch.Tensor, y: torch.Tensor, loss_finite: bool,
-                             record: dict[str, Any]) -> None:
-        """Skip the update: a non-finite loss or gradient would poison the weights."""
-        where = self._name_nonfinite(x, y, loss_finite)
-        self.counters["overflow_events"] += 1
-        self.counters["skipped_steps"] += 1
-        self.consecutive_bad += 1
-        self.bad_since = step + 1 if self.consecutive_bad == 1 else self.bad_since
-        record.update(skipped=True, nonfinite_at=where)
-        logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
-                       step + 1, "gradient" if loss_finite else "loss", where, self.consecutive_bad)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.consecutive_bad >= self.config.fp8_max_overflows:
-            raise NanoChatError(
-                f"{self.consecutive_bad} consecutive steps with non-finite loss or gradients, steps "
-                f"{self.bad_since}-{step + 1} (last first seen at {where}); stopping at step {step + 1}. "
-                f"{self._good_checkpoint_note()}: lower --lr, check the data, or try "
-                "--fp8_mode e5m2 / auto (more range for gradients)"
-            )
-
     # ------------------------------------------------------------------ train
     def train(self) -> TrainResult:
         try:
@@ -1003,15 +852,10 @@ class NanoChatTrainer:
             distributed.destroy_distributed()  # only a process group init_distributed created
 
     def _train(self) -> TrainResult:
+        """Setup, resume, the loop (step, evaluate, log, save), the result."""
         t_start = time.perf_counter()
         cfg = self.config
         self._setup()
-        self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
-                                         "stats_samples": 0, "min_clip_factor": None}
-        self.fp8_choices: dict[str, dict[str, str]] | None = None
-        self.auto_switches: list[dict[str, Any]] = []  # --fp8_auto_recheck_every
-        self.auto_pending: dict[str, int] = {}
-        self.last_fp8_stats: dict[str, Any] | None = None
         start_step = self._resume() if cfg.resume else 0
         if self.dist.rank == 0:
             if cfg.resume:
@@ -1019,21 +863,17 @@ class NanoChatTrainer:
             else:
                 self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
+        val_loss = val_bpb = float("nan")
         val_accuracy = None
         if start_step == 0 and self.num_choice_items:  # the starting point fine-tuning improves on
-            val_loss0, val_bpb0 = self.evaluate()
-            val_accuracy = self.evaluate_accuracy()
+            val_loss0, val_bpb0, val_accuracy = self._evaluate_all()
             self._log({"step": 0, "val_loss": val_loss0, "val_bpb": val_bpb0, "val_accuracy": val_accuracy})
             print0(f"step 0: val loss {val_loss0:.4f}, val accuracy {val_accuracy:.4f} "
                    f"({self.num_choice_items} questions)")
-        self._start_calibration()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
         recent_losses: list[float] = []
-        self.consecutive_bad, self.bad_since = 0, 0
         timed_tokens, timed_seconds = 0, 0.0
-        val_loss = val_bpb = float("nan")
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=start_step, disable=self.dist.rank != 0,
                    dynamic_ncols=True, desc="train")
@@ -1062,8 +902,7 @@ class NanoChatTrainer:
             if is_last:  # before the final evaluation: an error there must not lose the trained weights
                 self._save(done, record)
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
-                val_loss, val_bpb = self.evaluate()
-                val_accuracy = self.evaluate_accuracy()
+                val_loss, val_bpb, val_accuracy = self._evaluate_all()
                 record.update(val_loss=val_loss, val_bpb=val_bpb)
                 if val_accuracy is not None:
                     record["val_accuracy"] = val_accuracy
@@ -1076,41 +915,47 @@ class NanoChatTrainer:
             if cfg.save_every and done % cfg.save_every == 0 and not is_last:
                 self._save(done)
         bar.close()
-        if self.calib is not None:  # the run ended before calibration did: keep the hybrid
-            self.calib.close()
-            self.fallbacks.append(
-                f"fp8 auto: the run ended after fewer than --fp8_auto_steps {cfg.fp8_auto_steps} "
-                "steps; formats stayed at the hybrid default (e4m3 forward, e5m2 gradients)")
+        self.fp8.finish()  # a calibration the run did not complete keeps the hybrid (recorded)
 
         if not math.isfinite(val_bpb):  # resumed at the end, or the last step was skipped
-            val_loss, val_bpb = self.evaluate()
-            val_accuracy = self.evaluate_accuracy()
-        fp8_stats = self._fp8_summary("end of training") if cfg.fp8 else dict(self.counters)
-        samples = self.sample(cfg.num_samples) if cfg.num_samples else []
-        result = TrainResult(
+            val_loss, val_bpb, val_accuracy = self._evaluate_all()
+        result = self._result(
             train_loss=sum(recent_losses) / len(recent_losses) if recent_losses else float("nan"),
-            val_loss=val_loss,
-            val_bpb=val_bpb,
+            val_loss=val_loss, val_bpb=val_bpb, val_accuracy=val_accuracy,
             tokens_per_sec=timed_tokens / timed_seconds if timed_seconds else float("nan"),
-            steps=self.total_steps,
-            epochs=self.loader.epoch,
-            wall_time_s=time.perf_counter() - t_start,
-            compile_time_s=self.compile_time_s,
-            fallbacks=list(self.fallbacks) + list(getattr(self.optimizer, "fallbacks", [])),
-            optimizer_state_bytes=self.optimizer_state_bytes,
-            num_params=self.model.num_params(),
-            fp8_backend=self.fp8_report.backend if self.fp8_report is not None else "off",
-            fp8_converted=list(self.fp8_report.converted) if self.fp8_report is not None else [],
-            fp8_skipped=dict(self.fp8_report.skipped) if self.fp8_report is not None else {},
-            fp8_choices=self.fp8_choices,
-            fp8_stats=fp8_stats,
-            samples=samples,
-            run_dir=str(self.run_dir),
-            parallel=self.parallel,
-            val_accuracy=val_accuracy,
-            planned_memory_bytes=self.memory_plan.total,
-            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
-        )
+            wall_time_s=time.perf_counter() - t_start)
         if self.dist.rank == 0:
             (self.run_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
         return result
+
+    def _evaluate_all(self) -> tuple[float, float, float | None]:
+        """Validation loss, bits per byte and multiple-choice accuracy (None without choices)."""
+        val_loss, val_bpb = self.evaluate()
+        return val_loss, val_bpb, self.evaluate_accuracy()
+
+    def _result(self, **measured: Any) -> TrainResult:
+        """The run's TrainResult: `measured` (losses, throughput, time) and what the run recorded.
+        Prints and logs the final FP8 summary and generates the samples first."""
+        cfg = self.config
+        fp8_stats = self._fp8_summary("end of training") if cfg.fp8 else dict(self.fp8.counters)
+        report = self.fp8.report
+        return TrainResult(
+            **measured,
+            steps=self.total_steps,
+            epochs=self.loader.epoch,
+            compile_time_s=self.compile_time_s,
+            fallbacks=(self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks]
+                       + list(getattr(self.optimizer, "fallbacks", []))),
+            optimizer_state_bytes=self.optimizer_state_bytes,
+            num_params=self.model.num_params(),
+            fp8_backend=report.backend if report is not None else "off",
+            fp8_converted=list(report.converted) if report is not None else [],
+            fp8_skipped=dict(report.skipped) if report is not None else {},
+            fp8_choices=self.fp8.choices,
+            fp8_stats=fp8_stats,
+            samples=self.sample(cfg.num_samples) if cfg.num_samples else [],
+            run_dir=str(self.run_dir),
+            parallel=self.parallel,
+            planned_memory_bytes=self.memory_plan.total,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+        )

@@ -1,71 +1,49 @@
 """Everything FP8, for any nn.Module in anyone's training loop.
 
-    from nanochat.fp8 import FP8Config, convert, fp8_disabled
-    report = convert(model, FP8Config(mode="e4m3", recipe="tensorwise"))  # before torch.compile
-    print(report.table()); print(report.summary())
-    ...train as usual...
-    with fp8_disabled(model):          # evaluation / generation in high precision
+    from nanochat.fp8 import FP8Config, FP8Training
+    fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # before torch.compile
+    optimizer = fp8.optimizer                      # FP8Optim: Adam moments in FP8
+    ...each step: fp8.begin_step / fp8.check_step / fp8.end_step (examples/custom_loop.py)...
+    with fp8.high_precision():                     # evaluation / generation in high precision
         ...
 
-Files: hardware.py (native / emulated / fallback and why), linear.py (torchao conversion, the
-layer filter, the report, restore and the high-precision switch), auto.py (`--fp8_mode auto`:
-formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
+FP8Training holds the order a loop must follow; the pieces are usable alone: config.py
+(FP8Config), hardware.py (native / emulated / fallback and why), linear.py (torchao
+conversion, the layer filter, the report, restore and the high-precision switch), auto.py (mode
+auto: formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
 saturation, SQNR per layer and role; the first non-finite layer), tensor.py (FP8Tensor),
 optim.py (FP8Optim: Adam moments in FP8).
 
-This package imports torch, torchao and nanochat.common only: never the trainer or the model.
+Names are imported on first use, so `from nanochat.fp8.config import FP8Config` (the CLI's
+flags) loads neither torch nor torchao. This package imports torch, torchao and
+nanochat.common only: never the trainer or the model.
 """
 
-import logging as _logging
+import importlib
+
+_EXPORTS = {
+    "FP8Config": "config",
+    "FP8Training": "training",
+    "FP8Backend": "hardware", "detect": "hardware", "native_gemm_problem": "hardware",
+    "ConversionReport": "linear", "FP8Linear": "linear", "LayerReport": "linear", "apply_fp8": "linear",
+    "convert": "linear", "fp8_disabled": "linear", "fp8_layers": "linear", "fp8_report": "linear",
+    "is_fp8_model": "linear", "restore_fp8": "linear",
+    "AutoCalibration": "auto", "apply_fp8_choices": "auto", "fp8_choices": "auto",
+    "recheck_choices": "auto", "start_auto_calibration": "auto",
+    "CastStats": "stats", "FP8StatsSampler": "stats", "collect_fp8_stats": "stats",
+    "first_nonfinite_layer": "stats", "tensor_stats": "stats",
+    "FP8Optim": "optim", "FP8Tensor": "tensor",
+}
+__all__ = list(_EXPORTS)
 
 
-def _import_torchao_quietly() -> None:
-    """Import torchao with its import-time log lines muted.
-
-    torchao 0.18 logs, on every import, that its prebuilt CUDA extensions for MX formats and
-    Hopper CUTLASS kernels (`_C_mxfp8`, `_C_cutlass_90a`) do not load for this torch build and that
-    Triton is absent on CPU, and torch's pytree logs a deprecation for two torchao Enums. None of
-    those extensions is used by `torchao.float8` or by us, so the lines are noise for our users;
-    real problems (torchao failing to import at all) still raise.
-    """
-    names = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")
-    loggers = [_logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(_logging.ERROR)
-    try:
-        import torchao.float8  # noqa: F401
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nanochat.fp8' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nanochat.fp8.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
 
 
-_import_torchao_quietly()
-
-from .auto import AutoCalibration, apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration  # noqa: E402
-from .hardware import FP8Backend, detect, native_gemm_problem  # noqa: E402
-from .linear import (  # noqa: E402
-    ConversionReport,
-    FP8Config,
-    FP8Linear,
-    LayerReport,
-    apply_fp8,
-    convert,
-    fp8_disabled,
-    fp8_layers,
-    fp8_report,
-    is_fp8_model,
-    restore_fp8,
-)
-from .optim import FP8Optim  # noqa: E402
-from .stats import CastStats, FP8StatsSampler, collect_fp8_stats, first_nonfinite_layer, tensor_stats
-from .tensor import FP8Tensor
-
-__all__ = [
-    "FP8Backend", "detect", "native_gemm_problem",
-    "ConversionReport", "FP8Config", "FP8Linear", "LayerReport", "apply_fp8", "convert",
-    "fp8_disabled", "fp8_layers", "fp8_report", "is_fp8_model", "restore_fp8",
-    "AutoCalibration", "apply_fp8_choices", "fp8_choices", "recheck_choices", "start_auto_calibration",
-    "CastStats", "FP8StatsSampler", "collect_fp8_stats", "first_nonfinite_layer", "tensor_stats",
-    "FP8Optim", "FP8Tensor",
-]
+def __dir__() -> list[str]:
+    return sorted(__all__)

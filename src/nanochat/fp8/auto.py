@@ -1,64 +1,28 @@
-"""`--fp8_mode auto`: the FP8 format of each layer's input, weight and grad_output, by measurement.
+"""FP8 mode auto: the FP8 format of each layer's input, weight and grad_output, by measurement.
 
-During the first K forward+backward passes the layers train with the standard hybrid (e4m3
-forward operands, e5m2 gradients) while hooks simulate, on the real tensors and with each
-layer's own recipe scaling (stats.py: one amax scale, or per row / column, power-of-two scales
-for rowwise), what *both* formats would do to every FP8 cast, summing signal, error energy and
-underflow over the K passes. Then, per layer and role:
+During the first K steps the layers train with the hybrid (e4m3 forward operands, e5m2
+gradients) while hooks simulate, on the real tensors with each layer's own scaling, what both
+formats would do to every cast. Then, per layer and role:
+  1. a format that flushes > 1 percentage point more of the non-zero values to zero than the
+     other is out (SQNR alone cannot see underflow: it weighs errors by energy);
+  2. of the rest the higher SQNR wins; within 0.1 dB the hybrid default stands;
+  3. the choice is made runnable on CUDA FP8 kernels (no GEMM with two e5m2 operands), also in
+     emulation, so a choice calibrated on a CPU applies on a GPU unchanged.
+The choices are a plain dict `{layer: {role: "e4m3"|"e5m2"}}`, kept in checkpoints and applied
+on resume by `apply_fp8_choices` without recalibrating. Calibrate eagerly (the hooks change the
+graph), then compile: `FP8Training` does this in the right order.
 
-  1. formats that flush > 1 percentage point more of the non-zero values to zero than the
-     other are out. SQNR alone cannot see underflow: it weighs errors by energy and the flushed
-     values are the small ones. Measured on 256x256 tensors: values log-uniform over 1e-6..1e3
-     with one tensorwise scale lose 37% of their entries to zero in e4m3 and none in e5m2, yet
-     e4m3 scores 31.8 dB against e5m2's 25.7 (tests/test_fp8_auto.py). Under amax scaling e4m3's
-     extra mantissa bit wins SQNR by ~6 dB on any realistic tensor (to lose, more than half the
-     energy would have to sit in e4m3's subnormal range, ~15 binades under the max), so without
-     this rule auto would always say e4m3 and never protect a gradient whose small entries carry
-     the learning signal (Adam normalizes per element: a weight whose gradients all flush stops
-     learning). The 1-point margin is a policy, not a measurement;
-  2. of the remaining, the higher SQNR wins; within 0.1 dB it is a tie and the hybrid default
-     stands (e4m3 for input and weight, e5m2 for grad_output);
-  3. the choice is made runnable on CUDA FP8 kernels (hardware.native_gemm_problem: no GEMM with
-     two e5m2 operands, e4m3 weight for rowwise): an offending e5m2 role goes back to e4m3, the
-     one whose underflow grows least first (then the one losing fewest dB). This holds in
-     emulation too, so a choice calibrated on a CPU can be applied on a GPU unchanged.
-
-Then each layer's `Float8Linear.config` (per module in torchao) is rebuilt with its per-role
-dtypes and training goes on. The choices are a plain dict `{layer: {role: "e4m3"|"e5m2"}}`:
-the trainer stores it in checkpoints and `apply_fp8_choices` re-applies it on resume without
-calibrating again.
-
-In any loop:
-
-    calib = start_auto_calibration(model, steps=4)   # after convert(), before torch.compile
-    for step in ...:
-        loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
-        if calib is not None and calib.step():        # True once `steps` steps were measured
-            choices, calib = calib.choices, None       # formats fixed and applied
-    compiled = torch.compile(model)                   # compile after calibration
-
-Calibrate eagerly: the hooks live in Python and change the graph, so compile after `finalize`
-(the trainer does: calibration steps run on the uncompiled model, then it compiles).
-
-Under DDP/FSDP each rank sees its own share of the batch; `finalize` all-reduces the counts
-(stats.all_reduce_counts) first, so every rank measures the global batch and decides the same.
-
-Re-check (`--fp8_auto_recheck_every N`, off by default). The first K steps are not the whole
-run: in d4 runs calibrated at steps 1-4 (all e4m3), the e4m3 grad_output of two attention
-projections flushed 5-25% of its values at step 50 (BENCHMARKS.md section 4).
-`recheck_choices` applies the same rules to a later step measured in both formats and switches
-a role once the rule has disagreed with its format at RECHECK_CONFIRM consecutive re-checks;
-the format in use keeps the full underflow margin, the other must be within half of it
-(RECHECK_HYSTERESIS). A run without re-check keeps its calibrated formats for good (the issue's
-contract: fixed after K steps, never recalibrated on resume); with it, the switches and the
-pending counts are checkpointed too. Measured effect on the final loss of 5 d4 runs: none
-(+0.03% +- 0.03% against auto without it).
+`recheck_choices` (`auto_recheck_every`) applies the same rules to later steps and switches a
+role after RECHECK_CONFIRM consecutive disagreements, with hysteresis. Under DDP/FSDP the
+counts are all-reduced first, so every rank decides alike. The measurements behind each rule:
+docs/fp8.md.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
@@ -280,7 +244,7 @@ def apply_fp8_choices(model: nn.Module, choices: dict[str, dict[str, str]]) -> N
     if unknown:
         raise ValueError(f"FP8 choices name layers that are not FP8 layers of this model: {unknown[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''}. Convert the model with the same "
-                         "--fp8_skip / --fp8_min_dim as the run that saved them.")
+                         "`skip_fqns` / `min_dim` as the run that saved them.")
     report = fp8_report(model)
     for name, choice in choices.items():
         if set(choice) != set(ROLES) or not set(choice.values()) <= set(FP8_DTYPES):

@@ -26,7 +26,7 @@ be re-checked when torch moves (this file is written against torch 2.11-2.13):
   (`torchao.float8.config.Float8TypeConfig`), and nanochat's modes, statistics and tests are written
   for the OCP formats. Until that is tested, ROCm falls back (and `--fp8_emulate` works there).
 * **CPU and MPS** have no FP8 matmul hardware: `_scaled_mm` on CPU is a reference loop (~0.12
-  GFLOP/s, /work/shared/NOTES.md), MPS has none. They fall back, unless `--fp8_emulate`.
+  GFLOP/s measured on a 2-core x86 CPU), MPS has none. They fall back, unless `--fp8_emulate`.
 
 `emulate=True` is always honoured: torchao then dequantizes the FP8 operands and runs an ordinary
 high-precision matmul, which reproduces FP8 rounding exactly (the accumulation is fp32 instead of

@@ -1,65 +1,22 @@
 """FP8 matmuls for nn.Linear through torchao: mode + recipe -> Float8LinearConfig, filter, report.
 
-A Linear does three GEMMs per training step, and torchao casts each operand to FP8 with a
-dynamic scale (amax -> the format's max) just before it:
+A Linear does three GEMMs per step (output, grad_input, grad_weight); torchao casts each
+operand to FP8 with a dynamic scale just before it. `FP8Config.mode` picks the format of every
+cast: e4m3 (3 mantissa bits, max 448: precision), e5m2 (2 mantissa bits, max 57344: range; no
+e5m2 x e5m2 GEMM on CUDA, so emulated only), or auto (per layer and role, measured: auto.py;
+until calibrated the hybrid: e4m3 forward operands, e5m2 gradients). `FP8Config.recipe` is
+torchao's scaling recipe (tensorwise, rowwise, rowwise_with_gw_hp).
 
-    output      = input       @ weight.T     (forward)
-    grad_input  = grad_output @ weight       (backward)
-    grad_weight = grad_output.T @ input      (backward)
+Which layers convert (the first rule that applies is the reason in the report): a name matching
+a skip pattern (default lm_head: the most precision-sensitive matmul); a dimension not a
+multiple of 16 (`torch._scaled_mm` requires it); min(in, out) < min_dim (the casts cost more
+than the FP8 GEMM saves). Only plain `nn.Linear` converts.
 
-The two OCP FP8 formats trade precision for range:
-
-    e4m3 (float8_e4m3fn): 3 mantissa bits, max +-448,   smallest subnormal 2^-9  (more precision)
-    e5m2 (float8_e5m2):   2 mantissa bits, max +-57344, smallest subnormal 2^-16 (more range)
-
-`--fp8_mode` picks the format of every cast (torchao's `CastConfig.target_dtype`, set here on
-the six casts of the recipe: input, weight, grad_output and their backward-time twins):
-
-    e4m3  every operand e4m3 (what torchao's rowwise recipes do);
-    e5m2  every operand e5m2 -- a numerics study: on CUDA no GEMM may take two e5m2 operands
-          (see hardware.py), so it runs with --fp8_emulate only and `convert` says so;
-    auto  per layer and tensor role, measured (fp8/auto.py); until calibrated, the standard
-          hybrid of the FP8 papers and torchao's tensorwise default: e4m3 forward operands
-          (input, weight), e5m2 gradients (grad_output).
-
-`--fp8_recipe` is torchao's scaling recipe (`Float8LinearConfig.from_recipe_name`): tensorwise,
-rowwise, or rowwise_with_gw_hp, whose grad_weight GEMM stays in high precision; those
-high-precision casts (ScalingType.DISABLED) are kept as they are.
-
-Which layers convert (first rule that applies gives the reason in the report):
-  1. the full module name matches an `--fp8_skip` pattern (fnmatch; default "lm_head": the
-     logits feed a softmax over the vocabulary and are the most precision-sensitive matmul);
-  2. in_features or out_features is not a multiple of 16: `torch._scaled_mm` requires it
-     (torch/_meta_registrations.py: "Expected both dimensions of mat2 to be divisible by 16");
-  3. min(in_features, out_features) < `--fp8_min_dim` (default 128): the casts (a read and a
-     write of each operand per GEMM) cost more than the FP8 GEMM saves on a skinny matmul.
-     torchao's `_auto_filter_for_recipe` encodes the same idea with H100-tuned thresholds
-     (tensorwise skips K <= 4096 and N <= 1024; rowwise skips N <= 2048, K <= 1024, ...), which
-     would convert nothing in a d4-d20 model; nanochat keeps torchao's rules 1-2 and replaces
-     the size heuristic by one visible knob (128 is a judgment until a GPU measurement of the
-     crossover lands in BENCHMARKS.md).
-Only plain `nn.Linear` converts: subclasses (e.g. nn.MultiheadAttention's out_proj, whose
-weight is used without calling its forward) are reported as skipped.
-
-Modules are swapped for `FP8Linear`, torchao's `Float8Linear` plus two switches: `fp8_enabled`
-(flipped by `fp8_disabled` to run F.linear in high precision: evaluation, generation) and an
-autocast check. Swapping keeps the *same* Parameter objects, so optimizer state, tied weights
-and `state_dict` keys are untouched, and `restore_fp8` hands them back to plain nn.Linear.
-
-Autocast policy (decided for nanochat: fp32 master weights, bf16 autocast on CUDA only): FP8
-layers raise a RuntimeError when they run under CPU (or MPS) autocast or under CUDA autocast
-with a dtype other than bfloat16. torchao's Float8Linear only knows CUDA autocast (it casts its
-input to `torch.get_autocast_dtype("cuda")`), so under CPU autocast it quantizes the fp32 input
-and autocast then rounds the result to bf16 (measured: 55.7 dB from the FP8 output, i.e. FP8
-numerics plus a bf16 rounding nobody asked for), and under fp16 autocast FP8 GEMM outputs
-beyond 65504 overflow. An error names the fix (--dtype float32 on CPU, bf16 autocast on CUDA,
-or `fp8_disabled` around the block); a one-time warning would let a run with the wrong
-numerics go on. The check is a few C calls per FP8 layer call, and dynamo traces it without a
-graph break (torch._dynamo.explain on a converted MLP: 1 graph, 0 breaks).
-
-Order with other tools: convert after the model is on its device (or pass `device=`) and before
-`torch.compile`; the optimizer may be built before or after (the parameters are the same
-objects). Converting twice is a no-op: the second report lists the layers as already FP8.
+Modules are swapped for `FP8Linear` (torchao's `Float8Linear` plus an `fp8_enabled` switch for
+`fp8_disabled`, and an autocast check: FP8 layers run without autocast or under CUDA bf16
+autocast only, and say so otherwise). Swapping keeps the same Parameter objects, so optimizer
+state, tied weights and state_dict keys are untouched. Convert before torch.compile; converting
+twice is a no-op. The reasons and measurements behind each rule: docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -73,20 +30,15 @@ from typing import Iterator, Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import Float8LinearConfig, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
 from nanochat.common import format_table, warn_once
+from nanochat.fp8.config import HYBRID, ROLES, FP8Config
 from nanochat.fp8.hardware import detect, native_gemm_problem
-
-ROLES = ("input", "weight", "grad_output")
-"""The three tensors a Linear casts to FP8; each role has one dtype in both GEMMs it feeds."""
-
-FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-DTYPE_NAMES = {v: k for k, v in FP8_DTYPES.items()}
-
-HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
-"""`auto` before calibration: e4m3 forward operands, e5m2 gradients (torchao's tensorwise default)."""
+from nanochat.fp8.tensor import DTYPE_NAMES, FP8_DTYPES
 
 # Float8LinearConfig's six cast fields, by the role whose tensor each one casts.
 CAST_FIELDS = {
@@ -94,68 +46,6 @@ CAST_FIELDS = {
     "weight": ("cast_config_weight", "cast_config_weight_for_grad_input"),
     "grad_output": ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
 }
-
-MODES = ("e4m3", "e5m2", "auto")
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-@dataclass(frozen=True, kw_only=True)
-class FP8Config:
-    """Everything that decides how a model is converted; `FP8Config.from_flags(train_config)`."""
-
-    mode: Literal["e4m3", "e5m2", "auto"] = "e4m3"
-    """FP8 format of every cast (e4m3, e5m2), or measured per layer and role (auto)."""
-
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
-    """torchao scaling recipe (Float8LinearConfig.from_recipe_name)."""
-
-    emulate: bool = False
-    """Simulate FP8 GEMMs in high precision on any device (torchao `emulate=True`)."""
-
-    opt_level: Literal[0, 1, 2] = 0
-    """Adam moments in FP8 (FP8Optim's business; carried here so one object describes FP8)."""
-
-    skip_fqns: tuple[str, ...] = ("lm_head",)
-    """fnmatch patterns against the full module name; matching Linears stay in high precision."""
-
-    min_dim: int = 128
-    """Linears with min(in_features, out_features) below this stay in high precision."""
-
-    auto_steps: int = 4
-    """mode=auto: training steps (calib.step() calls, each with all its passes) measured first."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"FP8 mode must be one of {', '.join(MODES)}, got {self.mode!r} "
-                             "(--fp8_mode e4m3 is the default)")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"FP8 recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r} "
-                             "(--fp8_recipe tensorwise is the default)")
-        if self.opt_level not in (0, 1, 2):
-            raise ValueError(f"FP8 opt_level must be 0, 1 or 2, got {self.opt_level!r}")
-        if isinstance(self.skip_fqns, str):
-            raise ValueError(f"skip_fqns must be a sequence of patterns, got the string {self.skip_fqns!r}; "
-                             f"write skip_fqns=({self.skip_fqns!r},)")
-        object.__setattr__(self, "skip_fqns", tuple(self.skip_fqns))
-        if self.min_dim < 16:
-            raise ValueError(f"FP8 min_dim must be >= 16 (FP8 GEMM dimensions are multiples of 16), "
-                             f"got {self.min_dim}")
-        if self.auto_steps < 1:
-            raise ValueError(f"FP8 auto_steps must be >= 1, got {self.auto_steps}")
-
-    @classmethod
-    def from_flags(cls, flags: object) -> "FP8Config":
-        """Read `fp8_mode`, `fp8_recipe`, ... from any object with those attributes (TrainConfig)."""
-        names = {"mode": "fp8_mode", "recipe": "fp8_recipe", "emulate": "fp8_emulate",
-                 "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
-                 "auto_steps": "fp8_auto_steps"}
-        return cls(**{k: getattr(flags, v) for k, v in names.items() if hasattr(flags, v)})
-
-    def role_dtypes(self) -> dict[str, str]:
-        """The format of each role at conversion time (auto: the hybrid until calibrated)."""
-        if self.mode == "auto":
-            return dict(HYBRID)
-        return {role: self.mode for role in ROLES}
 
 
 def float8_linear_config(recipe: str, dtypes: dict[str, str], *, emulate: bool) -> Float8LinearConfig:

@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 

@@ -45,7 +45,9 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 aten = torch.ops.aten
 
 DEFAULT_BLOCK_SIZE = 256
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+"""The two OCP FP8 formats, by the names the API and the CLI use (`mode="e4m3"`)."""
+DTYPE_NAMES = {v: k for k, v in FP8_DTYPES.items()}
 
 # Bit layout of the two formats: (mantissa bits, exponent bias, largest finite code magnitude).
 # e4m3fn: s eeee mmm, bias 7, max 0x7E = 448 (0x7F is NaN, there is no inf).
@@ -129,7 +131,7 @@ class FP8Tensor(torch.Tensor):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, block_size: int,
                  dtype: torch.dtype = torch.float32):
-        if codes.dtype not in FP8_DTYPES:
+        if codes.dtype not in FP8_DTYPES.values():
             raise TypeError(f"codes must be float8_e4m3fn or float8_e5m2, got {codes.dtype}")
         _check_blocks(codes.numel(), block_size)
         if scale.dtype != torch.float32 or scale.shape != (codes.numel() // block_size,):
@@ -148,8 +150,8 @@ class FP8Tensor(torch.Tensor):
     def from_float(cls, x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn,
                    block_size: int = DEFAULT_BLOCK_SIZE) -> "FP8Tensor":
         """Quantize a float tensor blockwise (absmax scaling, round to nearest even)."""
-        if dtype not in FP8_DTYPES:
-            raise ValueError(f"dtype must be one of {FP8_DTYPES}, got {dtype}")
+        if dtype not in FP8_DTYPES.values():
+            raise ValueError(f"dtype must be one of {tuple(FP8_DTYPES.values())}, got {dtype}")
         _check_blocks(x.numel(), block_size)
         blocks = x.detach().to(torch.float32).reshape(-1, block_size)  # [n, B]
         scale = block_scale(blocks, dtype)  # [n]

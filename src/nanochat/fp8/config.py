@@ -1,0 +1,114 @@
+"""FP8Config: everything that decides how a model trains in FP8, in one frozen dataclass.
+
+The command line's FP8 flags (`--fp8`, `--fp8_mode`, ...) are generated from these fields by
+nanochat.config, so each field is defined, documented and validated here once. This file
+imports nothing heavy: parsing flags (and `--help`) does not load torch or torchao.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+ROLES = ("input", "weight", "grad_output")
+"""The three tensors a Linear casts to FP8; each role has one dtype in both GEMMs it feeds."""
+
+HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
+"""`auto` before calibration: e4m3 forward operands, e5m2 gradients (torchao's tensorwise default)."""
+
+FP8Mode = Literal["e4m3", "e5m2", "auto"]
+FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+MODES, RECIPES = get_args(FP8Mode), get_args(FP8Recipe)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP8Config:
+    """How a model is converted to FP8 and watched while it trains (`nanochat.fp8.FP8Training`)."""
+
+    enabled: bool = True
+    """Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
+    FP8 kernels; elsewhere it warns once and trains in high precision unless `emulate`)."""
+
+    mode: FP8Mode = "e4m3"
+    """FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
+    e5m2: 2 mantissa bits, range +-57344 (more range); auto: chosen per layer and tensor role by
+    measured quantization error during the first `auto_steps` steps."""
+
+    recipe: FP8Recipe = "tensorwise"
+    """torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
+    weight-gradient GEMM kept in high precision."""
+
+    emulate: bool = False
+    """Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
+    numerics studies). Implies the FP8 path even without FP8 hardware."""
+
+    opt_level: Literal[0, 1, 2] = 0
+    """Adam moments in FP8: 0 keeps both in fp32; 1 stores the first moment (momentum) in FP8;
+    2 stores both moments in FP8. Works on any device (it is only storage); needs `enabled`."""
+
+    skip_fqns: tuple[str, ...] = ("lm_head",)
+    """Module-name patterns (fnmatch, matched against the full name) never converted to FP8.
+    The output head is skipped by default: its logits feed a softmax over the whole vocabulary
+    and are the most precision-sensitive matmul of the model."""
+
+    min_dim: int = 128
+    """Linear layers with min(in_features, out_features) below this stay in high precision:
+    the casts cost more than the FP8 GEMM saves (nanochat's rule; see BENCHMARKS.md)."""
+
+    auto_steps: int = 4
+    """`mode` auto: number of forward+backward passes measured before formats are fixed."""
+
+    auto_recheck_every: int = 0
+    """`mode` auto: every N steps after calibration, measure both formats again and switch a
+    layer's role to the other format once the calibration rule has picked it at 2 re-checks in a
+    row (e.g. a gradient whose small values started to flush to zero after the first steps).
+    Switches are logged, listed in the summary and kept in checkpoints; a re-check step also
+    records the FP8 statistics. 0 (default): formats stay as calibrated."""
+
+    stats_every: int = 200
+    """Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
+    them off. A sampled step runs the uncompiled model with hooks and costs ~2.8 more steps
+    (measured on CPU; BENCHMARKS.md), so 200 keeps statistics under 2% of the run's time."""
+
+    max_overflows: int = 10
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
+    such step is skipped); the last good checkpoint stays intact."""
+
+    def __post_init__(self) -> None:
+        # Messages name fields as `field`: the CLI shows them as its flags (nanochat.config).
+        if self.mode not in MODES:
+            raise ValueError(f"`mode` must be one of {', '.join(MODES)}, got {self.mode!r} (e4m3 is the default)")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"`recipe` must be one of {', '.join(RECIPES)}, got {self.recipe!r} "
+                             "(tensorwise is the default)")
+        if self.opt_level not in (0, 1, 2) or isinstance(self.opt_level, bool):
+            raise ValueError(f"`opt_level` must be one of 0, 1, 2, got {self.opt_level!r}")
+        if self.opt_level and not self.enabled:
+            raise ValueError(
+                f"`opt_level` {self.opt_level} needs `enabled`: FP8 optimizer states are part of FP8 "
+                "training. Turn on `enabled` (on hardware without FP8 matmuls it still stores the moments "
+                "in FP8), or use `opt_level` 0.")
+        if isinstance(self.skip_fqns, str):
+            raise ValueError(f"skip_fqns must be a sequence of patterns, got the string {self.skip_fqns!r}; "
+                             f"write skip_fqns=({self.skip_fqns!r},)")
+        object.__setattr__(self, "skip_fqns", tuple(self.skip_fqns))
+        if self.min_dim < 16:
+            raise ValueError(f"`min_dim` must be >= 16 (FP8 GEMM dimensions are multiples of 16), got {self.min_dim}")
+        if self.auto_recheck_every and self.mode != "auto":
+            raise ValueError("`auto_recheck_every` re-checks the formats of `mode` auto; use `mode` auto "
+                             f"or drop it (mode is {self.mode})")
+        for name, least in (("auto_steps", 1), ("auto_recheck_every", 0), ("stats_every", 0), ("max_overflows", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"`{name}` must be >= {least}{' (0: off)' if least == 0 else ''}, "
+                                 f"got {getattr(self, name)}")
+
+    @classmethod
+    def from_flags(cls, flags: object) -> "FP8Config":
+        """The FP8Config of a command-line config (TrainConfig): `flags.fp8_config()`."""
+        return flags.fp8_config()
+
+    def role_dtypes(self) -> dict[str, str]:
+        """The format of each role at conversion time (auto: the hybrid until calibrated)."""
+        if self.mode == "auto":
+            return dict(HYBRID)
+        return {role: self.mode for role in ROLES}

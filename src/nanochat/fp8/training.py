@@ -1,0 +1,304 @@
+"""FP8Training: FP8 as one component of a training loop, called at fixed points.
+
+A loop that trains in FP8 must do things in an order: convert before torch.compile, calibrate
+`mode="auto"` eagerly and compile only once the formats are fixed, sample statistics on some
+steps (eagerly: their hooks would make a compiled model recompile), re-check auto's choices,
+skip a step whose loss or gradients are not finite and name the layer where that began, count
+skips and clips, and keep the auto choices in checkpoints. This object holds that order:
+
+    fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # converts now
+    optimizer = fp8.optimizer                     # FP8Optim around yours (opt_level: FP8 moments)
+    for step in range(steps):
+        with fp8.begin_step(step) as s:           # s.eager: run the uncompiled model this step
+            loss = (model if s.eager or compiled is None else compiled)(x, y); loss.backward()
+        record = s.record()                       # its statistics, merged over ranks
+        norm = torch.nn.utils.get_total_norm(grads)
+        record |= fp8.check_step(step, loss.item(), norm.item(), max_norm=1.0)
+        if record.get("skipped"): continue        # non-finite: gradients already zeroed
+        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm); optimizer.step(); optimizer.zero_grad()
+        fp8.end_step(step)                        # True when auto's formats were just fixed
+        if compiled is None and not fp8.calibrating: compiled = torch.compile(model)
+    summary = fp8.summary()
+
+`examples/custom_loop.py` runs it on a transformers model. With `FP8Config(enabled=False)` it
+converts nothing and still guards against non-finite steps and counts clips, so a loop can
+keep one code path. It never reads the device except where its docstrings say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
+from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+from nanochat.common import NanoChatError, format_table, logger, print0
+from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration
+from nanochat.fp8.config import FP8Config
+from nanochat.fp8.linear import convert, fp8_disabled, is_fp8_model
+from nanochat.fp8.optim import FP8Optim
+from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats, first_nonfinite_layer
+from nanochat.fp8.tensor import FP8Tensor
+
+
+class FP8Step:
+    """One training step as FP8Training sees it: a context manager around its forward and
+    backward passes (installs the statistics hooks on a sampled step)."""
+
+    def __init__(self, *, calibrating: bool, recheck: bool, sampler: FP8StatsSampler | None, owner: FP8Training):
+        self.calibrating, self.recheck, self.sampler, self._owner = calibrating, recheck, sampler, owner
+
+    @property
+    def eager(self) -> bool:
+        """Run the uncompiled model: auto is calibrating, or this step samples statistics."""
+        return self.calibrating or self.sampler is not None
+
+    def __enter__(self) -> "FP8Step":
+        if self.sampler is not None:
+            self.sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.sampler is not None:
+            self.sampler.__exit__(*exc)
+
+    def record(self) -> dict[str, Any]:
+        """What to add to the step's metrics: `calibrating`, or the sampled `fp8_stats` (all-reduced
+        over ranks: every rank must call it; one device read for all layers)."""
+        if self.sampler is None:
+            return {"calibrating": True} if self.calibrating else {}
+        self.sampler.all_reduce()
+        owner = self._owner
+        owner.last_stats = self.sampler.as_dict()
+        owner.counters["stats_samples"] += 1
+        return {**({"calibrating": True} if self.calibrating else {}), "fp8_stats": owner.last_stats}
+
+
+class FP8Training:
+    """Converts `model` now; then called at fixed points of each step (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, config: FP8Config | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        self.model = model
+        self.config = config = config if config is not None else FP8Config()
+        self.report = convert(model, config) if config.enabled else None
+        self.fallbacks: list[str] = [self.report.fallback] if self.report and self.report.fallback else []
+        """Every fallback taken, with its reason (no FP8 hardware, fp32 moments, short calibration).
+        Fields are named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
+        self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
+                                         "stats_samples": 0, "min_clip_factor": None}
+        self.choices: dict[str, dict[str, str]] | None = None
+        """mode auto: layer -> role -> 'e4m3' | 'e5m2', once calibrated (or restored)."""
+        self.switches: list[dict[str, Any]] = []
+        self.pending: dict[str, int] = {}
+        self.last_stats: dict[str, Any] | None = None
+        self.events: list[dict[str, Any]] = []
+        """Metrics records (auto's choices, re-check switches) for the caller's log; `pop_events`."""
+        self._calibration = None
+        self._started = False
+        self._consecutive_bad, self._bad_since = 0, 0
+        self._step: FP8Step | None = None
+        self.optimizer = self.wrap_optimizer(optimizer) if optimizer is not None else None
+
+    @property
+    def has_fp8_layers(self) -> bool:
+        return self.report is not None and bool(self.report.converted)
+
+    @property
+    def calibrating(self) -> bool:
+        return self._calibration is not None
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """FP8Optim around `optimizer` (Adam moments in FP8 at `opt_level` 1-2); the optimizer
+        itself when FP8 is off. Build it on the parameters the loop trains (after FSDP wraps)."""
+        if not self.config.enabled:
+            self.optimizer = optimizer
+            return optimizer
+        self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level)
+        if self.config.opt_level:  # tensors too small or of a size the blocks do not fit
+            for reason, (n, numel) in self.optimizer.fp32_states().items():
+                self.fallbacks.append(f"`opt_level` {self.config.opt_level}: {n} tensors / {numel:,} "
+                                      f"params keep fp32 moments ({reason})")
+        return self.optimizer
+
+    def high_precision(self):
+        """Context: the FP8 layers run F.linear in high precision (evaluation, generation)."""
+        return fp8_disabled(self.model) if is_fp8_model(self.model) else contextlib.nullcontext()
+
+    @staticmethod
+    def all_finite(t: torch.Tensor) -> torch.Tensor | None:
+        """A 0-dim bool on the device (no sync) saying `t` holds no inf/nan; None for a tensor
+        without floats. FP8 optimizer moments: their codes (a transient fp32 copy) and scales."""
+        if isinstance(t, FP8Tensor):
+            return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
+        return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
+
+    # ----------------------------------------------------------------- each step
+    def begin_step(self, step: int) -> FP8Step:
+        """Decide what step `step` (0-based) does: calibrate, sample statistics, re-check."""
+        c = self.config
+        if not self._started:
+            self._started = True
+            if c.mode == "auto" and self.has_fp8_layers and self.choices is None:
+                self._calibration = start_auto_calibration(self.model, steps=c.auto_steps)
+                logger.info("fp8 auto: measuring e4m3 and e5m2 on every FP8 layer for %d step(s)", c.auto_steps)
+        recheck = bool(c.auto_recheck_every and (step + 1) % c.auto_recheck_every == 0
+                       and self.has_fp8_layers and not self.calibrating and self.choices)
+        sample = recheck or bool(self.has_fp8_layers and c.stats_every and (step + 1) % c.stats_every == 0)
+        self._step = FP8Step(calibrating=self.calibrating, recheck=recheck, owner=self,
+                             sampler=collect_fp8_stats(self.model, both_formats=recheck) if sample else None)
+        return self._step
+
+    def check_step(self, step: int, loss: float, grad_norm: float, *, max_norm: float = math.inf,
+                   rerun: Callable[[], object] | None = None, note: Callable[[], str] | None = None) -> dict[str, Any]:
+        """After the backward pass, with the loss and the gradient norm on the host: returns what
+        to add to the step's metrics. A non-finite loss or norm: the gradients are zeroed (the
+        update must be skipped), the first non-finite layer is named (`rerun` re-runs the forward
+        when the loss itself is not finite), and after `max_overflows` such steps in a row a
+        NanoChatError stops the run (`note()`: which checkpoint is good). Otherwise counts a clip."""
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            return self._nonfinite(step, loss_finite=math.isfinite(loss), rerun=rerun, note=note)
+        self._consecutive_bad = 0
+        if grad_norm <= max_norm:
+            return {}
+        factor = max_norm / grad_norm
+        prev = self.counters["min_clip_factor"]
+        self.counters["clip_events"] += 1
+        self.counters["min_clip_factor"] = factor if prev is None else min(prev, factor)
+        return {"clip_factor": factor}
+
+    def _nonfinite(self, step: int, *, loss_finite: bool, rerun, note) -> dict[str, Any]:
+        where = first_nonfinite_layer(self.model, run=None if loss_finite else rerun)
+        where = where or "unknown (no module output or gradient is non-finite on a re-run)"
+        self.counters["overflow_events"] += 1
+        self.counters["skipped_steps"] += 1
+        self._consecutive_bad += 1
+        self._bad_since = step + 1 if self._consecutive_bad == 1 else self._bad_since
+        logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
+                       step + 1, "gradient" if loss_finite else "loss", where, self._consecutive_bad)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self._consecutive_bad >= self.config.max_overflows:
+            raise NanoChatError(
+                f"{self._consecutive_bad} consecutive steps with non-finite loss or gradients, steps "
+                f"{self._bad_since}-{step + 1} (last first seen at {where}); stopping at step {step + 1}. "
+                f"{note() if note else 'No checkpoint was named'}: lower the learning rate, check the data, "
+                "or try FP8 mode e5m2 / auto (more range for gradients)")
+        return {"skipped": True, "nonfinite_at": where}
+
+    def end_step(self, step: int) -> bool:
+        """After the optimizer step: count a calibration step, apply a re-check, precompute FSDP's
+        FP8 all-gather scales. True when auto's formats were fixed by this step: compile now."""
+        fixed = False
+        if self._calibration is not None and self._calibration.step():
+            self.choices, self._calibration, fixed = self._calibration.choices, None, True
+            print0(self.choices_table())
+            self.events.append({"event": "fp8_auto_choices", "choices": self.choices})
+        if self._step is not None and self._step.recheck:
+            self._apply_recheck(step + 1)
+        self._step = None
+        if self.has_fp8_layers and any(isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)
+                                       for p in self.model.parameters()):
+            precompute_float8_dynamic_scale_for_fsdp(self.model)  # FSDP's FP8 all-gather: one all-reduce
+        return fixed
+
+    def _apply_recheck(self, step: int) -> None:
+        """Switch roles the calibration rule now assigns to the other format (confirmed over
+        consecutive re-checks; fp8.auto.recheck_choices). A compiled model recompiles by itself:
+        torch.compile guards on each layer's config."""
+        switches = recheck_choices(self.model, self._step.sampler.format_counts(), self.pending)
+        if not switches:
+            return
+        self.choices = fp8_choices(self.model)
+        for sw in switches:
+            sw["step"] = step
+            self.events.append({"event": "fp8_auto_switch", **sw})
+        self.switches += switches
+        print0(f"fp8 auto re-check at step {step}: " + "; ".join(describe_switch(sw) for sw in switches))
+
+    def pop_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+    def finish(self) -> None:
+        """At the end of training: a calibration the run did not complete is dropped (recorded)."""
+        if self._calibration is not None:  # keep the hybrid
+            self._calibration.close()
+            self._calibration = None
+            self.fallbacks.append(
+                f"fp8 auto: the run ended after fewer than `auto_steps` {self.config.auto_steps} steps; "
+                "formats stayed at the hybrid default (e4m3 forward, e5m2 gradients)")
+
+    # ------------------------------------------------------------------ reports
+    def summary(self) -> dict[str, Any]:
+        """Counters, the five layers with most underflow and saturation in the last sample, the
+        auto choices and switches, and the last sample's statistics (plain, JSON-ready)."""
+        layers = self.last_stats or {}
+
+        def worst(key: str) -> list[list]:
+            flat = [[name, role, st[key]] for name, roles in layers.items() for role, st in roles.items()]
+            return sorted(flat, key=lambda t: -t[2])[:5]
+
+        return {**self.counters, "top_underflow": worst("underflow_pct"), "top_saturation": worst("saturation_pct"),
+                "choices": self.choices, "auto_switches": list(self.switches), "layers": layers}
+
+    def summary_text(self, summary: dict[str, Any], label: str) -> str:
+        """`summary` as the lines a run prints, headed by `label` (e.g. "epoch 2")."""
+        clip = (f", smallest clip factor {summary['min_clip_factor']:.3f}"
+                if summary["min_clip_factor"] is not None else "")
+        lines = [f"fp8 summary ({label}): {summary['overflow_events']} overflow events, "
+                 f"{summary['skipped_steps']} skipped steps, {summary['clip_events']} clipping events{clip}; "
+                 f"statistics from {summary['stats_samples']} sampled step(s)"]
+        if summary["layers"]:
+            rows = []
+            for heading, key in (("most underflow", "top_underflow"), ("most saturation", "top_saturation")):
+                top = [(n, r, v) for n, r, v in summary[key] if v > 0]
+                rows += [[heading, f"{n} ({r})", f"{v:.3f} %"] for n, r, v in top]
+                if not top:
+                    rows.append([heading, "none: 0 % in every layer and role", ""])
+            lines.append(format_table(["", "layer (role)", "share of values"], rows))
+        if self.choices:
+            lines.append(self.choices_table())
+        if self.config.auto_recheck_every:
+            lines.append(f"fp8 auto re-check: {len(self.switches)} switch(es)"
+                         + "".join(f"\n  step {sw['step']}: {describe_switch(sw)}" for sw in self.switches))
+        return "\n".join(lines)
+
+    def choices_table(self) -> str:
+        rows = [[name, *(roles.get(r, "-") for r in ("input", "weight", "grad_output"))]
+                for name, roles in (self.choices or {}).items()]
+        return "fp8 auto: formats chosen by measurement\n" + format_table(
+            ["layer", "input", "weight", "grad_output"], rows)
+
+    # --------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe), keys prefixed so they can sit beside a loop's own in one
+        checkpoint dict: the counters, auto's choices, re-check switches and pending counts."""
+        return {"counters": dict(self.counters), "fp8_choices": self.choices,
+                "fp8_auto_switches": list(self.switches), "fp8_auto_pending": dict(self.pending)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters and auto's choices (applied to the model: no recalibration). Other
+        keys of `state` are ignored, so a whole checkpoint dict may be passed."""
+        self.counters.update(state.get("counters") or {})
+        if state.get("fp8_choices"):
+            apply_fp8_choices(self.model, state["fp8_choices"])
+            self.choices = state["fp8_choices"]
+            self.switches = list(state.get("fp8_auto_switches") or [])
+            self.pending = dict(state.get("fp8_auto_pending") or {})
+            logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
+
+
+def describe_switch(sw: dict[str, Any]) -> str:
+    m = sw.get("measured", {})
+    figs = ", ".join(f"{d} {v['underflow_pct']:.2f}% underflow / {v['sqnr_db']:.1f} dB" for d, v in m.items())
+    return f"{sw['layer']} {sw['role']} {sw['from']} -> {sw['to']} ({figs})"
+
+
+__all__ = ["FP8Step", "FP8Training", "describe_switch"]
