@@ -150,7 +150,9 @@ def profile_step(trainer, device: torch.device) -> dict:
     """One more training step under the profiler (GEMM kernel names) and a device-read counter."""
     from torch.profiler import ProfilerActivity, profile
 
-    reads = ReadCounter()
+    from nanochat.common import DeviceReads
+
+    reads = DeviceReads()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     trainer._train_step(trainer.total_steps - 1)  # a steady-state step first (no recompiles below)
     with reads:
@@ -209,24 +211,6 @@ class RecompileLog(logging.Handler):
         torch._logging.set_logs()
 
 
-class ReadCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Device-to-host reads: .item()/float()/bool() (aten._local_scalar_dense) and copies to cpu."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        elif func is torch.ops.aten._to_copy.default and str(kwargs.get("device", "")) == "cpu":
-            self.count += 1
-        elif func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
-            self.count += 1
-        return func(*args, **kwargs)
-
-
 # --------------------------------------------------------------------------------------- jobs
 def job_env(cfg: GPUCheckConfig) -> dict:
     import torchao
@@ -270,6 +254,7 @@ def job_big(cfg):
 
 def job_optim(cfg: GPUCheckConfig) -> dict:
     """Step time and peak memory: AdamW(fused=True) vs FP8Optim levels 0/1/2, same parameters."""
+    from nanochat.common import DeviceReads
     from nanochat.fp8 import FP8Optim
 
     device = device_of(cfg)
@@ -295,7 +280,7 @@ def job_optim(cfg: GPUCheckConfig) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        reads = ReadCounter()
+        reads = DeviceReads()
         with reads:
             opt.step()
         n = cfg.opt_tensors * cfg.opt_dim ** 2

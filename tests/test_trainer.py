@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanochat.checkpoint import latest_checkpoint
+from nanochat.common import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import tiny_train_kwargs
@@ -162,28 +162,6 @@ def test_a_failing_compile_falls_back_to_eager_once(small_corpus, tmp_path, monk
     compile_fallbacks = [f for f in result.fallbacks if f.startswith("compile:")]
     assert len(compile_fallbacks) == 1 and "--no_compile" in compile_fallbacks[0]
     assert _losses(tmp_path / "broken") == _losses(tmp_path / "eager")
-
-
-class DeviceReads(TorchDispatchMode):
-    """Counts device-to-host reads: `.item()`/`float()`/`bool()`/`int()` of a tensor
-    (aten._local_scalar_dense) and copies to the CPU (aten._to_copy / copy_ to cpu). On a CPU run a
-    plain `.tolist()` or `.cpu()` is invisible here, which is why the trainer's one read is an
-    explicit copy (common.host_read)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        elif func is torch.ops.aten._to_copy.default and torch.device(kwargs.get("device") or args[0].device).type == "cpu" \
-                and ("device" in kwargs or args[0].device.type != "cpu"):
-            self.count += 1
-        elif func is torch.ops.aten.copy_.default and args[0].device.type == "cpu" and args[1].device.type != "cpu":
-            self.count += 1
-        return func(*args, **kwargs)
 
 
 def count_reads_per_step(trainer: NanoChatTrainer) -> list[int]:

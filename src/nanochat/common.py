@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
+import torch.utils._python_dispatch
 
 logger = logging.getLogger("nanochat")
 
@@ -193,6 +194,40 @@ def host_read(t: torch.Tensor) -> list:
     """A device tensor's values as Python numbers: one device-to-host read. An explicit copy
     (`_to_copy` to cpu), so a tool counting reads sees it on a CPU run as well as on CUDA."""
     return t.to("cpu", copy=True).tolist()
+
+
+class DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """`with DeviceReads() as r: ...` then `r.count`: the times the code made the host wait on a
+    device's values: `.item()`/`float()`/`bool()`/`int()` of a tensor (aten._local_scalar_dense)
+    and copies to the CPU (from a device, or an explicit `.to("cpu", copy=True)` such as
+    `host_read`'s, so a CPU run counts the same reads a GPU run makes; a plain `.tolist()` or
+    `.cpu()` of a CPU tensor dispatches nothing and is not seen). `also_to_device=True` counts
+    copies onto a device too (an optimizer step should move nothing between devices). Ops that
+    compiled code runs inside its graph are not dispatched here."""
+
+    def __init__(self, *, also_to_device: bool = False):
+        super().__init__()
+        self.also_to_device = also_to_device
+        self.reads: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.reads)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            self.reads.append(str(func))
+        elif func in (aten._to_copy.default, aten.copy_.default):
+            copy_ = func is aten.copy_.default
+            src = args[1] if copy_ else args[0]
+            dst = args[0].device if copy_ else torch.device(kwargs.get("device") or src.device)
+            explicit = not copy_ and "device" in kwargs
+            if torch.is_tensor(src) and (src.device != dst or explicit) and (
+                    dst.type == "cpu" or self.also_to_device):
+                self.reads.append(f"{func} {src.device} -> {dst}")
+        return func(*args, **kwargs)
 
 
 def seed_everything(seed: int) -> None:
