@@ -12,7 +12,8 @@
   rounding; codes on a rounding tie may differ by one step), changing lr every step does not
   recompile, and splitting blocks across threads changes nothing (torch.equal).
 - The C kernel's portable, AVX2 and AVX-512 variants agree (fp32 rounding); its build cache is
-  keyed on the CPU; NANOCHAT_NATIVE_OPTIM=0 turns it off as a recorded fallback.
+  keyed on the CPU; it runs on torch's OpenMP runtime (no second one loaded);
+  NANOCHAT_NATIVE_OPTIM=0 turns it off as a recorded fallback.
 - Multi-tensor: the compile backend makes one compiled call per parameter shape a step (6
   tensors, 2 shapes: 2 calls) and matches the eager step; no step reads a value into Python or
   copies across devices (a dispatch mode counts aten._local_scalar_dense and such copies: 0);
