@@ -12,7 +12,8 @@
   rounding; codes on a rounding tie may differ by one step), changing lr every step does not
   recompile, and splitting blocks across threads changes nothing (torch.equal).
 - The C kernel's portable, AVX2 and AVX-512 variants agree (fp32 rounding); its build cache is
-  keyed on the CPU; NANOCHAT_NATIVE_OPTIM=0 turns it off as a recorded fallback.
+  keyed on the CPU; it runs on torch's OpenMP runtime (no second one loaded);
+  NANOCHAT_NATIVE_OPTIM=0 turns it off as a recorded fallback.
 - Multi-tensor: the compile backend makes one compiled call per parameter shape a step (6
   tensors, 2 shapes: 2 calls) and matches the eager step; no step reads a value into Python or
   copies across devices (a dispatch mode counts aten._local_scalar_dense and such copies: 0);
@@ -686,3 +687,20 @@ def test_cuda_step_is_compiled_per_shape_and_never_syncs(level):
     assert comp.step_backends() == {"compile": (2, 6)}
     for a, b in zip(sum(comp_groups, []), sum(eager_groups, [])):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_threads_are_torchs_own():
+    """Where torch's intra-op threads are OpenMP, the kernel is built with OpenMP and runs on
+    torch's pool: one OpenMP runtime in the process (two would each start their own threads and
+    oversubscribe the cores)."""
+    from nanochat.fp8 import optim as optim_mod
+
+    if "OpenMP" not in torch.__config__.parallel_info() or not pathlib.Path("/proc/self/maps").exists():
+        pytest.skip("torch without OpenMP, or no /proc to list the loaded libraries")
+    try:
+        lib = optim_mod._native_lib()
+    except RuntimeError as e:
+        pytest.skip(f"the kernel does not build here: {e}")
+    assert hasattr(lib, "adam_parallel")
+    runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes

@@ -243,14 +243,19 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s). Because it is
 # built with -march=native, the cache key holds the source, the flags, the compiler's identity
 # and this CPU's model and feature flags: a home directory shared by different machines never
-# loads another CPU's build. One call per thread steps every tensor of a step: the threads
-# (torch.get_num_threads(); ctypes releases the GIL) take chunks of blocks from a shared counter.
+# loads another CPU's build. One call steps every tensor of a step: its threads (torch's OpenMP
+# pool, torch.get_num_threads() of them; ctypes releases the GIL) take chunks of blocks from a
+# shared counter.
 # NANOCHAT_NATIVE_OPTIM=0 turns it off (the step then runs compiled; a recorded fallback).
 # ---------------------------------------------------------------------------------------------
 
 KERNEL_SOURCE = pathlib.Path(__file__).with_name("optim_kernel.c")
-KERNEL_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-trapping-math", "-fno-math-errno",
-                "-shared", "-fPIC")
+KERNEL_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC")
+# Threads: OpenMP when torch's intra-op threads are OpenMP (the kernel then runs on torch's own
+# thread pool, see adam_parallel); without it, or if that build fails, -fopenmp-simd and a
+# Python thread pool.
+_THREADING = (("-fopenmp",), ("-fopenmp-simd",)) if "OpenMP" in torch.__config__.parallel_info() \
+    else (("-fopenmp-simd",),)
 _native: dict[str, Any] = {}
 
 
@@ -278,24 +283,35 @@ def _native_lib():
             raise RuntimeError("no C compiler (cc/gcc) on PATH")
         source = KERNEL_SOURCE.read_text()
         compiler = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([source, " ".join(KERNEL_FLAGS), cc, compiler, _cpu_identity(),
-                                        platform.machine()]).encode()).hexdigest()[:16]
         cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "nanochat"
         cache.mkdir(parents=True, exist_ok=True)
-        so = cache / f"fp8optim-{key}.so"
-        if not so.exists():
-            # Build next to the target and os.replace it there: the rename is atomic only on one
-            # filesystem, and concurrent processes (torchrun ranks) may dlopen the file meanwhile.
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                out = pathlib.Path(tmp) / so.name
-                subprocess.run([cc, *KERNEL_FLAGS, "-o", str(out), str(KERNEL_SOURCE), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
-                os.replace(out, so)
-        lib = ctypes.CDLL(str(so))
+        for threading in _THREADING:
+            flags = (*KERNEL_FLAGS, *threading)
+            key = hashlib.sha256("\0".join([source, " ".join(flags), cc, compiler, _cpu_identity(),
+                                            platform.machine()]).encode()).hexdigest()[:16]
+            so = cache / f"fp8optim-{key}.so"
+            try:
+                if not so.exists():
+                    # Build next to the target and os.replace it there: the rename is atomic only
+                    # on one filesystem, and concurrent processes (torchrun ranks) may dlopen it.
+                    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                        out = pathlib.Path(tmp) / so.name
+                        subprocess.run([cc, *flags, "-o", str(out), str(KERNEL_SOURCE), "-lm"], check=True,
+                                       capture_output=True, text=True, timeout=120)
+                        os.replace(out, so)
+                lib = ctypes.CDLL(str(so))
+                break
+            except (subprocess.CalledProcessError, OSError):
+                if threading is _THREADING[-1]:
+                    raise  # else e.g. no libgomp to link: the build without OpenMP
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.adam_dynamic.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64,
                                      ctypes.POINTER(i64), i64, i32, i32]
         lib.adam_dynamic.restype = i32
+        if hasattr(lib, "adam_parallel"):
+            lib.adam_parallel.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64, i64,
+                                          i32, i32, i32]
+            lib.adam_parallel.restype = i32
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
         _native["error"] = f"{type(e).__name__}: {detail}"
@@ -322,6 +338,10 @@ def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupl
     threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
     # 128 blocks (32K elements) a take: ~0.1 ms of work, so a late thread delays the step by
     # at most that much, and the shared counter is touched ~500 times for 16M parameters
+    if hasattr(lib, "adam_parallel"):  # on torch's OpenMP threads
+        if lib.adam_parallel(n, ptrs, nb, h.data_ptr(), total, 128, block_size, int(decoupled), int(v_fp8), threads):
+            raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (at most 1024)")
+        return
     next_block = ctypes.c_int64(0)
     args = (n, ptrs, nb, h.data_ptr(), total, 128, ctypes.byref(next_block), block_size, int(decoupled), int(v_fp8))
     jobs = []

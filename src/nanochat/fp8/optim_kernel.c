@@ -301,3 +301,20 @@ int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
     }
     return failed;
 }
+
+#ifdef _OPENMP
+#include <omp.h>
+/* adam_dynamic on an OpenMP team of `threads`. Built with -fopenmp, this library needs
+   libgomp.so.1, which the dynamic loader resolves to the one torch has already loaded: the team
+   is torch's own intra-op thread pool, whose threads are still spinning right after torch's last
+   parallel region (a backward pass, a fused optimizer), so they start at once instead of
+   keeping a core from a thread of ours for the length of their spin. */
+int adam_parallel(int64_t n, void *const *ptr, const int64_t *nb, const float *h, int64_t total,
+                  int64_t chunk, int64_t B, int decoupled, int vfp8, int threads) {
+    int64_t next = 0;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads) reduction(|:failed)
+    failed |= adam_dynamic(n, ptr, nb, h, total, chunk, &next, B, decoupled, vfp8);
+    return failed;
+}
+#endif
