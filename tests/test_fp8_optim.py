@@ -34,6 +34,7 @@ import pathlib
 import pytest
 import torch
 
+from nanochat.common import DeviceReads
 from nanochat.fp8.optim import FP8Optim
 from nanochat.fp8.tensor import FP8Tensor
 
@@ -556,27 +557,6 @@ def test_compiled_step_is_one_call_per_shape(kind, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-class _DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts what makes the host wait for a device: reading a tensor's value into Python
-    (aten._local_scalar_dense: .item(), float(), bool()) and copies that cross devices. On CPU
-    every read counts, so a step that reads none here reads none on a GPU either."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads.append(str(func))
-        elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
-            dst = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device", src.device)
-            if torch.is_tensor(src) and src.device != torch.device(dst):
-                self.reads.append(f"{func} {src.device} -> {dst}")
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("backend,level", [("native", 1), ("native", 2), ("eager", 2), ("compile", 2)])
 def test_step_reads_no_values_from_the_device(backend, level, monkeypatch):
     """Steady-state steps (after the first, which allocates state and compiles): no value read
@@ -610,7 +590,7 @@ def test_step_reads_no_values_from_the_device(backend, level, monkeypatch):
             opt.step()
             continue
         opt.param_groups[0]["lr"] = 1e-2 / (step + 1)
-        with _DeviceReads() as mode:
+        with DeviceReads(also_to_device=True) as mode:
             opt.step()
         assert mode.reads == [], mode.reads
     assert not opt.fallbacks
