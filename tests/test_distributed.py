@@ -18,8 +18,14 @@ What is checked against what:
 - DDP and FSDP2 with --fp8_mode auto --fp8_auto_recheck_every 2: every rank ends with the same formats and the
   same sampled statistics, counted over the global batch (each rank's counts are all-reduced,
   so the decisions cannot differ between ranks).
+- DCP checkpoints are verified: every step directory has a manifest hashing all its files, the
+  newest --keep_checkpoints steps are kept; at 2 ranks a flipped byte in a shard is refused at
+  resume on every rank (naming the file and the previous step), and a step left without a
+  manifest (an interrupted save) is removed and the run resumes from the previous step with the
+  uninterrupted run's losses.
 - Without processes: DCP save/load round trip in one process is bitwise; an interrupted save
-  leaves the previous checkpoint loadable; --fsdp in one process is a recorded fallback.
+  leaves the previous checkpoint loadable and is cleaned; a flipped byte is refused;
+  --fsdp in one process is a recorded fallback.
 
 The fast multi-process runs share one torchrun launch (`_worker` below, this file run as
 a script): on 2 shared cores each launch costs ~10 s of startup.
@@ -121,6 +127,9 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
                             fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
         dict(name="cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "cut", fsdp=True, save_every=4, **fp8)),
+        # "fsdp" saving every 2 steps: steps 2, 4, 6, 8 saved, the newest 2 kept
+        dict(name="kept", kwargs=_kwargs(small_corpus, out / "kept", fsdp=True, save_every=2,
+                                         keep_checkpoints=2)),
     ]
     _torchrun(2, runs, cache)
     shutil.copytree(out / "cut", out / "cut_for_4")  # the 1-process resume rewrites "cut"
@@ -211,6 +220,49 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     _assert_close({s: resumed[s] for s in range(5, STEPS + 1)},
                   {s: full[s] for s in range(5, STEPS + 1)}, FP8_LOSS_TOL, "resumed at ws 1")
     assert latest_checkpoint(cut) is not None and not (cut / "checkpoint_dcp").exists()
+
+
+def test_dcp_keeps_the_newest_steps_each_with_a_manifest(two_ranks, single):
+    run = two_ranks["kept"]
+    _assert_close(_losses(run), _losses(single["fp32"]), LOSS_TOL, "saving every 2 steps")
+    root = run / "checkpoint_dcp"
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000006", "step-000008"]
+    assert json.loads((root / "LATEST").read_text())["dir"] == "step-000008"
+    for step_dir in root.glob("step-*"):  # both ranks' shards, the index and trainer.json, hashed
+        files = json.loads((step_dir / "manifest.json").read_text())["files"]
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "trainer.json"} <= set(files), files
+
+
+def test_damaged_or_interrupted_dcp_step_at_resume(two_ranks, single, tmp_path, cache):
+    """At 2 ranks, from copies of the "kept" run (steps 6 and 8): a flipped byte in rank 1's shard
+    of step 8 is refused on every rank, naming the file and step 6; a step 8 without its manifest
+    (a save killed after the shards: LATEST still names step 6) is removed at the start, and the
+    run resumes from step 6 with the uninterrupted run's losses."""
+    from nanochat.distributed import MANIFEST_NAME
+
+    cfg = json.loads((two_ranks["kept"] / "config.json").read_text())
+    runs = {}
+    for name in ("flipped", "interrupted"):
+        shutil.copytree(two_ranks["kept"], tmp_path / name)
+        runs[name] = {**cfg, "run_dir": str(tmp_path / name), "resume": True}
+    shard = tmp_path / "flipped" / "checkpoint_dcp" / "step-000008" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    cut = tmp_path / "interrupted" / "checkpoint_dcp"
+    (cut / "step-000008" / MANIFEST_NAME).unlink()
+    (cut / "step-000008" / "stale").write_text("")
+    (cut / "LATEST").write_text(json.dumps({"dir": "step-000006", "step": 6}))
+    _torchrun(2, [dict(name="flipped", expect_error=True, kwargs=runs["flipped"]),
+                  dict(name="interrupted", kwargs=runs["interrupted"])], cache)
+    for rank in (0, 1):
+        msg = (tmp_path / "flipped" / f"error-rank{rank}.txt").read_text()
+        assert str(shard) in msg and "corrupted" in msg, msg
+        assert "step-000006 (step 6) verifies" in msg and "run again with --resume" in msg, msg
+    assert sorted(p.name for p in cut.iterdir()) == ["LATEST", "step-000006", "step-000008"]
+    assert not (cut / "step-000008" / "stale").exists()  # written anew by the resumed run
+    resumed, want = _losses(tmp_path / "interrupted"), _losses(single["fp32"])
+    _assert_close({s: resumed[s] for s in (7, 8)}, {s: want[s] for s in (7, 8)}, LOSS_TOL, "resumed at 6")
 
 
 @pytest.mark.slow
@@ -328,8 +380,35 @@ def test_interrupted_dcp_save_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     assert distributed.load_dcp(latest, fresh, fresh_opt)["step"] == 1
     got = _flat_state(fresh, fresh_opt)
     assert all(torch.equal(got[k], saved[k]) for k in saved)
-    distributed.save_dcp(tmp_path, model, opt, step=2, meta={})  # the next save cleans up
-    assert sorted(p.name for p in distributed.dcp_root(tmp_path).iterdir()) == ["LATEST", "step-000002"]
+    # the killed save left its shards without a manifest: uncommitted, removed at the next start
+    assert [p.name for p in distributed.clean_interrupted_dcp(tmp_path)] == ["step-000002"]
+    distributed.save_dcp(tmp_path, model, opt, step=2, meta={})
+    distributed.save_dcp(tmp_path, model, opt, step=3, meta={}, keep=2)
+    assert sorted(p.name for p in distributed.dcp_root(tmp_path).iterdir()) == [
+        "LATEST", "step-000002", "step-000003"]
+
+
+def test_dcp_flipped_byte_is_refused_naming_the_file_and_the_previous_step(tmp_path):
+    from nanochat import distributed
+    from nanochat.common import NanoChatError
+
+    model, opt = _tiny_model_and_optimizer(0)
+    for step in (1, 2):
+        _train_steps(model, opt, 1)
+        distributed.save_dcp(tmp_path, model, opt, step=step, meta={})
+    latest = distributed.latest_dcp(tmp_path)
+    shard = next(latest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    fresh, fresh_opt = _tiny_model_and_optimizer(1)
+    with pytest.raises(NanoChatError) as e:
+        distributed.load_dcp(latest, fresh, fresh_opt)
+    msg = str(e.value)
+    assert str(shard) in msg and "corrupted" in msg and "step-000001 (step 1) verifies" in msg, msg
+    shutil.rmtree(latest)  # the fix the message gives: the previous step is the latest again
+    assert distributed.latest_dcp(tmp_path).name == "step-000001"
+    assert distributed.load_dcp(distributed.latest_dcp(tmp_path), fresh, fresh_opt)["step"] == 1
 
 
 def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
@@ -344,10 +423,12 @@ def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
 
 # ----------------------------------------------------------------------- worker (torchrun)
 def _worker(runs: list[dict]) -> None:
-    """Run each spec in this process group: {"name", "kwargs", "cli"?, "crash_after_first_save"?}."""
+    """Run each spec in this process group: {"name", "kwargs", "cli"?, "crash_after_first_save"?,
+    "expect_error"? (the NanoChatError each rank raised is written to error-rank<r>.txt)}."""
     import torch.distributed as dist
 
     from nanochat import distributed
+    from nanochat.common import NanoChatError
     from nanochat.trainer import NanoChatTrainer
 
     dist.init_process_group("gloo")  # ours: the trainers reuse it and leave it to us
@@ -379,6 +460,11 @@ def _worker(runs: list[dict]) -> None:
             except KeyboardInterrupt:
                 pass
             torch.save(_local_shards(trainer), run_dir / f"shards-rank{rank}.pt")
+            continue
+        if spec.get("expect_error"):
+            with pytest.raises(NanoChatError) as e:
+                trainer.train()
+            (run_dir / f"error-rank{rank}.txt").write_text(str(e.value))
             continue
         trainer.train()
         (run_dir / f"states-rank{rank}.json").write_text(json.dumps(_describe_states(trainer)))

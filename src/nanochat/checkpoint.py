@@ -163,18 +163,31 @@ def verify_checkpoint(c: CheckpointFile) -> str | None:
         want, size = manifest["sha256"], int(manifest["bytes"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its manifest {c.manifest} is unreadable ({e})"
-    sha, got = hashlib.sha256(), 0
+    return file_problem(c.path, want, size)
+
+
+def file_sha256(path: str | os.PathLike) -> tuple[str, int]:
+    """(sha256 hex digest, size in bytes) of a file, read in 16 MiB chunks (never whole in memory)."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return sha.hexdigest(), size
+
+
+def file_problem(path: str | os.PathLike, sha256: str, size: int) -> str | None:
+    """None when the file at `path` has this sha256 and size, else what is wrong with it."""
     try:
-        with open(c.path, "rb") as f:
-            while chunk := f.read(_HASH_CHUNK):
-                sha.update(chunk)
-                got += len(chunk)
+        got_sha, got = file_sha256(path)
+    except FileNotFoundError:
+        return "it is missing"
     except OSError as e:
         return f"it cannot be read ({e})"
     if got != size:
         return f"it has {got:,} bytes, its manifest says {size:,} (truncated or appended to)"
-    if sha.hexdigest() != want:
-        return f"its sha256 {sha.hexdigest()[:16]}... differs from the manifest's {want[:16]}... (corrupted)"
+    if got_sha != sha256:
+        return f"its sha256 {got_sha[:16]}... differs from the manifest's {sha256[:16]}... (corrupted)"
     return None
 
 

@@ -161,8 +161,8 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     metrics.jsonl and result.json first. Without it (or --resume) such a directory is refused."""
 
     keep_checkpoints: int = 2
-    """Keep the newest N checkpoints (older ones are deleted after each save), so a damaged
-    newest checkpoint still leaves one to resume from."""
+    """Keep the newest N checkpoints (DCP step directories in distributed runs; older ones are
+    deleted after each save), so a damaged newest checkpoint still leaves one to resume from."""
 
     seed: int = 1337
     """Seed for weights, data order and sampling."""

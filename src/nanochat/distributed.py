@@ -16,6 +16,11 @@ high-precision copy (`full_copy`).
 
 Distributed runs checkpoint with DCP (`<run_dir>/checkpoint_dcp/step-N/` plus a LATEST pointer
 replaced atomically): every rank writes its shards, and a checkpoint loads into any world size.
+After a barrier rank 0 hashes every file of the step directory into its `manifest.json` (sha256
+and size; the shards were written by other processes, so they are read back, streamed). That
+manifest is the commit: a step directory without one is an interrupted save, removed at the next
+start and never named by LATEST. Resume verifies the files before loading and refuses a mismatch,
+naming the file and the previous step that verifies; the newest --keep_checkpoints steps are kept.
 The reasons, the measurements and the layout in full: docs/distributed.md.
 """
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -38,11 +44,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # private module in torch 2.11-2.13 (no public alias yet).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from nanochat.common import DistEnv, dist_env, fsync_path, write_atomic
+from nanochat.checkpoint import file_problem, file_sha256
+from nanochat.common import DistEnv, NanoChatError, dist_env, fsync_path, write_atomic
 
 DCP_DIRNAME = "checkpoint_dcp"
 LATEST = "LATEST"
 META_NAME = "trainer.json"
+MANIFEST_NAME = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)(?:-(\d+))?")  # step-000200, or step-000200-2 for a re-save
 
 _owns_process_group = False
 
@@ -254,16 +263,116 @@ def dcp_root(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / DCP_DIRNAME
 
 
+def _order(path: Path) -> tuple[int, int]:
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)), int(m.group(2) or 1)
+
+
+def dcp_step(path: str | os.PathLike) -> int:
+    """The step of a DCP step directory, from its name (readable even when its files are not)."""
+    return _order(Path(path))[0]
+
+
+def list_dcp(run_dir: str | os.PathLike) -> list[Path]:
+    """Committed DCP step directories of `run_dir` (those with a manifest), oldest first."""
+    root = dcp_root(run_dir)
+    found = [p for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name) and (p / MANIFEST_NAME).is_file()]
+    return sorted(found, key=_order)
+
+
 def latest_dcp(run_dir: str | os.PathLike) -> Path | None:
-    """The step directory LATEST names, or None when there is no DCP checkpoint."""
+    """The step directory LATEST names, or None when there is no DCP checkpoint.
+
+    When LATEST is missing, or names a directory that was deleted (what the error about a damaged
+    step tells the user to do), the newest committed step directory is the latest: its manifest,
+    written before LATEST moves, is the commit."""
     pointer = dcp_root(run_dir) / LATEST
-    if not pointer.is_file():
-        return None
-    path = dcp_root(run_dir) / json.loads(pointer.read_text())["dir"]
-    if not (path / META_NAME).is_file():
-        raise RuntimeError(f"{pointer} names {path}, which is missing or incomplete; the run directory was "
-                           "modified by hand? Restore that directory or delete checkpoint_dcp/ to start over")
-    return path
+    if pointer.is_file():
+        path = dcp_root(run_dir) / json.loads(pointer.read_text())["dir"]
+        if path.is_dir():
+            return path
+    committed = list_dcp(run_dir)
+    return committed[-1] if committed else None
+
+
+def clean_interrupted_dcp(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete what a killed save left: step directories without a manifest (and `.tmp-*` ones).
+    The directory LATEST names is kept even so: it was published, by a nanochat that wrote no
+    manifests, and resuming from it explains that it cannot be verified."""
+    root = dcp_root(run_dir)
+    if not root.is_dir():
+        return []
+    pointer = root / LATEST
+    published = json.loads(pointer.read_text())["dir"] if pointer.is_file() else None
+    removed = []
+    for p in root.iterdir():
+        uncommitted = _STEP_DIR.fullmatch(p.name) and not (p / MANIFEST_NAME).is_file() and p.name != published
+        if p.is_dir() and (uncommitted or p.name.startswith(".tmp-")):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _write_manifest(path: Path, step: int) -> None:
+    """Hash every file of step directory `path` into its manifest, atomically: the commit."""
+    files = {}
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.name != MANIFEST_NAME:
+            sha, size = file_sha256(f)
+            files[f.name] = {"sha256": sha, "bytes": size}
+    write_atomic(path / MANIFEST_NAME, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
+
+
+def dcp_problem(path: str | os.PathLike) -> str | None:
+    """None when every file of step directory `path` matches its manifest, else which does not
+    and why. Reads every file (this process alone: see `verify_dcp` for a group)."""
+    path = Path(path)
+    manifest = path / MANIFEST_NAME
+    if not manifest.is_file():
+        return (f"it has no {MANIFEST_NAME}, so its files cannot be verified (written by a nanochat "
+                "that did not checksum DCP checkpoints, or modified by hand)")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+        entries = [(name, e["sha256"], int(e["bytes"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its manifest {manifest} is unreadable ({e})"
+    for name, sha, size in entries:
+        problem = file_problem(path / name, sha, size)
+        if problem is not None:
+            return f"file {path / name}: {problem}"
+    return None
+
+
+def verify_dcp(path: str | os.PathLike) -> None:
+    """Check step directory `path` against its manifest; raise a NanoChatError naming the bad file
+    and the previous DCP step that verifies. Collective when distributed: rank 0 reads the files
+    once and broadcasts the verdict (every rank reading them would multiply a shared filesystem's
+    traffic by the world size)."""
+    path = Path(path)
+    message = None
+    if dist_env().rank == 0:
+        problem = dcp_problem(path)
+        if problem is not None:
+            run_dir = path.parent.parent  # <run_dir>/checkpoint_dcp/step-N
+            prev = next((p for p in reversed(list_dcp(run_dir)) if _order(p) < _order(path)
+                         and dcp_problem(p) is None), None)
+            if prev is None:
+                fix = "no earlier DCP checkpoint verifies; start again with --overwrite"
+            else:
+                fix = (f"the previous DCP checkpoint {prev} (step {dcp_step(prev)}) verifies: delete {path} "
+                       f"and run again with --resume to continue from step {dcp_step(prev)}")
+            message = f"DCP checkpoint {path} (step {dcp_step(path)}) is not usable: {problem}; {fix}"
+    if is_distributed():
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message is not None:
+        raise NanoChatError(message)
+
+
+def last_good_dcp(run_dir: str | os.PathLike) -> Path | None:
+    """The newest DCP step directory whose files verify (this process reads them)."""
+    return next((p for p in reversed(list_dcp(run_dir)) if dcp_problem(p) is None), None)
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -275,8 +384,10 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
 
 def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-             step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write model, optimizer, `tensors` (e.g. RNG states) and JSON `meta` as a DCP checkpoint.
+             step: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None,
+             keep: int = 2) -> Path:
+    """Write model, optimizer, `tensors` (e.g. RNG states) and JSON `meta` as a DCP checkpoint,
+    commit it with its manifest, point LATEST at it, and keep only the newest `keep` steps.
 
     Collective: every rank calls it with the same step. Returns the step directory.
     """
@@ -287,43 +398,46 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
     while (root / name).exists():  # this step saved before (a resumed run): never overwrite in place
         n += 1
         name = f"step-{step:06d}-{n}"
-    tmp, final = root / f".tmp-{name}", root / name
+    final = root / name
     rank0 = dist_env().rank == 0
+    barrier()  # every rank has chosen the name before rank 0 creates that directory
     if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-        tmp.mkdir(parents=True)
+        final.mkdir(parents=True)
     barrier()
     state = _state_dicts(model, optimizer)
     state["extra"] = dict(tensors or {})
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+        dcp.save(state, checkpoint_id=final, no_dist=not is_distributed())
+    barrier()  # every rank's shards are written before rank 0 hashes and commits them
     if rank0:
-        (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
-        _fsync_tree(tmp)
-    barrier()  # every rank's files are written before rank 0 publishes them
-    if rank0:
-        os.rename(tmp, final)
+        (final / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
+        _fsync_tree(final)
+        _write_manifest(final, step)
+        fsync_path(final)
         write_atomic(root / LATEST, json.dumps({"dir": name, "step": step}), fsync=True)
         fsync_path(root)
-        for old in root.glob("step-*"):
-            if old.name != name:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in list_dcp(run_dir)[:-keep] if keep > 0 else []:
+            (old / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first: a kill midway leaves no half step
+            shutil.rmtree(old, ignore_errors=True)
     barrier()
     return final
 
 
 def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-             tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+             tensors: dict[str, torch.Tensor] | None = None, verify: bool = True) -> dict[str, Any]:
     """Load a DCP step directory into `model` and `optimizer` (any world size, FSDP, DDP or one
     process) and into the `tensors` templates (in place); returns its JSON meta.
 
-    Collective when distributed. Loads into existing tensors: `get_optimizer_state_dict`
+    Collective when distributed. Verifies the files against the manifest first (`verify_dcp`)
+    unless `verify` is False (the caller did). Loads into existing tensors: `get_optimizer_state_dict`
     creates the optimizer's state first when it has none (a step with lr=0 and zero grads).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     path = Path(path)
+    if verify:
+        verify_dcp(path)
     state = _state_dicts(model, optimizer)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     full = _fp32_templates(state["optimizer"]["state"], saved, model, getattr(optimizer, "block_size", None))
@@ -446,6 +560,7 @@ __all__ = [
     "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
     "fp8_all_gather_problem", "enable_fp8_all_gather", "full_copy",
-    "dcp_root", "latest_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
-    "DCP_DIRNAME", "LATEST",
+    "dcp_root", "dcp_step", "list_dcp", "latest_dcp", "clean_interrupted_dcp", "dcp_problem", "verify_dcp",
+    "last_good_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
+    "DCP_DIRNAME", "LATEST", "MANIFEST_NAME",
 ]

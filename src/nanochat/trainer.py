@@ -386,6 +386,7 @@ class NanoChatTrainer:
         except OSError as e:
             raise UsageError(f"--run_dir {d} is not writable ({e.strerror or e}); fix its permissions or "
                              "choose another --run_dir") from None
+        # rank 0 cleans alone, with no barrier: the other ranks only use committed checkpoints, which it keeps
         if self.dist.rank != 0:
             return
         if self.config.overwrite and self._existing_run():
@@ -394,7 +395,7 @@ class NanoChatTrainer:
             shutil.rmtree(distributed.dcp_root(d), ignore_errors=True)
             for name in self._RUN_FILES:
                 (d / name).unlink(missing_ok=True)
-        for p in checkpoint.clean_interrupted(d):
+        for p in checkpoint.clean_interrupted(d) + distributed.clean_interrupted_dcp(d):
             logger.info("removed %s, left by an interrupted save", p)
 
     def _prechecks(self) -> None:
@@ -590,8 +591,8 @@ class NanoChatTrainer:
 
     # ---------------------------------------------------------------- persist
     def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
-        """A checkpoint in a single process (checkpoint.py: verified, the newest
-        --keep_checkpoints kept), a DCP directory (every rank) when distributed; the format not
+        """A checkpoint in a single process (checkpoint.py), a DCP directory (every rank) when
+        distributed; both verified, the newest --keep_checkpoints kept; the format not
         written is deleted afterwards, so a resume finds one. A model or optimizer state holding
         inf/nan is never written: the run stops, naming the last checkpoint that is good.
         `record`: this step's metrics line when it is logged after the save (the last step's,
@@ -617,7 +618,8 @@ class NanoChatTrainer:
         }
         if self.dist.is_distributed:
             rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
-            distributed.save_dcp(self.run_dir, self.model, self.optimizer, step=step, meta=meta, tensors=rng)
+            distributed.save_dcp(self.run_dir, self.model, self.optimizer, step=step, meta=meta, tensors=rng,
+                                 keep=self.config.keep_checkpoints)
             if self.dist.rank == 0:
                 checkpoint.remove_checkpoints(self.run_dir)
             return
@@ -653,11 +655,16 @@ class NanoChatTrainer:
                 f"{', ...' if len(names) > 3 else ''})" if names else "tensors on another rank")
 
     def _good_checkpoint_note(self) -> str:
-        """Which checkpoint a resume would start from, checked now (checksum; DCP: complete)."""
+        """Which checkpoint a resume would start from, checked now against its checksums (DCP: by
+        rank 0 only, without communication: this runs on error paths, where ranks may diverge)."""
         if self.dist.is_distributed:
-            dcp = distributed.latest_dcp(self.run_dir)
-            return (f"The last good checkpoint is {dcp} (complete, saved before the problem)" if dcp else
-                    f"No checkpoint of this run was saved in {self.run_dir} before the problem")
+            if self.dist.rank == 0:
+                dcp = distributed.last_good_dcp(self.run_dir)
+                checked = "verified"
+            else:
+                dcp, checked = distributed.latest_dcp(self.run_dir), "rank 0 verifies it"
+            return (f"The last good checkpoint is {dcp} (step {distributed.dcp_step(dcp)}, {checked})" if dcp
+                    else f"No checkpoint of this run was saved in {self.run_dir} before the problem")
         good = checkpoint.last_good_checkpoint(self.run_dir)
         if good is None:
             return f"No checkpoint of this run was saved in {self.run_dir} before the problem"
@@ -679,14 +686,14 @@ class NanoChatTrainer:
         dcp_dir, pt = distributed.latest_dcp(self.run_dir), checkpoint.latest_checkpoint(self.run_dir)
         if dcp_dir is None:
             return "pt", self.run_dir  # load_checkpoint explains a missing file
-        dcp_step = distributed.read_dcp_meta(dcp_dir)["step"]
-        if pt is not None and pt.step > dcp_step:
+        if pt is not None and pt.step > distributed.dcp_step(dcp_dir):
             return "pt", self.run_dir
         return "dcp", dcp_dir
 
     def _resume(self) -> int:
         kind, source = self._find_checkpoint()
         if kind == "dcp":
+            distributed.verify_dcp(source)  # before its meta is trusted
             ckpt = distributed.read_dcp_meta(source)
         else:
             ckpt = load_checkpoint(self.run_dir, map_location=self.device)
@@ -715,7 +722,7 @@ class NanoChatTrainer:
                              "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
         if kind == "dcp":
             tensors = {"rng_cpu": torch.get_rng_state()}
-            distributed.load_dcp(source, self.model, self.optimizer, tensors=tensors)
+            distributed.load_dcp(source, self.model, self.optimizer, tensors=tensors, verify=False)
             ckpt["rng"] = {"cpu": tensors["rng_cpu"]}
         elif self.dist.is_distributed and self.config.fsdp:
             distributed.load_full_state_dicts(self.model, self.optimizer, ckpt["model"], ckpt["optimizer"])
