@@ -155,9 +155,16 @@ def test_a_failing_compile_falls_back_to_eager_once(small_corpus, tmp_path, monk
 
     kw = dict(num_iterations=3, num_samples=0)
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no cached kernels
+    # no kernel compiled by an earlier test may be reused, from disk or from memory
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    from torch._inductor import codecache
+
+    for cache in ("PyCodeCache", "CppCodeCache", "CppPythonBindingsCodeCache", "CppWrapperCodeCache"):
+        if hasattr(getattr(codecache, cache, None), "cache_clear"):
+            getattr(codecache, cache).cache_clear()
     # inductor's own patch: monkeypatch's undo would leave cpp.cxx hidden for the later tests
-    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+    with inductor_config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}):
         result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "broken", compile=True, **kw)).train()
     compile_fallbacks = [f for f in result.fallbacks if f.startswith("compile:")]
     assert len(compile_fallbacks) == 1 and "--no_compile" in compile_fallbacks[0]
