@@ -7,13 +7,16 @@
 - Every op handler gives what the same op on `dequantize()` gives (slice, view, copy_, to, ...);
   an op outside the table raises NotImplementedError naming the op.
 - torch.compile traces a function taking an FP8Tensor (flatten/unflatten), equal to eager.
-- torch.save / torch.load(weights_only=True) round-trips codes and scales bit-exactly.
+- torch.save / torch.load(weights_only=True) round-trips codes and scales bit-exactly, and an
+  optimizer state saved by an earlier release (tests/data/fp8_optim_state.pt) still loads to the
+  values stored beside it.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,3 +158,17 @@ def test_save_load_weights_only_bit_exact(q):
     buf.seek(0)
     on_meta = torch.load(buf, weights_only=True, map_location="meta")["m"]
     assert on_meta.device.type == "meta" and on_meta.codes.device.type == "meta"
+
+
+def test_load_state_saved_by_earlier_release():
+    # saved by an earlier release; users' checkpoints hold this pickled form (a wrapper subclass
+    # rebuilt from its __dict__ of codes, scale, block_size), so it must keep loading unchanged
+    saved = torch.load(Path(__file__).parent / "data" / "fp8_optim_state.pt", weights_only=True)
+    st = saved["state"][0]
+    assert float(st["step"]) == 3.0
+    for name, fp8, block in (("exp_avg", E4M3, 128), ("exp_avg_sq_sqrt", E5M2, 64)):
+        m = st[name]
+        assert isinstance(m, FP8Tensor) and m.shape == (4, 64) and m.dtype == torch.float32
+        assert m.fp8_dtype == fp8 and m.block_size == block and m.scale.shape == (256 // block,)
+        assert torch.equal(m.dequantize(), saved["values"][name])
+        assert torch.equal(m.clone().dequantize(), saved["values"][name])  # usable, not just loaded
