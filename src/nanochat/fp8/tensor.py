@@ -1,37 +1,24 @@
 """FP8Tensor: a float32-looking tensor stored as FP8 codes plus one fp32 scale per block.
 
-It exists to hold optimizer state (Adam moments, SGD momentum) at ~1 byte per element. It is a
-*wrapper* subclass (`torch.Tensor._make_wrapper_subclass`): the outer tensor has no storage of
-its own and only carries the appearance (shape, dtype float32, device); the data lives in two
-inner tensors,
+It holds optimizer state (Adam moments, SGD momentum) at ~1 byte per element. It is a *wrapper*
+subclass: the outer tensor has no storage, only the appearance (shape, dtype float32, device);
+the data lives in two inner tensors,
 
     codes  [*shape]              float8_e4m3fn or float8_e5m2, same shape as the tensor
     scale  [numel // block_size] float32, one per block of the *flattened* tensor
 
-and element i dequantizes to `codes.flat[i].float() * scale[i // block_size]`.
+and element i dequantizes to `codes.flat[i].float() * scale[i // block_size]`. Blocks of 256
+with fp32 scale = absmax / max_finite: two FP8 moments cost 2.031 bytes per parameter and the
+largest element of a block is exact. `encode`/`decode` use int32 bit operations rather than
+`.to(torch.float8_*)` (same bits) because inductor vectorizes those on CPU; optim.py's fused step
+and its C kernel share the formulas. docs/fp8.md has the reasoning and the measurements.
 
-Why these choices
-- Block size 256 with fp32 scales: the scales cost 4/256 = 0.016 bytes per element, so two
-  FP8 moments take 2 * (1 + 4/256) = 2.031 bytes per parameter, under the 2.05 target. Block 128
-  would cost 2.0625 (over it); a bf16 or power-of-two scale would save 0.008-0.012 bytes but
-  rounds the scale, which makes the block's largest element saturate or lose precision. Smaller
-  blocks follow the data more closely; 256 is the smallest power of two that fits the budget.
-- Scale = absmax(block) / max_finite(format): the largest element lands on the format's largest
-  code (e4m3: 448, e5m2: 57344), so nothing saturates and the per-element error is the format's
-  rounding error: relative 2^-4 (e4m3, 3 mantissa bits) or 2^-3 (e5m2, 2 mantissa bits) for
-  values that land in the normal range; values below the smallest normal lose relative precision
-  and those under half the smallest subnormal flush to zero (the "zero-point problem" the
-  optimizer has to deal with for the second moment, see optim.py).
-- Encoding and decoding are written with integer bit manipulation (`encode`/`decode` below), not
-  with `.to(torch.float8_*)`: the bits are identical (tests check every code and every tie), but
-  on CPU inductor does not vectorize the float8 casts while it does vectorize int32 shifts, adds
-  and selects (decode + per-block sum of 16M codes, compiled: 29 ms with the cast, 13 ms with
-  the bit version, on a loaded 2-core box). optim.py's fused step and its C kernel use the same
-  formulas.
-
-The op table holds only what the optimizer, `state_dict`/`torch.save`/`torch.load`, `.to(device)`
-and distributed checkpointing need; every other op raises NotImplementedError naming the op,
-rather than silently dequantizing (which would hide a 4x memory blow-up in someone's loop).
+The subclass plumbing (flatten/unflatten for torch.compile and DTensor, the op table and its
+`implements`, detach/clone/alias, rebuilding through `_apply_fn_to_data`) is torchao's
+`TorchAOBaseTensor`, the base of torchao's own low-bit optimizer states. The op table holds only
+what the optimizer, `torch.save`/`torch.load(weights_only=True)`, `.to(device)` and distributed
+checkpointing need; every other op raises NotImplementedError naming the op, rather than
+silently dequantizing (which would hide a 4x memory blow-up in someone's loop).
 """
 
 from __future__ import annotations
@@ -40,7 +27,9 @@ import math
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import return_and_correct_aliasing
+
+from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
+from torchao.utils import TorchAOBaseTensor
 
 aten = torch.ops.aten
 
@@ -115,12 +104,12 @@ def _check_blocks(numel: int, block_size: int) -> None:
         )
 
 
-class FP8Tensor(torch.Tensor):
+class FP8Tensor(TorchAOBaseTensor):
     """Float32-looking tensor stored as FP8 `codes` (same shape) and fp32 `scale` per block."""
 
-    codes: torch.Tensor
-    scale: torch.Tensor
-    block_size: int
+    # the names torchao's base reads to flatten/unflatten, rebuild (_apply_fn_to_data) and print
+    tensor_data_names = ["codes", "scale"]
+    tensor_attribute_names = ["block_size", "dtype"]
 
     @staticmethod
     def __new__(cls, codes: torch.Tensor, scale: torch.Tensor, block_size: int,
@@ -140,11 +129,10 @@ class FP8Tensor(torch.Tensor):
                 f"{codes.numel()} elements in blocks of {block_size}; got {scale.dtype} "
                 f"{tuple(scale.shape)}"
             )
+        # these three are the instance __dict__ that torch.save pickles; keep the names
         self.codes = codes
         self.scale = scale
         self.block_size = block_size
-
-    # ---- constructors and conversion -------------------------------------------------------
 
     @classmethod
     def from_float(cls, x: torch.Tensor, *, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -178,72 +166,45 @@ class FP8Tensor(torch.Tensor):
         """Bytes actually held: codes plus scales."""
         return self.codes.numel() * self.codes.element_size() + self.scale.numel() * 4
 
+    # the base's repr prints every code; one line of metadata is what a state dict dump needs
     def __repr__(self) -> str:
         return (f"FP8Tensor(shape={tuple(self.shape)}, fp8={self.fp8_dtype}, "
                 f"block_size={self.block_size}, device={self.device})")
 
-    # ---- torch.compile: the subclass is traced through its inner tensors ------------------
-
-    def __tensor_flatten__(self):
-        return ["codes", "scale"], (self.block_size, self.dtype)
-
-    @classmethod
-    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
-        block_size, dtype = ctx
-        return cls(inner["codes"], inner["scale"], block_size, dtype)
-
-    # ---- dispatch --------------------------------------------------------------------------
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _OPS.get(func)
-        if handler is None:
+        # torchao's dispatcher raises without naming the way out; ours points to .dequantize()
+        table = cls._ATEN_OP_TABLE[cls]
+        if func not in table:
             raise NotImplementedError(
                 f"FP8Tensor does not implement {func}. It stores optimizer state; supported ops: "
-                f"{', '.join(sorted(str(op) for op in _OPS))}. Call .dequantize() to get a "
+                f"{', '.join(sorted(str(op) for op in table))}. Call .dequantize() to get a "
                 "float32 tensor for anything else."
             )
-        return handler(func, types, args, kwargs or {})
-
-
-_OPS: dict[object, Callable] = {}
+        return table[func](func, types, args, kwargs or {})
 
 
 def implements(ops: list) -> Callable:
-    """Register a handler for the given aten ops; registering an op twice is an error."""
+    """Register a handler in FP8Tensor's op table; an op that already has one is an error
+    (torchao's `FP8Tensor.implements` would silently replace it)."""
 
     def decorator(fn: Callable) -> Callable:
+        table = FP8Tensor._ATEN_OP_TABLE[FP8Tensor]
         for op in ops:
-            if op in _OPS:
-                raise RuntimeError(f"FP8Tensor: {op} is already implemented by {_OPS[op].__name__}")
-            _OPS[op] = fn
-        return fn
+            if op in table:
+                raise RuntimeError(f"FP8Tensor: {op} is already implemented by {table[op].__name__}")
+        return FP8Tensor.implements(ops)(fn)
 
     return decorator
 
 
-def _like(x: FP8Tensor, codes: torch.Tensor, scale: torch.Tensor) -> FP8Tensor:
-    return FP8Tensor(codes, scale, x.block_size, x.dtype)
+# detach, alias, clone and contiguous (DCP, state_dict helpers, deepcopy) come from torchao's
+# base, which applies the op to codes and scale; copy_ and _to_copy below replace the base's.
 
 
-# needed by Tensor.detach() in torch.distributed.checkpoint save/load and state_dict helpers
-@implements([aten.detach.default, aten.alias.default])
-def _detach(func, types, args, kwargs):
-    x = args[0]
-    return return_and_correct_aliasing(func, args, kwargs, _like(x, func(x.codes), func(x.scale)))
-
-
-# needed by copy.deepcopy / Tensor.clone() of an optimizer state (checkpoint snapshots)
-@implements([aten.clone.default])
-def _clone(func, types, args, kwargs):
-    x = args[0]
-    return _like(x, x.codes.clone(), x.scale.clone())
-
-
-# needed by load paths that copy into existing state (DCP load, FP8Optim level conversion)
-@implements([aten.copy_.default])
+# needed by load paths that copy into existing state (DCP load, FP8Optim level conversion);
+# replaces the base's, which copies only between FP8Tensors of identical format
+@FP8Tensor.implements([aten.copy_.default])
 def _copy(func, types, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, FP8Tensor):
@@ -260,8 +221,9 @@ def _copy(func, types, args, kwargs):
     return dst
 
 
-# needed by .to(device) and by Optimizer.load_state_dict (value.to(dtype=p.dtype, device=p.device))
-@implements([aten._to_copy.default])
+# needed by .to(device) and by Optimizer.load_state_dict (value.to(dtype=p.dtype, device=p.device));
+# replaces the base's, which ignores the dtype
+@FP8Tensor.implements([aten._to_copy.default])
 def _to_copy(func, types, args, kwargs):
     x = args[0]
     device = kwargs.get("device") or x.device
@@ -269,7 +231,7 @@ def _to_copy(func, types, args, kwargs):
     if dtype not in (torch.float32,):
         # the appearance dtype is float32 by construction; another dtype means "give me values"
         return x.dequantize().to(dtype=dtype, device=device)
-    return _like(x, x.codes.to(device), x.scale.to(device))
+    return x._apply_fn_to_data(lambda t: t.to(device))
 
 
 # needed by torch.empty_like(state, device=...) in DCP (planner_helpers materializes meta state)
@@ -277,7 +239,7 @@ def _to_copy(func, types, args, kwargs):
 def _empty_like(func, types, args, kwargs):
     x = args[0]
     device = kwargs.get("device") or x.device
-    return _like(x, torch.empty_like(x.codes, device=device), torch.empty_like(x.scale, device=device))
+    return x._apply_fn_to_data(lambda t: torch.empty_like(t, device=device))
 
 
 # needed by DCP save (it asks whether to pin before copying to CPU)
@@ -291,7 +253,7 @@ def _is_pinned(func, types, args, kwargs):
 @implements([aten.view.default])
 def _view(func, types, args, kwargs):
     x, shape = args[0], args[1]
-    return _like(x, x.codes.view(shape), x.scale)
+    return FP8Tensor(x.codes.view(shape), x.scale, x.block_size, x.dtype)
 
 
 # needed by DCP resharding (narrow_tensor_by_index -> slice along dim 0, block-aligned)
@@ -310,7 +272,8 @@ def _slice(func, types, args, kwargs):
             f"FP8Tensor slices only along dim 0 with step 1 on block boundaries (block_size="
             f"{x.block_size}, row of {row} elements); got dim={dim}, {start}:{end}:{step}"
         )
-    return _like(x, x.codes[start:end], x.scale[start * row // x.block_size:end * row // x.block_size])
+    blocks = slice(start * row // x.block_size, end * row // x.block_size)
+    return FP8Tensor(x.codes[start:end], x.scale[blocks], x.block_size, x.dtype)
 
 
 torch.serialization.add_safe_globals([FP8Tensor])
