@@ -10,6 +10,7 @@ What is checked against what:
   the dtype the mode asks for, and the high-precision casts of rowwise_with_gw_hp are not made;
 * kernels: the real `torch._scaled_mm` path (emulate=False, CPU reference kernel, shapes <= 64)
   against torchao's emulation, with the tolerance that kernel's output rounding explains;
+* `fsdp_float8_all_gather` reaching torchao's config and wrapping the weights (off by default);
 * the layer filter, the report, restore, state_dict round trips, `fp8_disabled`, the autocast
   policy, the fallback, training, and torch.compile against eager.
 """
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 import torchao.float8.float8_linear as ao_linear
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import compute_error
+from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 import nanochat.common as common
 from nanochat.config import TrainConfig
@@ -31,7 +33,7 @@ from nanochat.fp8 import (
     FP8Config, FP8Linear, apply_fp8, convert, detect, fp8_disabled, fp8_layers, fp8_report, is_fp8_model,
     restore_fp8,
 )
-from nanochat.fp8.linear import float8_linear_config
+from nanochat.fp8.linear import float8_linear_config, layers_to_convert
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -71,6 +73,31 @@ def test_from_flags_reads_train_config():
     # convert() accepts the TrainConfig itself too
     model = nn.Sequential(nn.Linear(128, 128))
     assert convert(model, cfg).config == c
+
+
+def test_fsdp_float8_all_gather_is_set_at_conversion():
+    """`fsdp_float8_all_gather` reaches torchao's config, and torchao wraps each converted weight
+    for FSDP2's FP8 all-gather (same values); off by default, the weight stays the same Parameter."""
+    model = _Mixed()
+    weights = {name: model.get_submodule(name).weight for name in ("c", "d", "small")}
+    report = convert(model, FP8Config(emulate=True, fsdp_float8_all_gather=True))
+    assert report.converted == ["c", "d"] == list(layers_to_convert(_Mixed(), emulate=True))
+    for name in ("c", "d"):
+        layer = model.get_submodule(name)
+        assert layer.config.enable_fsdp_float8_all_gather
+        assert type(layer.weight.data) is WeightWithDynamicFloat8CastTensor
+        assert layer.weight.requires_grad and torch.equal(layer.weight._tensor, weights[name])
+    assert model.small.weight is weights["small"]  # skipped layers are untouched
+
+    plain = _Mixed()
+    before = plain.c.weight
+    convert(plain, FP8Config(emulate=True))
+    assert not plain.c.config.enable_fsdp_float8_all_gather and plain.c.weight is before
+    assert not isinstance(plain.c.weight.data, WeightWithDynamicFloat8CastTensor)
+    with pytest.raises(ValueError, match="`fsdp_float8_all_gather` needs `recipe` tensorwise"):
+        FP8Config(recipe="rowwise", fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="`mode` auto"):
+        FP8Config(mode="auto", fsdp_float8_all_gather=True)
 
 
 # ------------------------------------------------------------------- formats reach torchao
@@ -195,10 +222,10 @@ def test_filter_skips_exactly_the_expected_layers():
     assert type(model.small) is nn.Linear and type(model.lm_head) is nn.Linear
     skipped = report.skipped
     assert set(skipped) == {"small", "odd", "sub", "lm_head"}
-    assert "< --fp8_min_dim 128" in skipped["small"]
+    assert "< `min_dim` 128" in skipped["small"]
     assert "divisible by 16" in skipped["odd"]
     assert "subclass" in skipped["sub"]
-    assert "--fp8_skip 'lm_head'" in skipped["lm_head"]
+    assert "`skip_fqns` 'lm_head'" in skipped["lm_head"]
     share = (128 * 256 + 256 * 256) / (64 * 256 + 100 * 256 + 128 * 256 + 256 * 256 * 2 + 256 * 512)
     assert report.fp8_flops_share == pytest.approx(share)
     assert report.summary().startswith(f"FP8 e4m3/tensorwise: 2 of 6 linear layers converted ({100 * share:.1f}% of")
@@ -294,7 +321,7 @@ def test_cpu_autocast_raises_and_fp8_disabled_allows_it():
     convert(model, emulate=True)
     x = torch.randn(8, 128)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match=r"torch.autocast\('cpu'\).*--dtype float32"):
+        with pytest.raises(RuntimeError, match=r"torch.autocast\('cpu'\).*without autocast \(fp32"):
             model(x)
         with fp8_disabled(model):
             assert model(x).dtype == torch.bfloat16
@@ -339,16 +366,16 @@ def test_fallback_warns_once_converts_nothing_and_trains():
     common.logger.addHandler(handler)
     try:
         model, x, target = _regression_task()
-        report = convert(model)  # CPU, no --fp8_emulate
+        report = convert(model)  # CPU, no emulate
         convert(_regression_task()[0])
     finally:
         common.logger.removeHandler(handler)
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "cpu" in warnings[0] and "--fp8_emulate" in warnings[0]
+    assert len(warnings) == 1 and "cpu" in warnings[0] and "`emulate`" in warnings[0]
     assert report.backend == "fallback" and report.converted == [] and not is_fp8_model(model)
     assert all(reason.startswith("no FP8 hardware") for reason in report.skipped.values())
     assert len(report.skipped) == 2
-    assert report.fallback.startswith("fp8: ") and "--fp8_emulate" in report.fallback
+    assert report.fallback.startswith("fp8: ") and "`emulate`" in report.fallback
     losses = _train(model, x, target)
     assert losses[-1] < 0.5 * losses[0]
 

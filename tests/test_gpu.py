@@ -17,7 +17,7 @@ What is checked against what:
   the bf16 nn.Linear (1 dB slack);
 * the hardware rules nanochat.fp8.hardware states: two e5m2 operands are refused by `_scaled_mm`
   on CUDA, one is not; natively `--fp8_mode e5m2` runs the nearest legal formats (e4m3 input and
-  weight, e5m2 gradients) and records a fallback naming --fp8_emulate; rowwise runs natively;
+  weight, e5m2 gradients) and records a fallback naming `emulate`; rowwise runs natively;
 * `--fp8_mode auto` calibration with hooks on CUDA tensors, then compile: the chosen formats are
   ones the CUDA kernels accept (hardware.native_gemm_problem), and the compiled model runs;
 * torch.compile against eager, FP8 MLP forward and backward: >= 30 dB from each other (inductor
@@ -109,7 +109,7 @@ def test_scaled_mm_refuses_two_e5m2_operands_but_not_one():
 def test_native_e5m2_mode_runs_the_nearest_legal_formats_and_rowwise_is_native_here():
     model = _linear()
     report = convert(model, FP8Config(mode="e5m2"))
-    assert report.backend == "native" and report.fallback and "--fp8_emulate" in report.fallback
+    assert report.backend == "native" and report.fallback and "`emulate`" in report.fallback
     assert fp8_choices(model) == {"0": {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}}
     out, grad_in, grad_w = _fwd_bwd(model, torch.randn(256, 512, device="cuda"),
                                     torch.randn(256, 1024, device="cuda"))

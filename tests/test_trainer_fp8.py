@@ -160,6 +160,7 @@ def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, caplog):
                                                  fp8_opt_level=1, num_samples=0)).train()
     assert result.fp8_backend == "fallback" and result.fp8_converted == []
     assert len(result.fallbacks) == 1 and "--fp8_emulate" in result.fallbacks[0]
+    assert "--fp8_skip 'lm_head'" in result.fp8_skipped["lm_head"]  # fp8's `skip_fqns`, as the CLI names it
     losses = [r["loss"] for r in _records(tmp_path / "fb") if "step" in r]
     assert losses[-1] < losses[0]
     assert result.optimizer_state_bytes < 8 * result.num_params  # FP8 moments work without FP8 matmuls

@@ -38,7 +38,8 @@ FP8_FLAGS = {
     "stats_every": "fp8_stats_every", "max_overflows": "fp8_max_overflows",
 }
 """FP8Config field -> the flag that sets it. The flags are generated from FP8Config (type, help
-text, validation); only their names, `-f` and `--fp8`'s default (off) are the CLI's own."""
+text, validation); only their names, `-f` and `--fp8`'s default (off) are the CLI's own. A field
+without a flag (`fsdp_float8_all_gather`) is decided by the trainer, not the user."""
 
 
 def flag_text(text: str) -> str:
@@ -62,6 +63,8 @@ def _fp8_flags() -> type:
     hints, docs = typing.get_type_hints(FP8Config), _attribute_docs(FP8Config)
     fields = []
     for f in dataclasses.fields(FP8Config):
+        if f.name not in FP8_FLAGS:
+            continue
         arg = tyro.conf.arg(help=flag_text(docs[f.name]), aliases=("-f",) if f.name == "enabled" else None)
         default = False if f.name == "enabled" else f.default
         fields.append((FP8_FLAGS[f.name], Annotated[hints[f.name], arg], dataclasses.field(default=default)))

@@ -10,9 +10,9 @@ rank; FSDP2 (`fully_shard` per block, then the root) shards parameters, gradient
 state along dim 0.
 
 Under FSDP2 with tensorwise FP8 and one weight format, weights are all-gathered in FP8
-(torchao's `WeightWithDynamicFloat8CastTensor`; same numerics, a quarter of fp32's bytes);
-otherwise the run header says why not. Evaluation under FSDP runs on an unsharded
-high-precision copy (`full_copy`).
+(torchao's `WeightWithDynamicFloat8CastTensor`, chosen at conversion by
+`FP8Config.fsdp_float8_all_gather`; same numerics, a quarter of fp32's bytes); otherwise the run
+header says why not. Evaluation under FSDP runs on an unsharded high-precision copy (`full_copy`).
 
 Distributed runs checkpoint with DCP (`<run_dir>/checkpoint_dcp/step-N/` plus a LATEST pointer
 replaced atomically): every rank writes its shards, and a checkpoint loads into any world size.
@@ -33,7 +33,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from nanochat.checkpoint import file_problem, file_sha256
 from nanochat.common import DistEnv, NanoChatError, dist_env, fsync_path, write_atomic
+
+if TYPE_CHECKING:
+    from nanochat.fp8.config import FP8Config
 
 DCP_DIRNAME = "checkpoint_dcp"
 LATEST = "LATEST"
@@ -166,58 +169,29 @@ def local_numel(p: torch.Tensor) -> int:
 
 
 # --------------------------------------------------------------------------- FP8 all-gather
-def fp8_all_gather_problem(model: nn.Module, *, fsdp: bool) -> str | None:
-    """None if the FP8 layers of `model` can all-gather their weights in FP8, else why not."""
-    from torchao.float8.config import ScalingGranularity, ScalingType
-    from torchao.float8.float8_linear import Float8Linear
+def fp8_all_gather_problem(model: nn.Module, config: FP8Config, *, fsdp: bool) -> str | None:
+    """None if the layers `convert(model, config)` will make FP8 can all-gather their weights in
+    FP8 under FSDP2, else why not. Asked before converting: the answer is the FP8Config's
+    `fsdp_float8_all_gather`, which torchao applies at conversion (the weights are wrapped then)."""
+    from nanochat.fp8.linear import layers_to_convert
 
     if not fsdp or not is_distributed():
         return "only under FSDP (--fsdp with torchrun)"
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    layers = layers_to_convert(model, config)
     if not layers:
         return "no FP8 layers"
-    for m in layers:
-        cast = m.config.cast_config_weight
-        tensorwise = cast.scaling_granularity is ScalingGranularity.TENSORWISE
-        if cast.scaling_type is not ScalingType.DYNAMIC or not tensorwise:
-            return "needs the tensorwise recipe (one scale per weight); rowwise all-gathers fp32"
-    if len({m.config.cast_config_weight.target_dtype for m in layers}) > 1:
-        return "weights use different FP8 formats (--fp8_mode auto); one format is needed"
+    if config.recipe != "tensorwise":
+        return "needs the tensorwise recipe (one scale per weight); rowwise all-gathers fp32"
     world = dist.get_world_size()
-    uneven = [name for name, m in model.named_modules()
-              if isinstance(m, Float8Linear) and m.weight.shape[0] % world]
+    uneven = [name for name, m in layers.items() if m.weight.shape[0] % world]
     if uneven:
         # torchao 0.18 returns the last rank's shorter shard unpadded from its all-gather hook, and
         # the collective fails (pytorch/ao#3982; measured: d2 at 3 ranks, gloo size mismatch)
         return (f"{len(uneven)} FP8 weights (e.g. {uneven[0]}) have rows not divisible by {world} "
                 "ranks, which torchao's FP8 all-gather does not pad (pytorch/ao#3982)")
+    if config.mode == "auto":
+        return "--fp8_mode auto may give layers different weight formats after calibration"
     return None
-
-
-def enable_fp8_all_gather(model: nn.Module) -> int:
-    """Make every FP8 layer's weight all-gather in FP8 under FSDP2; call before `wrap_model`,
-    and before building the optimizer (the weights become new Parameters). Returns the count.
-
-    This is what torchao's Float8Linear.from_float does with `enable_fsdp_float8_all_gather`:
-    the weight is wrapped in WeightWithDynamicFloat8CastTensor, whose fsdp_pre_all_gather hook
-    casts this rank's shard to FP8 with the scale of the whole weight.
-    """
-    import dataclasses
-
-    from torchao.float8.float8_linear import Float8Linear
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
-    n = 0
-    for m in model.modules():
-        if isinstance(m, Float8Linear) and not isinstance(m.weight, WeightWithDynamicFloat8CastTensor):
-            m.config = dataclasses.replace(m.config, enable_fsdp_float8_all_gather=True)
-            m.weight = nn.Parameter(
-                WeightWithDynamicFloat8CastTensor(m.weight.data, m.linear_mm_config,
-                                                  m.config.cast_config_weight.target_dtype),
-                requires_grad=m.weight.requires_grad,
-            )
-            n += 1
-    return n
 
 
 def _has_fp8_all_gather(model: nn.Module) -> bool:
@@ -559,7 +533,7 @@ def _fsync_tree(root: Path) -> None:
 __all__ = [
     "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
-    "fp8_all_gather_problem", "enable_fp8_all_gather", "full_copy",
+    "fp8_all_gather_problem", "full_copy",
     "dcp_root", "dcp_step", "list_dcp", "latest_dcp", "clean_interrupted_dcp", "dcp_problem", "verify_dcp",
     "last_good_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
     "DCP_DIRNAME", "LATEST", "MANIFEST_NAME",

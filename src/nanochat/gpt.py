@@ -5,34 +5,19 @@ One forward pass, top to bottom:
     idx (B, T) -> wte -> [norm] -> n_layer x Block -> norm -> lm_head -> [softcap] -> logits (B, T, V)
     Block:  x = x + attn(norm(x));  x = x + mlp(norm(x))          (pre-norm residual stream)
 
-nanochat's choices, the defaults of `GPTConfig`:
-- RMSNorm without a learned weight (`F.rms_norm`): one fewer thing to tune and to decay; the
-  matrices that follow the norm can absorb any per-channel scale.
-- Rotary position embeddings (RoPE), then QK-norm on queries and keys (nanochat's order): the
-  attention logits stay bounded, which is what lets a small model train at a high learning rate.
-- Grouped-query attention when `n_kv_head < n_head` (keys/values shared by groups of heads).
-- ReLU^2 MLP (`relu(x)**2`, from the Primer paper): as good as GELU at this scale and cheaper.
-- Untied `lm_head` and a logit softcap `softcap * tanh(logits / softcap)` (Gemma 2): the output
-  cannot run away early in training.
-- No biases anywhere.
+nanochat's choices, the defaults of `GPTConfig`: RMSNorm without a learned weight; RoPE, then
+QK-norm on queries and keys (bounded attention logits, so a small model trains at a high learning
+rate); grouped-query attention when `n_kv_head < n_head`; a ReLU^2 MLP; an untied `lm_head` with
+a logit softcap; no biases. The extra `GPTConfig` fields run Llama-family checkpoints with the
+same code (`hf.py`): one model class, so FP8 conversion, the trainer and generation treat both
+alike.
 
-The same code also runs Llama-family checkpoints (Llama 2/3, Mistral, Qwen2; see `hf.py`): the
-extra `GPTConfig` fields switch on a SwiGLU MLP, learned norm weights, q/k/v biases, tied
-embeddings and Llama 3 rope scaling, and switch off QK-norm, the embedding norm and the softcap.
-Extending one model was chosen over a second model class so that the FP8 conversion, the trainer
-and generation treat both the same way.
+Every projection is a plain `nn.Linear` called as a module: `nanochat.fp8` finds them from
+outside and swaps them for torchao's `Float8Linear`; this file never imports `nanochat.fp8`.
+Parameters are fp32 master weights (the trainer adds bf16 autocast on CUDA) and the loss is always
+computed in fp32. `model.activation_checkpointing = True` recomputes each block in the backward.
 
-Every projection is a plain `nn.Linear` called as a module. That is what FP8 training relies on:
-`nanochat.fp8` finds the Linear modules from outside and swaps them for torchao `Float8Linear`;
-this file never imports `nanochat.fp8`.
-
-Activation checkpointing (`model.activation_checkpointing = True`, --activation_checkpointing):
-each block keeps only its input and is recomputed in the backward; the same gradients for a
-second forward's cost (`nanochat.memory` plans the memory it saves).
-
-Dtypes: the parameters are fp32 master weights. On CUDA the trainer runs the forward pass under
-bf16 autocast, on CPU in fp32; nothing here hard-codes an activation dtype, and the loss is
-always computed in fp32.
+Each choice with its reason, the Llama switches, checkpointing and dtypes in full: docs/model.md.
 """
 
 from __future__ import annotations

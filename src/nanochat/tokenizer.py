@@ -1,39 +1,24 @@
 """The BPE tokenizer: trained with rustbpe, encoded with tiktoken, stored as plain data.
 
-A byte-level BPE tokenizer turns text into integers in two stages. A regex (the *split pattern*)
-first cuts the text into chunks — words with their leading space, runs of digits, runs of
-punctuation, whitespace — so that no merge ever crosses, say, a word and the comma after it.
-Each chunk's UTF-8 bytes then start as 256 byte tokens and are merged pairwise, in the order the
-merges were learned, into longer tokens. Because every byte is a token, *any* string can be
-encoded and decoding is byte-exact: there is no "unknown" token.
+Byte-level BPE in two stages: a regex (the *split pattern*) cuts text into chunks (words with
+their leading space, digit runs, punctuation, whitespace) so that no merge crosses a chunk
+boundary; each chunk's UTF-8 bytes then merge pairwise, in learned order, into longer tokens.
+Every byte is a token, so any string encodes and decoding is byte-exact: no "unknown" token.
 
-Two libraries, one job each (the split karpathy/nanochat uses, for the same reasons):
-  * rustbpe trains: it counts chunk frequencies in parallel and learns merges fast — a
-    4096-token vocabulary on the 12 MB default corpus takes ~1.5 s on 2 CPU cores (measured
-    with `scripts/tok_train.py`, which prints the time). Its `encode` is a simple reference.
-  * tiktoken encodes: given the learned ranks (token bytes -> id, lower id = earlier merge) it
-    is a fast, battle-tested encoder with a multi-threaded batch API. Training with tiktoken is
-    not possible and encoding with rustbpe is slower, hence the pair.
+Two libraries, one job each (karpathy/nanochat's split): rustbpe trains (in parallel: a 4096-token
+vocabulary on the default corpus in ~1.5 s on 2 CPU cores), tiktoken encodes (a fast batch
+encoder from the learned ranks, which cannot train).
 
-Split pattern: GPT-4's (cl100k) pattern with one change, digits are grouped in runs of at most
-two (`\\p{N}{1,2}`) instead of three. With a small vocabulary (4096 by default) the 1,110 possible
-1-3 digit groups would compete with words for merges in number-heavy text (logs, tables); two-
-digit groups cap that at 110. This is karpathy/nanochat's choice, for the same reason. Measured
-on the default corpus (stdlib sources, 4096 vocab, trained on the train split): 3.452 bytes/token
-on validation with {1,2} against 3.464 with {1,3}, a 0.4% difference — code has few numbers, so
-here the choice barely matters; it is made for the user corpora that do.
+The split pattern is GPT-4's with digits grouped in runs of at most two (`\\p{N}{1,2}`), so a
+small vocabulary does not spend its merges on 1,110 digit groups in number-heavy text.
 
-Special tokens get the ids after the learned vocabulary. Only `<|bos|>` is used by pretraining
-(it starts every document, see `nanochat.data.tokenize_docs`); three chat markers are reserved
-so a later chat fine-tune does not change the vocabulary size. Four specials, so the smallest
-vocabulary is 256 bytes + 4 = 260, the minimum `nanochat.config` enforces. Text that merely
-*contains* the characters "<|bos|>" is encoded as ordinary text (tiktoken's `encode_ordinary`):
-a document must never be able to inject a control token.
+Special tokens follow the learned vocabulary: `<|bos|>` starts every document and three chat
+markers are reserved (the smallest vocabulary is 256 + 4 = 260). Text that merely contains
+"<|bos|>" is encoded as ordinary text: a document can never inject a control token.
 
-On disk a tokenizer is data, never a pickle: `tokenizer.tiktoken` (tiktoken's text format, one
-`base64(token_bytes) rank` line per token) and `tokenizer_meta.json` (pattern, specials, format
-version, fingerprint). Loading checks the fingerprint, so a truncated or edited file is an error,
-not a silently different vocabulary.
+On disk a tokenizer is data, never a pickle: `tokenizer.tiktoken` (one `base64(bytes) rank` line
+per token) and `tokenizer_meta.json`, whose fingerprint is checked at load, so a truncated or
+edited file is an error. The reasons and the measurements in full: docs/tokenizer.md.
 """
 
 from __future__ import annotations
@@ -52,7 +37,7 @@ from tqdm import tqdm
 
 from nanochat.common import UsageError, write_atomic
 
-# GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (see the module docstring).
+# GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (docs/tokenizer.md).
 SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
     r"""\s*[\r\n]|\s+(?!\S)|\s+"""

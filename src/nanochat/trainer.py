@@ -160,6 +160,8 @@ class NanoChatTrainer:
     """`dist_model` compiled (or with its blocks compiled in place); compiled steps call it."""
     fp8: FP8Training
     """FP8's side of the loop (conversion, calibration, statistics, non-finite steps, counters)."""
+    fp8_all_gather_problem: str | None
+    """Under FSDP with FP8: why weights do not all-gather in FP8 (None: they do, or no FSDP)."""
     optimizer: torch.optim.Optimizer
     tokenizer: Tokenizer | HFTokenizer
     loader: TokenBatches
@@ -321,7 +323,13 @@ class NanoChatTrainer:
             self.model = GPT(model_config).to(self.device)
             self.model.init_weights()
         self.model.activation_checkpointing = cfg.activation_checkpointing
-        self.fp8 = FP8Training(self.model, cfg.fp8_config())
+        fp8_config = cfg.fp8_config()
+        self.fp8_all_gather_problem = None
+        if cfg.fp8 and cfg.fsdp and self.dist.is_distributed:
+            # decided before converting: torchao wraps the weights for FSDP2's FP8 all-gather then
+            self.fp8_all_gather_problem = distributed.fp8_all_gather_problem(self.model, fp8_config, fsdp=True)
+            fp8_config = dataclasses.replace(fp8_config, fsdp_float8_all_gather=self.fp8_all_gather_problem is None)
+        self.fp8 = FP8Training(self.model, fp8_config)
 
     def _setup_optimizer(self) -> None:
         """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it with --fp8."""
@@ -431,15 +439,12 @@ class NanoChatTrainer:
         kind = "fsdp" if cfg.fsdp else "ddp"
         self.parallel = f"{kind} x{self.dist.world_size} ({distributed.backend_name()})"
         if cfg.fsdp and self.fp8.has_fp8_layers:
-            problem = distributed.fp8_all_gather_problem(self.model, fsdp=True)
-            if problem is None and cfg.fp8_mode == "auto":
-                problem = "--fp8_mode auto may give layers different weight formats after calibration"
-            if problem is None:
-                n = distributed.enable_fp8_all_gather(self.model)
+            if self.fp8.config.fsdp_float8_all_gather:
+                n = len(self.fp8.report.converted)
                 self.parallel += (f", fp8 all-gather on ({n} layers' weights all-gathered in "
                                   f"{cfg.fp8_mode}, scales precomputed after each optimizer step)")
             else:
-                self.parallel += f", fp8 all-gather off: {problem}"
+                self.parallel += f", fp8 all-gather off: {self.fp8_all_gather_problem}"
         return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device,
                                       blocks=self.model.transformer.h)
 
@@ -495,10 +500,10 @@ class NanoChatTrainer:
                           f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
         ]
         if self.fp8.report is not None:
-            rows.append(["fp8", self.fp8.report.summary()])
+            rows.append(["fp8", flag_text(self.fp8.report.summary())])
         print0(format_table(["run", ""], rows))
         if self.fp8.report is not None:
-            print0(self.fp8.report.table())
+            print0(self.fp8.report.table(flag_text))
             if cfg.fp8_opt_level:
                 print0(self.optimizer.summary())
             print0("fp8: evaluation and sampling run in high precision ("
@@ -957,7 +962,7 @@ class NanoChatTrainer:
             num_params=self.model.num_params(),
             fp8_backend=report.backend if report is not None else "off",
             fp8_converted=list(report.converted) if report is not None else [],
-            fp8_skipped=dict(report.skipped) if report is not None else {},
+            fp8_skipped={n: flag_text(why) for n, why in report.skipped.items()} if report is not None else {},
             fp8_choices=self.fp8.choices,
             fp8_stats=fp8_stats,
             samples=self.sample(cfg.num_samples) if cfg.num_samples else [],

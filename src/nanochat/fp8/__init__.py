@@ -27,7 +27,7 @@ _EXPORTS = {
     "FP8Backend": "hardware", "detect": "hardware", "native_gemm_problem": "hardware",
     "ConversionReport": "linear", "FP8Linear": "linear", "LayerReport": "linear", "apply_fp8": "linear",
     "convert": "linear", "fp8_disabled": "linear", "fp8_layers": "linear", "fp8_report": "linear",
-    "is_fp8_model": "linear", "restore_fp8": "linear",
+    "is_fp8_model": "linear", "layers_to_convert": "linear", "restore_fp8": "linear",
     "AutoCalibration": "auto", "apply_fp8_choices": "auto", "fp8_choices": "auto",
     "recheck_choices": "auto", "start_auto_calibration": "auto",
     "CastStats": "stats", "FP8StatsSampler": "stats", "collect_fp8_stats": "stats",

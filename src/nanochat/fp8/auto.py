@@ -182,7 +182,7 @@ otherwise flip back and forth (each flip of a compiled model costs a recompile).
 def recheck_choices(model: nn.Module, measured: dict[str, dict[str, dict[str, CastCounts]]],
                     pending: dict[str, int], *, confirm: int = RECHECK_CONFIRM, tie_db: float = TIE_DB,
                     underflow_margin_pct: float = UNDERFLOW_MARGIN_PCT) -> list[dict]:
-    """`--fp8_auto_recheck_every`: after calibration, apply the same rule (1-3 above, with the
+    """`auto_recheck_every`: after calibration, apply the same rule (1-3 above, with the
     incumbent's hysteresis, see `choose_format`) to a later step's measurement of both formats
     (`FP8StatsSampler(both_formats=True).format_counts()`).
 

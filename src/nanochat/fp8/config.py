@@ -74,6 +74,14 @@ class FP8Config:
     """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
     such step is skipped); the last good checkpoint stays intact."""
 
+    fsdp_float8_all_gather: bool = False
+    """Under FSDP2, all-gather each converted weight already in FP8 (torchao's
+    `enable_fsdp_float8_all_gather`): a quarter of fp32's bytes, the same numerics, since the scale
+    comes from the whole weight. Needs `recipe` tensorwise and one weight format (not `mode` auto).
+    Set by whoever shards the model, before converting: the converted weights become new
+    Parameters, so build the optimizer after conversion. Not a command-line flag: nanochat's
+    trainer sets it when it shards with FSDP2 and these conditions hold."""
+
     def __post_init__(self) -> None:
         # Messages name fields as `field`: the CLI shows them as its flags (nanochat.config).
         if self.mode not in MODES:
@@ -97,6 +105,12 @@ class FP8Config:
         if self.auto_recheck_every and self.mode != "auto":
             raise ValueError("`auto_recheck_every` re-checks the formats of `mode` auto; use `mode` auto "
                              f"or drop it (mode is {self.mode})")
+        if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
+            raise ValueError(f"`fsdp_float8_all_gather` needs `recipe` tensorwise (one scale per weight); "
+                             f"recipe {self.recipe} scales per row, so its weights all-gather in high precision")
+        if self.fsdp_float8_all_gather and self.mode == "auto":
+            raise ValueError("`fsdp_float8_all_gather` needs one weight format for every layer; `mode` auto "
+                             "may choose per layer: use `mode` e4m3 or e5m2, or leave it off")
         for name, least in (("auto_steps", 1), ("auto_recheck_every", 0), ("stats_every", 0), ("max_overflows", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"`{name}` must be >= {least}{' (0: off)' if least == 0 else ''}, "

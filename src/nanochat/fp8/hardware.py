@@ -1,39 +1,23 @@
 """What this device can do with FP8 matmuls: native kernels, emulation, or nothing (fallback).
 
-FP8 training needs a GEMM that reads FP8 operands. In torch that is `torch._scaled_mm`, and the
-kernels behind it set the rules below. Each rule names the torch source it comes from, so it can
-be re-checked when torch moves (this file is written against torch 2.11-2.13):
+FP8 training needs a GEMM that reads FP8 operands: `torch._scaled_mm`, whose kernels set the
+rules below (written against torch 2.11-2.13; docs/fp8.md names the torch source of each, to
+re-check when torch moves):
 
-* **Native needs CUDA compute capability >= 8.9** (Ada sm_89, Hopper sm_90, Blackwell sm_100 /
-  sm_120): the first NVIDIA GPUs with FP8 tensor cores. torch's own test suite gates FP8 on the
-  same line (`torch/testing/_internal/common_cuda.py`, `evaluate_platform_supports_fp8`:
-  `SM90OrLater or capability == (8, 9)`).
-* **Rowwise scaling** (`--fp8_recipe rowwise | rowwise_with_gw_hp`) runs its forward GEMM on a
-  CUTLASS kernel (`aten/src/ATen/native/cuda/RowwiseScaledMM.cu`, `dispatch_fp8_rowwise_kernel_on_sm`)
-  that accepts sm_89, 9.x, 10.x, 11.x and 12.x and fails anything else with "Rowwise scaling is not
-  currently supported on your device"; it is not built on Windows or ROCm (`BUILD_ROWWISE_FP8_KERNEL`).
-  Older torch releases had only the sm_90 kernel, which is where the common "rowwise needs
-  Hopper" rule comes from; the torch we support also has the sm_89 one. The same kernel requires
-  its second operand (the weight) in e4m3 (`check_inputs`: `b.dtype() == kFloat8_e4m3fn`).
-* **No GEMM may have both operands in e5m2**: cuBLASLt, behind tensorwise `_scaled_mm` (and behind
-  torchao's rowwise backward GEMMs, which use the tensorwise kernel and rescale afterwards), has no
-  e5m2 x e5m2 kernel; torch checks it up front ("Multiplication of two Float8_e5m2 matrices is not
-  supported", `aten/src/ATen/native/cuda/ScaledBlas.cpp`, CUDA only). On CPU every pairing runs
-  (measured: `tests/test_fp8_linear.py::test_scaled_mm_cpu_accepts_every_operand_pairing`), so
-  this limit shows up only on a GPU; `native_gemm_problem` states it before a run starts.
-* **ROCm** is not run natively: MI300 uses the fnuz FP8 formats (`float8_e4m3fnuz`,
-  `float8_e5m2fnuz`: no negative zero, different max), torchao switches dtypes for it
-  (`torchao.float8.config.Float8TypeConfig`), and nanochat's modes, statistics and tests are written
-  for the OCP formats. Until that is tested, ROCm falls back (and `--fp8_emulate` works there).
-* **CPU and MPS** have no FP8 matmul hardware: `_scaled_mm` on CPU is a reference loop (~0.12
-  GFLOP/s measured on a 2-core x86 CPU), MPS has none. They fall back, unless `--fp8_emulate`.
+* native needs CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell), torch's own FP8 gate;
+* rowwise scaling (`recipe` rowwise | rowwise_with_gw_hp) runs on a CUTLASS kernel for sm_89 and
+  sm_9x-12x, not on Windows or ROCm, and needs the weight in e4m3;
+* no GEMM may have both operands in e5m2 (cuBLASLt has no such kernel; on CPU every pairing runs),
+  which `native_gemm_problem` states before a run starts;
+* ROCm falls back (MI300's fnuz formats are not yet supported), and so do CPU and MPS, which
+  have no FP8 matmul hardware.
 
-`emulate=True` is always honoured: torchao then dequantizes the FP8 operands and runs an ordinary
-high-precision matmul, which reproduces FP8 rounding exactly (the accumulation is fp32 instead of
-the tensor core's) on any device, slowly.
+`emulate=True` is always honoured: torchao dequantizes the FP8 operands and runs an ordinary
+high-precision matmul, which reproduces FP8 rounding exactly (fp32 accumulation instead of the
+tensor core's) on any device, slowly.
 
-A fallback is never silent: `linear.convert` logs it once and hands the reason to the trainer,
-which records it in `TrainResult.fallbacks`.
+A fallback is never silent: `linear.convert` logs it once and puts the reason in its report
+(`ConversionReport.fallback`) for the caller to record.
 """
 
 from __future__ import annotations
@@ -45,7 +29,7 @@ from typing import Literal
 
 import torch
 
-# Capability rules, with their sources in the module docstring.
+# Capability rules; their torch sources are listed in docs/fp8.md.
 MIN_NATIVE_CAPABILITY = (8, 9)
 ROWWISE_MAJORS = (9, 10, 11, 12)  # plus exactly (8, 9)
 
@@ -76,7 +60,7 @@ def _device_name(device: torch.device) -> tuple[str, tuple[int, int] | None]:
 
 
 def rowwise_supported(capability: tuple[int, int]) -> bool:
-    """Whether torch's CUTLASS rowwise FP8 kernel runs on this capability (see module docstring)."""
+    """Whether torch's CUTLASS rowwise FP8 kernel runs on this capability (docs/fp8.md)."""
     return (capability == (8, 9) or capability[0] in ROWWISE_MAJORS) and sys.platform != "win32"
 
 
@@ -87,7 +71,7 @@ def detect(device: torch.device | str, *, emulate: bool, recipe: str = "tensorwi
     if emulate:
         return FP8Backend(
             "emulated",
-            f"--fp8_emulate: FP8 rounding simulated with high-precision matmuls on {name} "
+            f"`emulate`: FP8 rounding simulated with high-precision matmuls on {name} "
             "(same numerics as FP8 kernels up to accumulation order; slow, for tests and studies)",
             name, capability,
         )
@@ -95,7 +79,7 @@ def detect(device: torch.device | str, *, emulate: bool, recipe: str = "tensorwi
     def fallback(what: str) -> FP8Backend:
         return FP8Backend(
             "fallback",
-            f"{what}; training continues in high precision. Use --fp8_emulate to run FP8 numerics "
+            f"{what}; training continues in high precision. Set `emulate` to run FP8 numerics "
             "anyway (slow), or a CUDA GPU with compute capability 8.9+ (Ada, Hopper, Blackwell).",
             name, capability,
         )
@@ -119,7 +103,7 @@ def detect(device: torch.device | str, *, emulate: bool, recipe: str = "tensorwi
             return fallback(
                 f"{name} (sm_{capability[0]}{capability[1]}) has no rowwise-scaled FP8 kernel in torch "
                 f"(torch's rowwise kernel runs on sm_89, sm_9x-12x, not on Windows); "
-                f"--fp8_recipe {recipe} cannot run natively, --fp8_recipe tensorwise can"
+                f"`recipe` {recipe} cannot run natively, `recipe` tensorwise can"
             )
         return FP8Backend(
             "native",
@@ -147,7 +131,7 @@ def native_gemm_problem(dtypes: dict[str, torch.dtype], *, recipe: str) -> str |
     """Why torch's CUDA FP8 kernels would refuse these per-role dtypes, or None if they run.
 
     `dtypes` maps role (input, weight, grad_output) to its FP8 dtype. The rules and their sources
-    are in the module docstring; rowwise_with_gw_hp keeps the grad_weight GEMM in high precision,
+    are in docs/fp8.md; rowwise_with_gw_hp keeps the grad_weight GEMM in high precision,
     so that GEMM sets no constraint there.
     """
     e5 = torch.float8_e5m2

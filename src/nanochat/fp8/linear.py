@@ -15,8 +15,10 @@ than the FP8 GEMM saves). Only plain `nn.Linear` converts.
 Modules are swapped for `FP8Linear` (torchao's `Float8Linear` plus an `fp8_enabled` switch for
 `fp8_disabled`, and an autocast check: FP8 layers run without autocast or under CUDA bf16
 autocast only, and say so otherwise). Swapping keeps the same Parameter objects, so optimizer
-state, tied weights and state_dict keys are untouched. Convert before torch.compile; converting
-twice is a no-op. The reasons and measurements behind each rule: docs/fp8.md.
+state, tied weights and state_dict keys are untouched (except with `fsdp_float8_all_gather`:
+torchao wraps each weight in a new Parameter, so build the optimizer after converting). Convert
+before torch.compile; converting twice is a no-op. The reasons and measurements behind each
+rule: docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextlib
 import dataclasses
 import fnmatch
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Callable, Iterator, Literal
 
 import torch
 import torch.nn as nn
@@ -37,7 +39,7 @@ from torchao.float8.float8_linear import Float8Linear
 
 from nanochat.common import format_table, warn_once
 from nanochat.fp8.config import HYBRID, ROLES, FP8Config
-from nanochat.fp8.hardware import detect, native_gemm_problem
+from nanochat.fp8.hardware import FP8Backend, detect, native_gemm_problem
 from nanochat.fp8.tensor import DTYPE_NAMES, FP8_DTYPES
 
 # Float8LinearConfig's six cast fields, by the role whose tensor each one casts.
@@ -48,10 +50,14 @@ CAST_FIELDS = {
 }
 
 
-def float8_linear_config(recipe: str, dtypes: dict[str, str], *, emulate: bool) -> Float8LinearConfig:
-    """torchao's config for `recipe` with each role's casts retargeted to `dtypes[role]`."""
+def float8_linear_config(recipe: str, dtypes: dict[str, str], *, emulate: bool,
+                         fsdp_float8_all_gather: bool = False) -> Float8LinearConfig:
+    """torchao's config for `recipe` with each role's casts retargeted to `dtypes[role]`;
+    `fsdp_float8_all_gather` makes Float8Linear.from_float wrap each weight for FSDP2's FP8
+    all-gather (torchao's WeightWithDynamicFloat8CastTensor)."""
     base = Float8LinearConfig.from_recipe_name(recipe)
-    return dataclasses.replace(with_dtypes(base, dtypes), emulate=emulate)
+    return dataclasses.replace(with_dtypes(base, dtypes), emulate=emulate,
+                               enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
 
 
 def with_dtypes(config: Float8LinearConfig, dtypes: dict[str, str]) -> Float8LinearConfig:
@@ -81,16 +87,16 @@ def _check_autocast(name: str) -> None:
         raise RuntimeError(
             f"FP8 layer {name!r} ran under torch.autocast({where!r}). torchao's Float8Linear only "
             "handles CUDA autocast, so its FP8 numerics would be mixed with a second precision "
-            "policy. nanochat runs FP8 layers without autocast (fp32 master weights; use --dtype "
-            "float32, the CPU default) or under torch.autocast('cuda', dtype=torch.bfloat16); wrap "
-            "high-precision work (evaluation, generation) in nanochat.fp8.fp8_disabled(model)."
+            "policy. nanochat runs FP8 layers without autocast (fp32 master weights and compute) or "
+            "under torch.autocast('cuda', dtype=torch.bfloat16); wrap high-precision work "
+            "(evaluation, generation) in nanochat.fp8.fp8_disabled(model)."
         )
     if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != torch.bfloat16:
         raise RuntimeError(
             f"FP8 layer {name!r} ran under CUDA autocast with {torch.get_autocast_dtype('cuda')}. "
             "nanochat's FP8 layers support bfloat16 autocast only (fp16 would cast FP8 GEMM outputs "
             "to a format that overflows at 65504, with no loss scaling): use "
-            "torch.autocast('cuda', dtype=torch.bfloat16) or --dtype bfloat16."
+            "torch.autocast('cuda', dtype=torch.bfloat16) or no autocast."
         )
 
 
@@ -169,16 +175,18 @@ class ConversionReport:
                 f"({100 * self.fp8_flops_share:.1f}% of linear FLOPs in FP8), "
                 f"backend {self.backend}: {self.reason}")
 
-    def table(self) -> str:
-        rows = [[la.name, f"{la.in_features}->{la.out_features}", la.status, la.reason]
+    def table(self, text: Callable[[str], str] = str) -> str:
+        """Per-layer table; `text` rewrites each reason (a CLI passes one that shows `field` as
+        its flag, e.g. nanochat.config.flag_text)."""
+        rows = [[la.name, f"{la.in_features}->{la.out_features}", la.status, text(la.reason)]
                 for la in self.layers]
         return format_table(["layer", "shape (in->out)", "fp8", "formats / reason"], rows)
 
 
-def _skip_reason(name: str, layer: nn.Linear, config: FP8Config) -> str | None:
+def _skip_reason(name: str, layer: nn.Linear, config: FP8Config, hw: FP8Backend) -> str | None:
     for pattern in config.skip_fqns:
         if fnmatch.fnmatchcase(name, pattern):
-            return f"name matches --fp8_skip {pattern!r}"
+            return f"name matches `skip_fqns` {pattern!r}"
     if type(layer) is not nn.Linear:
         return (f"{type(layer).__name__} is an nn.Linear subclass (its owner may use the weight "
                 "without calling forward); only plain nn.Linear converts")
@@ -186,8 +194,20 @@ def _skip_reason(name: str, layer: nn.Linear, config: FP8Config) -> str | None:
     if k % 16 or n % 16:
         return f"{k}->{n}: FP8 GEMMs need both dims divisible by 16 (torch._scaled_mm)"
     if min(k, n) < config.min_dim:
-        return f"min(in, out) = {min(k, n)} < --fp8_min_dim {config.min_dim}: casts cost more than FP8 saves"
+        return f"min(in, out) = {min(k, n)} < `min_dim` {config.min_dim}: casts cost more than FP8 saves"
+    if hw.backend == "fallback":
+        return f"no FP8 hardware: {hw.device_name} (see `emulate`)"
     return None
+
+
+def layers_to_convert(model: nn.Module, config: FP8Config | object | None = None, *,
+                      device: torch.device | str | None = None, **overrides) -> dict[str, nn.Linear]:
+    """name -> the nn.Linear layers `convert(model, config)` would swap for FP8Linear, without
+    swapping anything (e.g. to decide `fsdp_float8_all_gather` before converting)."""
+    config = _resolve_config(config, overrides)
+    hw = detect(device if device is not None else _model_device(model), emulate=config.emulate, recipe=config.recipe)
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)
+            and not isinstance(m, Float8Linear) and _skip_reason(name, m, config, hw) is None}
 
 
 def _format_dtypes(dtypes: dict[str, str], config: Float8LinearConfig) -> str:
@@ -236,14 +256,15 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
         if problem:
             # Only all-e5m2 gets here (e4m3 and the hybrid are legal for every recipe). The run
             # goes on with the nearest assignment the kernels accept -- the gradients keep e5m2,
-            # input and weight take e4m3 -- and says so, rather than refusing `--fp8_mode e5m2`.
+            # input and weight take e4m3 -- and says so, rather than refusing mode e5m2.
             assert native_gemm_problem({r: FP8_DTYPES[d] for r, d in HYBRID.items()}, recipe=config.recipe) is None
             dtypes = dict(HYBRID)
-            fallback = (f"fp8: --fp8_mode {config.mode} cannot run as asked on {hw.device_name}: {problem}; "
+            fallback = (f"fp8: `mode` {config.mode} cannot run as asked on {hw.device_name}: {problem}; "
                         "running input and weight in e4m3 and gradients in e5m2 (the nearest the FP8 "
-                        "kernels accept). Add --fp8_emulate for all-e5m2 numerics (slow).")
+                        "kernels accept). Set `emulate` for all-e5m2 numerics (slow).")
             warn_once(f"fp8-native-e5m2:{config.recipe}", fallback)
-    lin_config = float8_linear_config(config.recipe, dtypes, emulate=hw.backend != "native")
+    lin_config = float8_linear_config(config.recipe, dtypes, emulate=hw.backend != "native",
+                                      fsdp_float8_all_gather=config.fsdp_float8_all_gather)
 
     layers, replacements = [], {}
     for name, module in model.named_modules():
@@ -253,14 +274,14 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
             continue
         if not isinstance(module, nn.Linear):
             continue
-        reason = _skip_reason(name, module, config)
-        if reason is None and hw.backend == "fallback":
-            reason = f"no FP8 hardware: {hw.device_name} (see --fp8_emulate)"
+        reason = _skip_reason(name, module, config, hw)
         if reason is not None:
             layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", reason))
             continue
         new = FP8Linear.from_float(module, config=lin_config)
-        assert new.weight is module.weight and new.bias is module.bias
+        # the same Parameters, except a weight torchao wrapped for FSDP2's FP8 all-gather (a new
+        # Parameter around the same tensor)
+        assert new.bias is module.bias and (new.weight is module.weight or config.fsdp_float8_all_gather)
         new.fp8_name = name
         new.train(module.training)
         replacements[id(module)] = new
@@ -352,6 +373,6 @@ def fp8_disabled(model: nn.Module) -> Iterator[nn.Module]:
 
 __all__ = [
     "FP8Config", "FP8Linear", "ConversionReport", "LayerReport", "convert", "apply_fp8", "restore_fp8",
-    "fp8_disabled", "fp8_report", "fp8_layers", "is_fp8_model", "float8_linear_config", "with_dtypes",
-    "layer_dtypes", "ROLES", "FP8_DTYPES", "HYBRID",
+    "fp8_disabled", "fp8_report", "fp8_layers", "is_fp8_model", "layers_to_convert", "float8_linear_config",
+    "with_dtypes", "layer_dtypes", "ROLES", "FP8_DTYPES", "HYBRID",
 ]

@@ -3,35 +3,20 @@
 What a cast to FP8 does to a tensor x, with torchao's dynamic scaling (float8_utils.py):
 
     scale  = max_fmt / amax(x)            per tensor, or per row/column for rowwise recipes
-                                          (rowwise rounds it down to a power of two)
     x_fp8  = cast(clamp(x * scale, -max_fmt, max_fmt))   round to nearest even
     x_back = x_fp8 / scale                what the GEMM effectively multiplies
 
-and what can go wrong, which is what this file counts:
+What can go wrong is what this file counts: underflow (a non-zero x that becomes 0; % of the
+non-zero elements), saturation (|x * scale| > max_fmt before the clamp, ~0 with dynamic scaling
+unless a scale is stale; % of all elements) and SQNR (torchao's `compute_error`, in dB; it weighs
+errors by energy and barely notices underflow, hence both). A role's figures aggregate every cast
+the layer's config makes of it, each with its own scaling axis.
 
-* underflow: a non-zero x whose x * scale is below half the smallest subnormal (e4m3: 2^-10,
-  e5m2: 2^-17) becomes 0 (or -0, counted as 0). Reported as % of the non-zero elements. The
-  amax scale puts the largest value at the top of the format, so the format's range below it
-  decides what underflows: values more than ~18.8 binades (e4m3: 448 / 2^-10) or ~32.8 binades
-  (e5m2: 57344 / 2^-17) under the amax flush.
-* saturation: |x * scale| > max_fmt before the clamp: the value is clipped. With dynamic
-  scaling the amax element lands exactly on max_fmt, so this is ~0 unless the scale is stale
-  (computed from another tensor: delayed scaling, a scale passed in by hand). A margin of
-  2^-20 relative absorbs the fp32 rounding of amax * (max_fmt / amax).
-  Reported as % of all elements.
-* SQNR: 10 log10(sum x^2 / sum (x - x_back)^2) in dB, torchao's `compute_error` measure, the
-  figure its tests and ours use. It weighs errors by energy, so it barely notices the
-  underflow of small values -- which is why both are reported.
-
-A role (input, weight, grad_output) is cast once or twice per step (once per GEMM it feeds, e.g.
-grad_output for grad_input along rows and for grad_weight along columns); the figures aggregate
-every FP8 cast the layer's config makes of that role, with that cast's scaling axis.
-
-`FP8StatsSampler` collects them on the real tensors of a training step: it installs hooks while
-the `with` block runs (forward *and* backward must run inside it) and removes them on exit, so a
-step that is not sampled pays nothing. Run the sampled step on the uncompiled module: hooks that
-come and go would make a compiled one recompile each time. `first_nonfinite_layer` names where
-an inf/nan appeared.
+`FP8StatsSampler` collects them on the real tensors of a training step: hooks installed while the
+`with` block runs (forward *and* backward inside it) and removed on exit, so a step not sampled
+pays nothing. Run the sampled step uncompiled: hooks that come and go would make a compiled
+module recompile. `first_nonfinite_layer` names where an inf/nan appeared. The thresholds,
+margins and aggregation in full: docs/fp8.md.
 """
 
 from __future__ import annotations

@@ -36,7 +36,6 @@ import torch.nn as nn
 
 from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
 from nanochat.common import NanoChatError, format_table, logger, print0
 from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration
@@ -203,9 +202,9 @@ class FP8Training:
         if self._step is not None and self._step.recheck:
             self._apply_recheck(step + 1)
         self._step = None
-        if self.has_fp8_layers and any(isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)
-                                       for p in self.model.parameters()):
-            precompute_float8_dynamic_scale_for_fsdp(self.model)  # FSDP's FP8 all-gather: one all-reduce
+        if self.has_fp8_layers and self.config.fsdp_float8_all_gather:
+            # one all-reduce for every weight's scale; layers not yet sharded by FSDP2 are left alone
+            precompute_float8_dynamic_scale_for_fsdp(self.model)
         return fixed
 
     def _apply_recheck(self, step: int) -> None:
