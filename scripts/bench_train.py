@@ -51,10 +51,13 @@ class BenchTrainConfig:
     model_name: str = "d2"
     """Size preset of the throughput pairs (d2: 2 layers, width 128)."""
     seq_len: int = 256
+    """Tokens per training sequence."""
     batch_size: int = 16
+    """Sequences per step."""
     num_iterations: int = 150
     """Steps per run (the first, compiling, step is not in tokens/s)."""
     vocab_size: int = 4096
+    """BPE vocabulary trained on the corpus (cached after the first run)."""
     dataset_path: str | None = None
     """Corpus (default: this Python's standard-library sources)."""
     repeats: int = 1
@@ -64,7 +67,9 @@ class BenchTrainConfig:
     scope_steps: int = 4
     """Steps per `scope` run (compile time, then the median of the rest)."""
     scope_batch_size: int = 2
+    """Sequences per step of the `scope` pair."""
     device: str = "auto"
+    """cuda, cpu or auto."""
     quick: bool = False
     """Tiny sizes: a dry run in seconds (tests)."""
     out: str | None = None

@@ -65,14 +65,21 @@ class GPUCheckConfig:
     batch_size: int = 16
     """Sequences per step of the d12 jobs."""
     big_batch_size: int = 8
+    """Sequences per step of the big job."""
     seq_len: int = 2048
+    """Tokens per sequence of every training job."""
     vocab_size: int = 8192
+    """BPE vocabulary trained on the stdlib for the training jobs (cached after the first)."""
     steps: int = 20
     """Training steps per job (the compiling step is not in tokens/s)."""
     opt_tensors: int = 32
+    """Parameter tensors of the optim job."""
     opt_dim: int = 4096
+    """Each optim-job parameter is opt_dim x opt_dim fp32."""
     opt_steps: int = 10
+    """Timed optimizer steps (median reported) after one that creates the state and compiles."""
     tests_timeout_s: float = 150.0
+    """Stop the GPU tests after this many seconds (recorded as an error)."""
     run_root: str = ""
     """Where the runs' directories go (default: a temporary directory)."""
 

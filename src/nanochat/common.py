@@ -190,6 +190,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise UsageError(f"unknown --dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
 
 
+def read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in `path`; a `UsageError` naming the file and `fix` if it is not one."""
+    import json
+
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
+    return obj
+
+
 def host_read(t: torch.Tensor) -> list:
     """A device tensor's values as Python numbers: one device-to-host read. An explicit copy
     (`_to_copy` to cpu), so a tool counting reads sees it on a CPU run as well as on CUDA."""

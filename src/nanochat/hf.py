@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nanochat.common import UsageError, logger, warn_once
+from nanochat.common import UsageError, logger, read_json_object, warn_once
 from nanochat.gpt import GPT, PRESETS, GPTConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -99,15 +99,7 @@ def _inside(path: Path, root: Path) -> Path:
 
 def read_config_json(path: Path) -> dict:
     """A model directory's config.json as a dict; a clear error naming the file otherwise."""
-    file = Path(path) / "config.json"
-    try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UsageError(f"{file} is not valid JSON ({e}); restore it from the model's source") from None
-    if not isinstance(config, dict):
-        raise UsageError(f"{file} holds a JSON {type(config).__name__}, expected an object with the "
-                         "model's settings; restore it from the model's source")
-    return config
+    return read_json_object(Path(path) / "config.json", "restore it from the model's source")
 
 
 def resolve_model(name: str) -> ResolvedModel:

@@ -35,7 +35,7 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from nanochat.common import UsageError, write_atomic
+from nanochat.common import UsageError, read_json_object, write_atomic
 
 # GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (docs/tokenizer.md).
 SPLIT_PATTERN = (
@@ -175,13 +175,7 @@ class Tokenizer:
                     f"holds {META_FILE} and {RANKS_FILE}); {make_one}"
                 )
         meta_path = d / META_FILE
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UsageError(f"{meta_path} is not valid JSON ({e}); {make_one}") from None
-        if not isinstance(meta, dict):
-            raise UsageError(f"{meta_path} holds a JSON {type(meta).__name__}, expected the object "
-                             f"tokenizer training writes; {make_one}")
+        meta = read_json_object(meta_path, make_one)
         if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
             raise UsageError(
                 f"{meta_path}: format {meta.get('format')!r} version {meta.get('version')!r} "
