@@ -213,6 +213,19 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     them (torch.utils.checkpoint per block): activation memory drops to one block input per
     layer, at the cost of a second forward pass through every block."""
 
+    master_weights: Literal["fp32", "bf16", "bf16_sr", "bf16_split"] = "fp32"
+    """How parameters are stored and updated: fp32 (4 bytes a parameter, gradients 4); or in
+    bf16 (2 + 2) with the fp32 update written by round to nearest (bf16: small updates are
+    lost), stochastic rounding (bf16_sr: seeded by --seed, unbiased) or kept exactly with a
+    16-bit remainder in the optimizer state (bf16_split: 2 more bytes). With --fp8_opt_level 2:
+    ~6 bytes a parameter of training state (bf16_split ~8) instead of ~10. docs/master_weights.md."""
+
+    optimizer_in_backward: bool = False
+    """Step each parameter inside the backward as soon as its gradient is ready and free that
+    gradient: the gradients' memory is gone. Needs --grad_accum_steps 1 and --grad_clip 0 (there
+    is no global norm before the last gradient); not under torchrun (DDP/FSDP reduce gradients
+    after these steps). A parameter whose gradient is not finite is left unchanged."""
+
     debug: bool = False
     """Show the full traceback of an error instead of the one-line message."""
 
@@ -242,6 +255,14 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
         if not 0 <= self.final_lr_frac <= 1:
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
         _check_vocab_size(self)
+        if self.optimizer_in_backward and self.grad_accum_steps > 1:
+            raise ValueError(f"--optimizer_in_backward steps at every backward, so it cannot accumulate "
+                             f"{self.grad_accum_steps} micro-batches: use --grad_accum_steps 1 (a larger "
+                             "--batch_size, or activation checkpointing to afford one), or drop --optimizer_in_backward")
+        if self.optimizer_in_backward and self.grad_clip > 0:
+            raise ValueError(f"--optimizer_in_backward steps each parameter before the global gradient norm "
+                             f"exists, so --grad_clip {self.grad_clip:g} cannot be applied: pass --grad_clip 0, "
+                             "or drop --optimizer_in_backward")
 
     def to_dict(self) -> dict:
         """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""

@@ -57,6 +57,8 @@ from nanochat.common import (
 from nanochat.config import TrainConfig, flag_text
 from nanochat import instruct
 from nanochat.fp8 import FP8Training
+from nanochat.fp8.master import param_dtype
+from nanochat.fp8.optim import FP8Optim
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
@@ -73,7 +75,7 @@ from nanochat.tokenizer import Tokenizer
 _RESUME_MUST_MATCH = (
     "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len",
     "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_opt_level", "fp8_skip",
-    "fp8_min_dim",
+    "fp8_min_dim", "master_weights",
 )
 
 
@@ -119,6 +121,13 @@ class TrainResult:
     val_accuracy: float | None = None
     """Multiple-choice accuracy on the validation records at the end (the correct letter's logit
     against the other options' letters); None when there are no multiple-choice records."""
+    state_bytes_per_param: float = 0.0
+    """Training state per parameter, measured from the live tensors after the first optimizer
+    step: weights + gradients (all of them before the step; the largest one alive at a time with
+    --optimizer_in_backward) + optimizer states (moments, FP8 scales, bf16_split's remainders),
+    divided by the parameters (this rank's under FSDP). Breakdown in state_bytes."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """The bytes behind state_bytes_per_param: weights, gradients, optimizer."""
     planned_memory_bytes: int = 0
     """The memory plan's total per device (an estimate, printed before the weights were loaded)."""
     peak_memory_bytes: int | None = None
@@ -211,6 +220,7 @@ class NanoChatTrainer:
         self.run_dir = Path(cfg.run_dir)
         self._check_run_dir()
         self.fallbacks: list[str] = []
+        self.state_bytes: dict[str, int] = {}
         self.cache_root = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))
         seed_everything(cfg.seed)
         self._setup_data()
@@ -310,6 +320,7 @@ class NanoChatTrainer:
         self.memory_plan = memory.plan_training(
             model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
             opt_level=cfg.fp8_opt_level if cfg.fp8 else 0, activation_checkpointing=cfg.activation_checkpointing,
+            master_weights=cfg.master_weights, optimizer_in_backward=cfg.optimizer_in_backward,
             autocast=self.dtype != torch.float32, shards=self.dist.world_size if sharded else 1,
             free_bytes=memory.free_bytes(self.device))
         print0(self.memory_plan.table())
@@ -318,10 +329,14 @@ class NanoChatTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.resolved.kind == "hf":
             # Built on the meta device and filled from memory-mapped safetensors: no 2x memory.
-            self.model, _ = load_hf_model(self.resolved.path, self.device, torch.float32, seq_len=cfg.seq_len)
+            self.model, _ = load_hf_model(self.resolved.path, self.device, param_dtype(cfg.master_weights),
+                                          seq_len=cfg.seq_len)
         else:
             self.model = GPT(model_config).to(self.device)
             self.model.init_weights()
+            if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
+                for p in self.model.parameters():
+                    p.data = p.data.to(torch.bfloat16)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         fp8_config = cfg.fp8_config()
         self.fp8_all_gather_problem = None
@@ -342,8 +357,15 @@ class NanoChatTrainer:
         )
         for group in adamw.param_groups:
             group["initial_lr"] = cfg.lr
-        self.optimizer = self.fp8.wrap_optimizer(adamw)
-        if cfg.fp8:
+        self.optimizer = self.fp8.wrap_optimizer(adamw, master_weights=cfg.master_weights, seed=cfg.seed,
+                                                 own_step=cfg.optimizer_in_backward)
+        if cfg.optimizer_in_backward:
+            if self.dist.is_distributed:
+                raise UsageError(f"--optimizer_in_backward under torchrun ({self.parallel}): DDP and FSDP reduce "
+                                 "gradients after the per-parameter steps would have run; train in one process or "
+                                 "drop --optimizer_in_backward")
+            self.optimizer.step_in_backward()
+        if isinstance(self.optimizer, FP8Optim):
             self.optimizer_state_bytes = self.optimizer.state_bytes()
         else:  # torch creates the two fp32 moments at the first step; count them now (this rank's)
             self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
@@ -806,6 +828,8 @@ class NanoChatTrainer:
         # the mean over ranks: what one process with the global batch would log, and the same
         # value on every rank, so all ranks agree on skipping a non-finite step
         loss_mean = distributed.all_reduce_mean(loss_sum) / cfg.grad_accum_steps
+        if cfg.optimizer_in_backward:  # the backward was the update
+            return self._in_backward_record(step, lr, loss_mean, fp8_step)
         # The norm first, clipping after: a non-finite norm must leave the gradients as they
         # are (clip_grad_norm_ would scale all of them by nan) so the culprit can be named.
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
@@ -826,10 +850,44 @@ class NanoChatTrainer:
         if record.get("skipped"):  # non-finite: the gradients were dropped, the weights stay
             return record
         torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
+        gradient_bytes = sum(distributed.local_numel(p.grad) * p.grad.element_size()
+                             for p in self.params if p.grad is not None) if not self.state_bytes else 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._measure_state(gradient_bytes)
         self._after_optimizer_step(step)
         return record
+
+    def _in_backward_record(self, step: int, lr: float, loss_mean: torch.Tensor, fp8_step) -> dict[str, Any]:
+        """The metrics of a step whose update ran inside the backward (--optimizer_in_backward):
+        the loss, the norm of the finite gradients and how many parameters kept their values
+        because their gradient was not finite, in one read."""
+        stats = self.optimizer.backward_stats()
+        stats = torch.zeros(2, device=self.device) if stats is None else stats
+        loss_value, grad_norm, skipped = host_read(torch.cat([loss_mean.float().view(1), stats.to(self.device)]))
+        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        record.update(fp8_step.record())
+        if skipped or not math.isfinite(loss_value):
+            record["skipped_params"] = int(skipped)
+            # counts the event and stops the run after --fp8_max_overflows in a row; the
+            # parameters with non-finite gradients were left unchanged by the step itself
+            record.update(self.fp8.check_step(step, loss_value, math.nan, note=self._good_checkpoint_note))
+        self._measure_state(self.optimizer.max_live_grad_bytes)
+        self._after_optimizer_step(step)
+        return record
+
+    def _measure_state(self, gradient_bytes: int) -> None:
+        """After the first optimizer step: the bytes of weights, gradients and optimizer states
+        held for training (TrainResult.state_bytes)."""
+        if self.state_bytes:
+            return
+        weights = sum(distributed.local_numel(p) * p.element_size() for p in self.model.parameters())
+        if isinstance(self.optimizer, FP8Optim):
+            optimizer = self.optimizer.state_bytes()
+        else:
+            optimizer = sum(distributed.local_numel(v) * v.element_size() for st in self.optimizer.state.values()
+                            for k, v in st.items() if torch.is_tensor(v) and k != "step")
+        self.state_bytes = {"weights": weights, "gradients": gradient_bytes, "optimizer": optimizer}
 
     def _after_optimizer_step(self, step: int) -> None:
         """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""
@@ -968,6 +1026,9 @@ class NanoChatTrainer:
             samples=self.sample(cfg.num_samples) if cfg.num_samples else [],
             run_dir=str(self.run_dir),
             parallel=self.parallel,
+            state_bytes_per_param=sum(self.state_bytes.values()) / max(1, sum(
+                distributed.local_numel(p) for p in self.model.parameters())),
+            state_bytes=dict(self.state_bytes),
             planned_memory_bytes=self.memory_plan.total,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
         )

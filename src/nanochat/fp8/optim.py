@@ -78,6 +78,7 @@ import torch
 
 from nanochat.common import format_bytes, logger, warn_once
 
+from .master import MASTER_WEIGHTS, read_master, sr_bits, sr_salt, write_master
 from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, block_scale, decode, encode, fp8_max
 
 try:
@@ -100,62 +101,85 @@ _INV_E4M3_MAX = 1.0 / fp8_max(E4M3)
 # ---------------------------------------------------------------------------------------------
 
 
-def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, floor: bool) -> torch.Tensor:
+def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, floor: bool,
+                ok: torch.Tensor | None = None) -> torch.Tensor:
     """x [n, B] fp32 -> codes (uint8 e4m3) and scale, in place; returns the new scale.
-    floor: a positive x never becomes code 0 (the smallest subnormal instead)."""
+    floor: a positive x never becomes code 0 (the smallest subnormal instead).
+    ok: a 0-dim bool; False keeps the old codes and scale (a guarded step that is skipped)."""
     amax = x.abs().amax(dim=-1)  # [n]
     new_scale = torch.where(amax > 0, amax * _INV_E4M3_MAX, 1.0)
     inv = torch.where(amax > 0, fp8_max(E4M3) / amax, 1.0)
     q = encode(x * inv[:, None], E4M3)
     if floor:
         q = torch.where((x > 0) & (q == 0), 1, q).to(torch.uint8)
+    if ok is not None:
+        q = torch.where(ok, q, codes)
+        new_scale = torch.where(ok, new_scale, scale)
     codes.copy_(q)
     scale.copy_(new_scale)
     return new_scale
 
 
-def _adam_step(p, g, m_codes, m_scale, v, v_codes, v_scale, step, lr, beta1, beta2, eps, wd,
-               decoupled: bool, v_fp8: bool):
-    """Adam(W) on one parameter; m in FP8; v in FP8 as sqrt(v) (v_fp8) or fp32 in `v`."""
+def _adam_step(p, g, m_codes, m_scale, m32, v32, v_codes, v_scale, lo, step, lr, beta1, beta2, eps, wd,
+               salt, ok, *, decoupled: bool, m_fp8: bool, v_fp8: bool, master: str):
+    """Adam(W) on one parameter. Moments: m in FP8 (m_codes, m_scale) or fp32 (m32); v in FP8 as
+    sqrt(v) (v_codes, v_scale) or fp32 (v32). FP8 moments come as [n_blocks, B] views, fp32 ones in
+    any shape equal to p's. The update is computed in fp32 from the fp32 master (p, or p and its
+    low half `lo` under bf16_split) and written back as `master` says (master.py); `salt` (a
+    0-dim int64) seeds bf16_sr's bits. ok: None, or a 0-dim bool that, when False, leaves p and
+    every state as it was (the optimizer-in-backward guard against a non-finite gradient)."""
     # as torch's Adam: bias corrections in float64 (0-dim tensors)
     step_size = lr / (1 - beta1**step)
     bc2_sqrt = (1 - beta2**step).sqrt()
-    pf = p.float()
+    pf = read_master(p, lo)
     gf = g.float()
     if not decoupled:  # Adam's L2 penalty goes into the gradient (torch: grad.add(param, alpha=wd))
         gf = gf + wd * pf
-    m = decode(m_codes, E4M3) * m_scale[:, None]
+    m = decode(m_codes, E4M3) * m_scale[:, None] if m_fp8 else m32
     m = m + (1 - beta1) * (gf - m)  # torch: exp_avg.lerp_(grad, 1 - beta1), its weight < 0.5 branch
     if v_fp8:
         r_old = decode(v_codes, E4M3) * v_scale[:, None]  # stored sqrt(v)
         vv = r_old * r_old * beta2 + (1 - beta2) * gf * gf
     else:
-        vv = v * beta2 + (1 - beta2) * gf * gf
+        vv = v32 * beta2 + (1 - beta2) * gf * gf
     r = vv.sqrt()
-    m_new_scale = _requantize(m, m_codes, m_scale, floor=False)
-    if v_fp8:
-        r_new_scale = _requantize(r, v_codes, v_scale, floor=True)
+    tie = 0.0
+    if m_fp8:
+        # `+ 0 * scale`: makes the parameter write depend on the per-block absmax, so inductor
+        # fuses it into the same loop as the code writes (one pass) instead of a third pass over
+        # p through a full-size temporary (measured on 16M params, loaded 2-core box: 768 -> 576
+        # ms a step)
+        tie = 0.0 * _requantize(m, m_codes, m_scale, floor=False, ok=ok)[:, None]
     else:
-        v.copy_(vv)
-    if decoupled:  # torch: param.mul_(1 - lr * wd)
-        pf = pf * (1 - lr * wd)
-    upd = step_size * m / (r / bc2_sqrt + eps)  # torch: addcdiv_(exp_avg, denom, -step_size)
-    # `+ 0 * scale`: makes the parameter write depend on the per-block absmax, so inductor fuses
-    # it into the same loop as the code writes (one pass) instead of a third pass over p through
-    # a full-size temporary (measured on 16M params, loaded 2-core box: 768 -> 576 ms a step)
-    tie = 0.0 * m_new_scale[:, None]
+        m32.copy_(m if ok is None else torch.where(ok, m, m32))
     if v_fp8:
-        tie = tie + 0.0 * r_new_scale[:, None]
-    p.copy_(pf - upd + tie)
+        tie = tie + 0.0 * _requantize(r, v_codes, v_scale, floor=True, ok=ok)[:, None]
+    else:
+        v32.copy_(vv if ok is None else torch.where(ok, vv, v32))
+    if decoupled:  # torch: param.mul_(1 - lr * wd)
+        pf_new = pf * (1 - lr * wd)
+    else:
+        pf_new = pf
+    upd = step_size * m / (r / bc2_sqrt + eps)  # torch: addcdiv_(exp_avg, denom, -step_size)
+    new = pf_new - upd + tie
+    if ok is not None:  # the old master is exactly representable: writing it back changes nothing
+        new = torch.where(ok, new, pf)
+    bits = sr_bits(salt, step, p.shape) if master == "bf16_sr" else None
+    write_master(p, new, master, lo=lo, bits16=bits)
 
 
-def _adam_multi(ps, gs, m_codes, m_scales, vs, v_codes, v_scales, steps, hypers, decoupled: bool, v_fp8: bool):
+def _adam_multi(ps, gs, m_codes, m_scales, m32s, v32s, v_codes, v_scales, los, steps, hypers, salts, oks,
+                decoupled: bool, m_fp8: bool, v_fp8: bool, master: str):
     """_adam_step over lists of same-shape tensors: one compiled graph, one call for all of them.
-    hypers[i] = (lr, beta1, beta2, eps, weight_decay) of tensor i's param group."""
+    hypers[i] = (lr, beta1, beta2, eps, weight_decay) of tensor i's param group; a representation
+    a call does not use comes as an empty list."""
+    def at(xs, i):
+        return xs[i] if xs else None
+
     for i in range(len(ps)):
-        _adam_step(ps[i], gs[i], m_codes[i], m_scales[i], None if v_fp8 else vs[i],
-                   v_codes[i] if v_fp8 else None, v_scales[i] if v_fp8 else None, steps[i], *hypers[i],
-                   decoupled=decoupled, v_fp8=v_fp8)
+        _adam_step(ps[i], gs[i], at(m_codes, i), at(m_scales, i), at(m32s, i), at(v32s, i), at(v_codes, i),
+                   at(v_scales, i), at(los, i), steps[i], *hypers[i], at(salts, i), at(oks, i),
+                   decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master)
 
 
 def _sgd_step(p, g, b_codes, b_scale, lr, momentum, dampening, wd, first: bool, nesterov: bool):
@@ -385,7 +409,8 @@ class FP8Optim(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, opt_level: int = 2, *,
                  block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL,
-                 compile: bool = True, backend: str = "auto") -> None:
+                 compile: bool = True, backend: str = "auto", master_weights: str = "fp32",
+                 seed: int = 0) -> None:
         kind = type(optimizer)
         if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
             raise TypeError(
@@ -417,6 +442,20 @@ class FP8Optim(torch.optim.Optimizer):
         self.fallbacks: list[str] = []
         """Each fallback this optimizer took (native kernel unavailable, compile failed), with its
         reason; the trainer copies them into TrainResult.fallbacks."""
+        if master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}; got {master_weights!r}")
+        if master_weights != "fp32" and self.is_sgd:
+            raise ValueError(f"master_weights={master_weights!r} supports Adam and AdamW; with torch.optim.SGD "
+                             "keep fp32 master weights")
+        self.master_weights = master_weights
+        # bf16 masters: every parameter is stepped here (the wrapped optimizer would round to
+        # nearest and keep bf16 moments); so is every one stepped inside the backward
+        self._own = master_weights != "fp32"
+        # bf16_sr: each parameter's salt from its position in the groups (stable across runs)
+        self._salts = {p: sr_salt(seed, i) for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._bwd: torch.Tensor | None = None  # step_in_backward's per-backward sums
+        self.max_live_grad_bytes = 0
+        """step_in_backward: the largest gradient seen (the most gradient memory alive at once)."""
         self._check_groups()
 
     # ---- configuration checks ----------------------------------------------------------------
@@ -436,6 +475,10 @@ class FP8Optim(torch.optim.Optimizer):
                 if p.is_complex():
                     raise ValueError(f"FP8Optim supports real parameters only; param group {i} has a "
                                      f"complex {tuple(p.shape)} tensor. Use the plain torch optimizer.")
+                if self.master_weights != "fp32" and p.dtype != torch.bfloat16:
+                    raise ValueError(f"master_weights={self.master_weights!r} keeps the parameters in bf16, but "
+                                     f"param group {i} has a {p.dtype} {tuple(p.shape)} tensor: convert the model "
+                                     "first (model.to(torch.bfloat16)), then build the optimizer")
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"FP8Optim does not support sparse gradients (param group {i}, "
                                      f"shape {tuple(p.shape)}); use dense gradients.")
@@ -472,15 +515,17 @@ class FP8Optim(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_groups()
-        if not self._summary_logged:
-            self._summary_logged = True
-            logger.info("%s", self.summary())
+        self._log_summary()
+        self._backends = {}
+        if self._own:  # every Adam parameter is ours (bf16 masters, or stepped in the backward)
+            self._step_adam([(p, group) for group in self.param_groups for p in group["params"]
+                             if p.grad is not None])
+            return loss
         mine: list[tuple[torch.Tensor, dict]] = []  # FP8-state parameters with a gradient
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and self._uses_fp8(p, group):
                     mine.append((p, group))
-        self._backends = {}
         if mine:
             self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the FP8 ones hidden
@@ -493,6 +538,65 @@ class FP8Optim(torch.optim.Optimizer):
             for p, g in hidden:
                 p.grad = g
         return loss
+
+    def _log_summary(self) -> None:
+        if not self._summary_logged:
+            self._summary_logged = True
+            logger.info("%s", self.summary())
+
+    # ---- the optimizer step inside the backward -------------------------------------------------
+
+    def step_in_backward(self) -> list:
+        """Step each parameter inside the backward, as soon as its gradient is accumulated, and
+        free that gradient at once (torch's post-accumulate-grad hooks), so at most one
+        gradient exists at a time: the gradients' memory (4 or 2 bytes a parameter) is gone.
+
+        After this, `loss.backward()` *is* the optimizer step; do not call `step()` (it would find
+        no gradients) and drop `zero_grad()`. What this excludes: gradient accumulation over
+        micro-batches (each backward would step), clipping by the global gradient norm (the norm
+        exists only after the last parameter has stepped), and DDP/FSDP (their reductions run
+        after these hooks). A parameter whose gradient holds inf or nan is left unchanged, states
+        and step count included (decided on the device, no host read); `backward_stats()` says
+        how many were and gives the global gradient norm for logging. Returns the hook handles
+        (`handle.remove()` for each undoes this).
+        """
+        if self.is_sgd:
+            raise ValueError("step_in_backward supports Adam and AdamW (torch.optim.SGD: step after the backward)")
+        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            raise ValueError("step_in_backward does not work with FSDP/DTensor parameters: their gradients are "
+                             "reduced after the per-parameter hooks would run; step after the backward instead")
+        self._own = True
+        groups = {p: group for group in self.param_groups for p in group["params"]}
+        handles = []
+        for p, group in groups.items():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(
+                    lambda param, group=group: self._step_in_backward(param, group)))
+        return handles
+
+    @torch.no_grad()
+    def _step_in_backward(self, p: torch.Tensor, group: dict) -> None:
+        g = p.grad
+        if self._bwd is None:
+            self._backends = {}
+            self._log_summary()
+            self._bwd = torch.zeros(2, dtype=torch.float32, device=g.device)
+        self.max_live_grad_bytes = max(self.max_live_grad_bytes, _local(g).numel() * g.element_size())
+        ok = torch.isfinite(g).all()
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
+        # [sum of squared norms of the finite gradients, parameters skipped]
+        self._bwd += torch.stack([torch.where(ok, norm * norm, 0.0), (~ok).float()])
+        self._step_adam([(p, group)], oks={p: ok})
+        p.grad = None
+
+    def backward_stats(self) -> torch.Tensor | None:
+        """After a backward under `step_in_backward`: a 2-element fp32 device tensor, [global
+        norm of the finite gradients, parameters left unchanged because their gradient was not
+        finite] (read it when you log: one read); None if no parameter stepped. Resets."""
+        out, self._bwd = self._bwd, None
+        if out is None:
+            return None
+        return torch.stack([out[0].sqrt(), out[1]])
 
     def _count(self, backend: str, tensors: int) -> None:
         calls, n = self._backends.get(backend, (0, 0))
@@ -527,39 +631,59 @@ class FP8Optim(torch.optim.Optimizer):
         fn(*args, **flags)
         self._count("eager", len(args[0]))
 
-    def _step_adam(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
-        """Every FP8-state Adam(W) parameter: the fp32 CPU ones in one native kernel call, the
-        others in one compiled call per (device, dtypes, shape, weight-decay kind)."""
+    def _step_adam(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
+        """The Adam(W) parameters `mine` (with their groups): the FP8-state fp32 ones on CPU in one
+        native kernel call, the others in one compiled call per (device, dtypes, shape, kinds).
+        oks: parameter -> 0-dim bool guard (step_in_backward), else None."""
         B = self.block_size
         native: dict[bool, list] = defaultdict(list)
         compiled: dict[tuple, list] = defaultdict(list)
         steps: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        master = self.master_weights
         for p, group in mine:
             state = self.state[p]
+            m_fp8 = self._uses_fp8(p, group)
             if len(state) == 0:
-                self._init_adam_state(p, state)
+                self._init_adam_state(p, state, m_fp8)
             pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
             if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
                 state["step"] = state["step"].to(pl.device, torch.float32)
-            steps[pl.device].append(state["step"])
+            ok = None if oks is None else oks[p]
+            if ok is None:
+                steps[pl.device].append(state["step"])
+            else:  # a skipped parameter keeps its step count too
+                state["step"].add_(ok.to(torch.float32))
             decoupled = bool(group.get("decoupled_weight_decay", self._adamw))
-            m = _local(state["exp_avg"])
-            vq = _local(state["exp_avg_sq_sqrt"]) if self.opt_level >= 2 else None
-            v = None if vq is not None else _local(state["exp_avg_sq"])
-            tensors = (pl, g, m.codes, m.scale, v, None if vq is None else vq.codes, None if vq is None else vq.scale)
-            item = (tensors, state["step"], group)
-            if (self._native and pl.device.type == "cpu" and pl.dtype == torch.float32
-                    and g.dtype == torch.float32 and g.is_contiguous() and B <= 1024):
+            v_fp8 = m_fp8 and self.opt_level >= 2
+            lo = _local(state["master_lo"]) if master == "bf16_split" else None
+            if m_fp8:
+                m = _local(state["exp_avg"])
+                vq = _local(state["exp_avg_sq_sqrt"]) if v_fp8 else None
+                v = None if v_fp8 else _local(state["exp_avg_sq"])
+                # [n_blocks, B] views, codes as uint8
+                tensors = (pl.view(-1, B), g.reshape(-1, B), m.codes.view(torch.uint8).view(-1, B), m.scale, None,
+                           None if v_fp8 else v.view(-1, B),
+                           vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None, vq.scale if v_fp8 else None,
+                           None if lo is None else lo.view(-1, B))
+            else:
+                tensors = (pl, g.reshape(pl.shape), None, None, _local(state["exp_avg"]),
+                           _local(state["exp_avg_sq"]), None, None, lo)
+            item = (tensors, state["step"], group, self._salts.get(p, 0), ok)
+            if (self._native and m_fp8 and master == "fp32" and ok is None and pl.device.type == "cpu"
+                    and pl.dtype == torch.float32 and g.dtype == torch.float32 and g.is_contiguous() and B <= 1024):
                 native[decoupled].append(item)
             else:
-                compiled[(decoupled, pl.device, pl.dtype, g.dtype, pl.numel())].append(item)
+                compiled[(decoupled, m_fp8, v_fp8, ok is not None, pl.device, pl.dtype, g.dtype,
+                          tuple(tensors[0].shape))].append(item)
         for same_device in steps.values():  # torch's Adam counts steps first, then steps
             torch._foreach_add_(same_device, 1.0)
-        v_fp8 = self.opt_level >= 2
         for decoupled, items in native.items():
             try:
-                _native_adam([i[0] for i in items], _adam_table([i[1] for i in items], [i[2] for i in items]),
-                             B, decoupled, v_fp8)
+                # the native kernel's layout: p, g, m codes, m scales, v fp32, v codes, v scales
+                _native_adam([tuple(x if x is None else x.contiguous() for x in (t[0], t[1], t[2], t[3], t[5], t[6], t[7]))
+                              for t in (i[0] for i in items)],
+                             _adam_table([i[1] for i in items], [i[2] for i in items]),
+                             B, decoupled, self.opt_level >= 2)
                 self._count("native", len(items))
             except RuntimeError as e:
                 self._native = False
@@ -569,23 +693,20 @@ class FP8Optim(torch.optim.Optimizer):
                 warn_once("fp8optim-native", msg)
                 for item in items:
                     pl, g = item[0][:2]
-                    compiled[(decoupled, pl.device, pl.dtype, g.dtype, pl.numel())].append(item)
+                    compiled[(decoupled, True, self.opt_level >= 2, False, pl.device, pl.dtype, g.dtype,
+                              tuple(pl.shape))].append(item)
         hypers: dict[int, tuple] = {}  # per param group, made once a step
-        for (decoupled, *_), items in compiled.items():
-            for _, _, group in items:
+        for (decoupled, m_fp8, v_fp8, guarded, *_), items in compiled.items():
+            for _, _, group, _, _ in items:
                 if id(group) not in hypers:
                     hypers[id(group)] = tuple(_host_scalar(x) for x in (
                         group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"]))
-            # [n_blocks, B] views, codes as uint8; the unused v representation as an empty list
-            views = [[i[0][0].view(-1, B) for i in items],
-                     [i[0][1].reshape(-1, B) for i in items],  # a gradient may be non-contiguous
-                     [i[0][2].view(torch.uint8).view(-1, B) for i in items],
-                     [i[0][3] for i in items]]
-            views.append([] if v_fp8 else [i[0][4].view(-1, B) for i in items])
-            views.append([i[0][5].view(torch.uint8).view(-1, B) for i in items] if v_fp8 else [])
-            views.append([i[0][6] for i in items] if v_fp8 else [])
-            self._run("adam", _adam_multi, *(list(v) for v in views), [i[1] for i in items],
-                      [hypers[id(i[2])] for i in items], decoupled=decoupled, v_fp8=v_fp8)
+            # one list per _adam_multi argument; a representation this call does not use: []
+            cols = [[i[0][k] for i in items] if items[0][0][k] is not None else [] for k in range(9)]
+            salts = [torch.tensor(i[3], dtype=torch.int64) for i in items] if master == "bf16_sr" else []
+            self._run("adam", _adam_multi, *cols, [i[1] for i in items], [hypers[id(i[2])] for i in items],
+                      salts, [i[4] for i in items] if guarded else [],
+                      decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master)
 
     def _step_sgd(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
         """Every FP8-state SGD parameter, one compiled call per (device, dtypes, shape, kind)."""
@@ -610,18 +731,25 @@ class FP8Optim(torch.optim.Optimizer):
             ps, gs, codes, scales, hyp = (list(x) for x in zip(*items))
             self._run("sgd", _sgd_multi, ps, gs, codes, scales, hyp, first=first, nesterov=nesterov)
 
-    def _init_adam_state(self, p: torch.Tensor, state: dict) -> None:
+    def _init_adam_state(self, p: torch.Tensor, state: dict, m_fp8: bool = True) -> None:
         # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
         # corrections are then computed there, inside the compiled step, never on the host
-        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-        shard = _local(p).shape  # FSDP: this rank's rows; the state is wrapped like p
-        state["exp_avg"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
-                                                 device=p.device), p)
-        if self.opt_level >= 2:
-            state["exp_avg_sq_sqrt"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
-                                                             device=p.device), p)
+        pl = _local(p)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=pl.device)
+        shard = pl.shape  # FSDP: this rank's rows; the state is wrapped like p
+        if not m_fp8:  # a parameter we step with fp32 moments (bf16 masters, in-backward)
+            state["exp_avg"] = _like(torch.zeros(shard, dtype=torch.float32, device=pl.device), p)
+            state["exp_avg_sq"] = _like(torch.zeros(shard, dtype=torch.float32, device=pl.device), p)
         else:
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
+                                                     device=p.device), p)
+            if self.opt_level >= 2:
+                state["exp_avg_sq_sqrt"] = _like(FP8Tensor.zeros(shard, dtype=E4M3, block_size=self.block_size,
+                                                                 device=p.device), p)
+            else:
+                state["exp_avg_sq"] = _like(torch.zeros(shard, dtype=torch.float32, device=pl.device), p)
+        if self.master_weights == "bf16_split":  # the master is the bf16 weight exactly: low half 0
+            state["master_lo"] = _like(torch.zeros(shard, dtype=torch.int16, device=pl.device), p)
 
     # ---- state conversion (loading across levels, from plain torch state) ---------------------
 
@@ -631,10 +759,12 @@ class FP8Optim(torch.optim.Optimizer):
         x = x.dequantize() if isinstance(x, FP8Tensor) else x
         return FP8Tensor.from_float(x.float(), dtype=E4M3, block_size=self.block_size)
 
-    @staticmethod
-    def _as_fp32(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def _as_fp32(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A moment kept in high precision: fp32 when we step it (bf16 masters, in-backward),
+        else the wrapped optimizer's convention (the parameter's dtype)."""
         x = x.dequantize() if isinstance(x, FP8Tensor) else x
-        return x.to(device=like.device, dtype=like.dtype if like.is_floating_point() else torch.float32)
+        dtype = like.dtype if like.is_floating_point() and not self._own else torch.float32
+        return x.to(device=like.device, dtype=dtype)
 
     def _convert_state(self) -> None:
         """Bring every parameter's state to the representation this level uses."""
@@ -672,6 +802,10 @@ class FP8Optim(torch.optim.Optimizer):
                         state["exp_avg_sq"] = self._as_fp32(v, p)
                 if not torch.is_tensor(state.get("step")):
                     state["step"] = torch.tensor(float(state.get("step", 0)), dtype=torch.float32)
+                lo = state.pop("master_lo", None)
+                if self.master_weights == "bf16_split":  # from a run without it: the master is p
+                    state["master_lo"] = lo.to(p.device) if lo is not None else \
+                        torch.zeros(_local(p).shape, dtype=torch.int16, device=p.device)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FP8Optim (any level) or of the plain wrapped optimizer.
@@ -705,10 +839,11 @@ class FP8Optim(torch.optim.Optimizer):
         """Bytes of moment state the first step will allocate for p (this level's layout)."""
         moments = 0 if self.is_sgd and group["momentum"] == 0 else (1 if self.is_sgd else 2)
         n = _local(p).numel()  # FSDP: this rank's shard
-        if not self._uses_fp8(p, group):
-            return moments * n * p.element_size()  # torch keeps state in p's dtype
+        lo = 2 * n if self.master_weights == "bf16_split" else 0
+        if not self._uses_fp8(p, group):  # torch keeps state in p's dtype, we in fp32
+            return moments * n * (4 if self._own else p.element_size()) + lo
         fp8 = min(self.opt_level, moments)
-        return fp8 * (n + n // self.block_size * 4) + (moments - fp8) * n * 4
+        return fp8 * (n + n // self.block_size * 4) + (moments - fp8) * n * 4 + lo
 
     def state_bytes(self) -> int:
         """Bytes of moment state (FP8 codes + scales, or fp32; steps excluded): what is held now,
@@ -757,7 +892,8 @@ class FP8Optim(torch.optim.Optimizer):
         moments = 1 if self.is_sgd else 2
         fp8_moments = min(self.opt_level, moments)
         per_param = fp8_moments * (1 + 4 / self.block_size) + (moments - fp8_moments) * 4
-        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={self.block_size}): "
+        master = "" if self.master_weights == "fp32" else f", master_weights={self.master_weights}"
+        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={self.block_size}{master}): "
                  f"{n_fp8} tensors / {b_fp8:,} params with FP8 state "
                  f"({per_param:.3f} bytes/param of moments)"]
         for reason, (n, numel) in kept.items():

@@ -113,14 +113,19 @@ class FP8Training:
     def calibrating(self) -> bool:
         return self._calibration is not None
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, *, master_weights: str = "fp32", seed: int = 0,
+                       own_step: bool = False) -> torch.optim.Optimizer:
         """FP8Optim around `optimizer` (Adam moments in FP8 at `opt_level` 1-2); the optimizer
-        itself when FP8 is off. Build it on the parameters the loop trains (after FSDP wraps)."""
-        if not self.config.enabled:
+        itself when FP8 is off, unless the parameters are bf16 master weights (`master_weights`,
+        see master.py; `seed` seeds bf16_sr) or `own_step` (FP8Optim.step_in_backward will be
+        used): then FP8Optim steps them, with fp32 moments where FP8 is off. Build it on the
+        parameters the loop trains (after FSDP wraps)."""
+        if not self.config.enabled and master_weights == "fp32" and not own_step:
             self.optimizer = optimizer
             return optimizer
-        self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level)
-        if self.config.opt_level:  # tensors too small or of a size the blocks do not fit
+        self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level if self.config.enabled else 0,
+                                  master_weights=master_weights, seed=seed)
+        if self.config.enabled and self.config.opt_level:  # tensors too small or of a size the blocks do not fit
             for reason, (n, numel) in self.optimizer.fp32_states().items():
                 self.fallbacks.append(f"`opt_level` {self.config.opt_level}: {n} tensors / {numel:,} "
                                       f"params keep fp32 moments ({reason})")
