@@ -3,10 +3,14 @@ torch.cuda.max_memory_allocated over a few AdamW steps of a randomly initialized
 
     python scripts/bench_memory.py                       # Llama-3-8B shape, batch 16 x 256, checkpointed
     python scripts/bench_memory.py --preset llama3-1b    # smaller: with and without checkpointing
+    python scripts/bench_memory.py --plan_only           # no GPU: README's table of which flags fit
 
 Plain torch only (bf16 autocast, fp32 master weights, fused AdamW = fp8_opt_level 0): the
 weights, gradients and optimizer figures are exact, so the gap is the activation estimate plus
 what the plan leaves out (temporaries, fragmentation). BENCHMARKS.md records the figures.
+`--plan_only` measures nothing: it prints the plan for combinations of --master_weights,
+--fp8_opt_level, --optimizer_in_backward and --activation_checkpointing as a markdown table,
+against one 80 GB and one 141 GB GPU (planner estimates, not measurements).
 """
 
 import argparse
@@ -51,14 +55,48 @@ def measure(config: GPTConfig, batch: int, seq: int, checkpointing: bool, steps:
     return peak, dt
 
 
+# Whole device memory as nvidia-smi reports it (81559 and 143771 MiB); the CUDA context takes a
+# little of it, so a plan within a few hundred MiB of these is at the edge.
+DEVICES = {"80 GB (79.6 GiB)": int(79.6 * 2**30), "141 GB H200 (140.4 GiB)": int(140.4 * 2**30)}
+# fp32 masters at levels 0 and 2, the 16-bit choices at level 2 (their reason to exist is a model
+# that fp32 state does not leave room for); bf16 stands for bf16_sr too (same bytes).
+COMBOS = [(mw, level, inb, ckpt) for mw, levels in (("fp32", (0, 2)), ("bf16_split", (2,)), ("bf16", (2,)))
+          for level in levels for inb in (False, True) for ckpt in (False, True)]
+
+
+def plan_table(config: GPTConfig, batch: int, seq: int) -> str:
+    """The markdown table of README's "Will it fit" (GiB per device, bf16 autocast)."""
+    gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
+    head = ["`--master_weights`", "`--fp8_opt_level`", "`--optimizer_in_backward`", "`--activation_checkpointing`",
+            "state B/param", "weights", "grads", "optimizer", "activations", "total"] + list(DEVICES)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for mw, level, inb, ckpt in COMBOS:
+        p = plan_training(config, batch_size=batch, seq_len=seq, opt_level=level, activation_checkpointing=ckpt,
+                          autocast=True, master_weights=mw, optimizer_in_backward=inb)
+        # Under 1 GiB to spare is within what the plan leaves out (temporaries, fragmentation).
+        fits = ["does not fit" if p.total > free else "at the edge" if free - p.total < 2**30 else "fits"
+                for free in DEVICES.values()]
+        cells = ["bf16 / bf16_sr" if mw == "bf16" else mw, level, "on" if inb else "off", "on" if ckpt else "off",
+                 f"{p.state_bytes_per_param:.2f}", gib(p.weights), gib(p.gradients), gib(p.optimizer),
+                 gib(p.activations), gib(p.total)] + fits
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", choices=list(SHAPES), default="llama3-8b")
     ap.add_argument("--batch_size", type=int, default=16)
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--checkpointing", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--plan_only", action="store_true", help="print the plan table (no GPU, nothing measured)")
     args = ap.parse_args()
     config = SHAPES[args.preset]
+    if args.plan_only:
+        print(f"{args.preset}, batch {args.batch_size} x {args.seq_len}, bf16 autocast: planner estimate, "
+              "not measured (GiB per device)\n")
+        print(plan_table(config, args.batch_size, args.seq_len))
+        return
     free = torch.cuda.mem_get_info()[0]
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.checkpointing]
     for ckpt in modes:

@@ -4,15 +4,23 @@
   below (exact bytes): parameters tensor by tensor, fp32 weights and gradients, AdamW moments
   at opt levels 0/1/2 (which tensors get FP8 blocks), activations from the documented formula.
 - The optimizer figure equals what nanochat.fp8.FP8Optim actually reports for that model
-  (`state_bytes()`, exact) at every level; weight_bytes / grad_bytes are parameters.
+  (`state_bytes()`, exact) at every level.
+- Master weights, by hand on the same config: fp32 4 + 4 bytes/param, bf16 and bf16_sr 2 + 2,
+  bf16_split 2 + 2 and 2 more in the optimizer part; with the optimizer in the backward the
+  gradients are the largest tensor's only (a tied embedding's on top); state bytes per param
+  ~6.03 for bf16 at level 2 and ~4.03 plus the largest tensor's share in the backward, the same
+  under FSDP.
 - A plan that does not fit is a ValueError naming the remedies (opt level 2,
-  --activation_checkpointing, a smaller --batch_size, FSDP over N GPUs), each re-planned; the
-  trainer raises it before any model is built (model constructors patched to fail).
+  --activation_checkpointing, --master_weights bf16_split / bf16_sr, --optimizer_in_backward,
+  all of them together, a smaller --batch_size, FSDP over N GPUs), each re-planned; the trainer
+  raises it before any model is built (model constructors patched to fail).
 - Activation checkpointing: gradients of every parameter equal the plain model's on our GPT
   preset, on an FP8-converted (emulated) one and on a Llama loaded from a transformers
   checkpoint, within rtol 1e-5 / atol 1e-7 (the recomputed forward runs the same fp32 ops;
   measured identical on this CPU); the loss is the same and eval/no_grad paths are untouched.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -23,6 +31,11 @@ from nanochat.gpt import GPT, GPTConfig, preset_config
 LLAMA_TINY = GPTConfig(vocab_size=1000, seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                        intermediate_size=128, mlp="swiglu", norm_weight=True, norm_eps=1e-5,
                        embed_norm=False, qk_norm=False, softcap=0.0)
+LLAMA3_8B_HF = {  # Meta-Llama-3-8B's config.json, the fields the planner reads
+    "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "tie_word_embeddings": False}
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
 
 
@@ -52,10 +65,76 @@ def test_plan_equals_hand_computation():
     assert memory.plan_training(LLAMA_TINY, batch_size=batch, seq_len=seq, autocast=True).activations == act_bf16
     assert memory.plan_training(LLAMA_TINY, batch_size=batch, seq_len=seq,
                                 activation_checkpointing=True).activations == act_ckpt
-    half = memory.plan_training(LLAMA_TINY, batch_size=batch, seq_len=seq, weight_bytes=2, grad_bytes=2)
-    assert (half.weights, half.gradients) == (2 * n, 2 * n)
     sharded = memory.plan_training(LLAMA_TINY, batch_size=batch, seq_len=seq, opt_level=2, shards=4)
     assert (sharded.weights, sharded.optimizer, sharded.activations) == (n, -(-opt[2] // 4), act_fp32)
+
+
+def _tiny_tensors(tie=False):
+    h, kv, inter, vocab = 64, 2 * 16, 128, 1000
+    per_layer = [h, h * h, h * kv, h * kv, h * h, h, h * inter, h * inter, inter * h]
+    return [vocab * h] + per_layer * 2 + [h] + ([] if tie else [h * vocab])
+
+
+def test_master_weights_and_optimizer_in_backward_by_hand():
+    tensors = _tiny_tensors()
+    assert memory.param_numels(LLAMA_TINY) == tensors
+    n = sum(tensors)
+    opt2 = sum(2 * (t + t // 256 * 4) if t >= 4096 and t % 256 == 0 else 8 * t for t in tensors)
+    assert opt2 == 2 * 193_536 * (256 + 4) // 256 + 8 * 8_512 == 461_216  # FP8 + a scale per 256; fp32
+    kw = dict(batch_size=4, seq_len=32, opt_level=2)
+    act = memory.plan_training(LLAMA_TINY, **kw).activations
+    expected = {  # (weights, gradients, optimizer) bytes
+        "fp32": (4 * n, 4 * n, opt2),
+        "bf16": (2 * n, 2 * n, opt2),
+        "bf16_sr": (2 * n, 2 * n, opt2),
+        "bf16_split": (2 * n, 2 * n, opt2 + 2 * n),  # the low halves of every fp32 master
+    }
+    for choice, (w, g, o) in expected.items():
+        plan = memory.plan_training(LLAMA_TINY, master_weights=choice, **kw)
+        assert (plan.weights, plan.gradients, plan.optimizer, plan.activations) == (w, g, o, act), choice
+        assert (plan.weight_bytes, plan.grad_bytes) == (w // n, g // n)
+        assert plan.remainder == (2 * n if choice == "bf16_split" else 0)
+        assert plan.state_bytes_per_param == (w + g + o) / n
+        table = plan.table()
+        assert f"({choice} masters)" in table
+        assert ("fp8_opt_level 2 + bf16_split remainder" in table) == (choice == "bf16_split")
+    # in the backward only one gradient exists at a time: the largest tensor's (wte = lm_head, 64000)
+    for choice, gb in (("fp32", 4), ("bf16", 2)):
+        plan = memory.plan_training(LLAMA_TINY, master_weights=choice, optimizer_in_backward=True, **kw)
+        assert plan.gradients == max(tensors) * gb == 64_000 * gb
+        assert plan.weights == gb * n and plan.optimizer == opt2
+        assert "in backward: one tensor at a time, largest 0.1M x" in plan.table()
+    # a tied embedding's gradient collects from lm_head and wte: alive next to the largest other one
+    tied_cfg = dataclasses.replace(LLAMA_TINY, tie_embeddings=True)
+    assert memory.param_numels(tied_cfg) == _tiny_tensors(tie=True)
+    tied = memory.plan_training(tied_cfg, master_weights="bf16", optimizer_in_backward=True, **kw)
+    assert tied.gradients == (64_000 + 8192) * 2
+    # under FSDP each part is a shard, the bytes per parameter stay the same
+    plan = memory.plan_training(LLAMA_TINY, master_weights="bf16_split", optimizer_in_backward=True, **kw)
+    sharded = plan.replan(shards=4)
+    assert (sharded.weights, sharded.gradients, sharded.optimizer) == (
+        2 * n // 4, 64_000 * 2 // 4, -(-opt2 // 4) + 2 * n // 4)
+    assert sharded.state_bytes_per_param == pytest.approx(plan.state_bytes_per_param, rel=1e-5)
+    with pytest.raises(ValueError, match="master_weights 'fp16'"):
+        memory.plan_training(LLAMA_TINY, master_weights="fp16", **kw)
+
+
+def test_state_bytes_per_param_llama3_8b():
+    from nanochat.hf import gpt_config_from_hf
+
+    config = gpt_config_from_hf(LLAMA3_8B_HF, seq_len=256)
+    kw = dict(batch_size=1, seq_len=256, opt_level=2)
+    fp32 = memory.plan_training(config, **kw)
+    n = fp32.num_params
+    assert n == 8_030_261_248
+    assert fp32.state_bytes_per_param == pytest.approx(10.031, abs=1e-3)  # 4 + 4 + ~2.03
+    bf16 = fp32.replan(master_weights="bf16")
+    assert bf16.state_bytes_per_param == pytest.approx(6.031, abs=1e-3)
+    assert bf16.replan(master_weights="bf16_split").state_bytes_per_param == pytest.approx(8.031, abs=1e-3)
+    # in the backward: weights + moments, plus the largest tensor's gradient (lm_head, 128256 x 4096)
+    inb = bf16.replan(optimizer_in_backward=True)
+    assert inb.gradients == 128256 * 4096 * 2
+    assert inb.state_bytes_per_param == pytest.approx(4.031 + 2 * 128256 * 4096 / n, abs=1e-3)
 
 
 @pytest.mark.parametrize("level", [0, 1, 2])
@@ -79,6 +158,37 @@ def test_plan_that_does_not_fit_names_the_remedies():
         assert remedy in msg, msg
     # without --fp8 the FP8 optimizer states come with --fp8
     assert "--fp8 --fp8_opt_level 2" in "; ".join(tight.remedies(fp8=False))
+
+
+def test_remedies_name_master_weights_and_optimizer_in_backward():
+    # level 2 and checkpointing already on: only the new flags are left to suggest
+    base = memory.plan_training(LLAMA_TINY, batch_size=1, seq_len=8, opt_level=2, activation_checkpointing=True)
+    split, sr, inb = (base.replan(master_weights="bf16_split"), base.replan(master_weights="bf16_sr"),
+                      base.replan(optimizer_in_backward=True))
+    both = base.replan(master_weights="bf16_sr", optimizer_in_backward=True)
+    assert both.total < sr.total < split.total < base.total and both.total < inb.total < base.total
+    tight = base.replan(free_bytes=split.total)  # bf16_split alone would fit
+    msg = "; ".join(tight.remedies(fp8=True))
+    assert "--master_weights bf16_split: " in msg and "--master_weights bf16_sr: " in msg, msg
+    assert "--optimizer_in_backward (needs --grad_accum_steps 1 and --grad_clip 0): " in msg, msg
+    assert "--fp8_opt_level" not in msg and "--activation_checkpointing" not in msg, msg
+    # only all of them together fits: the singles say so, the combination does not
+    tight = base.replan(free_bytes=both.total)
+    lines = tight.remedies(fp8=True)
+    combo = [x for x in lines if x.startswith("--master_weights bf16_sr --optimizer_in_backward")]
+    assert len(combo) == 1 and "still too much" not in combo[0], lines
+    assert all("still too much" in x for x in lines if x.startswith("--") and x not in combo), lines
+    # from fp32 level 0 without checkpointing: every single flag, then all together with bf16_sr
+    plain = memory.plan_training(LLAMA_TINY, batch_size=64, seq_len=64, opt_level=0)
+    lines = plain.replan(free_bytes=1).remedies(fp8=False)
+    assert lines[5].startswith("--fp8 --fp8_opt_level 2 --activation_checkpointing --master_weights bf16_sr "
+                               "--optimizer_in_backward (needs"), lines
+    # what is already on is not suggested again
+    on = base.replan(master_weights="bf16", optimizer_in_backward=True, free_bytes=1)
+    msg = "; ".join(on.remedies(fp8=True))
+    assert "--master_weights" not in msg and "--optimizer_in_backward" not in msg, msg
+    assert "--master_weights bf16_sr:" in "; ".join(base.replan(master_weights="bf16_split",
+                                                                 free_bytes=1).remedies(fp8=True))
 
 
 def test_trainer_refuses_before_building_the_model(small_corpus, tmp_path, monkeypatch):

@@ -4,23 +4,32 @@
     print(plan.table()); plan.check(fp8=True)   # ValueError naming what would make it fit
 
 Four parts, per device:
-- weights: parameters x `weight_bytes` (fp32 master weights: 4; FP8 training keeps them, torchao
-  casts to FP8 only inside each matmul);
-- gradients: parameters x `grad_bytes` (4: gradients take the parameters' dtype);
+- weights: parameters x `weight_bytes`, set by `master_weights` (`nanochat.fp8.master`): fp32
+  masters 4 bytes; bf16, bf16_sr and bf16_split 2. FP8 training keeps these weights, torchao
+  casts to FP8 only inside each matmul;
+- gradients: parameters x `grad_bytes` (gradients take the parameters' dtype: 4 or 2). With
+  `optimizer_in_backward` the optimizer steps each parameter inside the backward as soon as its
+  gradient is complete and frees that gradient at once, so no full set of gradients ever exists:
+  the part is the largest single tensor's gradient (plus a tied embedding's, whose gradient
+  accumulates from both its uses and so stays alive from the lm_head's backward to the
+  embedding's). This is why it rules out gradient accumulation and clipping by the global norm;
 - optimizer: AdamW's two moments, per tensor exactly as `nanochat.fp8.FP8Optim` allocates them:
   level 0 both fp32 (8 bytes/param); level 1 the first in FP8 (1 byte + one fp32 scale per 256);
   level 2 both (~2.03 bytes/param). Tensors under 4096 elements or not whole 256-element blocks
-  keep fp32 moments at every level;
+  keep fp32 moments at every level. bf16_split adds the 16 low bits of every fp32 master (2
+  bytes/param, every tensor): they live in the optimizer state, next to the moments;
 - activations: an estimate (`activation_bytes`): the tensors one block keeps for its backward,
   counted from `nanochat.gpt.Block`, per token and layer, plus the fp32 logits, their
   log-softmax and their gradient. With activation checkpointing a block keeps only its input,
   and one block's activations exist at a time during the backward.
 Under FSDP the first three are divided by the world size (each rank holds its shard).
+`state_bytes_per_param` is the first three per parameter (independent of the sharding): the
+training state a run carries whatever its batch, e.g. 16 for fp32 masters at level 0, ~10 at
+level 2, ~6 with bf16 masters at level 2, ~4 when the optimizer also runs in the backward.
 
 Not counted: allocator fragmentation, temporary buffers (FP8 casts, attention workspaces), the
 CUDA context (already outside the free memory we compare against). So the plan is a lower bound
 labelled as an estimate; the measured peak (`TrainResult.peak_memory_bytes`, CUDA) is the truth.
-`weight_bytes` and `grad_bytes` are parameters so lower-precision master weights can be planned.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.common import format_bytes, format_table
+from nanochat.fp8.master import MASTER_WEIGHTS, bytes_per_param
 from nanochat.gpt import GPT, GPTConfig
 
 FP8_BLOCK = 256
@@ -83,6 +93,17 @@ def activation_bytes(config: GPTConfig, tokens: int, *, autocast: bool, checkpoi
     return tokens * (blocks + logits)
 
 
+def in_backward_grad_numel(config: GPTConfig, numels: list[int]) -> int:
+    """Gradient elements alive at once when the optimizer steps inside the backward: the largest
+    tensor's, plus a tied embedding's, which stays alive between its two uses in the backward."""
+    if not config.tie_embeddings:
+        return max(numels)
+    tied = config.vocab_size * config.n_embd
+    others = list(numels)
+    others.remove(tied)
+    return tied + max(others, default=0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """Planned bytes per device for one training configuration (see the module docstring)."""
@@ -96,11 +117,23 @@ class MemoryPlan:
     autocast: bool
     shards: int
     """Devices the weights, gradients and optimizer states are sharded over (FSDP); 1 otherwise."""
+    master_weights: str
+    """`--master_weights`: fp32, bf16, bf16_sr or bf16_split (nanochat.fp8.master)."""
+    optimizer_in_backward: bool
+    """The optimizer steps each parameter inside the backward and frees its gradient at once."""
     weight_bytes: float
+    """Bytes per weight, derived from master_weights."""
     grad_bytes: float
+    """Bytes per gradient element, derived from master_weights."""
+    grad_numel: int
+    """Gradient elements alive at the peak: every parameter, or under optimizer_in_backward the
+    largest tensor (see in_backward_grad_numel)."""
     weights: int
     gradients: int
     optimizer: int
+    """AdamW moments plus, for bf16_split, the low halves of the fp32 masters."""
+    remainder: int
+    """The bf16_split part of `optimizer` (0 for the other choices)."""
     activations: int
     free_bytes: int | None
     """The device's free memory, None where it cannot be read."""
@@ -113,42 +146,78 @@ class MemoryPlan:
     def fits(self) -> bool:
         return self.free_bytes is None or self.total <= self.free_bytes
 
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Weights + gradients + optimizer per parameter: the training state without the
+        activations. Each device holds 1/shards of the parameters, so the per-device parts are
+        scaled back by the shard count and the figure does not depend on the sharding."""
+        return (self.weights + self.gradients + self.optimizer) * self.shards / self.num_params
+
     def table(self) -> str:
         gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
-        rows = [["weights", gib(self.weights), f"{self.num_params / 1e6:,.1f}M params x {self.weight_bytes:g} B"],
-                ["gradients", gib(self.gradients), f"x {self.grad_bytes:g} B"],
-                ["optimizer", gib(self.optimizer), f"AdamW, fp8_opt_level {self.opt_level}"],
+        if self.optimizer_in_backward:
+            grads = (f"in backward: one tensor at a time, largest {self.grad_numel / 1e6:,.1f}M "
+                     f"x {self.grad_bytes:g} B")
+        else:
+            grads = f"x {self.grad_bytes:g} B"
+        opt = f"AdamW, fp8_opt_level {self.opt_level}"
+        if self.remainder:
+            opt += " + bf16_split remainder"
+        rows = [["weights", gib(self.weights),
+                 f"{self.num_params / 1e6:,.1f}M params x {self.weight_bytes:g} B ({self.master_weights} masters)"],
+                ["gradients", gib(self.gradients), grads],
+                ["optimizer", gib(self.optimizer), opt],
                 ["activations", gib(self.activations),
                  f"estimate, batch {self.batch_size} x {self.seq_len}, "
                  f"{'bf16' if self.autocast else 'fp32'}{', checkpointed' if self.activation_checkpointing else ''}"],
-                ["total", gib(self.total), f"per device{f', sharded over {self.shards}' if self.shards > 1 else ''}"],
+                ["total", gib(self.total), f"per device{f', sharded over {self.shards}' if self.shards > 1 else ''}; "
+                 f"state {self.state_bytes_per_param:.2f} B/param"],
                 ["free", gib(self.free_bytes) if self.free_bytes is not None else "unknown",
                  ("fits" if self.fits else "DOES NOT FIT") if self.free_bytes is not None else ""]]
         return "memory plan (estimate)\n" + format_table(["", "bytes", ""], rows)
 
     def replan(self, **changes) -> "MemoryPlan":
-        """This plan with other settings (batch_size, opt_level, activation_checkpointing, shards)."""
+        """This plan with other settings (batch_size, opt_level, activation_checkpointing, shards,
+        master_weights, optimizer_in_backward, free_bytes)."""
         kw = dict(batch_size=self.batch_size, seq_len=self.seq_len, opt_level=self.opt_level,
                   activation_checkpointing=self.activation_checkpointing, autocast=self.autocast,
-                  shards=self.shards, weight_bytes=self.weight_bytes, grad_bytes=self.grad_bytes,
-                  free_bytes=self.free_bytes)
+                  shards=self.shards, master_weights=self.master_weights,
+                  optimizer_in_backward=self.optimizer_in_backward, free_bytes=self.free_bytes)
         kw.update(changes)
         return plan_training(self.config, **kw)
 
     def remedies(self, *, fp8: bool) -> list[str]:
-        """What would make it fit, each with its planned total; empty when it fits."""
+        """What would make it fit, each with its planned total; empty when it fits.
+
+        The single changes not already on, then (when there are two or more) all of them at once:
+        the strongest the flags alone can do. Then a smaller batch and FSDP, each alone."""
         if self.fits:
             return []
-        out = []
         level2 = "--fp8_opt_level 2" if fp8 else "--fp8 --fp8_opt_level 2"
-        candidates = []
+        candidates: list[tuple[str, dict]] = []
         if self.opt_level < 2:
             candidates.append((level2, dict(opt_level=2)))
         if not self.activation_checkpointing:
             candidates.append(("--activation_checkpointing", dict(activation_checkpointing=True)))
-        if len(candidates) == 2:
-            candidates.append((f"{level2} --activation_checkpointing",
-                               dict(opt_level=2, activation_checkpointing=True)))
+        # bf16_split first: it keeps the fp32 master bit for bit (6 bytes of state instead of 8);
+        # bf16_sr saves the remainder too (4) but rounds stochastically.
+        if self.master_weights == "fp32":
+            candidates.append(("--master_weights bf16_split", dict(master_weights="bf16_split")))
+        if self.master_weights in ("fp32", "bf16_split"):
+            candidates.append(("--master_weights bf16_sr", dict(master_weights="bf16_sr")))
+        if not self.optimizer_in_backward:
+            candidates.append(("--optimizer_in_backward (needs --grad_accum_steps 1 and --grad_clip 0)",
+                               dict(optimizer_in_backward=True)))
+        singles = len(candidates)
+        if singles >= 2:
+            # bf16_split and bf16_sr exclude each other; the strongest combination takes bf16_sr.
+            combo = [(f, c) for f, c in candidates if c != dict(master_weights="bf16_split")]
+            flags = " ".join(f.split(" (")[0] for f, _ in combo)
+            change = {k: v for _, c in combo for k, v in c.items()}
+            if len(combo) >= 2:
+                note = " (needs --grad_accum_steps 1 and --grad_clip 0)" if "optimizer_in_backward" in change else ""
+                candidates.append((flags + note, change))
+        out = []
         for flags, change in candidates:
             p = self.replan(**change)
             out.append(f"{flags}: {format_bytes(p.total)}{'' if p.fits else ' (still too much)'}")
@@ -178,16 +247,23 @@ class MemoryPlan:
 
 def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level: int = 0,
                   activation_checkpointing: bool = False, autocast: bool = False, shards: int = 1,
-                  weight_bytes: float = 4, grad_bytes: float = 4, free_bytes: int | None = None) -> MemoryPlan:
+                  master_weights: str = "fp32", optimizer_in_backward: bool = False,
+                  free_bytes: int | None = None) -> MemoryPlan:
     """The MemoryPlan of training `config` (see the module docstring for what each part counts)."""
+    if master_weights not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights {master_weights!r}: expected one of {', '.join(MASTER_WEIGHTS)}")
+    weight_bytes, grad_bytes, extra_bytes = bytes_per_param(master_weights)
     numels = param_numels(config)
     n = sum(numels)
+    grad_numel = in_backward_grad_numel(config, numels) if optimizer_in_backward else n
+    remainder = math.ceil(n * extra_bytes / shards)
     return MemoryPlan(
         config=config, num_params=n, batch_size=batch_size, seq_len=seq_len, opt_level=opt_level,
         activation_checkpointing=activation_checkpointing, autocast=autocast, shards=shards,
-        weight_bytes=weight_bytes, grad_bytes=grad_bytes,
-        weights=math.ceil(n * weight_bytes / shards), gradients=math.ceil(n * grad_bytes / shards),
-        optimizer=math.ceil(optimizer_bytes(numels, opt_level) / shards),
+        master_weights=master_weights, optimizer_in_backward=optimizer_in_backward,
+        weight_bytes=weight_bytes, grad_bytes=grad_bytes, grad_numel=grad_numel,
+        weights=math.ceil(n * weight_bytes / shards), gradients=math.ceil(grad_numel * grad_bytes / shards),
+        optimizer=math.ceil(optimizer_bytes(numels, opt_level) / shards) + remainder, remainder=remainder,
         activations=activation_bytes(dataclasses.replace(config, seq_len=seq_len), batch_size * seq_len,
                                      autocast=autocast, checkpointing=activation_checkpointing),
         free_bytes=free_bytes)
