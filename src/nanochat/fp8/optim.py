@@ -329,12 +329,12 @@ def _native_lib():
                 if threading is _THREADING[-1]:
                     raise  # else e.g. no libgomp to link: the build without OpenMP
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.adam_dynamic.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64,
-                                     ctypes.POINTER(i64), i64, i32, i32]
+        lib.adam_dynamic.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, ptr, i64, i64,
+                                     ctypes.POINTER(i64), i64, i32, i32, i32]
         lib.adam_dynamic.restype = i32
         if hasattr(lib, "adam_parallel"):
-            lib.adam_parallel.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, i64, i64, i64,
-                                          i32, i32, i32]
+            lib.adam_parallel.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, ptr, i64, i64, i64,
+                                          i32, i32, i32, i32]
             lib.adam_parallel.restype = i32
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
@@ -347,27 +347,59 @@ def _native_lib():
 _pool: list = []
 
 
-def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool) -> None:
+_MASTER_MODES = {"fp32": 0, "bf16": 1, "bf16_sr": 2, "bf16_split": 3}  # optim_kernel.c: M_*
+_NP = 9  # pointers per tensor (optim_kernel.c: NP)
+
+
+def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool, *,
+                 master: str = "fp32", salts: list[int] | None = None,
+                 oks: list[torch.Tensor | None] | None = None) -> None:
     """Step every tensor in one kernel call per thread. tensors[t] = (p, g, m codes, m scales,
-    v fp32, v codes, v scales) of tensor t, contiguous (the unused ones None); h is
-    _adam_table's [n_tensors, 10] fp32."""
+    v fp32, v codes, v scales, lo) of tensor t, contiguous (the unused ones None; a 7-tuple
+    means lo None); h is _adam_table's [n_tensors, NH] fp32.
+
+    master (master.py): "fp32" wants p and g fp32; the others bf16 p and g, the fp32 update
+    written back rounded to nearest even ("bf16"), stochastically with master.py's sr_bits of
+    salts[t] (a uint32 per tensor) and the step in h ("bf16_sr"), or split into p and the int16
+    remainder lo ("bf16_split", p joined with lo being the fp32 master it reads).
+    oks[t]: None, or a 0-dim bool CPU tensor read by the kernel (no host sync): False leaves
+    tensor t entirely unchanged (p, lo and the moments), e.g. after a non-finite gradient."""
     lib = _native_lib()
+    mode = _MASTER_MODES[master]
+    dtype = torch.float32 if mode == 0 else torch.bfloat16
     n = len(tensors)
-    ptrs = (ctypes.c_void_p * (8 * n))()
+    ptrs = (ctypes.c_void_p * (_NP * n))()
     nb = (ctypes.c_int64 * n)()
     for t, ts in enumerate(tensors):
-        ptrs[8 * t:8 * t + 7] = [None if x is None else x.data_ptr() for x in ts]
+        # a wrong dtype would make the kernel read the wrong number of bytes: check, cheaply
+        if ts[0].dtype != dtype or ts[1].dtype != dtype:
+            raise TypeError(f"master={master!r} steps {dtype} parameters and gradients, "
+                            f"got {ts[0].dtype} and {ts[1].dtype}")
+        lo = ts[7] if len(ts) > 7 else None
+        if (mode == 3) != (lo is not None) or (lo is not None and lo.dtype != torch.int16):
+            raise TypeError("bf16_split (and only it) needs the int16 remainder lo of each tensor")
+        ok = None if oks is None else oks[t]
+        if ok is not None and (ok.device.type != "cpu" or ok.element_size() != 1):
+            raise TypeError(f"the guard flag must be a one-byte CPU tensor, got {ok.dtype} on {ok.device}")
+        ptrs[_NP * t:_NP * t + _NP] = [None if x is None else x.data_ptr() for x in (*ts[:7], lo, ok)]
         nb[t] = ts[0].numel() // block_size
+    salt = None
+    if mode == 2:
+        if salts is None or len(salts) != n:
+            raise ValueError("bf16_sr needs one salt per tensor")
+        salt = (ctypes.c_uint32 * n)(*(s & 0xFFFFFFFF for s in salts))
     total = sum(nb)
     threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
     # 128 blocks (32K elements) a take: ~0.1 ms of work, so a late thread delays the step by
     # at most that much, and the shared counter is touched ~500 times for 16M parameters
     if hasattr(lib, "adam_parallel"):  # on torch's OpenMP threads
-        if lib.adam_parallel(n, ptrs, nb, h.data_ptr(), total, 128, block_size, int(decoupled), int(v_fp8), threads):
+        if lib.adam_parallel(n, ptrs, nb, h.data_ptr(), salt, total, 128, block_size, int(decoupled), int(v_fp8),
+                             mode, threads):
             raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (at most 1024)")
         return
     next_block = ctypes.c_int64(0)
-    args = (n, ptrs, nb, h.data_ptr(), total, 128, ctypes.byref(next_block), block_size, int(decoupled), int(v_fp8))
+    args = (n, ptrs, nb, h.data_ptr(), salt, total, 128, ctypes.byref(next_block), block_size, int(decoupled),
+            int(v_fp8), mode)
     jobs = []
     if threads > 1:  # the calling thread works too
         if not _pool or _pool[0]._max_workers < threads - 1:
@@ -381,14 +413,15 @@ def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupl
 
 
 def _adam_table(steps: list[torch.Tensor], groups: list[dict]) -> torch.Tensor:
-    """The native kernel's hyperparameters, [n_tensors, 10] fp32 (optim_kernel.c: NH), computed
+    """The native kernel's hyperparameters, [n_tensors, 11] fp32 (optim_kernel.c: NH), computed
     on the host from the (CPU) step counts without reading them into Python; bias corrections
-    and 1 - beta in float64, as torch computes them."""
+    and 1 - beta in float64, as torch computes them. The last column is the step count itself
+    (exact in fp32 below 2^24 steps), which keys bf16_sr's random bits."""
     s = torch.stack(steps).to(torch.float64)
     lr, b1, b2, eps, wd = (torch.tensor(col, dtype=torch.float64) for col in zip(*(
         (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
         for g in groups)))
-    return torch.stack([lr, b1, b2, eps, wd, lr / (1 - b1**s), (1 - b2**s).sqrt(), 1 - b1, 1 - b2, 1 - lr * wd],
+    return torch.stack([lr, b1, b2, eps, wd, lr / (1 - b1**s), (1 - b2**s).sqrt(), 1 - b1, 1 - b2, 1 - lr * wd, s],
                        dim=1).float().contiguous()
 
 

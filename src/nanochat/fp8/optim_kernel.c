@@ -7,7 +7,13 @@
    auto-vectorized (-fno-trapping-math lets the compiler if-convert the selects); decode and
    encode are written with intrinsics where the CPU has AVX-512 or AVX2+F16C (the compiler
    scalarizes a _Float16 conversion), and as portable loops elsewhere (tested against each
-   other). No torch headers: it builds in under a second. */
+   other). No torch headers: it builds in under a second.
+
+   Parameters and gradients are fp32, or bf16 with a bf16 master-weight mode (master.py: round
+   to nearest even, stochastic rounding with its counter-based bits, or the fp32 master split
+   into the bf16 p and an int16 remainder): the fp32 master is read, stepped by the same fp32
+   code and written back per mode, so only the write differs. A per-tensor guard byte, read
+   here at step time, can leave a tensor untouched (p, remainder, moments and scales). */
 
 #include <stdint.h>
 #include <string.h>
@@ -202,21 +208,63 @@ static inline void update16(float *pp, const float *gg, const uint8_t *mcb, floa
                             float ibc2, int dec_wd, int vfp8, float *am_out, float *ar_out) {}
 #endif
 
+/* bf16 master weights (master.py). The parameter and its gradient are bf16; the fp32 master is
+   the bf16 bits << 16 (bf16_split: | the int16 remainder `lo`), the update is the fp32 one
+   above, and only the write differs: round to nearest even, stochastic rounding with
+   master.py's counter-based bits (sr_bits), or the top half to p and the bottom half to lo. */
+enum { M_FP32, M_BF16, M_SR, M_SPLIT };
+
+static inline uint32_t mix32(uint32_t x) {       /* master.py: mix32 (arithmetic mod 2^32) */
+    x = (x ^ (x >> 16)) * 0x45D9F3Bu;
+    x = (x ^ (x >> 16)) * 0x45D9F3Bu;
+    return x ^ (x >> 16);
+}
+
+static inline float from_bf16(uint16_t hi, uint16_t lo) {
+    uint32_t u = ((uint32_t)hi << 16) | lo;
+    float f; memcpy(&f, &u, 4);
+    return f;
+}
+
+/* fp32 -> bf16 bits: the top half after adding `add` (0x7FFF + the kept lsb for round to
+   nearest even, 16 random bits for stochastic rounding; master.py: round_sr); a NaN stays a
+   (quiet) NaN instead of carrying into the exponent or the sign */
+static inline uint16_t to_bf16(uint32_t u, uint32_t add) {
+    uint32_t r = (u + add) >> 16;
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : r);
+}
+
 #define BMAX 1024
 /* h = lr, beta1, beta2, eps, wd, step_size, bias_correction2_sqrt, 1 - beta1, 1 - beta2,
-   1 - lr * wd (NH values; the differences computed in double by the caller, as torch does in
-   Python, since 1 - (float)0.999 is 1.3e-5 off). One function per (decoupled weight decay,
-   v in FP8) so the inner loops carry no branches. */
-#define NH 10
-#define DEFINE_ADAM(NAME, DEC, VFP8) \
-static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict mc, float *restrict ms, \
-                 uint8_t *restrict vc, float *restrict vs, float *restrict v32, const float *h, \
-                 int64_t b0, int64_t b1, int64_t B) { \
+   1 - lr * wd, step (NH values; the differences computed in double by the caller, as torch does
+   in Python, since 1 - (float)0.999 is 1.3e-5 off; the step, after this step's increment, only
+   keys the stochastic rounding). One function per (decoupled weight decay, v in FP8, master
+   mode) so the inner loops carry no branches; `key` = mix32(salt + step) under bf16_sr. The
+   bf16 modes widen the block's p and g into fp32 buffers, step them with the fp32 code
+   (update16 included) and narrow p back: three short loops over L1, measured faster than
+   converting inside the update loop (which then no longer fits the registers as well). */
+#define NH 11
+#define DEFINE_ADAM(NAME, DEC, VFP8, MODE) \
+static void NAME(void *p, const void *g, uint8_t *restrict mc, float *restrict ms, \
+                 uint8_t *restrict vc, float *restrict vs, float *restrict v32, uint16_t *lo, \
+                 const float *h, uint32_t key, int64_t b0, int64_t b1, int64_t B) { \
     const float lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], wd = h[4], step_size = h[5], bc2 = h[6]; \
-    const float w1 = h[7], w2 = h[8], decay = h[9], ibc2 = 1.0f / bc2; (void)lr; (void)beta1; \
-    float mbuf[BMAX], rbuf[BMAX]; \
+    const float w1 = h[7], w2 = h[8], decay = h[9], ibc2 = 1.0f / bc2; (void)lr; (void)beta1; (void)key; \
+    float mbuf[BMAX], rbuf[BMAX], pbuf[MODE == M_FP32 ? 1 : BMAX], gbuf[MODE == M_FP32 ? 1 : BMAX]; \
     for (int64_t b = b0; b < b1; ++b) { \
-        float *restrict pp = p + b * B; const float *restrict gg = g + b * B; \
+        uint16_t *restrict ph = MODE != M_FP32 ? (uint16_t *)p + b * B : 0; \
+        const uint16_t *restrict gh = MODE != M_FP32 ? (const uint16_t *)g + b * B : 0; \
+        uint16_t *restrict ll = MODE == M_SPLIT ? lo + b * B : 0; \
+        /* bf16 modes: the block's fp32 master and gradient into L1 buffers, stepped by the fp32 \
+           code below (the same operations: bf16_split is the fp32 step bit for bit) */ \
+        float *restrict pp = MODE == M_FP32 ? (float *)p + b * B : pbuf; \
+        const float *restrict gg = MODE == M_FP32 ? (const float *)g + b * B : gbuf; \
+        if (MODE != M_FP32) { \
+            _Pragma("omp simd") \
+            for (int64_t i = 0; i < B; ++i) { \
+                pbuf[i] = from_bf16(ph[i], MODE == M_SPLIT ? ll[i] : 0); gbuf[i] = from_bf16(gh[i], 0); \
+            } \
+        } \
         uint8_t *restrict mcb = mc + b * B; \
         uint8_t *restrict vcb = VFP8 ? vc + b * B : 0; float *restrict vv = VFP8 ? 0 : v32 + b * B; \
         float am = 0.0f, ar = 0.0f; \
@@ -242,6 +290,16 @@ static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict m
             am = a > am ? a : am; ar = ri > ar ? ri : ar; \
         } \
         } \
+        if (MODE != M_FP32) { \
+            const uint32_t i0 = (uint32_t)(b * B);  /* the flat index of the block's first element */ \
+            _Pragma("omp simd") \
+            for (int64_t i = 0; i < B; ++i) { \
+                uint32_t u; memcpy(&u, &pbuf[i], 4); \
+                if (MODE == M_BF16) ph[i] = to_bf16(u, 0x7FFFu + ((u >> 16) & 1u)); \
+                if (MODE == M_SR) ph[i] = to_bf16(u, mix32(i0 + (uint32_t)i + key) & 0xFFFFu); \
+                if (MODE == M_SPLIT) { ph[i] = (uint16_t)(u >> 16); ll[i] = (uint16_t)u; } \
+            } \
+        } \
         const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
         ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
         enc_block(mbuf, ims, mcb, B, 0); \
@@ -253,35 +311,53 @@ static void NAME(float *restrict p, const float *restrict g, uint8_t *restrict m
     } \
 }
 
-DEFINE_ADAM(adam_dq, 1, 1)
-DEFINE_ADAM(adam_df, 1, 0)
-DEFINE_ADAM(adam_lq, 0, 1)
-DEFINE_ADAM(adam_lf, 0, 0)
+#define DEFINE_MODE(SUFFIX, MODE) \
+    DEFINE_ADAM(adam_dq##SUFFIX, 1, 1, MODE) DEFINE_ADAM(adam_df##SUFFIX, 1, 0, MODE) \
+    DEFINE_ADAM(adam_lq##SUFFIX, 0, 1, MODE) DEFINE_ADAM(adam_lf##SUFFIX, 0, 0, MODE)
+DEFINE_MODE(_f32, M_FP32)
+DEFINE_MODE(_bf16, M_BF16)
+DEFINE_MODE(_sr, M_SR)
+DEFINE_MODE(_split, M_SPLIT)
 
+typedef void (*adam_fn)(void *, const void *, uint8_t *, float *, uint8_t *, float *, float *, uint16_t *,
+                        const float *, uint32_t, int64_t, int64_t, int64_t);
+static const adam_fn ADAM[4][2][2] = {  /* [mode][decoupled][vfp8] */
+    {{adam_lf_f32, adam_lq_f32}, {adam_df_f32, adam_dq_f32}},
+    {{adam_lf_bf16, adam_lq_bf16}, {adam_df_bf16, adam_dq_bf16}},
+    {{adam_lf_sr, adam_lq_sr}, {adam_df_sr, adam_dq_sr}},
+    {{adam_lf_split, adam_lq_split}, {adam_df_split, adam_dq_split}},
+};
+
+/* One fp32 tensor's blocks [b0, b1) (h: its first 10 values are read). */
 int adam_step(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc, float *vs, float *v32,
               const float *h, int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
     if (B > BMAX) return 1;
-    if (decoupled && vfp8) adam_dq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    else if (decoupled) adam_df(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    else if (vfp8) adam_lq(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
-    else adam_lf(p, g, mc, ms, vc, vs, v32, h, b0, b1, B);
+    ADAM[M_FP32][!!decoupled][!!vfp8](p, g, mc, ms, vc, vs, v32, 0, h, 0, b0, b1, B);
     return 0;
 }
 
-/* Every tensor of a step in one call. Tensor t has nb[t] blocks; ptr[8 t .. 8 t + 6] are its
-   p, g, m codes, m scales, fp32 v, v codes, v scales (the unused ones NULL) and h + NH t its
-   hyperparameters. The blocks of all tensors, concatenated, are numbered 0..sum(nb); this call
-   steps blocks [b0, b1) of that numbering, so threads split a step by cutting one range. */
-int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
-               int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
-    if (B > BMAX) return 1;
+/* Every tensor of a step in one call. Tensor t has nb[t] blocks; ptr[NP t .. NP t + 8] are its
+   p, g, m codes, m scales, fp32 v, v codes, v scales, bf16_split remainder (int16) and guard
+   flag (one byte; 0: the tensor is left as it is, e.g. a non-finite gradient; NULL: always
+   stepped), the unused ones NULL; h + NH t its hyperparameters and salt[t] its stochastic-
+   rounding salt (bf16_sr only). The blocks of all tensors, concatenated, are numbered
+   0..sum(nb); this call steps blocks [b0, b1) of that numbering, so threads split a step by
+   cutting one range. mode: 0 fp32, 1 bf16, 2 bf16_sr, 3 bf16_split (master.py). */
+#define NP 9
+int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h, const uint32_t *salt,
+               int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8, int mode) {
+    if (B > BMAX || mode < M_FP32 || mode > M_SPLIT || (mode == M_SR && !salt)) return 1;
+    const adam_fn fn = ADAM[mode][!!decoupled][!!vfp8];
     int64_t start = 0;
     for (int64_t t = 0; t < n && start < b1; start += nb[t], ++t) {
         int64_t lo = b0 > start ? b0 - start : 0, hi = b1 - start < nb[t] ? b1 - start : nb[t];
         if (lo >= hi) continue;
-        void *const *q = ptr + 8 * t;
-        adam_step((float *)q[0], (const float *)q[1], (uint8_t *)q[2], (float *)q[3], (uint8_t *)q[5],
-                  (float *)q[6], (float *)q[4], h + NH * t, lo, hi, B, decoupled, vfp8);
+        void *const *q = ptr + NP * t;
+        if (q[8] && !*(const uint8_t *)q[8]) continue;  /* read here, at step time: no host sync */
+        const float *ht = h + NH * t;
+        const uint32_t key = mode == M_SR ? mix32(salt[t] + (uint32_t)ht[10]) : 0;
+        fn(q[0], q[1], (uint8_t *)q[2], (float *)q[3], (uint8_t *)q[5], (float *)q[6], (float *)q[4],
+           (uint16_t *)q[7], ht, key, lo, hi, B);
     }
     return 0;
 }
@@ -291,13 +367,14 @@ int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
    busy, e.g. with OpenMP threads still spinning after torch's last parallel region) leaves its
    share to the others instead of holding them at a barrier. Blocks are independent, so the
    result does not depend on who stepped which. */
-int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h, int64_t total,
-                 int64_t chunk, int64_t *next, int64_t B, int decoupled, int vfp8) {
+int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h, const uint32_t *salt,
+                 int64_t total, int64_t chunk, int64_t *next, int64_t B, int decoupled, int vfp8, int mode) {
     int failed = 0;
     for (;;) {
         int64_t b0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (b0 >= total) break;
-        failed |= adam_multi(n, ptr, nb, h, b0, b0 + chunk < total ? b0 + chunk : total, B, decoupled, vfp8);
+        failed |= adam_multi(n, ptr, nb, h, salt, b0, b0 + chunk < total ? b0 + chunk : total, B, decoupled,
+                             vfp8, mode);
     }
     return failed;
 }
@@ -309,12 +386,12 @@ int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h,
    is torch's own intra-op thread pool, whose threads are still spinning right after torch's last
    parallel region (a backward pass, a fused optimizer), so they start at once instead of
    keeping a core from a thread of ours for the length of their spin. */
-int adam_parallel(int64_t n, void *const *ptr, const int64_t *nb, const float *h, int64_t total,
-                  int64_t chunk, int64_t B, int decoupled, int vfp8, int threads) {
+int adam_parallel(int64_t n, void *const *ptr, const int64_t *nb, const float *h, const uint32_t *salt,
+                  int64_t total, int64_t chunk, int64_t B, int decoupled, int vfp8, int mode, int threads) {
     int64_t next = 0;
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(|:failed)
-    failed |= adam_dynamic(n, ptr, nb, h, total, chunk, &next, B, decoupled, vfp8);
+    failed |= adam_dynamic(n, ptr, nb, h, salt, total, chunk, &next, B, decoupled, vfp8, mode);
     return failed;
 }
 #endif
