@@ -220,6 +220,11 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     16-bit remainder in the optimizer state (bf16_split: 2 more bytes). With --fp8_opt_level 2:
     ~6 bytes a parameter of training state (bf16_split ~8) instead of ~10. docs/master_weights.md."""
 
+    master_weights_emulate: bool = False
+    """With a bf16 --master_weights: keep the parameters as fp32 tensors holding bf16 values and
+    round gradients to bf16 in the update, so the model computes in fp32 with bf16 master-weight
+    numerics. For CPUs without fast bf16 matmuls (parity studies); saves no memory."""
+
     optimizer_in_backward: bool = False
     """Step each parameter inside the backward as soon as its gradient is ready and free that
     gradient: the gradients' memory is gone. Needs --grad_accum_steps 1 and --grad_clip 0 (there
@@ -255,6 +260,9 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
         if not 0 <= self.final_lr_frac <= 1:
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
         _check_vocab_size(self)
+        if self.master_weights_emulate and self.master_weights == "fp32":
+            raise ValueError("--master_weights_emulate emulates bf16 master weights: give --master_weights bf16, "
+                             "bf16_sr or bf16_split with it")
         if self.optimizer_in_backward and self.grad_accum_steps > 1:
             raise ValueError(f"--optimizer_in_backward steps at every backward, so it cannot accumulate "
                              f"{self.grad_accum_steps} micro-batches: use --grad_accum_steps 1 (a larger "
@@ -377,7 +385,7 @@ class EvalConfig:
         _positive(self, "seq_len", "batch_size", "eval_tokens")
 
 
-ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck"]
+ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck", "bf16", "bf16_sr", "bf16_split"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -413,8 +421,11 @@ class ParityConfig:
     """Peak AdamW learning rate."""
 
     modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto", "auto-recheck")
-    """Modes to train, in this order: baseline (no FP8), e4m3, e5m2, auto (--fp8_mode auto) and
-    auto-recheck (--fp8_mode auto --fp8_auto_recheck_every --recheck_every)."""
+    """Modes to train, in this order: baseline (no FP8, fp32 master weights), e4m3, e5m2, auto
+    (--fp8_mode auto) and auto-recheck (--fp8_mode auto --fp8_auto_recheck_every --recheck_every);
+    and, to compare master weights instead of FP8, bf16, bf16_sr, bf16_split (--master_weights,
+    no FP8; with --dtype bfloat16 so the baseline computes in bf16 too and only the weights'
+    storage differs)."""
 
     recipe: FP8Recipe = "tensorwise"
     """torchao FP8 scaling recipe for every FP8 mode."""
@@ -459,6 +470,18 @@ class ParityConfig:
     device: str = "auto"
     """cuda, cpu, mps or auto. FP8 runs natively where the device supports the recipe, emulated
     elsewhere."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of every run (base_train --dtype): auto is bf16 autocast on CUDA, fp32
+    elsewhere."""
+
+    master_weights_emulate: bool = False
+    """The master-weight modes with --master_weights_emulate: bf16 numerics, fp32 compute (for
+    CPUs whose bf16 matmuls are slow; the baseline computes in fp32 then, with --dtype float32)."""
+
+    fp8_opt_level: Literal[0, 1, 2] = 0
+    """--fp8_opt_level of the FP8 modes and, with FP8 off, of the master-weight modes' and the
+    baseline's FP8 optimizer states (needs no FP8 matmuls). 0: fp32 moments."""
 
     def __post_init__(self) -> None:
         if not self.modes:

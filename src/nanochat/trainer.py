@@ -211,7 +211,8 @@ class NanoChatTrainer:
         setup_logging()
         self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        if cfg.fp8 and self.dtype != torch.float32 and self.device.type != "cuda":
+        # (--fp8_skip '*': no FP8 layer, only the FP8 optimizer states, which any dtype can use)
+        if cfg.fp8 and self.dtype != torch.float32 and self.device.type != "cuda" and "*" not in cfg.fp8_skip:
             raise UsageError(
                 f"--fp8 with --dtype {cfg.dtype} on {self.device.type}: torchao's FP8 layers only "
                 "support bf16 autocast on CUDA (elsewhere they would round outputs to the wrong dtype). "
@@ -317,10 +318,12 @@ class NanoChatTrainer:
         else:
             model_config = preset_config(cfg.model_name, vocab_size=self.tokenizer.vocab_size, seq_len=cfg.seq_len)
         sharded = self.dist.is_distributed and cfg.fsdp
+        self.param_dtype = torch.float32 if cfg.master_weights_emulate else param_dtype(cfg.master_weights)
         self.memory_plan = memory.plan_training(
             model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
             opt_level=cfg.fp8_opt_level if cfg.fp8 else 0, activation_checkpointing=cfg.activation_checkpointing,
-            master_weights=cfg.master_weights, optimizer_in_backward=cfg.optimizer_in_backward,
+            master_weights="fp32" if cfg.master_weights_emulate else cfg.master_weights,
+            optimizer_in_backward=cfg.optimizer_in_backward,
             autocast=self.dtype != torch.float32, shards=self.dist.world_size if sharded else 1,
             free_bytes=memory.free_bytes(self.device))
         print0(self.memory_plan.table())
@@ -329,14 +332,13 @@ class NanoChatTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.resolved.kind == "hf":
             # Built on the meta device and filled from memory-mapped safetensors: no 2x memory.
-            self.model, _ = load_hf_model(self.resolved.path, self.device, param_dtype(cfg.master_weights),
-                                          seq_len=cfg.seq_len)
+            self.model, _ = load_hf_model(self.resolved.path, self.device, self.param_dtype, seq_len=cfg.seq_len)
         else:
             self.model = GPT(model_config).to(self.device)
             self.model.init_weights()
-            if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
-                for p in self.model.parameters():
-                    p.data = p.data.to(torch.bfloat16)
+        if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
+            for p in self.model.parameters():  # emulated: fp32 tensors holding the bf16 values
+                p.data = p.data.to(torch.bfloat16).to(self.param_dtype)
         self.model.activation_checkpointing = cfg.activation_checkpointing
         fp8_config = cfg.fp8_config()
         self.fp8_all_gather_problem = None
@@ -358,7 +360,8 @@ class NanoChatTrainer:
         for group in adamw.param_groups:
             group["initial_lr"] = cfg.lr
         self.optimizer = self.fp8.wrap_optimizer(adamw, master_weights=cfg.master_weights, seed=cfg.seed,
-                                                 own_step=cfg.optimizer_in_backward)
+                                                 own_step=cfg.optimizer_in_backward,
+                                                 emulate_master=cfg.master_weights_emulate)
         if cfg.optimizer_in_backward:
             if self.dist.is_distributed:
                 raise UsageError(f"--optimizer_in_backward under torchrun ({self.parallel}): DDP and FSDP reduce "

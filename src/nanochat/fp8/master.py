@@ -16,6 +16,10 @@ updates late in a decaying schedule are lost the same way. The choices (`--maste
                 bit for bit (bf16-fused-adam's layout). The weight the model sees is the master
                 truncated toward zero, at most one bf16 step from it.
 
+Emulation (`--master_weights_emulate`): the parameters stay fp32 tensors holding bf16 values and
+the gradients are rounded to bf16 before the update, so the numerics are those of bf16 storage
+while the model computes in fp32 (for CPUs whose bf16 matmuls are slow; no memory is saved).
+
 The update itself is always computed in fp32 (optim.py's kernels read the weight as fp32, from
 the bf16 bits or from both halves); only the write differs.
 
@@ -123,22 +127,26 @@ def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def join(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """(bf16 top half, int16 low half) -> the fp32 they split from."""
-    u = ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) | (lo.to(torch.int64) & 0xFFFF)
+    """(bf16 top half, int16 low half) -> the fp32 they split from. `hi` may also be an fp32
+    tensor holding bf16 values (emulated bf16 storage): its top 16 bits are the same."""
+    top = _bits(hi) >> 16 if hi.dtype == torch.float32 else hi.view(torch.int16).to(torch.int64) & 0xFFFF
+    u = (top << 16) | (lo.to(torch.int64) & 0xFFFF)
     return (u - ((u >> 31) << 32)).to(torch.int32).view(torch.float32)
 
 
 def write_master(p: torch.Tensor, x: torch.Tensor, master_weights: str, *, lo: torch.Tensor | None = None,
                  bits16: torch.Tensor | None = None) -> None:
     """Store the fp32 result `x` into the parameter `p` as `master_weights` says (in place):
-    fp32 and bf16 by conversion (bf16: round to nearest even), bf16_sr with `bits16`,
-    bf16_split with its low half into `lo`."""
+    fp32 as is, bf16 rounded to nearest even, bf16_sr with `bits16`, bf16_split with its low
+    half into `lo`. An fp32 `p` under a bf16 choice (emulation) receives the bf16 value exactly."""
     if master_weights == "bf16_sr":
         p.copy_(round_sr(x, bits16))
     elif master_weights == "bf16_split":
         hi, low = split(x)
         p.copy_(hi)
         lo.copy_(low)
+    elif master_weights == "bf16":
+        p.copy_(x.to(torch.bfloat16))
     else:
         p.copy_(x)
 

@@ -121,18 +121,19 @@ def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, fl
 
 
 def _adam_step(p, g, m_codes, m_scale, m32, v32, v_codes, v_scale, lo, step, lr, beta1, beta2, eps, wd,
-               salt, ok, *, decoupled: bool, m_fp8: bool, v_fp8: bool, master: str):
+               salt, ok, *, decoupled: bool, m_fp8: bool, v_fp8: bool, master: str, emulate: bool = False):
     """Adam(W) on one parameter. Moments: m in FP8 (m_codes, m_scale) or fp32 (m32); v in FP8 as
     sqrt(v) (v_codes, v_scale) or fp32 (v32). FP8 moments come as [n_blocks, B] views, fp32 ones in
     any shape equal to p's. The update is computed in fp32 from the fp32 master (p, or p and its
     low half `lo` under bf16_split) and written back as `master` says (master.py); `salt` (a
     0-dim int64) seeds bf16_sr's bits. ok: None, or a 0-dim bool that, when False, leaves p and
-    every state as it was (the optimizer-in-backward guard against a non-finite gradient)."""
+    every state as it was (the optimizer-in-backward guard against a non-finite gradient).
+    emulate: p is an fp32 tensor holding bf16 values; the gradient is rounded to bf16 first."""
     # as torch's Adam: bias corrections in float64 (0-dim tensors)
     step_size = lr / (1 - beta1**step)
     bc2_sqrt = (1 - beta2**step).sqrt()
     pf = read_master(p, lo)
-    gf = g.float()
+    gf = g.to(torch.bfloat16).float() if emulate else g.float()
     if not decoupled:  # Adam's L2 penalty goes into the gradient (torch: grad.add(param, alpha=wd))
         gf = gf + wd * pf
     m = decode(m_codes, E4M3) * m_scale[:, None] if m_fp8 else m32
@@ -169,7 +170,7 @@ def _adam_step(p, g, m_codes, m_scale, m32, v32, v_codes, v_scale, lo, step, lr,
 
 
 def _adam_multi(ps, gs, m_codes, m_scales, m32s, v32s, v_codes, v_scales, los, steps, hypers, salts, oks,
-                decoupled: bool, m_fp8: bool, v_fp8: bool, master: str):
+                decoupled: bool, m_fp8: bool, v_fp8: bool, master: str, emulate: bool = False):
     """_adam_step over lists of same-shape tensors: one compiled graph, one call for all of them.
     hypers[i] = (lr, beta1, beta2, eps, weight_decay) of tensor i's param group; a representation
     a call does not use comes as an empty list."""
@@ -179,7 +180,7 @@ def _adam_multi(ps, gs, m_codes, m_scales, m32s, v32s, v_codes, v_scales, los, s
     for i in range(len(ps)):
         _adam_step(ps[i], gs[i], at(m_codes, i), at(m_scales, i), at(m32s, i), at(v32s, i), at(v_codes, i),
                    at(v_scales, i), at(los, i), steps[i], *hypers[i], at(salts, i), at(oks, i),
-                   decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master)
+                   decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master, emulate=emulate)
 
 
 def _sgd_step(p, g, b_codes, b_scale, lr, momentum, dampening, wd, first: bool, nesterov: bool):
@@ -435,6 +436,12 @@ class FP8Optim(torch.optim.Optimizer):
         block_size: elements per scale (256: see tensor.py for the bytes/param arithmetic).
         min_numel: parameters with fewer elements keep fp32 state.
         compile: False forces the eager step (same as backend="eager").
+        master_weights: "fp32" (the parameters are the masters), or "bf16", "bf16_sr",
+            "bf16_split": bf16 parameters updated as master.py describes; FP8Optim then steps
+            every parameter itself (fp32 moments where FP8 ones do not apply).
+        seed: seeds bf16_sr's random bits (with each parameter's position and step).
+        emulate: bf16 master numerics on fp32 parameters (holding bf16 values; gradients rounded
+            to bf16 in the step): for models that must compute in fp32. No memory saved.
         backend: how the FP8 step runs. "auto": the native C kernel for fp32 Adam(W) parameters
             on CPU, torch.compile otherwise; "native" / "compile" / "eager" force one (a
             backend that cannot run falls back to the next, native -> compile -> eager, logged once).
@@ -443,7 +450,7 @@ class FP8Optim(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, opt_level: int = 2, *,
                  block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL,
                  compile: bool = True, backend: str = "auto", master_weights: str = "fp32",
-                 seed: int = 0) -> None:
+                 seed: int = 0, emulate: bool = False) -> None:
         kind = type(optimizer)
         if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
             raise TypeError(
@@ -481,6 +488,7 @@ class FP8Optim(torch.optim.Optimizer):
             raise ValueError(f"master_weights={master_weights!r} supports Adam and AdamW; with torch.optim.SGD "
                              "keep fp32 master weights")
         self.master_weights = master_weights
+        self.emulate = emulate and master_weights != "fp32"
         # bf16 masters: every parameter is stepped here (the wrapped optimizer would round to
         # nearest and keep bf16 moments); so is every one stepped inside the backward
         self._own = master_weights != "fp32"
@@ -508,10 +516,12 @@ class FP8Optim(torch.optim.Optimizer):
                 if p.is_complex():
                     raise ValueError(f"FP8Optim supports real parameters only; param group {i} has a "
                                      f"complex {tuple(p.shape)} tensor. Use the plain torch optimizer.")
-                if self.master_weights != "fp32" and p.dtype != torch.bfloat16:
-                    raise ValueError(f"master_weights={self.master_weights!r} keeps the parameters in bf16, but "
-                                     f"param group {i} has a {p.dtype} {tuple(p.shape)} tensor: convert the model "
-                                     "first (model.to(torch.bfloat16)), then build the optimizer")
+                want = torch.float32 if self.emulate else torch.bfloat16
+                if self.master_weights != "fp32" and p.dtype != want:
+                    raise ValueError(f"master_weights={self.master_weights!r} keeps the parameters in {want}"
+                                     f"{' (emulate=True)' if self.emulate else ''}, but param group {i} has a "
+                                     f"{p.dtype} {tuple(p.shape)} tensor: convert the model first "
+                                     f"(model.to({want})), then build the optimizer")
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"FP8Optim does not support sparse gradients (param group {i}, "
                                      f"shape {tuple(p.shape)}); use dense gradients.")
@@ -702,8 +712,9 @@ class FP8Optim(torch.optim.Optimizer):
                 tensors = (pl, g.reshape(pl.shape), None, None, _local(state["exp_avg"]),
                            _local(state["exp_avg_sq"]), None, None, lo)
             item = (tensors, state["step"], group, self._salts.get(p, 0), ok)
-            if (self._native and m_fp8 and master == "fp32" and ok is None and pl.device.type == "cpu"
-                    and pl.dtype == torch.float32 and g.dtype == torch.float32 and g.is_contiguous() and B <= 1024):
+            kernel_dtype = torch.float32 if master == "fp32" else torch.bfloat16
+            if (self._native and m_fp8 and not self.emulate and pl.device.type == "cpu" and pl.dtype == kernel_dtype
+                    and g.dtype == kernel_dtype and g.is_contiguous() and B <= 1024):
                 native[decoupled].append(item)
             else:
                 compiled[(decoupled, m_fp8, v_fp8, ok is not None, pl.device, pl.dtype, g.dtype,
@@ -712,11 +723,11 @@ class FP8Optim(torch.optim.Optimizer):
             torch._foreach_add_(same_device, 1.0)
         for decoupled, items in native.items():
             try:
-                # the native kernel's layout: p, g, m codes, m scales, v fp32, v codes, v scales
-                _native_adam([tuple(x if x is None else x.contiguous() for x in (t[0], t[1], t[2], t[3], t[5], t[6], t[7]))
-                              for t in (i[0] for i in items)],
+                # the native kernel's layout: p, g, m codes, m scales, v fp32, v codes, v scales, lo
+                _native_adam([tuple(t[k] for k in (0, 1, 2, 3, 5, 6, 7, 8)) for t in (i[0] for i in items)],
                              _adam_table([i[1] for i in items], [i[2] for i in items]),
-                             B, decoupled, self.opt_level >= 2)
+                             B, decoupled, self.opt_level >= 2, master=master, salts=[i[3] for i in items],
+                             oks=[i[4] for i in items])
                 self._count("native", len(items))
             except RuntimeError as e:
                 self._native = False
@@ -739,7 +750,7 @@ class FP8Optim(torch.optim.Optimizer):
             salts = [torch.tensor(i[3], dtype=torch.int64) for i in items] if master == "bf16_sr" else []
             self._run("adam", _adam_multi, *cols, [i[1] for i in items], [hypers[id(i[2])] for i in items],
                       salts, [i[4] for i in items] if guarded else [],
-                      decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master)
+                      decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master, emulate=self.emulate)
 
     def _step_sgd(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
         """Every FP8-state SGD parameter, one compiled call per (device, dtypes, shape, kind)."""

@@ -114,7 +114,7 @@ class FP8Training:
         return self._calibration is not None
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, *, master_weights: str = "fp32", seed: int = 0,
-                       own_step: bool = False) -> torch.optim.Optimizer:
+                       own_step: bool = False, emulate_master: bool = False) -> torch.optim.Optimizer:
         """FP8Optim around `optimizer` (Adam moments in FP8 at `opt_level` 1-2); the optimizer
         itself when FP8 is off, unless the parameters are bf16 master weights (`master_weights`,
         see master.py; `seed` seeds bf16_sr) or `own_step` (FP8Optim.step_in_backward will be
@@ -124,7 +124,7 @@ class FP8Training:
             self.optimizer = optimizer
             return optimizer
         self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level if self.config.enabled else 0,
-                                  master_weights=master_weights, seed=seed)
+                                  master_weights=master_weights, seed=seed, emulate=emulate_master)
         if self.config.enabled and self.config.opt_level:  # tensors too small or of a size the blocks do not fit
             for reason, (n, numel) in self.optimizer.fp32_states().items():
                 self.fallbacks.append(f"`opt_level` {self.config.opt_level}: {n} tensors / {numel:,} "
