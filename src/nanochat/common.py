@@ -236,7 +236,9 @@ class DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
             copy_ = func is aten.copy_.default
             src = args[1] if copy_ else args[0]
             dst = args[0].device if copy_ else torch.device(kwargs.get("device") or src.device)
-            explicit = not copy_ and "device" in kwargs
+            # an explicit same-device copy that keeps the dtype (host_read's `.to("cpu", copy=True)`);
+            # one that changes it is a cast that happens to name the device (rms_norm of bf16 does)
+            explicit = not copy_ and "device" in kwargs and kwargs.get("dtype", src.dtype) == src.dtype
             if torch.is_tensor(src) and (src.device != dst or explicit) and (
                     dst.type == "cpu" or self.also_to_device):
                 self.reads.append(f"{func} {src.device} -> {dst}")

@@ -609,12 +609,13 @@ class FP8Optim(torch.optim.Optimizer):
             raise ValueError("step_in_backward does not work with FSDP/DTensor parameters: their gradients are "
                              "reduced after the per-parameter hooks would run; step after the backward instead")
         self._own = True
-        groups = {p: group for group in self.param_groups for p in group["params"]}
+        # the group by index, looked up when the hook runs: load_state_dict replaces the dicts
+        groups = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
         handles = []
-        for p, group in groups.items():
+        for p, i in groups.items():
             if p.requires_grad:
                 handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param, group=group: self._step_in_backward(param, group)))
+                    lambda param, i=i: self._step_in_backward(param, self.param_groups[i])))
         return handles
 
     @torch.no_grad()
@@ -860,6 +861,15 @@ class FP8Optim(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
+        if self._own:
+            # torch casts floating states to the parameter's dtype (bf16 here): our moments are
+            # fp32 (or FP8 codes that must not be touched), so take the saved values as they are
+            saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+            params = [p for g in self.param_groups for p in g["params"]]
+            for i, p in zip(saved, params):
+                if i in state_dict["state"]:
+                    self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and k != "step" else v
+                                     for k, v in state_dict["state"][i].items()}
         # FSDP: convert each rank's shard of the states, then wrap them back like their parameter
         sharded = [p for g in self.param_groups for p in g["params"]
                    if isinstance(p, DTensor) and self.state.get(p)]
