@@ -10,6 +10,9 @@
     level 1 to level 2 (on CPU: wall-clock at the default thread count and 1-thread CPU time);
 (c) the same small GPT (nanochat.gpt, preset --preset) trained --train_steps steps on bytes of
     stdlib sources (vocab 256) with AdamW and with FP8Optim levels 1 and 2: final val loss, gap;
+(e) --master: bytes per parameter of the whole training state (weights + gradients + optimizer
+    state) and median step time for each --master_weights choice at FP8Optim level 2, against
+    fp32 weights with torch AdamW(fused=True), same parameters and gradients, round-robin;
 (d) --study: the second-moment representation study behind optim.py's choice (update error and
     worst update against fp32 Adam on gradients spanning 1e-8..1e2 inside every block).
 Machine load matters on a shared box: the script prints `os.getloadavg()` next to the figures.
@@ -58,6 +61,8 @@ class BenchOptimConfig:
     """(d) also run the second-moment representation study."""
     skip_speed: bool = False
     """Skip (a) and (b)."""
+    master: bool = False
+    """(e) also time and size each --master_weights choice (level 2) against fused AdamW."""
     skip_train: bool = False
     """Skip (c)."""
     out: pathlib.Path | None = None
@@ -183,6 +188,64 @@ def bench_speed(args) -> dict:
                               load_after=os.getloadavg())
     torch.set_num_threads(threads)
     return dict(numel=n, device=str(device), **results)
+
+
+# ---- (e) ---------------------------------------------------------------------------------------
+
+
+def bench_master(args) -> dict:
+    """Training-state bytes per parameter and step time per master-weight choice (level 2)."""
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(args.dim, args.dim, generator=g) for _ in range(args.n_tensors)]
+    grads = [torch.randn(args.dim, args.dim, generator=g) * 1e-2 for _ in range(args.n_tensors)]
+
+    def params(dtype):
+        ps = [torch.nn.Parameter(b.to(device, dtype)) for b in base]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.to(device, dtype)
+        return ps
+
+    opts = {"fp32 weights, torch AdamW fused": torch.optim.AdamW(params(torch.float32), lr=1e-3,
+                                                                  weight_decay=0.1, fused=True)}
+    for master in ("fp32", "bf16", "bf16_sr", "bf16_split"):
+        ps = params(torch.float32 if master == "fp32" else torch.bfloat16)
+        opts[f"{master} weights, FP8Optim level 2"] = FP8Optim(
+            torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), opt_level=2, master_weights=master,
+            compile=not args.quick)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for opt in opts.values():  # state allocation, compilation
+        opt.step()
+        opt.step()
+    sync()
+    times = {name: [] for name in opts}
+    for _ in range(args.steps):
+        for name, opt in opts.items():
+            sync()
+            t = time.perf_counter()
+            opt.step()
+            sync()
+            times[name].append(time.perf_counter() - t)
+    n = args.n_tensors * args.dim * args.dim
+    fused = statistics.median(times["fp32 weights, torch AdamW fused"]) * 1e3
+    rows, out = [], {}
+    for name, opt in opts.items():
+        ps = [p for grp in opt.param_groups for p in grp["params"]]
+        weights = sum(p.numel() * p.element_size() for p in ps)
+        grads_b = sum(p.grad.numel() * p.grad.element_size() for p in ps)
+        state = opt.state_bytes() if isinstance(opt, FP8Optim) else _moment_bytes(opt) * n
+        med = statistics.median(times[name]) * 1e3
+        out[name] = dict(weights=weights / n, gradients=grads_b / n, optimizer=state / n,
+                         total=(weights + grads_b + state) / n, median_ms=med, vs_fused=med / fused,
+                         backend=opt.step_backends() if isinstance(opt, FP8Optim) else None)
+        rows.append([name, f"{weights / n:.0f}", f"{grads_b / n:.0f}", f"{state / n:.3f}",
+                     f"{(weights + grads_b + state) / n:.3f}", f"{med:.2f}", f"{med / fused:.2f}x"])
+    print(f"\n(e) {n / 1e6:.1f}M params, training state per parameter and median of {args.steps} steps, "
+          f"{torch.get_num_threads()} threads, {load()}; FP8Optim backends: "
+          f"{ {k: v['backend'] for k, v in out.items() if v['backend']} }")
+    print(format_table(["weights / optimizer", "weight B", "grad B", "optimizer B", "state B/param", "step ms",
+                        "vs fused AdamW"], rows))
+    return dict(numel=n, device=str(device), results=out)
 
 
 # ---- (c) ---------------------------------------------------------------------------------------
@@ -331,6 +394,8 @@ def main(argv=None) -> int:
         result["study"] = study(args)
     if not args.skip_speed:
         result["speed"] = bench_speed(args)
+    if args.master or args.quick:
+        result["master"] = bench_master(args)
     if not args.skip_train:
         result["train"] = bench_train(args)
     result["load_end"] = os.getloadavg()

@@ -56,7 +56,7 @@ class GPUCheckConfig:
     """Rehearse on the CPU: toy sizes, FP8 emulated; the figures mean nothing, the schema is the GPU run's."""
     budget_s: float = 420.0
     """Seconds for all jobs; a job whose estimate does not fit what is left is skipped."""
-    jobs: tuple[str, ...] = ("env", "bf16", "fp8", "optim", "opt_levels", "scope", "big", "tests")
+    jobs: tuple[str, ...] = ("env", "bf16", "fp8", "optim", "opt_levels", "scope", "big", "tests", "master")
     """Jobs to run, in this order."""
     model: str = "d12"
     """Preset of the bf16 / fp8 / opt_levels / scope jobs."""
@@ -88,7 +88,7 @@ DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_l
                steps=3, opt_tensors=2, opt_dim=256, opt_steps=2, tests_timeout_s=120.0)
 
 ESTIMATES_S = {"env": 5, "bf16": 75, "fp8": 80, "optim": 40, "opt_levels": 100, "scope": 120,
-               "big": 180, "tests": 70}
+               "big": 180, "tests": 70, "master": 150}
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -147,6 +147,7 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, *, profil
                compile_time_s=r.compile_time_s, wall_time_s=r.wall_time_s, train_loss=r.train_loss,
                val_loss=r.val_loss, fp8_backend=r.fp8_backend, fallbacks=r.fallbacks,
                optimizer_state_bytes=r.optimizer_state_bytes, num_params=r.num_params,
+               state_bytes_per_param=r.state_bytes_per_param, state_bytes=r.state_bytes,
                peak_gib=peak_gib(device), recompile_reasons=recompiles.reasons[:3], **graph_breaks())
     if profile:
         out.update(profile_step(trainer, device))
@@ -266,16 +267,19 @@ def job_optim(cfg: GPUCheckConfig) -> dict:
 
     device = device_of(cfg)
     out = {}
-    for name in ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2"):
+    for name in ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2", "fp8optim_l2_bf16",
+                 "fp8optim_l2_bf16_sr", "fp8optim_l2_bf16_split"):
         reset_memory(device)
+        master = name.split("_l2_")[1] if "_l2_" in name else "fp32"
+        dtype = torch.float32 if master == "fp32" else torch.bfloat16
         g = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(cfg.opt_dim, cfg.opt_dim, device=device, generator=g))
+        params = [torch.nn.Parameter(torch.randn(cfg.opt_dim, cfg.opt_dim, device=device, generator=g).to(dtype))
                   for _ in range(cfg.opt_tensors)]
         for p in params:
-            p.grad = torch.randn(p.shape, device=device, generator=g) * 1e-3
+            p.grad = (torch.randn(p.shape, device=device, generator=g) * 1e-3).to(dtype)
         opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         if name != "adamw_fused":
-            opt = FP8Optim(opt, opt_level=int(name[-1]))
+            opt = FP8Optim(opt, opt_level=int(name[len("fp8optim_l")]), master_weights=master)
         before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         opt.step()  # creates the state and compiles
         times = []
@@ -294,6 +298,8 @@ def job_optim(cfg: GPUCheckConfig) -> dict:
         peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
         out[name] = dict(step_ms=1e3 * statistics.median(times), device_reads_per_step=reads.count,
                          state_bytes_per_param=(opt.state_bytes() / n if hasattr(opt, "state_bytes") else 8.0),
+                         training_state_bytes_per_param=2 * dtype.itemsize + (
+                             opt.state_bytes() / n if hasattr(opt, "state_bytes") else 8.0),
                          peak_above_params_grads_bytes_per_param=None if peak is None else peak / n,
                          backend=step_backend(opt),
                          fallbacks=list(getattr(opt, "fallbacks", [])))
@@ -302,6 +308,18 @@ def job_optim(cfg: GPUCheckConfig) -> dict:
     for v in out.values():
         v["ratio_to_fused"] = v["step_ms"] / base
     return out
+
+
+def job_master(cfg):
+    """Training with FP8 level-2 moments and each way of cutting the rest of the training state:
+    bf16_sr masters, bf16_split, bf16_sr with the step inside the backward; tokens/s, measured
+    state bytes per parameter and peak memory next to the fp32-master run of the opt_levels job."""
+    fp8 = dict(fp8=True, fp8_opt_level=2)
+    return {"bf16_sr": train(cfg, "master-bf16_sr", cfg.model, cfg.batch_size, master_weights="bf16_sr", **fp8),
+            "bf16_split": train(cfg, "master-bf16_split", cfg.model, cfg.batch_size, master_weights="bf16_split",
+                                **fp8),
+            "bf16_sr_in_backward": train(cfg, "master-bf16_sr-bwd", cfg.model, cfg.batch_size,
+                                         master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0, **fp8)}
 
 
 def step_backend(opt) -> str | dict:
@@ -325,7 +343,7 @@ def job_tests(cfg: GPUCheckConfig) -> dict:
 
 JOBS: dict[str, Callable[[GPUCheckConfig], Any]] = {
     "env": job_env, "bf16": job_bf16, "fp8": job_fp8, "optim": job_optim, "opt_levels": job_opt_levels,
-    "scope": job_scope, "big": job_big, "tests": job_tests}
+    "scope": job_scope, "big": job_big, "tests": job_tests, "master": job_master}
 
 
 def ratios(results: dict) -> dict:

@@ -98,7 +98,8 @@ def single(small_corpus, tmp_path_factory, cache) -> dict[str, Path]:
     from nanochat.trainer import NanoChatTrainer
 
     out = tmp_path_factory.mktemp("single")
-    runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_opt_level=2)}
+    runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_opt_level=2),
+            "split": dict(fp8=True, fp8_emulate=True, fp8_opt_level=2, master_weights="bf16_split")}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOCHAT_CACHE", str(cache))
         for name, extra in runs.items():
@@ -119,6 +120,8 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
         dict(name="fsdp", kwargs=_kwargs(small_corpus, out / "fsdp", fsdp=True)),
         dict(name="fsdp_fp8", kwargs=_kwargs(small_corpus, out / "fsdp_fp8", fsdp=True, **fp8)),
         dict(name="ddp_fp8", kwargs=_kwargs(small_corpus, out / "ddp_fp8", **fp8)),
+        dict(name="fsdp_split", kwargs=_kwargs(small_corpus, out / "fsdp_split", fsdp=True,
+                                               master_weights="bf16_split", **fp8)),
         dict(name="ddp_auto", record_fp8=True,
              kwargs=_kwargs(small_corpus, out / "ddp_auto", fp8=True, fp8_emulate=True, fp8_mode="auto",
                             fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
@@ -178,6 +181,19 @@ def test_fsdp_fp8_matches_one_process_with_sharded_fp8_states(two_ranks, single)
         for name, s in states.items():
             assert s["exp_avg"] == s["exp_avg_sq_sqrt"] == "DTensor(FP8Tensor)", (name, s)
             assert s["local_rows"] * 2 == s["global_rows"], (name, s)  # this rank's half
+
+
+def test_fsdp_bf16_split_matches_one_process_with_sharded_remainders(two_ranks, single):
+    """bf16 parameters sharded by FSDP2, their 16-bit remainders sharded like them: the losses
+    match one process within FP8_LOSS_TOL (the ranks' bf16 gradients are summed in bf16)."""
+    run = two_ranks["fsdp_split"]
+    worst = _assert_close(_losses(run), _losses(single["split"]), FP8_LOSS_TOL, "fsdp bf16_split train loss")
+    print(f"fsdp bf16_split vs one process: train {worst:.1e}")  # shown with -s
+    for rank in (0, 1):
+        states = json.loads((run / f"states-rank{rank}.json").read_text())
+        for name, s in states.items():
+            assert s["master_lo"] == "DTensor(Tensor)", (name, s)
+            assert s["local_rows"] * 2 == s["global_rows"], (name, s)
 
 
 @pytest.mark.parametrize("name", ["ddp_auto", "fsdp_auto"])

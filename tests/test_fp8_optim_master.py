@@ -83,8 +83,8 @@ def _reference_step(states, grads, mode, decoupled, v_fp8, salts=SALTS):
     for st, g, salt in zip(states, grads, salts):
         st["step"] += 1
         x = read_master(st["p"], st.get("lo")).clone()  # the fp32 master
-        _adam_step(x, g.float(), st["mc"], st["ms"], st.get("v"), st.get("vc"), st.get("vs"), st["step"], *hypers,
-                   decoupled=decoupled, v_fp8=v_fp8)
+        _adam_step(x, g.float(), st["mc"], st["ms"], None, st.get("v"), st.get("vc"), st.get("vs"), None,
+                   st["step"], *hypers, None, None, decoupled=decoupled, m_fp8=True, v_fp8=v_fp8, master="fp32")
         write_master(st["p"], x, mode, lo=st.get("lo"), bits16=sr_bits(salt, st["step"], x.shape))
 
 

@@ -19,7 +19,8 @@ FP8 is one component, `nanochat.fp8.FP8Training`, called at fixed points: after 
 built (conversion), around each step's passes (calibration, statistics), after the backward
 (non-finite check, clipping count) and after the optimizer step (auto's formats, re-checks).
 Distributed runs (torchrun): docs/distributed.md. Mixed precision: bf16 autocast over fp32
-master weights on CUDA, fp32 elsewhere unless --dtype says otherwise.
+master weights on CUDA, fp32 elsewhere unless --dtype says otherwise; --master_weights stores
+weights and gradients in bf16 and --optimizer_in_backward frees the gradients (docs/master_weights.md).
 """
 
 from __future__ import annotations

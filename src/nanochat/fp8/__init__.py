@@ -12,7 +12,8 @@ FP8Training holds the order a loop must follow; the pieces are usable alone: con
 conversion, the layer filter, the report, restore and the high-precision switch), auto.py (mode
 auto: formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
 saturation, SQNR per layer and role; the first non-finite layer), tensor.py (FP8Tensor),
-optim.py (FP8Optim: Adam moments in FP8).
+optim.py (FP8Optim: Adam moments in FP8; bf16 master weights and the step inside the backward),
+master.py (how an fp32 update is written into a bf16 weight).
 
 Names are imported on first use, so `from nanochat.fp8.config import FP8Config` (the CLI's
 flags) loads neither torch nor torchao. This package imports torch, torchao and

@@ -49,6 +49,14 @@ hyperparameters are 0-dim CPU tensors (a changing lr does not recompile), step c
 tensors on the parameter's device. Every
 fallback is logged once with its reason and kept in `fallbacks`.
 
+bf16 master weights (`master_weights`, master.py): bf16 parameters and gradients, the update
+computed in fp32 and written back rounded to nearest, stochastically, or split with a 16-bit
+remainder kept in the state ("master_lo"). FP8Optim then steps every parameter itself (those
+too small for FP8 with fp32 moments), in the same three implementations; so it does after
+`step_in_backward()`, which runs each parameter's step from its post-accumulate-grad hook and
+frees the gradient (a parameter whose gradient is not finite is left as it was, decided on the
+device).
+
 Under FSDP2 (nanochat/distributed.py) a parameter is a DTensor holding this rank's rows. The
 step works on the local shard (`_local`: p, its gradient and its states), so the kernels and
 their compiled graphs are the single-process ones; states are created for the shard and kept as
