@@ -76,8 +76,10 @@ from nanochat.tokenizer import Tokenizer
 _RESUME_MUST_MATCH = (
     "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len",
     "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_opt_level", "fp8_skip",
-    "fp8_min_dim", "master_weights",
+    "fp8_min_dim", "master_weights", "master_weights_emulate",
 )
+# what a checkpoint written before a field existed trained with
+_RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False}
 
 
 @dataclass
@@ -735,11 +737,11 @@ class NanoChatTrainer:
         resolved_now = self._resolved_paths()
 
         def same(k: str) -> bool:
-            if saved.get(k) == now[k]:
+            if saved.get(k, _RESUME_DEFAULTS.get(k)) == now[k]:
                 return True
             return k in resolved_now and saved_paths.get(k, saved.get(k)) == resolved_now[k]
 
-        diff = {k: (saved.get(k), now[k]) for k in _RESUME_MUST_MATCH if not same(k)}
+        diff = {k: (saved.get(k, _RESUME_DEFAULTS.get(k)), now[k]) for k in _RESUME_MUST_MATCH if not same(k)}
         saved_ranks = ckpt.get("world_size", 1)
         if saved["batch_size"] * saved_ranks != now["batch_size"] * self.dist.world_size:
             diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks",
