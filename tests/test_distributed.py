@@ -122,6 +122,8 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
         dict(name="ddp_fp8", kwargs=_kwargs(small_corpus, out / "ddp_fp8", **fp8)),
         dict(name="fsdp_split", kwargs=_kwargs(small_corpus, out / "fsdp_split", fsdp=True,
                                                master_weights="bf16_split", **fp8)),
+        dict(name="ddp_in_backward", expect_error=True,
+             kwargs=_kwargs(small_corpus, out / "ddp_in_backward", optimizer_in_backward=True, grad_clip=0.0)),
         dict(name="ddp_auto", record_fp8=True,
              kwargs=_kwargs(small_corpus, out / "ddp_auto", fp8=True, fp8_emulate=True, fp8_mode="auto",
                             fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
@@ -194,6 +196,13 @@ def test_fsdp_bf16_split_matches_one_process_with_sharded_remainders(two_ranks, 
         for name, s in states.items():
             assert s["master_lo"] == "DTensor(Tensor)", (name, s)
             assert s["local_rows"] * 2 == s["global_rows"], (name, s)
+
+
+def test_optimizer_in_backward_is_refused_under_torchrun(two_ranks):
+    for rank in (0, 1):
+        msg = (two_ranks["ddp_in_backward"] / f"error-rank{rank}.txt").read_text()
+        assert "--optimizer_in_backward under torchrun" in msg and "ddp x2" in msg, msg
+    assert not (two_ranks["ddp_in_backward"] / "metrics.jsonl").exists()  # refused before any step
 
 
 @pytest.mark.parametrize("name", ["ddp_auto", "fsdp_auto"])
