@@ -501,11 +501,15 @@ class FP8Optim(torch.optim.Optimizer):
         # nearest and keep bf16 moments); so is every one stepped inside the backward
         self._own = master_weights != "fp32"
         # bf16_sr: each parameter's salt from its position in the groups (stable across runs)
-        self._salts = {p: sr_salt(seed, i) for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        self._seed = seed
+        self._salts = self._make_salts()
         self._bwd: torch.Tensor | None = None  # step_in_backward's per-backward sums
         self.max_live_grad_bytes = 0
         """step_in_backward: the largest gradient seen (the most gradient memory alive at once)."""
         self._check_groups()
+
+    def _make_salts(self) -> dict:
+        return {p: sr_salt(self._seed, i) for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
     # ---- configuration checks ----------------------------------------------------------------
 
@@ -893,6 +897,7 @@ class FP8Optim(torch.optim.Optimizer):
         if not hasattr(self, "optimizer"):  # called by Optimizer.__init__ on the shared groups
             return super().add_param_group(param_group)
         self.optimizer.add_param_group(param_group)
+        self._salts = self._make_salts()
         self._summary_logged = False
 
     # ---- reporting ----------------------------------------------------------------------------
