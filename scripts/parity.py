@@ -57,7 +57,8 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
               warmup_steps=cfg.warmup_steps, lr=cfg.lr, eval_every=cfg.eval_every,
               eval_tokens=cfg.eval_tokens, seed=seed, device=cfg.device,
               run_dir=str(run_dir_of(cfg, seed, mode)),
-              save_every=0, num_samples=0, dtype=cfg.dtype)  # one checkpoint at the end, no sampling
+              save_every=0, num_samples=0, dtype=cfg.dtype,  # one checkpoint at the end, no sampling
+              init_from=cfg.init_from)
     if cfg.fp8_opt_level and mode not in (*FIXED_MODES, *AUTO_MODES):
         # FP8 optimizer states without FP8 matmuls: the same optimizer in every mode
         kw.update(fp8=True, fp8_skip=("*",), fp8_opt_level=cfg.fp8_opt_level, fp8_emulate=emulate)
@@ -183,7 +184,11 @@ def prepare_data(cfg: ParityConfig) -> None:
     corpus = load_corpus(cfg.dataset_path)
     if corpus.kind == "instruct":
         return  # the trainer renders records itself; parallel runs would only repeat the work
-    tok = get_or_train_tokenizer(corpus, cfg.vocab_size, cache_root=cache / "tokenizers")
+    if cfg.init_from is not None:  # the tokenizer the runs take from the run they start from
+        from nanochat.tokenizer import Tokenizer
+        tok = Tokenizer.load(Path(cfg.init_from) / "tokenizer")
+    else:
+        tok = get_or_train_tokenizer(corpus, cfg.vocab_size, cache_root=cache / "tokenizers")
     tokenize_docs(tok, corpus.train_docs, cache_dir=cache / "tokens")
     tokenize_docs(tok, corpus.val_docs, cache_dir=cache / "tokens")
 

@@ -112,6 +112,59 @@ def test_native_kernel_and_compiled_step_agree(master):
         assert (x == y).float().mean() > 0.99
 
 
+def test_round_rne_is_the_bf16_cast_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 18, generator=gen) * torch.exp2(torch.randint(-140, 120, (1 << 18,), generator=gen).float())
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, -3.4e38, 1e-45, 1.00390625,
+                            1.01171875, -1.00390625, 2.0**-133])  # ties to even, overflow, subnormals
+    x = torch.cat([x, special])
+    assert torch.equal(M.round_rne(x).view(torch.int32), x.to(torch.bfloat16).float().view(torch.int32))
+    assert torch.isnan(M.round_rne(torch.tensor([float("nan")]))).all()
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+@pytest.mark.parametrize("master", MODES)
+def test_emulation_is_bf16_storage_in_every_backend(master, backend):
+    """--master_weights_emulate (fp32 tensors holding bf16 values, gradients rounded to bf16) against
+    real bf16 parameters fed the same gradients: the weights stay bf16 values and equal the bf16
+    run's; bit for bit eagerly (the same arithmetic), to one bf16 step compiled (different kernels
+    for the two dtypes; measured: all equal). The gradients are not bf16 values, so their rounding
+    is tested too: a compiler drops an fp32 -> bf16 -> fp32 cast unless it is written in integers."""
+    gen = torch.Generator().manual_seed(2)
+    init = torch.randn(256, 64, generator=gen).bfloat16()
+    grads = [torch.randn(256, 64, generator=gen) for _ in range(4)]
+
+    def run(dtype):  # one tensor, fp32 moments: one compiled graph per dtype (the rounding is shared)
+        p = torch.nn.Parameter(init.to(dtype))
+        opt = FP8Optim(torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1), opt_level=0,
+                       backend=backend, master_weights=master, seed=3, emulate=dtype == torch.float32)
+        for g in grads:
+            p.grad = g.to(dtype)
+            opt.step()
+        return [p.detach().float()]
+
+    for emulated, real in zip(run(torch.float32), run(torch.bfloat16)):
+        assert torch.equal(emulated.bfloat16().float(), emulated)  # bf16 values, every one
+        if backend == "eager":
+            assert torch.equal(emulated, real)
+        else:
+            step = torch.finfo(torch.bfloat16).eps * real.abs().clamp(min=1e-30)
+            assert torch.all((emulated - real).abs() <= step * 2)
+            assert (emulated == real).float().mean() > 0.99
+
+
+def test_emulated_round_to_nearest_stalls_compiled():
+    """The stale update under emulation, through the compiled step: weights at 1.0 (bf16 values in
+    fp32 tensors), updates of ~lr 1e-3 below half a bf16 step: they never move."""
+    p = torch.nn.Parameter(torch.ones(16384))
+    opt = FP8Optim(torch.optim.Adam([p], lr=1e-3), opt_level=0, backend="compile", master_weights="bf16",
+                   emulate=True)
+    for _ in range(10):
+        p.grad = torch.ones_like(p)
+        opt.step()
+    assert torch.all(p == 1.0)
+
+
 @pytest.mark.parametrize("backend", ["eager", "native"])
 @pytest.mark.parametrize("master", ["fp32", "bf16_sr"])
 def test_step_in_backward_equals_the_step_after_it(master, backend):

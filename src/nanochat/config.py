@@ -155,6 +155,14 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     already holds a run is never reused silently: continue it with --resume or replace it with
     --overwrite."""
 
+    init_from: str | None = None
+    """Start from the weights of another run of a preset model: the newest verified checkpoint in
+    that run directory (fine-tuning a model pretrained here, e.g. at a lower --lr on other data).
+    Its model and tokenizer are used (--model_name must name the same preset; the run's tokenizer
+    replaces --tokenizer_dir and --vocab_size); the optimizer, step count, learning-rate schedule
+    and data order start fresh. A run of a Hugging Face model is continued from its export
+    (scripts/export_hf.py, then --model_name <that directory>)."""
+
     resume: bool = False
     """Continue from the newest checkpoint in --run_dir (model, optimizer, step, RNG, data
     position); it is verified against its checksum first."""
@@ -235,11 +243,18 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
-        _normalize_paths(self, "model_name", "dataset_path", "tokenizer_dir", "run_dir")
+        _normalize_paths(self, "model_name", "dataset_path", "tokenizer_dir", "run_dir", "init_from")
         _check_types(self)
         _finite(self, "lr", "final_lr_frac", "weight_decay", "beta1", "beta2", "grad_clip", "temperature")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --run_dir, --overwrite deletes it: give one")
+        if self.init_from is not None:
+            if self.tokenizer_dir is not None:
+                raise ValueError("--init_from brings the tokenizer its run was trained with (the embeddings "
+                                 "know its token ids): drop --tokenizer_dir")
+            if os.path.realpath(self.init_from) == os.path.realpath(self.run_dir):
+                raise ValueError(f"--init_from {self.init_from} is also --run_dir: a new run would clobber the "
+                                 "run it starts from. Give another --run_dir (or --resume to continue that run)")
         if self.keep_checkpoints < 1:
             raise ValueError(f"--keep_checkpoints must be >= 1 (the newest checkpoint), got {self.keep_checkpoints}")
         for name in ("beta1", "beta2"):
@@ -478,6 +493,11 @@ class ParityConfig:
     master_weights_emulate: bool = False
     """The master-weight modes with --master_weights_emulate: bf16 numerics, fp32 compute (for
     CPUs whose bf16 matmuls are slow; the baseline computes in fp32 then, with --dtype float32)."""
+
+    init_from: str | None = None
+    """Every run starts from this run's weights (base_train --init_from): parity of fine-tuning a
+    model pretrained here, where updates are small against the weights (what bf16 round-to-nearest
+    master weights lose). --model_name must name the preset that run trained."""
 
     fp8_opt_level: Literal[0, 1, 2] = 0
     """--fp8_opt_level of the FP8 modes and, with FP8 off, of the master-weight modes' and the

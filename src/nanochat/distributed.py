@@ -428,6 +428,18 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.O
     return json.loads((path / META_NAME).read_text())
 
 
+def load_dcp_model(path: str | os.PathLike, model: nn.Module) -> None:
+    """Load only the model weights of a verified DCP step directory into `model` (a plain, unwrapped
+    model in this process): DCP reads just the requested keys, so the optimizer state is never
+    read. Every rank of a group reads them whole (before wrapping, as from a .pt checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+    model.load_state_dict(state["model"])
+
+
 def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any], model: nn.Module,
                     block_size: int | None) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
     """Adjust the optimizer template, in place, where the checkpoint's moments cannot load as the

@@ -63,7 +63,7 @@ from nanochat.fp8.optim import FP8Optim
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
-from nanochat.gpt import GPT, preset_config
+from nanochat.gpt import GPT, PRESETS, preset_config
 from nanochat.evaluation import choice_counts
 from nanochat.hf import HFTokenizer, gpt_config_from_hf, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
@@ -76,10 +76,10 @@ from nanochat.tokenizer import Tokenizer
 _RESUME_MUST_MATCH = (
     "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len",
     "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_opt_level", "fp8_skip",
-    "fp8_min_dim", "master_weights", "master_weights_emulate",
+    "fp8_min_dim", "master_weights", "master_weights_emulate", "init_from",
 )
 # what a checkpoint written before a field existed trained with
-_RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False}
+_RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False, "init_from": None}
 
 
 @dataclass
@@ -245,7 +245,13 @@ class NanoChatTrainer:
         self.resolved = resolve_model(cfg.model_name)
         self.corpus = load_corpus(cfg.dataset_path)
         logger.info("corpus: %s", self.corpus.describe())
-        if self.resolved.kind == "hf":
+        self.init_source = None
+        if cfg.init_from is not None and cfg.resume:  # the tokenizer this run started with (the source may be gone)
+            self.tokenizer = Tokenizer.load(self.run_dir / "tokenizer")
+        elif cfg.init_from is not None:
+            self.init_source = self._read_init_source()
+            self.tokenizer = self.init_source["tokenizer"]
+        elif self.resolved.kind == "hf":
             if cfg.tokenizer_dir:
                 raise ValueError(
                     f"--tokenizer_dir cannot be combined with the Hugging Face model {cfg.model_name!r}: "
@@ -294,6 +300,47 @@ class NanoChatTrainer:
             )
         self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.steps_per_epoch
 
+    def _read_init_source(self) -> dict[str, Any]:
+        """--init_from: the source run's newest checkpoint (.pt or DCP), verified, and its tokenizer,
+        checked against this run before any weight is read: a preset of the same name, the same
+        tokenizer it trained with. A .pt checkpoint is memory-mapped: only the weights are read."""
+        cfg = self.config
+        src = Path(cfg.init_from)
+        if not src.is_dir():
+            raise UsageError(f"--init_from {src}: no such directory; give the --run_dir of a finished run")
+        dcp_dir, pt = distributed.latest_dcp(src), checkpoint.latest_checkpoint(src)
+        if dcp_dir is None and pt is None:
+            raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
+                             f"manifest, no {distributed.DCP_DIRNAME}/); give the --run_dir of a run that saved one")
+        if dcp_dir is not None and (pt is None or distributed.dcp_step(dcp_dir) > pt.step):
+            kind, path, problem = "dcp", dcp_dir, distributed.dcp_problem(dcp_dir)
+        else:
+            kind, path, problem = "pt", pt.path, checkpoint.verify_checkpoint(pt)
+        if problem is not None:
+            raise NanoChatError(f"--init_from {src}: its newest checkpoint {path} is not usable ({problem}); "
+                                "restore it, or delete it to start from the run's previous checkpoint")
+        if kind == "dcp":
+            meta, weights = distributed.read_dcp_meta(path), None
+        else:
+            import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer states for weights_only loading
+            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            weights = meta["model"]
+        name = meta["config"]["model_name"]
+        if name not in PRESETS:
+            raise UsageError(f"--init_from {src} trained the Hugging Face model {name}: continue from its export "
+                             f"(python scripts/export_hf.py --run_dir {src} --out_dir <dir>, then --model_name <dir>)")
+        if name != cfg.model_name:
+            raise UsageError(f"--init_from {src} holds a {name} model, --model_name is {cfg.model_name}: "
+                             f"pass --model_name {name}")
+        if not (src / "tokenizer").is_dir():
+            raise UsageError(f"--init_from {src}: its tokenizer/ directory is missing, and the weights only mean "
+                             "something with the tokenizer they were trained with; restore it from the run")
+        tokenizer = Tokenizer.load(src / "tokenizer")
+        if tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
+            raise UsageError(f"--init_from {src}: {src / 'tokenizer'} is not the tokenizer its checkpoint was "
+                             "trained with (fingerprints differ); restore the run's own tokenizer/")
+        return {"kind": kind, "path": path, "step": int(meta["step"]), "weights": weights, "tokenizer": tokenizer}
+
     def _pack(self, split: str, records: list, ids: list) -> tuple[torch.Tensor, torch.Tensor]:
         """Instruction records laid out whole inside the seq_len+1 windows (data.pack_records):
         tokens and loss mask of one split."""
@@ -339,6 +386,8 @@ class NanoChatTrainer:
         else:
             self.model = GPT(model_config).to(self.device)
             self.model.init_weights()
+            if self.init_source is not None:
+                self._load_init_weights()
         if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
             for p in self.model.parameters():  # emulated: fp32 tensors holding the bf16 values
                 p.data = p.data.to(torch.bfloat16).to(self.param_dtype)
@@ -350,6 +399,22 @@ class NanoChatTrainer:
             self.fp8_all_gather_problem = distributed.fp8_all_gather_problem(self.model, fp8_config, fsdp=True)
             fp8_config = dataclasses.replace(fp8_config, fsdp_float8_all_gather=self.fp8_all_gather_problem is None)
         self.fp8 = FP8Training(self.model, fp8_config)
+
+    @torch.no_grad()
+    def _load_init_weights(self) -> None:
+        """The --init_from source's weights into the freshly built model (before the master-weight
+        cast and FP8 conversion, which then treat them as any initial weights)."""
+        src = self.init_source
+        try:
+            if src["kind"] == "dcp":
+                distributed.load_dcp_model(src["path"], self.model)
+            else:
+                self.model.load_state_dict(src["weights"])
+        except (RuntimeError, KeyError) as e:
+            raise UsageError(f"--init_from {self.config.init_from}: its weights do not fit this {self.config.model_name} "
+                             f"model ({str(e).splitlines()[0]}); it was saved by another version of the model") from None
+        src["weights"] = None  # the memory-mapped checkpoint is closed with its last reference
+        logger.info("initialized from %s (step %d of that run)", src["path"], src["step"])
 
     def _setup_optimizer(self) -> None:
         """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it with --fp8."""
@@ -515,6 +580,8 @@ class NanoChatTrainer:
         rows = [
             ["model", f"{cfg.model_name}: {m.config.n_layer} layers, width {m.config.n_embd}, "
                       f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {n_params / 1e6:.2f}M params"],
+            *([["init", f"weights of {self.init_source['path']} (step {self.init_source['step']})"]]
+              if self.init_source is not None else []),
             ["data", f"{self.corpus.describe()}"],
             ["tokens", f"{len(self.train_tokens):,} train / {len(self.val_tokens):,} val, "
                        f"vocab {self.tokenizer.vocab_size}"],
@@ -708,7 +775,7 @@ class NanoChatTrainer:
         and `tok`, relative and absolute, name the same directory)."""
         cfg = self.config
         out = {}
-        for k in ("model_name", "dataset_path", "tokenizer_dir"):
+        for k in ("model_name", "dataset_path", "tokenizer_dir", "init_from"):
             v = getattr(cfg, k)
             out[k] = None if v is None else (os.path.realpath(v) if os.path.exists(v) else v)
         return out
@@ -941,11 +1008,12 @@ class NanoChatTrainer:
         self._print_header()
         val_loss = val_bpb = float("nan")
         val_accuracy = None
-        if start_step == 0 and self.num_choice_items:  # the starting point fine-tuning improves on
+        if start_step == 0 and (self.num_choice_items or cfg.init_from):  # the starting point fine-tuning improves on
             val_loss0, val_bpb0, val_accuracy = self._evaluate_all()
             self._log({"step": 0, "val_loss": val_loss0, "val_bpb": val_bpb0, "val_accuracy": val_accuracy})
-            print0(f"step 0: val loss {val_loss0:.4f}, val accuracy {val_accuracy:.4f} "
-                   f"({self.num_choice_items} questions)")
+            acc = (f", val accuracy {val_accuracy:.4f} ({self.num_choice_items} questions)"
+                   if val_accuracy is not None else "")
+            print0(f"step 0: val loss {val_loss0:.4f}{acc}")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
         recent_losses: list[float] = []

@@ -120,6 +120,19 @@ def round_sr(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)
 
 
+def round_rne(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the fp32 holding x rounded to bf16, to nearest even: x.to(torch.bfloat16).float(),
+    bit for bit, written in int32 arithmetic. Emulation needs this form: inside a compiled graph
+    inductor treats `x.to(bfloat16).float()` as x (it does not emulate precision casts by
+    default), so the rounding that makes emulated bf16 storage bf16 would silently vanish.
+    Adding 0x7FFF plus the kept part's lowest bit carries into the kept half exactly when round
+    to nearest even rounds up (also into the exponent, and to inf past bf16's largest value);
+    only NaN patterns could wrap, and NaN is passed through."""
+    u = x.view(torch.int32)
+    kept = (u + (0x7FFF + ((u >> 16) & 1))) & -0x10000
+    return torch.where(torch.isnan(x), x, kept.view(torch.float32))
+
+
 def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 -> (bf16 of its top 16 bits, int16 of its low 16 bits): join(*split(x)) == x."""
     u = _bits(x)
@@ -145,8 +158,8 @@ def write_master(p: torch.Tensor, x: torch.Tensor, master_weights: str, *, lo: t
         hi, low = split(x)
         p.copy_(hi)
         lo.copy_(low)
-    elif master_weights == "bf16":
-        p.copy_(x.to(torch.bfloat16))
+    elif master_weights == "bf16":  # into fp32 storage (emulation) a cast could be compiled away
+        p.copy_(round_rne(x) if p.dtype == torch.float32 else x.to(torch.bfloat16))
     else:
         p.copy_(x)
 

@@ -86,7 +86,7 @@ import torch
 
 from nanochat.common import format_bytes, logger, warn_once
 
-from .master import MASTER_WEIGHTS, read_master, sr_bits, sr_salt, write_master
+from .master import MASTER_WEIGHTS, read_master, round_rne, sr_bits, sr_salt, write_master
 from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, block_scale, decode, encode, fp8_max
 
 try:
@@ -141,7 +141,7 @@ def _adam_step(p, g, m_codes, m_scale, m32, v32, v_codes, v_scale, lo, step, lr,
     step_size = lr / (1 - beta1**step)
     bc2_sqrt = (1 - beta2**step).sqrt()
     pf = read_master(p, lo)
-    gf = g.to(torch.bfloat16).float() if emulate else g.float()
+    gf = round_rne(g.float()) if emulate else g.float()
     if not decoupled:  # Adam's L2 penalty goes into the gradient (torch: grad.add(param, alpha=wd))
         gf = gf + wd * pf
     m = decode(m_codes, E4M3) * m_scale[:, None] if m_fp8 else m32
