@@ -308,14 +308,15 @@ class NanoChatTrainer:
         src = Path(cfg.init_from)
         if not src.is_dir():
             raise UsageError(f"--init_from {src}: no such directory; give the --run_dir of a finished run")
-        dcp_dir, pt = distributed.latest_dcp(src), checkpoint.latest_checkpoint(src)
-        if dcp_dir is None and pt is None:
-            raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
-                             f"manifest, no {distributed.DCP_DIRNAME}/); give the --run_dir of a run that saved one")
-        if dcp_dir is not None and (pt is None or distributed.dcp_step(dcp_dir) > pt.step):
-            kind, path, problem = "dcp", dcp_dir, distributed.dcp_problem(dcp_dir)
+        kind, path = self._find_checkpoint(src)
+        if kind == "dcp":
+            problem = distributed.dcp_problem(path)
         else:
-            kind, path, problem = "pt", pt.path, checkpoint.verify_checkpoint(pt)
+            pt = checkpoint.latest_checkpoint(src)
+            if pt is None:
+                raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
+                                 f"manifest, no {distributed.DCP_DIRNAME}/); give the --run_dir of a run that saved one")
+            path, problem = pt.path, checkpoint.verify_checkpoint(pt)
         if problem is not None:
             raise NanoChatError(f"--init_from {src}: its newest checkpoint {path} is not usable ({problem}); "
                                 "restore it, or delete it to start from the run's previous checkpoint")
@@ -780,14 +781,16 @@ class NanoChatTrainer:
             out[k] = None if v is None else (os.path.realpath(v) if os.path.exists(v) else v)
         return out
 
-    def _find_checkpoint(self) -> tuple[str, Path]:
-        """("dcp", step dir) or ("pt", checkpoint file): the newest checkpoint of run_dir. Both
-        exist only after a crash between writing one and deleting the other; the later step wins."""
-        dcp_dir, pt = distributed.latest_dcp(self.run_dir), checkpoint.latest_checkpoint(self.run_dir)
+    def _find_checkpoint(self, run_dir: Path | None = None) -> tuple[str, Path]:
+        """("dcp", step dir) or ("pt", run_dir): where the newest checkpoint of run_dir (default:
+        this run's) is. Both exist only after a crash between writing one and deleting the other;
+        the later step wins."""
+        run_dir = self.run_dir if run_dir is None else run_dir
+        dcp_dir, pt = distributed.latest_dcp(run_dir), checkpoint.latest_checkpoint(run_dir)
         if dcp_dir is None:
-            return "pt", self.run_dir  # load_checkpoint explains a missing file
+            return "pt", run_dir  # load_checkpoint explains a missing file
         if pt is not None and pt.step > distributed.dcp_step(dcp_dir):
-            return "pt", self.run_dir
+            return "pt", run_dir
         return "dcp", dcp_dir
 
     def _resume(self) -> int:
