@@ -1,5 +1,7 @@
 """Shared fixtures: a small real-text corpus and an isolated cache for tokenizers and tokens."""
 
+import contextlib
+import math
 import os
 import sysconfig
 from pathlib import Path
@@ -42,3 +44,81 @@ def tiny_train_kwargs(corpus: Path, run_dir: Path, **over) -> dict:
               eval_tokens=2048, save_every=0, num_samples=1, sample_tokens=8, device="cpu")
     kw.update(over)
     return kw
+
+
+# ---------------------------------------------------------------- the perturbation pass
+# A test that compares two different computations (a batch split, a kernel, compiled vs eager,
+# another process layout) is marked `two_computations`. Its tolerance must hold for any order of
+# fp32 summation, not only for this CPU's: `make test-perturbed` re-runs those tests with
+# NANOCHAT_PERTURB=1, where `last_bits` moves one side's inputs, gradients or initial weights by
+# about one unit in the last place (relative 2^-23). A bound that only held because both sides
+# happened to round alike fails there, on any machine.
+PERTURB = os.environ.get("NANOCHAT_PERTURB") == "1"
+
+
+def last_bits(t: torch.Tensor, seed: int = 1234) -> torch.Tensor:
+    """`t` itself; under the perturbation pass, `t * (1 + 2^-23 * u)` with u uniform in [-1, 1)
+    from a fixed generator (so a failure reproduces): ~half the elements move by one ulp."""
+    if not PERTURB or not t.is_floating_point():
+        return t
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    u = torch.rand(t.shape, generator=g, dtype=torch.float64).mul_(2).sub_(1).to(t.device)
+    return (t.double() * (1 + 2.0**-23 * u)).to(t.dtype)
+
+
+@contextlib.contextmanager
+def perturbed_init():
+    """Every GPT built inside the block starts from `last_bits` of its initial weights, and its
+    gradients pass through `last_bits` at every backward (identity outside the perturbation pass):
+    use it around the one side of a comparison that trains."""
+    if not PERTURB:
+        yield
+        return
+    from nanochat.gpt import GPT
+
+    real = GPT.init_weights
+
+    def init_weights(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        with torch.no_grad():
+            for i, p in enumerate(self.parameters()):
+                p.copy_(last_bits(p, seed=i))
+                p.register_hook(lambda g, i=i: last_bits(g, seed=10_000 + i))
+
+    GPT.init_weights = init_weights
+    try:
+        yield
+    finally:
+        GPT.init_weights = real
+
+
+def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of `actual` against `expected`, in dB (torchao's
+    compute_error): inf when equal."""
+    noise = (actual.double() - expected.double()).pow(2).mean()
+    return float(10 * torch.log10(expected.double().pow(2).mean() / noise)) if noise > 0 else math.inf
+
+
+def assert_close_but_few(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0,
+                         bound: float, fraction: float, msg: str = "") -> None:
+    """Two computations through FP8 casts or Adam steps: at most `fraction` of the elements beyond
+    fp32 rounding (`atol + rtol * |expected|`), and none beyond `bound`. A last-bit difference that
+    lands an FP8 code one step away (a value on a rounding boundary), or flips the sign of a
+    near-zero gradient under Adam, moves that element by a whole quantum; it happens to few
+    elements, and each caller argues its `bound` and `fraction`."""
+    diff = (actual.double() - expected.double()).abs()
+    beyond = diff > atol + rtol * expected.double().abs()
+    assert diff.max() <= bound, f"{msg} max |diff| {diff.max().item():.3g} > bound {bound:.3g}"
+    assert beyond.double().mean() <= fraction, (
+        f"{msg} {int(beyond.sum())} of {diff.numel()} elements beyond rounding (max {diff.max().item():.3g}), "
+        f"more than the fraction {fraction:g}")
+
+
+FP8_SAME_CASTS_DB = 45.0
+"""SQNR floor between two computations that cast the same tensors to the same FP8 formats with
+the same scales (compiled vs eager, one kernel vs another). They differ by fp32 rounding, plus
+the values a last-bit difference moves across an FP8 rounding boundary, each by one quantum
+(<= 2^-3 relative in e4m3): a fraction f so moved costs about 10 log10(2^6 / f) dB, 48 dB at
+f = 0.1%, while a last-bit difference moves ~2^-19 of the values (~70 dB). A different scale or
+format re-draws every element's rounding: ~28 dB for e4m3 (6 dB per mantissa bit), less for e5m2,
+so the floor separates the two cases with ~17 dB to spare on each side."""

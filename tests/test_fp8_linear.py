@@ -34,6 +34,7 @@ from nanochat.fp8 import (
     restore_fp8,
 )
 from nanochat.fp8.linear import float8_linear_config, layers_to_convert
+from tests.conftest import FP8_SAME_CASTS_DB, last_bits, sqnr_db
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -391,15 +392,17 @@ def test_emulated_fp8_training_lowers_the_loss_like_fp32():
 
 
 # ---------------------------------------------------------------------------- compile
+@pytest.mark.two_computations
 def test_compiled_converted_model_matches_eager():
-    """Inductor on CPU, a 2-layer 128-wide MLP (~10 s). Same FP8 casts in both, so the only
-    difference is fp32 summation order: relative to the largest element, < 1e-5 (measured 2e-7)."""
+    """Inductor on CPU, a 2-layer 128-wide MLP (~10 s). The second layer casts what the first
+    computed, so fp32 summation order can land a few of its FP8 codes one step away: every output
+    and gradient keeps FP8_SAME_CASTS_DB against the eager run (measured: ~130 dB, no code moved)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128))
     convert(model, emulate=True)
     x = torch.randn(32, 128)
 
-    def step(m):
+    def step(m, x):
         xi = x.clone().requires_grad_()
         y = m(xi)
         y.square().sum().backward()
@@ -407,7 +410,7 @@ def test_compiled_converted_model_matches_eager():
         model.zero_grad()
         return [y.detach(), xi.grad, *grads]
 
-    eager = step(model)
-    compiled = step(torch.compile(model))
-    for c, e in zip(compiled, eager):
-        assert ((c - e).abs().max() / e.abs().max()).item() < 1e-5
+    eager = step(model, x)
+    compiled = step(torch.compile(model), last_bits(x))
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        assert sqnr_db(c, e) >= FP8_SAME_CASTS_DB, (i, sqnr_db(c, e))

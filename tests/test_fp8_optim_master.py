@@ -21,6 +21,7 @@ import torch
 from nanochat.fp8 import optim as optim_mod
 from nanochat.fp8.master import join, read_master, sr_bits, write_master
 from nanochat.fp8.optim import _adam_step, _adam_table, _host_scalar, _native_adam
+from tests.conftest import assert_close_but_few, last_bits
 
 B = 256
 SHAPES = ((3, B), (2, B), (3, B), (2, B))  # [n_blocks, B]: 2-3 blocks each
@@ -105,12 +106,22 @@ def _assert_moments_close(a: dict, b: dict, v_fp8: bool):
         assert torch.allclose(a["v"], b["v"], rtol=1e-5, atol=1e-12)
 
 
+@pytest.mark.two_computations
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("v_fp8", [True, False])
 def test_bf16_modes_equal_the_python_reference(mode, decoupled, v_fp8):
+    """The perturbation pass moves the kernel's fp32 moment scales by a last bit: what its other
+    order of fp32 arithmetic does. The bf16 weights hold: an update differing in its last bits
+    crosses a bf16 rounding boundary (2^-8 relative apart) only rarely, and then by one ulp. The
+    split's fp32 master is compared as fp32 step results (assert_close_but_few): rounding, except
+    where a moment's code lands one step away and that element's update moves by < lr a step."""
     nat = _state(mode, v_fp8)
     ref = _clone(nat)
+    for st in nat:
+        for key in ("ms", "vs", "v"):
+            if key in st:
+                st[key] = last_bits(st[key])
     start = torch.cat([st["p"].flatten() for st in nat])
     for step in range(4):
         grads = _grads(nat, step, torch.bfloat16)
@@ -124,7 +135,7 @@ def test_bf16_modes_equal_the_python_reference(mode, decoupled, v_fp8):
     if mode == "bf16_split":  # the fp32 master, to fp32 rounding (FMA contraction)
         m_nat = torch.cat([join(st["p"], st["lo"]).flatten() for st in nat])
         m_ref = torch.cat([join(st["p"], st["lo"]).flatten() for st in ref])
-        assert torch.allclose(m_nat, m_ref, rtol=0, atol=2e-5)
+        assert_close_but_few(m_nat, m_ref, atol=2e-5, bound=4 * GROUP["lr"], fraction=1e-3)
     for a, b in zip(nat, ref):
         _assert_moments_close(a, b, v_fp8)
 

@@ -7,6 +7,7 @@
 - the CLI entrypoint trains and reports val bpb; FP8 on CPU falls back (recorded) or emulates.
 """
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from nanochat.checkpoint import latest_checkpoint
 from nanochat.common import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.trainer import NanoChatTrainer, lr_multiplier
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import perturbed_init, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,20 +110,41 @@ def test_cli_missing_dataset_exits_2(tmp_path):
     assert "nope" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_grad_accumulation_matches_one_big_batch(small_corpus, tmp_path):
-    """2 micro-batches of 4 equal 1 batch of 8 (the same 8 windows): same first-step loss and
-    the same weights after several steps, up to fp32 summation order (rtol 1e-4 stated)."""
-    import torch
+@pytest.mark.two_computations
+def test_grad_accumulation_matches_one_big_batch(small_corpus, tmp_path, monkeypatch):
+    """2 micro-batches of 4 against 1 batch of 8 (the same 8 windows), compared where the
+    comparison is stable:
 
-    big = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "big", batch_size=8,
-                                              num_iterations=3, num_samples=0))
-    big.train()
-    acc = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "acc", batch_size=4,
-                                              grad_accum_steps=2, num_iterations=3, num_samples=0))
-    acc.train()
-    assert _losses(tmp_path / "acc")[1] == pytest.approx(_losses(tmp_path / "big")[1], rel=1e-5)
-    for (name, a), b in zip(big.model.state_dict().items(), acc.model.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    - the gradient handed to the first optimizer step: per tensor, |g_acc - g_big| <= 1e-5 |g_big|
+      in the 2-norm. Each element is a sum over the batch's 8 x 32 positions (and the backward's
+      reductions over the width), split in two and reordered; fp32 reordering moves a sum of n terms
+      by at most about n * 2^-24 of the sum of their magnitudes (1.5e-5 for n = 256), typically
+      sqrt(n) * 2^-24 (1e-6); the norm is carried by the large elements, where cancellation is mild.
+    - the loss at each of 3 steps: relative 1e-5. Weights are not compared: Adam divides by
+      sqrt(v) + eps, so an element whose gradient is near zero (common behind ReLU^2) turns a last-bit
+      difference into a step of a sizeable fraction of lr (measured: 1.8e-4 after 3 steps at lr 1e-2
+      under the perturbation pass, 169 weights beyond rtol 1e-4). The loss is a mean over 256 fp32
+      terms (reordering: ~1e-7), and the weights Adam pulls apart are those whose gradient is near
+      zero, so their first-order effect on the loss, gradient x difference, is smaller still
+      (measured: 8e-8 with and without the perturbation)."""
+    grads = {}
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        grads.setdefault(self.run, [p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    for run, kw in (("big", dict(batch_size=8)), ("acc", dict(batch_size=4, grad_accum_steps=2))):
+        monkeypatch.setattr(torch.optim.AdamW, "run", run, raising=False)
+        with perturbed_init() if run == "acc" else contextlib.nullcontext():
+            NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / run, num_iterations=3, num_samples=0,
+                                                **kw)).train()
+    for i, (a, b) in enumerate(zip(grads["acc"], grads["big"], strict=True)):
+        assert (a - b).norm() <= 1e-5 * b.norm(), (i, ((a - b).norm() / b.norm()).item())
+    big, acc = _losses(tmp_path / "big"), _losses(tmp_path / "acc")
+    for s in (1, 2, 3):
+        assert acc[s] == pytest.approx(big[s], rel=1e-5), (s, acc[s], big[s])
 
 
 def test_compile_is_the_default():
@@ -130,15 +152,25 @@ def test_compile_is_the_default():
     assert parse_cli(TrainConfig, ["--no_compile"]).compile is False
 
 
+@pytest.mark.two_computations
 @pytest.mark.parametrize("scope", ["blocks", "model"])
 def test_compile_with_fp8_trains_like_eager(small_corpus, tmp_path, scope):
     """--fp8 --fp8_emulate, compiled whole (the default) or per block: the losses equal the eager
-    run's within 1e-3 relative (inductor reorders fp32 arithmetic), the loss falls, the compiling
-    step's time is reported apart from tokens/s, and evaluation runs the eager model."""
+    run's within 1e-3 relative, the loss falls, the compiling step's time is reported apart from
+    tokens/s, and evaluation runs the eager model.
+
+    The bound: inductor reorders fp32 arithmetic, which moves the step-1 loss by ~1e-7; through
+    the FP8 casts a last-bit difference lands a few codes one quantum away, and Adam amplifies the
+    difference in the weights whose gradients are near zero (see the accumulation test above), so
+    it grows step by step: measured 8e-8, 1e-6, 7e-6 at steps 2-4 under the perturbation pass, two
+    orders below 1e-3. The bound catches a compiled step that trains differently (wrong gradients,
+    a lost update); a compiled graph that casts differently is caught by test_fp8_linear's compiled
+    SQNR test, since FP8's own effect on these early losses is only ~3e-4."""
     kw = dict(num_iterations=4, num_samples=0, fp8=True, fp8_emulate=True)
     eager_result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
-    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "compiled", compile=True,
-                                                 compile_scope=scope, **kw)).train()
+    with perturbed_init():
+        result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "compiled", compile=True,
+                                                     compile_scope=scope, **kw)).train()
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     for step in eager:
         assert compiled[step] == pytest.approx(eager[step], rel=1e-3), step
