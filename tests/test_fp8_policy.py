@@ -119,6 +119,8 @@ def test_measured_decisions_follow_the_timings_and_the_margin(cache, monkeypatch
     assert all(c[1].emulate and c[2] == torch.device("cpu") for c in timer.calls)
     assert report.shapes_measured == 3 and report.shapes_cached == 0
     assert report.measure_time_s == pytest.approx(3 * 2.5)
+    assert report.summary().startswith("FP8 e4m3/tensorwise: 1 of 5 linear layers converted, 3 kept in bf16 by "
+                                       "`layers` faster (`layers` all converts them)")
     assert "`layers` faster timed 3 layer shape(s) in 7.5 s, 0 from the cache" in report.summary()
     assert "fwd+bwd 1.03x bf16 at M=4096 (measured): converted" in report.table()
     assert report.layers_fallback is None
@@ -245,6 +247,7 @@ def test_module_filter_fn_replaces_the_size_rules_and_the_policy_is_torchaos_fil
     assert report.converted == ["small", "lm_head"]  # min_dim and skip_fqns are the default filter's
     assert "divisible by 16" in report.skipped["odd"]  # the kernels' rule stays
     assert report.decisions["big"] == "module_filter_fn returned False"
+    assert "kept in bf16" not in report.summary()  # the caller's filter decided, not `layers`
 
     ours = nn.Sequential(nn.Linear(768, 768), nn.Linear(768, 3072), nn.Linear(64, 64))
     theirs = nn.Sequential(nn.Linear(768, 768), nn.Linear(768, 3072), nn.Linear(64, 64))

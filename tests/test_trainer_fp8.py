@@ -10,6 +10,8 @@
   e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
   with the pending count, and a resumed run switches at the same step, losses bitwise equal;
 - on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains.
+The emulated runs pass --fp8_layers all: a d2 model is too small for FP8 to be faster, so the
+default would keep every layer in bf16 (that default is tests/test_fp8_policy.py's).
 """
 
 import json

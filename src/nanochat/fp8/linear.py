@@ -156,6 +156,8 @@ class ConversionReport:
     """Seconds `layers` faster spent timing layer shapes (none on a cache hit)."""
     shapes_measured: int = 0
     shapes_cached: int = 0
+    kept_by_layers: int = 0
+    """Layers that `layers` faster kept in bf16 (all other rules would convert them)."""
 
     @property
     def converted(self) -> list[str]:
@@ -190,6 +192,8 @@ class ConversionReport:
         if self.shapes_measured or self.shapes_cached:
             timed = (f"; `layers` faster timed {self.shapes_measured} layer shape(s) in {self.measure_time_s:.1f} s, "
                      f"{self.shapes_cached} from the cache")
+        if self.kept_by_layers:
+            what += f", {self.kept_by_layers} kept in bf16 by `layers` faster (`layers` all converts them)"
         return (f"FP8 {self.config.mode}/{self.config.recipe}: {what} "
                 f"({100 * self.fp8_flops_share:.1f}% of linear FLOPs in FP8), "
                 f"backend {self.backend}: {self.reason}{timed}")
@@ -318,8 +322,10 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
     if hw.backend == "fallback":
         fallback = f"fp8: {hw.reason}"
         warn_once(f"fp8-fallback:{hw.device_name}", f"FP8 requested but not available: {hw.reason}")
+    kept = sum(la.status == "skipped" and bool(la.decision) for la in layers) if module_filter_fn is None else 0
     report = ConversionReport(tuple(layers), hw.backend, hw.reason, config, fallback, hw.device_name,
-                              policy.fallback, policy.measure_time_s, policy.shapes_measured, policy.shapes_cached)
+                              policy.fallback, policy.measure_time_s, policy.shapes_measured, policy.shapes_cached,
+                              kept)
     model._nanochat_fp8_report = report
     return report
 
