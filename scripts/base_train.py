@@ -28,7 +28,8 @@ def train(cfg: TrainConfig) -> int:
     print0(f"\nval bpb {result.val_bpb:.4f} | val loss {result.val_loss:.4f} | train loss "
            f"{result.train_loss:.4f} | {result.tokens_per_sec:,.0f} tokens/s | {result.steps} steps "
            f"({result.epochs:.3f} epochs) in {result.wall_time_s:.0f} s"
-           + (f" | compile time {result.compile_time_s:.1f} s" if result.compile_time_s else ""))
+           + (f" | compile time {result.compile_time_s:.1f} s" if result.compile_time_s else "")
+           + (f" | fp8 layer timing {result.fp8_measure_time_s:.1f} s" if result.fp8_measure_time_s else ""))
     if result.val_accuracy is not None:
         print0(f"val accuracy {result.val_accuracy:.4f} (multiple choice)")
     if result.peak_memory_bytes is not None:

@@ -65,7 +65,7 @@ def sqnr_table(device: torch.device, emulate: bool, recipes=("tensorwise", "roww
                 torch.manual_seed(seed)
                 ref = nn.Sequential(nn.Linear(256, 256, bias=False)).to(device)
                 fp8 = copy.deepcopy(ref)
-                convert(fp8, mode=mode, recipe=recipe, emulate=emulate, min_dim=16)
+                convert(fp8, mode=mode, recipe=recipe, emulate=emulate, min_dim=16, layers="all")
                 x = torch.randn(128, 256, device=device)
                 upstream = torch.randn(128, 256, device=device)
                 results = []
@@ -89,7 +89,7 @@ def main(cfg: BenchFP8LinearConfig) -> dict:
     variants = {"high precision": base}
     for mode in cfg.modes:
         m = copy.deepcopy(base)
-        convert(m, mode=mode, emulate=emulate, min_dim=16)
+        convert(m, mode=mode, emulate=emulate, min_dim=16, layers="all")  # every layer, faster or not
         variants[f"fp8 {mode}" + (" (emulated)" if emulate else "")] = m
     x = torch.randn(cfg.tokens, cfg.dim, device=device)
 

@@ -65,8 +65,10 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
     if mode in MASTER_MODES:
         kw.update(master_weights=mode, master_weights_emulate=cfg.master_weights_emulate)
     elif mode != "baseline":
+        # --fp8_layers all: parity measures FP8's numerics on every eligible layer; which layers
+        # the default (faster) would keep in bf16 depends on speed, not on what is compared here
         kw.update(fp8=True, fp8_mode="auto" if mode in AUTO_MODES else mode, fp8_recipe=cfg.recipe,
-                  fp8_emulate=emulate)
+                  fp8_emulate=emulate, fp8_layers="all")
     if mode in (*FIXED_MODES, *AUTO_MODES) and cfg.fp8_opt_level:
         kw.update(fp8_opt_level=cfg.fp8_opt_level)
     if mode == "auto-recheck":

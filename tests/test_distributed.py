@@ -108,8 +108,9 @@ def single(small_corpus, tmp_path_factory, cache) -> dict[str, Path]:
     from nanochat.trainer import NanoChatTrainer
 
     out = tmp_path_factory.mktemp("single")
-    runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_opt_level=2),
-            "split": dict(fp8=True, fp8_emulate=True, fp8_opt_level=2, master_weights="bf16_split")}
+    runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
+            "split": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2,
+                          master_weights="bf16_split")}
     with pytest.MonkeyPatch.context() as mp, perturbed_init():  # the side the perturbation pass moves
         mp.setenv("NANOCHAT_CACHE", str(cache))
         for name, extra in runs.items():
@@ -122,7 +123,7 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
     """2 ranks, 8 sequences per step each: DDP (through the CLI, 2 micro-batches of 4), FSDP,
     FSDP + FP8, and an FSDP + FP8 run interrupted right after its step-4 checkpoint."""
     out = tmp_path_factory.mktemp("ws2")
-    fp8 = dict(fp8=True, fp8_emulate=True, fp8_opt_level=2)
+    fp8 = dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2)
     runs = [
         # 2 ranks x 4 sequences x 2 micro-batches: also checks DDP's no_sync accumulation
         dict(name="ddp", cli=True,
@@ -135,10 +136,10 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
         dict(name="ddp_in_backward", expect_error=True,
              kwargs=_kwargs(small_corpus, out / "ddp_in_backward", optimizer_in_backward=True, grad_clip=0.0)),
         dict(name="ddp_auto", record_fp8=True,
-             kwargs=_kwargs(small_corpus, out / "ddp_auto", fp8=True, fp8_emulate=True, fp8_mode="auto",
-                            fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
+             kwargs=_kwargs(small_corpus, out / "ddp_auto", fp8=True, fp8_emulate=True, fp8_layers="all",
+                            fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
         dict(name="fsdp_auto", record_fp8=True,
-             kwargs=_kwargs(small_corpus, out / "fsdp_auto", fsdp=True, fp8=True, fp8_emulate=True,
+             kwargs=_kwargs(small_corpus, out / "fsdp_auto", fsdp=True, fp8=True, fp8_emulate=True, fp8_layers="all",
                             fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
         dict(name="cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "cut", fsdp=True, save_every=4, **fp8)),
@@ -329,8 +330,8 @@ def test_checkpoint_resumes_where_shards_cut_fp8_blocks(small_corpus, tmp_path, 
     """d2 at 3 ranks: 128-row weights split 43/43/42 rows of 128, not whole 256-element blocks, so
     those tensors keep fp32 moments there (FP8Optim's summary says why). Saved at 3 ranks, resumed
     at 2 (where they are FP8 again): the moments are requantized, the losses continue."""
-    fp8 = dict(fp8=True, fp8_emulate=True, fp8_opt_level=2, fsdp=True, num_iterations=4, eval_every=0,
-               num_samples=0)
+    fp8 = dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2, fsdp=True, num_iterations=4,
+               eval_every=0, num_samples=0)
     full = _kwargs(small_corpus, tmp_path / "full", batch_size=4, **fp8)
     cut = _kwargs(small_corpus, tmp_path / "cut", batch_size=4, save_every=2, **fp8)
     _torchrun(3, [dict(name="full", kwargs=full), dict(name="cut", crash_after_first_save=True, kwargs=cut)],

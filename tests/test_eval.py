@@ -132,7 +132,8 @@ def flagship(tmp_path_factory):
     data = write_arc(root / "arc")
     run = root / "run"
     cmd = [sys.executable, str(ROOT / "scripts" / "base_train.py"), "--model_name", str(model_dir),
-           "--dataset_path", str(data), "--fp8", "--fp8_emulate", "--fp8_opt_level", "2", "--fp8_min_dim", "16",
+           "--dataset_path", str(data), "--fp8", "--fp8_emulate", "--fp8_layers", "all", "--fp8_opt_level", "2",
+           "--fp8_min_dim", "16",
            "--num_iterations", "20", "--eval_every", "10", "--batch_size", "8", "--seq_len", "64",
            "--lr", "3e-3", "--warmup_steps", "2", "--num_samples", "0", "--device", "cpu", "--run_dir", str(run)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=root, timeout=600,

@@ -92,7 +92,7 @@ def _mlp(seed=0):
 def test_calibration_in_a_training_loop_then_reapply_from_a_checkpoint(tmp_path):
     model = _mlp()
     fresh = copy.deepcopy(model)
-    convert(model, mode="auto", emulate=True)
+    convert(model, mode="auto", emulate=True, layers="all")
     assert fp8_choices(model)["0"] == {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
     # layer 0 sees wide-range inputs, layer 2 sees GELU outputs (narrow)
     x = _log_uniform((64, 128), lo=1e-6, hi=1e2, seed=1)
@@ -124,7 +124,7 @@ def test_calibration_in_a_training_loop_then_reapply_from_a_checkpoint(tmp_path)
     torch.save({"fp8_choices": choices}, tmp_path / "ckpt.pt")
     loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)["fp8_choices"]
     fresh.load_state_dict(model.state_dict())
-    convert(fresh, mode="auto", emulate=True)
+    convert(fresh, mode="auto", emulate=True, layers="all")
     apply_fp8_choices(fresh, loaded)
     assert fp8_choices(fresh) == choices
     assert torch.equal(fresh(x), model(x))
@@ -132,7 +132,7 @@ def test_calibration_in_a_training_loop_then_reapply_from_a_checkpoint(tmp_path)
 
 def test_apply_fp8_choices_validates():
     model = _mlp()
-    convert(model, mode="auto", emulate=True)
+    convert(model, mode="auto", emulate=True, layers="all")
     e4 = {"input": "e4m3", "weight": "e4m3", "grad_output": "e4m3"}
     with pytest.raises(ValueError, match="not FP8 layers"):
         apply_fp8_choices(model, {"nope": e4})
@@ -148,7 +148,7 @@ def test_calibration_needs_fp8_layers_and_a_forward():
     with pytest.raises(ValueError, match="no FP8 layers"):
         start_auto_calibration(_mlp())
     model = _mlp()
-    convert(model, mode="auto", emulate=True)
+    convert(model, mode="auto", emulate=True, layers="all")
     with pytest.raises(RuntimeError, match="no forward pass"):
         start_auto_calibration(model).finalize()
 
@@ -163,7 +163,7 @@ def _measured(grad_output):
 
 def test_recheck_switches_only_after_consecutive_disagreements():
     model = _mlp()
-    convert(model, mode="auto", emulate=True)
+    convert(model, mode="auto", emulate=True, layers="all")
     apply_fp8_choices(model, {"0": E4, "2": E4})
     wide, narrow = measure(_log_uniform((64, 128))), measure(torch.randn(64, 128))
     pending = {}
@@ -211,7 +211,7 @@ def test_recheck_never_applies_a_set_cuda_cannot_run():
     # e4m3 (here: a pending count carried in from a checkpoint): applying input's alone would put
     # e5m2 x e5m2 into the grad_weight GEMM, so the cheaper e5m2 role goes back to e4m3 at once.
     model = _mlp()
-    convert(model, mode="auto", emulate=True)
+    convert(model, mode="auto", emulate=True, layers="all")
     start = {**E4, "grad_output": "e5m2"}
     apply_fp8_choices(model, {"0": start, "2": start})
     wide, narrow = measure(_log_uniform((64, 128))), measure(torch.randn(64, 128))
@@ -226,7 +226,7 @@ def test_recheck_never_applies_a_set_cuda_cannot_run():
 @pytest.mark.two_computations
 def test_recheck_measures_real_steps_and_a_compiled_model_follows_the_switch():
     model = _mlp()
-    convert(model, mode="auto", emulate=True)
+    convert(model, mode="auto", emulate=True, layers="all")
     apply_fp8_choices(model, {"0": E4, "2": E4})
     compiled = torch.compile(model)
     x = _log_uniform((64, 128), lo=1e-6, hi=1e2, seed=1)  # layer 0's input flushes in e4m3

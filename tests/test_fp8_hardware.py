@@ -93,11 +93,11 @@ def test_native_e5m2_runs_the_nearest_legal_formats_and_says_so(fake_gpu):
     """cuBLASLt has no e5m2 x e5m2 GEMM: natively, e5m2 mode keeps e5m2 for the gradients and
     takes e4m3 for input and weight -- a recorded fallback, not a refusal; emulation is exact."""
     fake_gpu((9, 0), "NVIDIA H100")
-    report = convert(nn.Sequential(nn.Linear(128, 128)), mode="e5m2", device="cuda")
+    report = convert(nn.Sequential(nn.Linear(128, 128)), mode="e5m2", layers="all", device="cuda")
     assert report.backend == "native" and report.converted == ["0"]
     assert "NVIDIA H100" in report.fallback and "`emulate`" in report.fallback
     assert "input e4m3, weight e4m3, grad_output e5m2" in report.layers[0].reason
     model = nn.Sequential(nn.Linear(128, 128))
-    report = convert(model, mode="e5m2", emulate=True, device="cuda")
+    report = convert(model, mode="e5m2", emulate=True, layers="all", device="cuda")
     assert report.backend == "emulated" and report.converted == ["0"] and report.fallback is None
     assert "input e5m2, weight e5m2, grad_output e5m2" in report.layers[0].reason

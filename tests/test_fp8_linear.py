@@ -13,6 +13,8 @@ What is checked against what:
 * `fsdp_float8_all_gather` reaching torchao's config and wrapping the weights (off by default);
 * the layer filter, the report, restore, state_dict round trips, `fp8_disabled`, the autocast
   policy, the fallback, training, and torch.compile against eager.
+These convert with `layers="all"`: they check conversion itself on layers too small for FP8 to
+pay; which layers `layers="faster"` picks is tests/test_fp8_policy.py's.
 """
 
 import copy
@@ -81,8 +83,8 @@ def test_fsdp_float8_all_gather_is_set_at_conversion():
     for FSDP2's FP8 all-gather (same values); off by default, the weight stays the same Parameter."""
     model = _Mixed()
     weights = {name: model.get_submodule(name).weight for name in ("c", "d", "small")}
-    report = convert(model, FP8Config(emulate=True, fsdp_float8_all_gather=True))
-    assert report.converted == ["c", "d"] == list(layers_to_convert(_Mixed(), emulate=True))
+    report = convert(model, FP8Config(emulate=True, layers="all", fsdp_float8_all_gather=True))
+    assert report.converted == ["c", "d"] == list(layers_to_convert(_Mixed(), emulate=True, layers="all"))
     for name in ("c", "d"):
         layer = model.get_submodule(name)
         assert layer.config.enable_fsdp_float8_all_gather
@@ -92,7 +94,7 @@ def test_fsdp_float8_all_gather_is_set_at_conversion():
 
     plain = _Mixed()
     before = plain.c.weight
-    convert(plain, FP8Config(emulate=True))
+    convert(plain, FP8Config(emulate=True, layers="all"))
     assert not plain.c.config.enable_fsdp_float8_all_gather and plain.c.weight is before
     assert not isinstance(plain.c.weight.data, WeightWithDynamicFloat8CastTensor)
     with pytest.raises(ValueError, match="`fsdp_float8_all_gather` needs `recipe` tensorwise"):
@@ -120,7 +122,7 @@ def test_every_cast_uses_the_mode_dtype(monkeypatch, mode, recipe):
 
     monkeypatch.setattr(ao_linear, "hp_tensor_to_float8_dynamic", spy)
     model = _one_linear(128, 128)
-    convert(model, mode=mode, recipe=recipe, emulate=True)
+    convert(model, mode=mode, recipe=recipe, emulate=True, layers="all")
     _fwd_bwd(model, torch.randn(32, 128), torch.randn(32, 128))
     # forward: input, weight; backward: grad_output + weight (grad_input GEMM), grad_output + input
     # (grad_weight GEMM) -- the last two stay in high precision with rowwise_with_gw_hp.
@@ -149,7 +151,7 @@ CEILING = {"e4m3": 32.0, "e5m2": 25.0, "auto": 27.0}  # a mode that is not what 
 def test_sqnr_against_fp32_linear(mode, recipe):
     ref = _one_linear()
     model = copy.deepcopy(ref)
-    convert(model, mode=mode, recipe=recipe, emulate=True)
+    convert(model, mode=mode, recipe=recipe, emulate=True, layers="all")
     torch.manual_seed(1)
     x, g = torch.randn(128, 256), torch.randn(128, 256)
     sqnr = [compute_error(a, b).item() for a, b in zip(_fwd_bwd(ref, x, g), _fwd_bwd(model, x, g))]
@@ -217,7 +219,7 @@ class _Mixed(nn.Module):
 
 def test_filter_skips_exactly_the_expected_layers():
     model = _Mixed()
-    report = convert(model, emulate=True)
+    report = convert(model, emulate=True, layers="all")
     assert report.converted == ["c", "d"]
     assert type(model.c) is FP8Linear and type(model.d) is FP8Linear
     assert type(model.small) is nn.Linear and type(model.lm_head) is nn.Linear
@@ -235,14 +237,14 @@ def test_filter_skips_exactly_the_expected_layers():
     assert any(line.startswith("odd") and "100->256" in line and "skipped" in line for line in table)
     # fnmatch against the full name: patterns select nested layers
     nested = nn.Sequential(_Mixed())
-    assert convert(nested, emulate=True, skip_fqns=("*.d", "*lm_head")).converted == ["0.c"]
+    assert convert(nested, emulate=True, layers="all", skip_fqns=("*.d", "*lm_head")).converted == ["0.c"]
 
 
 def test_convert_twice_is_a_noop():
     model = _Mixed()
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     layers = dict(fp8_layers(model))
-    second = convert(model, emulate=True)
+    second = convert(model, emulate=True, layers="all")
     assert second.converted == [] and second.already_converted == ["c", "d"]
     assert "already FP8" in second.summary()
     assert fp8_layers(model) == layers and all(fp8_layers(model)[k] is v for k, v in layers.items())
@@ -251,7 +253,7 @@ def test_convert_twice_is_a_noop():
 def test_apply_fp8_attaches_report_and_helpers():
     model = _Mixed()
     assert not is_fp8_model(model) and fp8_report(model) is None
-    assert apply_fp8(model, emulate=True) is model
+    assert apply_fp8(model, emulate=True, layers="all") is model
     assert is_fp8_model(model) and fp8_report(model).converted == ["c", "d"]
     assert set(fp8_layers(model)) == {"c", "d"}
 
@@ -261,7 +263,7 @@ def test_restore_shares_parameters_and_state_dict_round_trips(tmp_path):
     model = _Mixed()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = {name: p for name, p in model.named_parameters()}
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     for name, p in model.named_parameters():
         assert p is params[name]
     after = model.state_dict()
@@ -285,14 +287,14 @@ def test_restore_shares_parameters_and_state_dict_round_trips(tmp_path):
 def test_tied_weights_stay_tied():
     model = nn.Sequential(nn.Linear(128, 128, bias=False), nn.Linear(128, 128, bias=False))
     model[1].weight = model[0].weight
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     assert model[0].weight is model[1].weight
 
 
 # --------------------------------------------------------------- high precision switch
 def test_fp8_disabled_runs_high_precision_and_restores_on_exit_and_on_error():
     model = _one_linear(128, 128, bias=True)
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     layer = model[0]
     x = torch.randn(16, 128)
     exact = F.linear(x, layer.weight, layer.bias)
@@ -319,7 +321,7 @@ def test_fp8_disabled_refuses_foreign_float8_layers():
 # ---------------------------------------------------------------------- autocast policy
 def test_cpu_autocast_raises_and_fp8_disabled_allows_it():
     model = _one_linear(128, 128)
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     x = torch.randn(8, 128)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with pytest.raises(RuntimeError, match=r"torch.autocast\('cpu'\).*without autocast \(fp32"):
@@ -331,7 +333,7 @@ def test_cpu_autocast_raises_and_fp8_disabled_allows_it():
 def test_cuda_autocast_other_than_bf16_raises(monkeypatch):
     """No CUDA here: the autocast state is faked; the check runs before torchao's forward."""
     model = _one_linear(128, 128)
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type="cuda": device_type == "cuda")
     monkeypatch.setattr(torch, "get_autocast_dtype", lambda device_type: torch.float16)
     with pytest.raises(RuntimeError, match="bfloat16 autocast only"):
@@ -384,7 +386,7 @@ def test_fallback_warns_once_converts_nothing_and_trains():
 def test_emulated_fp8_training_lowers_the_loss_like_fp32():
     model, x, target = _regression_task()
     fp32 = copy.deepcopy(model)
-    report = convert(model, emulate=True, min_dim=128)
+    report = convert(model, emulate=True, layers="all", min_dim=128)
     assert report.converted == ["0", "2"] and report.backend == "emulated"
     losses, ref = _train(model, x, target), _train(fp32, x, target)
     assert losses[-1] < 0.5 * losses[0]
@@ -399,7 +401,7 @@ def test_compiled_converted_model_matches_eager():
     and gradient keeps FP8_SAME_CASTS_DB against the eager run (measured: ~130 dB, no code moved)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128))
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     x = torch.randn(32, 128)
 
     def step(m, x):

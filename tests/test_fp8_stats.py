@@ -63,7 +63,7 @@ def test_rowwise_scales_each_row():
 def test_sampler_matches_direct_counts_and_removes_its_hooks(recipe):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 128, bias=False))
-    convert(model, mode="auto", recipe=recipe, emulate=True)
+    convert(model, mode="auto", recipe=recipe, emulate=True, layers="all")
     layer = model[0]
     x, g = torch.randn(4, 8, 128), torch.randn(4, 8, 128)
     with collect_fp8_stats(model) as sampler:
@@ -87,7 +87,7 @@ def test_sampler_matches_direct_counts_and_removes_its_hooks(recipe):
 
 def test_sampler_skips_layers_running_in_high_precision():
     model = nn.Sequential(nn.Linear(128, 128))
-    convert(model, emulate=True)
+    convert(model, emulate=True, layers="all")
     with FP8StatsSampler(model) as sampler, fp8_disabled(model):
         model(torch.randn(8, 128)).sum().backward()
     assert sampler.results() == {}

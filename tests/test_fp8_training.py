@@ -39,7 +39,7 @@ def _steps(fp8: FP8Training, model: nn.Module, n: int) -> list[bool]:
 
 def test_auto_calibrates_then_says_compile_and_its_state_round_trips():
     model = _mlp()
-    config = FP8Config(mode="auto", emulate=True, auto_steps=3, stats_every=0)
+    config = FP8Config(mode="auto", emulate=True, layers="all", auto_steps=3, stats_every=0)
     fp8 = FP8Training(model, config, torch.optim.AdamW(model.parameters()))
     assert fp8.report.converted == ["0", "2"]
     assert fp8.begin_step(0).eager and fp8.calibrating  # calibration runs on the eager model
@@ -58,7 +58,7 @@ def test_auto_calibrates_then_says_compile_and_its_state_round_trips():
 
 def test_nonfinite_steps_are_skipped_named_counted_and_stop_the_run():
     model = _mlp()
-    fp8 = FP8Training(model, FP8Config(emulate=True, max_overflows=2, stats_every=0),
+    fp8 = FP8Training(model, FP8Config(emulate=True, layers="all", max_overflows=2, stats_every=0),
                       torch.optim.SGD(model.parameters(), lr=0.1))
     with fp8.begin_step(0):
         model(torch.randn(4, 128)).sum().backward()

@@ -82,8 +82,8 @@ def _linear(seed=0) -> nn.Sequential:
 def test_native_fp8_gemms_match_emulation(mode, recipe):
     ref = _linear()
     native, emulated = copy.deepcopy(ref), copy.deepcopy(ref)
-    assert convert(native, FP8Config(mode=mode, recipe=recipe)).backend == "native"
-    assert convert(emulated, FP8Config(mode=mode, recipe=recipe, emulate=True)).backend == "emulated"
+    assert convert(native, FP8Config(mode=mode, recipe=recipe, layers="all")).backend == "native"
+    assert convert(emulated, FP8Config(mode=mode, recipe=recipe, emulate=True, layers="all")).backend == "emulated"
     x = torch.randn(256, 512, device="cuda")
     g = torch.randn(256, 1024, device="cuda")
     hp, nat, emu = (_fwd_bwd(m, x, g) for m in (ref, native, emulated))
@@ -108,7 +108,7 @@ def test_scaled_mm_refuses_two_e5m2_operands_but_not_one():
 
 def test_native_e5m2_mode_runs_the_nearest_legal_formats_and_rowwise_is_native_here():
     model = _linear()
-    report = convert(model, FP8Config(mode="e5m2"))
+    report = convert(model, FP8Config(mode="e5m2", layers="all"))
     assert report.backend == "native" and report.fallback and "`emulate`" in report.fallback
     assert fp8_choices(model) == {"0": {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}}
     out, grad_in, grad_w = _fwd_bwd(model, torch.randn(256, 512, device="cuda"),
@@ -122,7 +122,7 @@ def test_native_e5m2_mode_runs_the_nearest_legal_formats_and_rowwise_is_native_h
 def test_auto_calibration_on_cuda_then_compiled(recipe):
     torch._dynamo.reset()
     model = _mlp()
-    convert(model, FP8Config(mode="auto", recipe=recipe))
+    convert(model, FP8Config(mode="auto", recipe=recipe, layers="all"))
     calib = start_auto_calibration(model, steps=2)
     x, g = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
     while True:
@@ -149,7 +149,7 @@ def test_compiled_fp8_matches_eager(recipe):
     torch._dynamo.reset()
     ref = _mlp()
     eager = copy.deepcopy(ref)
-    convert(eager, FP8Config(mode="e4m3", recipe=recipe))
+    convert(eager, FP8Config(mode="e4m3", recipe=recipe, layers="all"))
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model)
     x = torch.randn(512, 512, device="cuda")
@@ -231,7 +231,7 @@ def test_fp8_training_run_on_cuda_learns():
     torch.manual_seed(0)
     model = GPT(preset_config("d2", vocab_size=vocab, seq_len=seq)).cuda()
     model.init_weights()
-    report = convert(model, FP8Config(mode="e4m3"))
+    report = convert(model, FP8Config(mode="e4m3", layers="all"))
     assert report.backend == "native"
     assert "transformer.h.0.mlp.c_fc" in report.converted and "lm_head" in report.skipped
     opt = FP8Optim(torch.optim.AdamW(model.param_groups(0.1), lr=3e-3, betas=(0.9, 0.95)), opt_level=2)

@@ -211,7 +211,7 @@ def test_fp8_converted_model_exports_plain_weights(saved, tmp_path):
     fp8 = pytest.importorskip("nanochat.fp8")
     directory, ref = saved["llama"]
     model, tok = load_hf_model(directory)
-    report = fp8.convert(model, fp8.FP8Config(emulate=True, min_dim=16))
+    report = fp8.convert(model, fp8.FP8Config(emulate=True, layers="all", min_dim=16))
     converted = [n for n, m in model.named_modules() if isinstance(m, fp8.FP8Linear)]
     assert "transformer.h.0.mlp.c_gate" in converted and "lm_head" not in converted, report
     with torch.no_grad():  # FP8 forward: close to transformers (SQNR measured 13.6 dB with these
@@ -430,7 +430,7 @@ def test_trainer_fine_tunes_a_local_hf_model_with_fp8(saved, small_corpus, tmp_p
 
     directory, _ = saved["llama"]
     kw = tiny_train_kwargs(small_corpus, tmp_path / "ft", model_name=str(directory), num_iterations=6,
-                           lr=3e-3, fp8=True, fp8_emulate=True, fp8_mode="e5m2", fp8_min_dim=16,
+                           lr=3e-3, fp8=True, fp8_emulate=True, fp8_layers="all", fp8_mode="e5m2", fp8_min_dim=16,
                            fp8_opt_level=2)
     result = NanoChatTrainer(**kw).train()
     assert result.fp8_backend == "emulated"

@@ -231,8 +231,8 @@ def test_bad_combinations_are_refused_with_the_fix():
 
 # ---------------------------------------------------------------------------------- the trainer
 @pytest.mark.parametrize("extra", [
-    dict(master_weights="bf16", fp8=True, fp8_emulate=True, fp8_opt_level=2),
-    dict(master_weights="bf16_split", fp8=True, fp8_emulate=True, fp8_opt_level=2),
+    dict(master_weights="bf16", fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
+    dict(master_weights="bf16_split", fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
     dict(master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0),
 ], ids=["bf16-level2", "split-level2", "sr-in-backward"])
 def test_measured_state_bytes_match_the_plan(small_corpus, tmp_path, extra):
@@ -248,7 +248,7 @@ def test_measured_state_bytes_match_the_plan(small_corpus, tmp_path, extra):
 
 
 @pytest.mark.parametrize("extra", [
-    dict(master_weights="bf16_sr", fp8=True, fp8_emulate=True, fp8_opt_level=2),
+    dict(master_weights="bf16_sr", fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
     dict(master_weights="bf16_split", optimizer_in_backward=True, grad_clip=0.0),
 ], ids=["sr-level2", "split-in-backward"])
 def test_resume_is_bitwise_identical(small_corpus, tmp_path, monkeypatch, extra):
@@ -275,6 +275,6 @@ def test_resume_is_bitwise_identical(small_corpus, tmp_path, monkeypatch, extra)
 
 def test_the_in_backward_step_reads_the_device_once(small_corpus, tmp_path):
     kw = tiny_train_kwargs(small_corpus, tmp_path / "reads", num_iterations=5, fp8=True, fp8_emulate=True,
-                           fp8_opt_level=2, fp8_stats_every=0, num_samples=0, master_weights="bf16_sr",
-                           optimizer_in_backward=True, grad_clip=0.0)
+                           fp8_layers="all", fp8_opt_level=2, fp8_stats_every=0, num_samples=0,
+                           master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0)
     assert count_reads_per_step(NanoChatTrainer(**kw)) == [1] * 5

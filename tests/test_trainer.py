@@ -166,7 +166,7 @@ def test_compile_with_fp8_trains_like_eager(small_corpus, tmp_path, scope):
     orders below 1e-3. The bound catches a compiled step that trains differently (wrong gradients,
     a lost update); a compiled graph that casts differently is caught by test_fp8_linear's compiled
     SQNR test, since FP8's own effect on these early losses is only ~3e-4."""
-    kw = dict(num_iterations=4, num_samples=0, fp8=True, fp8_emulate=True)
+    kw = dict(num_iterations=4, num_samples=0, fp8=True, fp8_emulate=True, fp8_layers="all")
     eager_result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "eager", **kw)).train()
     with perturbed_init():
         result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "compiled", compile=True,
@@ -225,7 +225,7 @@ def test_a_training_step_reads_the_device_once(small_corpus, tmp_path):
     counts in one read); auto's calibration steps read nothing more, its deciding step one per
     layer role at most (outside the steady state)."""
     kw = tiny_train_kwargs(small_corpus, tmp_path / "reads", num_iterations=12, fp8=True, fp8_emulate=True,
-                           fp8_opt_level=2, fp8_stats_every=4, num_samples=0)
+                           fp8_layers="all", fp8_opt_level=2, fp8_stats_every=4, num_samples=0)
     reads = count_reads_per_step(NanoChatTrainer(**kw))
     stats_steps = {3, 7, 11}  # steps 4, 8, 12 (0-based here)
     assert [r for i, r in enumerate(reads) if i not in stats_steps] == [1] * 9

@@ -10,6 +10,8 @@
   e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
   with the pending count, and a resumed run switches at the same step, losses bitwise equal;
 - on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains.
+The emulated runs pass --fp8_layers all: a d2 model is too small for FP8 to be faster, so the
+default would keep every layer in bf16 (that default is tests/test_fp8_policy.py's).
 """
 
 import json
@@ -48,7 +50,7 @@ class PoisonedTrainer(NanoChatTrainer):
 def test_injected_inf_skips_the_step_and_names_the_layer(small_corpus, tmp_path):
     PoisonedTrainer.bad_steps = {3}
     kw = tiny_train_kwargs(small_corpus, tmp_path / "inf", num_iterations=6, fp8=True, fp8_emulate=True,
-                           num_samples=0)
+                           fp8_layers="all", num_samples=0)
     result = PoisonedTrainer(**kw).train()
     recs = [r for r in _records(tmp_path / "inf") if "step" in r]
     skipped = [r for r in recs if r.get("skipped")]
@@ -61,7 +63,7 @@ def test_injected_inf_skips_the_step_and_names_the_layer(small_corpus, tmp_path)
 def test_consecutive_overflows_stop_and_keep_the_checkpoint(small_corpus, tmp_path):
     PoisonedTrainer.bad_steps = set(range(5, 100))
     kw = tiny_train_kwargs(small_corpus, tmp_path / "stop", num_iterations=20, save_every=2, fp8=True,
-                           fp8_emulate=True, fp8_max_overflows=3, num_samples=0)
+                           fp8_emulate=True, fp8_layers="all", fp8_max_overflows=3, num_samples=0)
     with pytest.raises(RuntimeError, match=f"3 consecutive.*{POISONED}.*checkpoint"):
         PoisonedTrainer(**kw).train()
     ckpt = load_checkpoint(tmp_path / "stop")
@@ -84,7 +86,7 @@ def _train_until_first_save(corpus, run_dir, kw, monkeypatch):
 
 
 def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch):
-    kw = dict(num_iterations=6, save_every=3, fp8=True, fp8_emulate=True, fp8_mode="auto",
+    kw = dict(num_iterations=6, save_every=3, fp8=True, fp8_emulate=True, fp8_layers="all", fp8_mode="auto",
               fp8_auto_steps=2, fp8_stats_every=2, num_samples=0)
     full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
     assert full.fp8_choices and set(full.fp8_choices) == set(full.fp8_converted)
@@ -121,8 +123,8 @@ def test_auto_recheck_switches_reports_and_resumes_bitwise(small_corpus, tmp_pat
         return counts
 
     monkeypatch.setattr(FP8StatsSampler, "format_counts", e4m3_gradients_flush)
-    kw = dict(num_iterations=8, save_every=5, fp8=True, fp8_emulate=True, fp8_mode="auto", fp8_auto_steps=2,
-              fp8_stats_every=0, fp8_auto_recheck_every=2, num_samples=0)
+    kw = dict(num_iterations=8, save_every=5, fp8=True, fp8_emulate=True, fp8_layers="all", fp8_mode="auto",
+              fp8_auto_steps=2, fp8_stats_every=0, fp8_auto_recheck_every=2, num_samples=0)
     full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
     # calibrated after step 2 (all e4m3 on this data); samples at 4 (pending) and 6 (switch)
     switches = full.fp8_stats["auto_switches"]
@@ -173,7 +175,7 @@ def test_fp8_summaries_are_logged_under_their_own_label(small_corpus, tmp_path):
     corpus.mkdir()
     for name in ("bisect.py", "colorsys.py", "keyword.py"):  # ~10 KB: an epoch is a few steps
         (corpus / name).write_text((small_corpus / name).read_text())
-    kw = tiny_train_kwargs(corpus, tmp_path / "lab", num_iterations=1, fp8=True, fp8_emulate=True,
+    kw = tiny_train_kwargs(corpus, tmp_path / "lab", num_iterations=1, fp8=True, fp8_emulate=True, fp8_layers="all",
                            fp8_stats_every=1, num_samples=0)
     steps_per_epoch = NanoChatTrainer(**kw)
     steps_per_epoch._setup()

@@ -32,7 +32,7 @@ import tyro
 from nanochat.fp8.config import FP8Config, FP8Recipe
 
 FP8_FLAGS = {
-    "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "emulate": "fp8_emulate",
+    "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "layers": "fp8_layers", "emulate": "fp8_emulate",
     "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
     "auto_steps": "fp8_auto_steps", "auto_recheck_every": "fp8_auto_recheck_every",
     "stats_every": "fp8_stats_every", "max_overflows": "fp8_max_overflows",

@@ -75,11 +75,13 @@ from nanochat.tokenizer import Tokenizer
 # run saved by 2 ranks of 8 sequences resumes in 1 process of 16 or 4 of 4.
 _RESUME_MUST_MATCH = (
     "model_name", "dataset_path", "tokenizer_dir", "vocab_size", "seq_len",
-    "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_opt_level", "fp8_skip",
+    "grad_accum_steps", "seed", "fp8", "fp8_mode", "fp8_recipe", "fp8_layers", "fp8_opt_level", "fp8_skip",
     "fp8_min_dim", "master_weights", "master_weights_emulate", "init_from",
 )
-# what a checkpoint written before a field existed trained with
-_RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False, "init_from": None}
+# what a checkpoint written before a field existed trained with (before --fp8_layers, FP8 converted
+# every eligible layer)
+_RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False, "init_from": None,
+                    "fp8_layers": "all"}
 
 
 @dataclass
@@ -113,6 +115,12 @@ class TrainResult:
     """off, native, emulated or fallback."""
     fp8_converted: list[str] = field(default_factory=list)
     fp8_skipped: dict[str, str] = field(default_factory=dict)
+    fp8_decisions: dict[str, str] = field(default_factory=dict)
+    """--fp8_layers: layer -> why it was converted or kept in bf16 (the measured fwd+bwd ratio,
+    or the rule that decided)."""
+    fp8_measure_time_s: float = 0.0
+    """--fp8_layers faster: seconds spent timing layer shapes on the GPU before training (0 when
+    every shape came from the cache); part of wall_time_s, not of compile_time_s."""
     fp8_choices: dict[str, dict[str, str]] | None = None
     """--fp8_mode auto: layer -> role -> chosen dtype name."""
     fp8_stats: dict[str, Any] | None = None
@@ -393,13 +401,16 @@ class NanoChatTrainer:
             for p in self.model.parameters():  # emulated: fp32 tensors holding the bf16 values
                 p.data = p.data.to(torch.bfloat16).to(self.param_dtype)
         self.model.activation_checkpointing = cfg.activation_checkpointing
-        fp8_config = cfg.fp8_config()
+        # the M of every Linear's GEMMs, at which --fp8_layers faster times the layers
+        fp8_config = dataclasses.replace(cfg.fp8_config(), micro_batch_tokens=cfg.batch_size * cfg.seq_len)
         self.fp8_all_gather_problem = None
         if cfg.fp8 and cfg.fsdp and self.dist.is_distributed:
             # decided before converting: torchao wraps the weights for FSDP2's FP8 all-gather then
             self.fp8_all_gather_problem = distributed.fp8_all_gather_problem(self.model, fp8_config, fsdp=True)
             fp8_config = dataclasses.replace(fp8_config, fsdp_float8_all_gather=self.fp8_all_gather_problem is None)
         self.fp8 = FP8Training(self.model, fp8_config)
+        if self.device.type == "cuda" and self.fp8.report is not None and self.fp8.report.shapes_measured:
+            torch.cuda.reset_peak_memory_stats(self.device)  # the timing buffers are gone: not the run's peak
 
     @torch.no_grad()
     def _load_init_weights(self) -> None:
@@ -809,6 +820,8 @@ class NanoChatTrainer:
         def same(k: str) -> bool:
             if saved.get(k, _RESUME_DEFAULTS.get(k)) == now[k]:
                 return True
+            if k == "fp8_layers" and not (saved.get("fp8") or now["fp8"]):
+                return True  # which layers FP8 converts is moot in a run without FP8
             return k in resolved_now and saved_paths.get(k, saved.get(k)) == resolved_now[k]
 
         diff = {k: (saved.get(k, _RESUME_DEFAULTS.get(k)), now[k]) for k in _RESUME_MUST_MATCH if not same(k)}
@@ -1098,6 +1111,8 @@ class NanoChatTrainer:
             fp8_backend=report.backend if report is not None else "off",
             fp8_converted=list(report.converted) if report is not None else [],
             fp8_skipped={n: flag_text(why) for n, why in report.skipped.items()} if report is not None else {},
+            fp8_decisions={n: flag_text(why) for n, why in report.decisions.items()} if report is not None else {},
+            fp8_measure_time_s=report.measure_time_s if report is not None else 0.0,
             fp8_choices=self.fp8.choices,
             fp8_stats=fp8_stats,
             samples=self.sample(cfg.num_samples) if cfg.num_samples else [],

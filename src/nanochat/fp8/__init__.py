@@ -9,7 +9,9 @@
 
 FP8Training holds the order a loop must follow; the pieces are usable alone: config.py
 (FP8Config), hardware.py (native / emulated / fallback and why), linear.py (torchao
-conversion, the layer filter, the report, restore and the high-precision switch), auto.py (mode
+conversion, the report, restore and the high-precision switch), policy.py (which layers convert:
+the default filter, `layers` faster / all), speed.py (FP8 vs bf16 timed per layer shape on this
+GPU, cached on disk), auto.py (mode
 auto: formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
 saturation, SQNR per layer and role; the first non-finite layer), tensor.py (FP8Tensor),
 optim.py (FP8Optim: Adam moments in FP8; bf16 master weights and the step inside the backward),
@@ -29,6 +31,7 @@ _EXPORTS = {
     "ConversionReport": "linear", "FP8Linear": "linear", "LayerReport": "linear", "apply_fp8": "linear",
     "convert": "linear", "fp8_disabled": "linear", "fp8_layers": "linear", "fp8_report": "linear",
     "is_fp8_model": "linear", "layers_to_convert": "linear", "restore_fp8": "linear",
+    "LayerPolicy": "policy",
     "AutoCalibration": "auto", "apply_fp8_choices": "auto", "fp8_choices": "auto",
     "recheck_choices": "auto", "start_auto_calibration": "auto",
     "CastStats": "stats", "FP8StatsSampler": "stats", "collect_fp8_stats": "stats",

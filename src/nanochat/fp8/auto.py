@@ -244,7 +244,8 @@ def apply_fp8_choices(model: nn.Module, choices: dict[str, dict[str, str]]) -> N
     if unknown:
         raise ValueError(f"FP8 choices name layers that are not FP8 layers of this model: {unknown[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''}. Convert the model with the same "
-                         "`skip_fqns` / `min_dim` as the run that saved them.")
+                         "`skip_fqns` / `min_dim` / `layers` as the run that saved them (`layers` faster "
+                         "decides by this GPU's timings; `layers` all converts the same layers anywhere).")
     report = fp8_report(model)
     for name, choice in choices.items():
         if set(choice) != set(ROLES) or not set(choice.values()) <= set(FP8_DTYPES):

@@ -18,7 +18,8 @@ HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 
 FP8Mode = Literal["e4m3", "e5m2", "auto"]
 FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
-MODES, RECIPES = get_args(FP8Mode), get_args(FP8Recipe)
+FP8Layers = Literal["faster", "all"]
+MODES, RECIPES, LAYERS = get_args(FP8Mode), get_args(FP8Recipe), get_args(FP8Layers)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,16 @@ class FP8Config:
     recipe: FP8Recipe = "tensorwise"
     """torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
     weight-gradient GEMM kept in high precision."""
+
+    layers: FP8Layers = "faster"
+    """Which eligible Linear layers run in FP8. faster: only those FP8 makes faster at this run's
+    shapes. On a GPU with FP8 kernels each distinct layer shape is timed once (compiled
+    forward+backward, FP8 against bf16, at the run's tokens per micro-batch) and converted where
+    FP8 is at least 3% faster; the timings are cached on disk, so only a first run spends seconds
+    measuring (reported apart, like compile time). Elsewhere (`emulate`, CPU) torchao's rule for
+    the recipe decides (from H100 tables), so an emulated run converts the layers a GPU run most
+    likely would. all: every layer the other rules allow, also where FP8 is slower, e.g. for its
+    activation-memory saving alone (d12 on an H200: 9.8 vs 13.8 GiB peak, BENCHMARKS.md)."""
 
     emulate: bool = False
     """Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
@@ -82,6 +93,11 @@ class FP8Config:
     Parameters, so build the optimizer after conversion. Not a command-line flag: nanochat's
     trainer sets it when it shards with FSDP2 and these conditions hold."""
 
+    micro_batch_tokens: int | None = None
+    """Tokens per forward pass (batch size x sequence length: the M of every Linear's GEMMs), at
+    which `layers` faster times the layers. Not a command-line flag: nanochat's trainer sets it.
+    Without it a GPU run decides by torchao's rule and records why."""
+
     def __post_init__(self) -> None:
         # Messages name fields as `field`: the CLI shows them as its flags (nanochat.config).
         if self.mode not in MODES:
@@ -89,6 +105,12 @@ class FP8Config:
         if self.recipe not in RECIPES:
             raise ValueError(f"`recipe` must be one of {', '.join(RECIPES)}, got {self.recipe!r} "
                              "(tensorwise is the default)")
+        if self.layers not in LAYERS:
+            raise ValueError(f"`layers` must be one of {', '.join(LAYERS)}, got {self.layers!r} "
+                             "(faster is the default)")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"`micro_batch_tokens` must be >= 1 (batch size x sequence length) or None, "
+                             f"got {self.micro_batch_tokens}")
         if self.opt_level not in (0, 1, 2) or isinstance(self.opt_level, bool):
             raise ValueError(f"`opt_level` must be one of 0, 1, 2, got {self.opt_level!r}")
         if self.opt_level and not self.enabled:

@@ -1,4 +1,4 @@
-"""FP8 matmuls for nn.Linear through torchao: mode + recipe -> Float8LinearConfig, filter, report.
+"""FP8 matmuls for nn.Linear through torchao: mode + recipe -> Float8LinearConfig, the swap, the report.
 
 A Linear does three GEMMs per step (output, grad_input, grad_weight); torchao casts each
 operand to FP8 with a dynamic scale just before it. `FP8Config.mode` picks the format of every
@@ -7,10 +7,9 @@ e5m2 x e5m2 GEMM on CUDA, so emulated only), or auto (per layer and role, measur
 until calibrated the hybrid: e4m3 forward operands, e5m2 gradients). `FP8Config.recipe` is
 torchao's scaling recipe (tensorwise, rowwise, rowwise_with_gw_hp).
 
-Which layers convert (the first rule that applies is the reason in the report): a name matching
-a skip pattern (default lm_head: the most precision-sensitive matmul); a dimension not a
-multiple of 16 (`torch._scaled_mm` requires it); min(in, out) < min_dim (the casts cost more
-than the FP8 GEMM saves). Only plain `nn.Linear` converts.
+Which layers convert is policy.py's: skip patterns, what the kernels can run, `min_dim`, then
+`layers` (faster: only where FP8 beats bf16 at this run's shapes, measured on the GPU; all). A
+caller may pass torchao's `module_filter_fn(module, fqn)` instead.
 
 Modules are swapped for `FP8Linear` (torchao's `Float8Linear` plus an `fp8_enabled` switch for
 `fp8_disabled`, and an autocast check: FP8 layers run without autocast or under CUDA bf16
@@ -25,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 from dataclasses import dataclass
 from typing import Callable, Iterator, Literal
 
@@ -40,6 +38,8 @@ from torchao.float8.float8_linear import Float8Linear
 from nanochat.common import format_table, warn_once
 from nanochat.fp8.config import HYBRID, ROLES, FP8Config
 from nanochat.fp8.hardware import FP8Backend, detect, native_gemm_problem
+from nanochat.fp8.policy import LayerPolicy, ModuleFilter
+from nanochat.fp8.speed import Measure
 from nanochat.fp8.tensor import DTYPE_NAMES, FP8_DTYPES
 
 # Float8LinearConfig's six cast fields, by the role whose tensor each one casts.
@@ -127,6 +127,9 @@ class LayerReport:
     status: Literal["converted", "already FP8", "skipped"]
     reason: str
     """Why it was skipped, or the FP8 format of each role when it runs in FP8."""
+    decision: str = ""
+    """Why `layers` (or the caller's module_filter_fn) converted it or kept it in bf16: the
+    measured fwd+bwd ratio, or the rule that decided. Empty when an earlier rule skipped it."""
 
     @property
     def flops(self) -> int:
@@ -146,6 +149,15 @@ class ConversionReport:
     fallback: str | None = None
     """Set when FP8 was requested but cannot run: the line for TrainResult.fallbacks."""
     device_name: str = ""
+    layers_fallback: str | None = None
+    """Set when `layers` faster could not time the layers (torchao's rule decided): also a line
+    for TrainResult.fallbacks."""
+    measure_time_s: float = 0.0
+    """Seconds `layers` faster spent timing layer shapes (none on a cache hit)."""
+    shapes_measured: int = 0
+    shapes_cached: int = 0
+    kept_by_layers: int = 0
+    """Layers that `layers` faster kept in bf16 (all other rules would convert them)."""
 
     @property
     def converted(self) -> list[str]:
@@ -160,6 +172,11 @@ class ConversionReport:
         return {la.name: la.reason for la in self.layers if la.status == "skipped"}
 
     @property
+    def decisions(self) -> dict[str, str]:
+        """layer -> why `layers` (or a module_filter_fn) converted it or kept it in bf16."""
+        return {la.name: la.decision for la in self.layers if la.decision}
+
+    @property
     def fp8_flops_share(self) -> float:
         """Fraction of all linear-layer FLOPs that run in FP8 (converted now or before)."""
         total = sum(la.flops for la in self.layers)
@@ -171,43 +188,37 @@ class ConversionReport:
         what = f"{done} of {n} linear layers converted"
         if before:
             what += f", {before} already FP8 (nothing to do)"
+        timed = ""
+        if self.shapes_measured or self.shapes_cached:
+            timed = (f"; `layers` faster timed {self.shapes_measured} layer shape(s) in {self.measure_time_s:.1f} s, "
+                     f"{self.shapes_cached} from the cache")
+        if self.kept_by_layers:
+            what += f", {self.kept_by_layers} kept in bf16 by `layers` faster (`layers` all converts them)"
         return (f"FP8 {self.config.mode}/{self.config.recipe}: {what} "
                 f"({100 * self.fp8_flops_share:.1f}% of linear FLOPs in FP8), "
-                f"backend {self.backend}: {self.reason}")
+                f"backend {self.backend}: {self.reason}{timed}")
 
     def table(self, text: Callable[[str], str] = str) -> str:
         """Per-layer table; `text` rewrites each reason (a CLI passes one that shows `field` as
         its flag, e.g. nanochat.config.flag_text)."""
-        rows = [[la.name, f"{la.in_features}->{la.out_features}", la.status, text(la.reason)]
+        rows = [[la.name, f"{la.in_features}->{la.out_features}", la.status,
+                 text(f"{la.reason}; {la.decision}" if la.status == "converted" and la.decision else la.reason)]
                 for la in self.layers]
         return format_table(["layer", "shape (in->out)", "fp8", "formats / reason"], rows)
 
 
-def _skip_reason(name: str, layer: nn.Linear, config: FP8Config, hw: FP8Backend) -> str | None:
-    for pattern in config.skip_fqns:
-        if fnmatch.fnmatchcase(name, pattern):
-            return f"name matches `skip_fqns` {pattern!r}"
-    if type(layer) is not nn.Linear:
-        return (f"{type(layer).__name__} is an nn.Linear subclass (its owner may use the weight "
-                "without calling forward); only plain nn.Linear converts")
-    k, n = layer.in_features, layer.out_features
-    if k % 16 or n % 16:
-        return f"{k}->{n}: FP8 GEMMs need both dims divisible by 16 (torch._scaled_mm)"
-    if min(k, n) < config.min_dim:
-        return f"min(in, out) = {min(k, n)} < `min_dim` {config.min_dim}: casts cost more than FP8 saves"
-    if hw.backend == "fallback":
-        return f"no FP8 hardware: {hw.device_name} (see `emulate`)"
-    return None
-
-
 def layers_to_convert(model: nn.Module, config: FP8Config | object | None = None, *,
-                      device: torch.device | str | None = None, **overrides) -> dict[str, nn.Linear]:
+                      device: torch.device | str | None = None, module_filter_fn: ModuleFilter | None = None,
+                      measure: Measure | None = None, **overrides) -> dict[str, nn.Linear]:
     """name -> the nn.Linear layers `convert(model, config)` would swap for FP8Linear, without
     swapping anything (e.g. to decide `fsdp_float8_all_gather` before converting)."""
     config = _resolve_config(config, overrides)
-    hw = detect(device if device is not None else _model_device(model), emulate=config.emulate, recipe=config.recipe)
+    device = device if device is not None else _model_device(model)
+    hw = detect(device, emulate=config.emulate, recipe=config.recipe)
+    policy = LayerPolicy(config, hw, _lin_config(config, hw)[1], device=device, measure=measure,
+                         module_filter_fn=module_filter_fn)
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)
-            and not isinstance(m, Float8Linear) and _skip_reason(name, m, config, hw) is None}
+            and not isinstance(m, Float8Linear) and policy.decide(name, m).convert}
 
 
 def _format_dtypes(dtypes: dict[str, str], config: Float8LinearConfig) -> str:
@@ -235,22 +246,10 @@ def _swap(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
                 setattr(parent, key, replacements[id(child)])
 
 
-def convert(model: nn.Module, config: FP8Config | object | None = None, *,
-            device: torch.device | str | None = None, **overrides) -> ConversionReport:
-    """Swap eligible nn.Linear layers of `model` for FP8Linear, in place, and report.
-
-    `config` is an FP8Config or anything with the `fp8_*` attributes of TrainConfig; `overrides`
-    replace fields (`convert(model, mode="auto", emulate=True)`). `device` defaults to the device
-    of the model's parameters. The report is also kept on the model: `fp8_report(model)`.
-    """
-    config = _resolve_config(config, overrides)
-    if isinstance(model, nn.Linear):
-        raise ValueError("convert() swaps layers inside a model; wrap a bare nn.Linear in a module "
-                         "(e.g. nn.Sequential(linear)) to convert it")
-    hw = detect(device if device is not None else _model_device(model),
-                emulate=config.emulate, recipe=config.recipe)
-    dtypes = config.role_dtypes()
-    fallback = None
+def _lin_config(config: FP8Config, hw: FP8Backend) -> tuple[dict[str, str], Float8LinearConfig, str | None]:
+    """The per-role formats the layers get, torchao's config for them, and a fallback line when
+    native kernels cannot run `mode` as asked."""
+    dtypes, fallback = config.role_dtypes(), None
     if hw.backend == "native":
         problem = native_gemm_problem({r: FP8_DTYPES[d] for r, d in dtypes.items()}, recipe=config.recipe)
         if problem:
@@ -265,6 +264,28 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
             warn_once(f"fp8-native-e5m2:{config.recipe}", fallback)
     lin_config = float8_linear_config(config.recipe, dtypes, emulate=hw.backend != "native",
                                       fsdp_float8_all_gather=config.fsdp_float8_all_gather)
+    return dtypes, lin_config, fallback
+
+
+def convert(model: nn.Module, config: FP8Config | object | None = None, *,
+            device: torch.device | str | None = None, module_filter_fn: ModuleFilter | None = None,
+            measure: Measure | None = None, **overrides) -> ConversionReport:
+    """Swap eligible nn.Linear layers of `model` for FP8Linear, in place, and report.
+
+    `config` is an FP8Config or anything with the `fp8_*` attributes of TrainConfig; `overrides`
+    replace fields (`convert(model, mode="auto", emulate=True)`). `device` defaults to the device
+    of the model's parameters. `module_filter_fn(module, fqn) -> bool` (torchao's signature)
+    replaces the `skip_fqns`, `min_dim` and `layers` rules; `measure` replaces the GPU timer of
+    `layers` faster (policy.LayerPolicy). The report is also kept on the model: `fp8_report(model)`.
+    """
+    config = _resolve_config(config, overrides)
+    if isinstance(model, nn.Linear):
+        raise ValueError("convert() swaps layers inside a model; wrap a bare nn.Linear in a module "
+                         "(e.g. nn.Sequential(linear)) to convert it")
+    device = device if device is not None else _model_device(model)
+    hw = detect(device, emulate=config.emulate, recipe=config.recipe)
+    dtypes, lin_config, fallback = _lin_config(config, hw)
+    policy = LayerPolicy(config, hw, lin_config, device=device, measure=measure, module_filter_fn=module_filter_fn)
 
     layers, replacements = [], {}
     for name, module in model.named_modules():
@@ -274,9 +295,10 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
             continue
         if not isinstance(module, nn.Linear):
             continue
-        reason = _skip_reason(name, module, config, hw)
-        if reason is not None:
-            layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", reason))
+        decision = policy.decide(name, module)
+        why = decision.reason if decision.final_rule else ""
+        if not decision.convert:
+            layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", decision.reason, why))
             continue
         new = FP8Linear.from_float(module, config=lin_config)
         # the same Parameters, except a weight torchao wrapped for FSDP2's FP8 all-gather (a new
@@ -286,7 +308,7 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
         new.train(module.training)
         replacements[id(module)] = new
         layers.append(LayerReport(name, module.in_features, module.out_features, "converted",
-                                  _format_dtypes(dtypes, lin_config)))
+                                  _format_dtypes(dtypes, lin_config), why))
 
     if replacements:
         # torchao applies this inside convert_to_float8_training, which we do not call (we swap
@@ -300,7 +322,10 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
     if hw.backend == "fallback":
         fallback = f"fp8: {hw.reason}"
         warn_once(f"fp8-fallback:{hw.device_name}", f"FP8 requested but not available: {hw.reason}")
-    report = ConversionReport(tuple(layers), hw.backend, hw.reason, config, fallback, hw.device_name)
+    kept = sum(la.status == "skipped" and bool(la.decision) for la in layers) if module_filter_fn is None else 0
+    report = ConversionReport(tuple(layers), hw.backend, hw.reason, config, fallback, hw.device_name,
+                              policy.fallback, policy.measure_time_s, policy.shapes_measured, policy.shapes_cached,
+                              kept)
     model._nanochat_fp8_report = report
     return report
 

@@ -87,7 +87,8 @@ class FP8Training:
         self.model = model
         self.config = config = config if config is not None else FP8Config()
         self.report = convert(model, config) if config.enabled else None
-        self.fallbacks: list[str] = [self.report.fallback] if self.report and self.report.fallback else []
+        self.fallbacks: list[str] = ([f for f in (self.report.fallback, self.report.layers_fallback) if f]
+                                     if self.report else [])
         """Every fallback taken, with its reason (no FP8 hardware, fp32 moments, short calibration).
         Fields are named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
         self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
