@@ -21,7 +21,7 @@ install:
 
 # The main job: a d4 GPT (5.2M parameters) on this Python's standard library, 250 steps of
 # 8 x 256 tokens, ~4 minutes on 2 CPU cores (README states the measured figures). ARGS adds or
-# overrides flags, e.g. make train ARGS="--fp8 --fp8_emulate". A demo: each `make train` starts
+# overrides flags, e.g. make train ARGS="--fp8 --fp8_emulate --fp8_layers all". A demo: each `make train` starts
 # its run directory over (--overwrite); run scripts/base_train.py yourself to keep or resume runs.
 TRAIN_ARGS ?= --model_name d4 --batch_size 8 --seq_len 256 --num_iterations 250 --eval_every 50 --run_dir runs/make_train --overwrite
 train: install
