@@ -416,7 +416,8 @@ class HFTokenizer:
     exception: it is meant to contain special tokens, so `encode(..., allow_special=True)`.
     """
 
-    def __init__(self, files: dict[str, bytes]):
+    def __init__(self, files: dict[str, bytes], *, origin: str | None = None):
+        """`files`: name -> content; `origin`: the directory they came from, named in messages."""
         from tokenizers import Tokenizer as _Tokenizer  # a dependency of transformers
 
         if "tokenizer.json" not in files:
@@ -437,6 +438,11 @@ class HFTokenizer:
                              "expected an object; restore it from the model's source")
         self.chat_template: str | None = self._find_chat_template()
         """Jinja source of the checkpoint's chat template, or None if it has none."""
+        where = f"{origin}/" if origin else ""
+        self.chat_template_origin = (f"{where}chat_template.jinja" if "chat_template.jinja" in files
+                                     else f"{where}tokenizer_config.json (\"chat_template\")")
+        """Where chat_template came from, for messages: a file, or the flag that chose it."""
+        self._template = None  # compiled at the first render_chat
         h = hashlib.sha256()
         for name in sorted(files):
             h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
@@ -462,7 +468,7 @@ class HFTokenizer:
                 "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
             )
         try:
-            return cls({n: (d / n).read_bytes() for n in _TOKENIZER_FILES if (d / n).is_file()})
+            return cls({n: (d / n).read_bytes() for n in _TOKENIZER_FILES if (d / n).is_file()}, origin=str(d))
         except UsageError as e:
             raise UsageError(f"{d}/{e}") from None  # the message starts with the file's name
 
@@ -473,17 +479,20 @@ class HFTokenizer:
             (d / name).write_bytes(data)
         return d
 
-    def with_chat_template(self, source: str) -> "HFTokenizer":
+    def with_chat_template(self, source: str, origin: str = "with_chat_template") -> "HFTokenizer":
         """This tokenizer with `source` (Jinja) as its chat template, written as
         chat_template.jinja (and removed from tokenizer_config.json, so only one template exists):
         the run's saved tokenizer and an export carry the template the model was trained with,
-        and the fingerprint, which keys the token caches, changes with it."""
+        and the fingerprint, which keys the token caches, changes with it. `origin` names the
+        source in messages (e.g. the --chat_template flag that chose it)."""
         files = dict(self._files)
         files["chat_template.jinja"] = source.encode("utf-8")
         if "chat_template" in self._config:
             config = {k: v for k, v in self._config.items() if k != "chat_template"}
             files["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        return HFTokenizer(files)
+        tokenizer = HFTokenizer(files)
+        tokenizer.chat_template_origin = origin
+        return tokenizer
 
     def has_token(self, token: str) -> bool:
         """Whether `token` is one token of the vocabulary (e.g. a template's <|im_start|>)."""
@@ -559,36 +568,16 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, **kwargs) -> str:
         """The checkpoint's chat template applied to `messages` ([{"role", "content"}, ...]),
-        as text; encode it with `encode(text, allow_special=True)`. Needs jinja2."""
+        as text, rendered in a bounded sandbox (nanochat.chat_template); encode it with
+        `encode(text, allow_special=True)`."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        return self._compiled_template().render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        if self._template is None:
+            from nanochat.chat_template import ChatTemplate
 
-    def _compiled_template(self):
-        """The template compiled once per tokenizer: compiling costs ~12 ms, rendering ~0.3 ms,
-        and instruction data renders every record several times (prefix by prefix)."""
-        if getattr(self, "_template", None) is not None:
-            return self._template
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise ImportError("rendering a chat template needs jinja2: pip install jinja2") from None
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        def strftime_now(fmt):
-            import datetime
-            return datetime.datetime.now().strftime(fmt)
-
-        # trim_blocks/lstrip_blocks: the whitespace rules chat templates are written for.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(self.chat_template)
-        return self._template
+            self._template = ChatTemplate(self.chat_template, self.chat_template_origin)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint!r})"

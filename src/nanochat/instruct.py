@@ -339,6 +339,7 @@ def _with_template(tokenizer: Any, chat_template: str) -> Any:
         if chat_template == "plain" and tokenizer.eos_id is None:
             raise ValueError("the plain format ends every answer with the EOS token, and tokenizer_config.json "
                              "names no eos_token; add one, or pass a --chat_template .jinja file")
+        origin = f"{chat_template!r} (built in)"
     else:
         from pathlib import Path
 
@@ -346,8 +347,8 @@ def _with_template(tokenizer: Any, chat_template: str) -> Any:
         if not path.is_file():
             raise ValueError(f"--chat_template {chat_template!r} is neither a built-in template "
                              f"({', '.join(BUILTIN_TEMPLATES)}) nor an existing Jinja file")
-        source = path.read_text(encoding="utf-8")
-    return tokenizer.with_chat_template(source)
+        source, origin = path.read_text(encoding="utf-8"), str(path)
+    return tokenizer.with_chat_template(source, origin)
 
 
 # ------------------------------------------------------------ multiple choice
