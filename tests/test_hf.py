@@ -17,6 +17,8 @@
   the searched paths and the download command, with HF_HUB_OFFLINE=1 and socket.connect
   patched to fail, so any network attempt would fail the test.
 - Unsupported architectures and options are errors that name them.
+- A tokenizer.json regex with catastrophic backtracking (a Rust panic inside tokenizers) is
+  refused at load naming the file; one the load-time probe misses is a UsageError from encode.
 - FP8 (nanochat.fp8.convert, emulated): a loaded model converts (the SwiGLU Linears, not
   lm_head), its FP8 forward stays close to transformers' (SQNR > 10 dB; measured 13.6 dB with
   the deliberately large test weights) and its export carries the untouched fp32 weights.
@@ -353,6 +355,43 @@ def test_malformed_hf_files_name_the_file(saved, tmp_path):
     (model_dir / "tokenizer.json").write_text('{"truncated": ')
     with pytest.raises(ValueError, match=r"m/tokenizer\.json is not a tokenizer"):
         load_hf_model(model_dir)
+
+
+def _with_split_regex(directory: Path, pattern: str) -> Path:
+    """A copy of the byte-level tokenizer whose pre-tokenizer first splits on `pattern` (a Split
+    pre-tokenizer, as Llama 3's and Qwen2's tokenizer.json have), in `directory`."""
+    from tokenizers import Regex, pre_tokenizers
+
+    tok = _byte_level_tokenizer()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return directory
+
+
+def test_runaway_tokenizer_regex_is_refused_at_load(tmp_path):
+    """(\\w+\\s?)+ before a lookahead: the tokenizers library's regex engine (Oniguruma) gives up on
+    ~25 word characters with a Rust panic; the probe finds it at load."""
+    d = _with_split_regex(tmp_path / "runaway", r"(?:\w+\s?)+(?!x)\d")
+    with pytest.raises(ValueError, match=rf"^{d}/tokenizer\.json \(a regex of its normalizer or pre-tokenizer\) "
+                                         r"exceeds the regex engine's backtracking limit on 'aaaa.*; restore "
+                                         r"tokenizer\.json from the model's source$"):
+        HFTokenizer.load(d)
+
+
+def test_tokenizer_regex_panic_the_probe_missed_is_a_usage_error(tmp_path):
+    """Q is in no probe text: the tokenizer loads, then a run of Q's is a UsageError from encode
+    and encode_batch, never the PanicException (a BaseException the CLI's handler misses)."""
+    from nanochat.common import UsageError
+
+    tok = HFTokenizer.load(_with_split_regex(tmp_path / "late", r"(?:Q+\s?)+(?!x)\d"))
+    assert tok.decode(tok.encode("QQ QQ 12")) == "QQ QQ 12"
+    for encode in (tok.encode, lambda text: tok.encode_batch([text])):
+        with pytest.raises(UsageError, match="tokenizer.json .* made the tokenizer library give up on a text "
+                                             r"\(Onig: .*retry-limit-in-match over\): catastrophic backtracking"):
+            encode("Q" * 64)
 
 
 def test_missing_model_errors_without_network(fake_cache, no_network):

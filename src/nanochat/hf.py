@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from nanochat.common import UsageError, logger, read_json_object, warn_once
 from nanochat.gpt import GPT, PRESETS, GPTConfig
+from nanochat.tokenizer import panics_as_errors, probe
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -386,6 +387,11 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 # ----------------------------------------------------------------------------- tokenizer
 
+# A checkpoint's regexes (a Split pre-tokenizer, a Replace normalizer) are tried on the probe
+# texts at load, as our own split pattern is (nanochat.tokenizer.probe).
+_REGEX_OWNER = "tokenizer.json (a regex of its normalizer or pre-tokenizer)"
+_RESTORE = "restore tokenizer.json from the model's source"
+
 # Files of a Hugging Face tokenizer that are copied as they are when saving or exporting.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -428,6 +434,7 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises its own Exception subclass
             raise UsageError(f"tokenizer.json is not a tokenizer the tokenizers library reads ({e}); "
                              "restore it from the model's source") from None
+        probe(_REGEX_OWNER, lambda text: self._tok.encode(text, add_special_tokens=False).ids, _RESTORE)
         try:
             self._config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -515,7 +522,8 @@ class HFTokenizer:
 
     def encode(self, text: str, *, prepend_bos: bool = False, allow_special: bool = False) -> list[int]:
         self._tok.encode_special_tokens = not allow_special
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        with panics_as_errors(_REGEX_OWNER, _RESTORE):
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if prepend_bos else ids
 
     def encode_batch(self, texts: list[str], *, prepend_bos: bool = False,
@@ -523,7 +531,8 @@ class HFTokenizer:
         """`encode` over many texts (the tokenizers library parallelizes on its own; num_threads
         is accepted for interface compatibility and ignored)."""
         self._tok.encode_special_tokens = True
-        batch = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        with panics_as_errors(_REGEX_OWNER, _RESTORE):
+            batch = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
         return [[self.bos_id, *ids] for ids in batch] if prepend_bos else batch
 
     def decode(self, ids) -> str:
