@@ -13,7 +13,8 @@
   special-token text not parsed unless allow_special), chat rendering against
   `apply_chat_template` (identical text), token_bytes against the UTF-8 length of the text.
 - Resolution: presets, local dirs, hub ids in a fake cache (env var pointing at a tmp dir;
-  refs/main preferred over a newer snapshot); a missing model is a FileNotFoundError that lists
+  refs/main preferred over a newer snapshot; huggingface_hub's layout of files linked to blobs/
+  resolves, a file linked out of the cache is refused, by scripts/base_train.py too); a missing model is a FileNotFoundError that lists
   the searched paths and the download command, with HF_HUB_OFFLINE=1 and socket.connect
   patched to fail, so any network attempt would fail the test.
 - Unsupported architectures and options are errors that name them.
@@ -26,10 +27,13 @@
   transformers with our logits (TOL).
 """
 
+import hashlib
 import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +51,7 @@ from nanochat.hf import (  # noqa: E402
     resolve_model,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -340,6 +345,47 @@ def test_cache_ref_must_be_a_hash_inside_the_cache(saved, fake_cache, tmp_path, 
     (repo / "snapshots" / ("3" * 40)).symlink_to(outside)
     with pytest.raises(ValueError, match="outside the cache"):
         resolve_model("tiny-org/tiny-llama")
+
+
+def _hub_layout(cache: Path, repo_id: str, source: Path, revision: str = "4" * 40) -> Path:
+    """`source`'s files in huggingface_hub's cache layout: each file a blob named by its sha256
+    under models--org--name/blobs/, linked from snapshots/<revision>/ by a relative symlink."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in source.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_cache_file_linked_outside_the_cache_is_refused(saved, fake_cache, tmp_path, small_corpus, no_network):
+    """A snapshot file that links out of the model's cache folder (reference: the same layout with
+    every link into blobs/, which resolves and loads) is refused in one line, by the CLI too."""
+    snapshot = _hub_layout(fake_cache, "tiny-org/tiny-llama", saved["llama"][0])
+    assert resolve_model("tiny-org/tiny-llama").path == snapshot
+    load_hf_model(snapshot)
+    outside = tmp_path / "elsewhere" / "tokenizer.json"
+    outside.parent.mkdir()
+    shutil.copyfile(snapshot / "tokenizer.json", outside)  # a working file: only where it lives is wrong
+    (snapshot / "tokenizer.json").unlink()
+    (snapshot / "tokenizer.json").symlink_to(outside)
+    with pytest.raises(ValueError, match=rf"cache entry {snapshot}/tokenizer\.json resolves to {outside}, outside "
+                                         rf"the cache folder {fake_cache.resolve()}/models--tiny-org--tiny-llama"):
+        resolve_model("tiny-org/tiny-llama")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), "--model_name", "tiny-org/tiny-llama",
+                        "--dataset_path", str(small_corpus), "--num_iterations", "1", "--device", "cpu",
+                        "--run_dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr and f"resolves to {outside}" in errors[0]
+    assert errors[0].endswith("remove it and download the model again")
 
 
 def test_malformed_hf_files_name_the_file(saved, tmp_path):

@@ -69,14 +69,17 @@ def _find_in_cache(repo_id: str, cache: Path) -> Path | None:
     """The snapshot directory of `repo_id` in one cache: the revision refs/main points to if it
     is complete (has config.json), else the most recently modified snapshot that is.
 
-    refs/main must hold a commit hash (40 hex digits, as huggingface_hub writes it) and every
-    snapshot must resolve inside the cache's snapshots/ directory: a ref or a symlink that leads
-    elsewhere would load files from outside the cache, so it is an error naming the file."""
+    refs/main must hold a commit hash (40 hex digits, as huggingface_hub writes it), every
+    snapshot must resolve inside the cache's snapshots/ directory and every file of the chosen
+    one inside the model's cache folder (huggingface_hub links them to its blobs/): a ref or a
+    symlink that leads elsewhere would load files from outside the cache, so it is an error
+    naming the file."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
     ref = repo / "refs" / "main"
+    chosen = None
     if ref.is_file():
         rev = ref.read_text(encoding="utf-8", errors="replace").strip()
         if not re.fullmatch(r"[0-9a-f]{40}", rev):
@@ -84,17 +87,24 @@ def _find_in_cache(repo_id: str, cache: Path) -> Path | None:
                              f"huggingface_hub writes); delete {ref} or download {repo_id} again")
         main = _inside(snapshots / rev, snapshots)
         if (main / "config.json").is_file():
-            return main
-    complete = [_inside(s, snapshots) for s in snapshots.iterdir() if (s / "config.json").is_file()]
-    return max(complete, key=lambda s: s.stat().st_mtime) if complete else None
+            chosen = main
+    if chosen is None:
+        complete = [_inside(s, snapshots) for s in snapshots.iterdir() if (s / "config.json").is_file()]
+        if not complete:
+            return None
+        chosen = max(complete, key=lambda s: s.stat().st_mtime)
+    for entry in chosen.iterdir():
+        _inside(entry, repo)
+    return chosen
 
 
 def _inside(path: Path, root: Path) -> Path:
     """`path`, refused unless it stays inside `root` once symlinks and `..` are resolved."""
     real, real_root = path.resolve(), root.resolve()
     if not real.is_relative_to(real_root):
-        raise UsageError(f"Hugging Face cache snapshot {path} resolves to {real}, outside the cache "
-                         f"directory {real_root}; remove it and download the model again")
+        raise UsageError(f"Hugging Face cache entry {path} resolves to {real}, outside the cache folder "
+                         f"{real_root}, and nanochat reads only files inside the cache; remove it and download "
+                         "the model again")
     return path
 
 
