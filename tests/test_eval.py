@@ -108,7 +108,7 @@ def write_base_llama(directory: Path, merged_letters: str = "AB") -> Path:
 def reference_accuracy(model_dir: Path, rows: list[dict], *, use_template: bool) -> float:
     """Accuracy by transformers alone, lm-evaluation-harness's way: each option's whole text (the
     plain format written out here, or the directory's chat template via apply_chat_template); the
-    context is the text every option's shares (its trailing space goes to the options), the
+    context is the text all options share (its trailing space goes to the options), the
     continuation what follows up to the ending they share (</s>); an option's score is the sum of
     its continuation tokens' log-softmax, the prediction the best score. Asserts that the best
     option beats the runner-up by more than MARGIN in every question, so the two computations'
@@ -238,9 +238,9 @@ def test_single_token_letters_score_as_their_logits(tmp_path):
     with torch.no_grad():
         old = [int(model(torch.tensor([it.prompt]))[0, -1][[o[0] for o in it.options]].argmax()) for it in items]
     as_old = [it._replace(answer=pick) for it, pick in zip(items, old)]
-    assert choice_counts(model, as_old, batch_size=1, seq_len=64, device="cpu") == (24, 24)
+    assert choice_counts(model, as_old, batch_size=1, seq_len=256, device="cpu") == (24, 24)
     old_correct = sum(pick == it.answer for it, pick in zip(items, old))
-    assert choice_counts(model, items, batch_size=1, seq_len=64, device="cpu") == (old_correct, 24)
+    assert choice_counts(model, items, batch_size=1, seq_len=256, device="cpu") == (old_correct, 24)
     assert 0 < old_correct < 24  # predictions that differ from question to question
 
 

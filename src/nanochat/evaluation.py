@@ -45,7 +45,7 @@ def choice_counts(model: torch.nn.Module, items: list[instruct.ChoiceItem], *, b
     correct = 0
     for batch in _row_batches(items, batch_size):
         rows: list[list[int]] = []
-        reads: list[tuple[int, int, int, int, bool]] = []  # (row, position, token, option slot, first token?)
+        reads: list[tuple[int, int, int, int, int]] = []  # (row, position, token, option slot, token index)
         n_opts = max(len(it.options) for it in batch)
         for i, it in enumerate(batch):
             row_of: dict[tuple[int, ...], int] = {}
@@ -59,19 +59,25 @@ def choice_counts(model: torch.nn.Module, items: list[instruct.ChoiceItem], *, b
                     rows.append((it.prompt + list(lead))[-seq_len:])
                 r = row_of[lead]
                 first = len(rows[r]) - len(option)  # the position whose logits predict option[0]
-                reads += [(r, first + j, tok, i * n_opts + k, j == 0) for j, tok in enumerate(option)]
+                reads += [(r, first + j, tok, i * n_opts + k, j) for j, tok in enumerate(option)]
         lengths = [len(row) for row in rows]
         x = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
         for r, row in enumerate(rows):
             x[r, :len(row)] = torch.tensor(row)
         with autocast if autocast is not None else contextlib.nullcontext():
             logits = model(x.to(device))                                      # (rows, T, V)
-        row, pos, tok, slot, is_first = (torch.tensor(c, device=logits.device) for c in zip(*reads))
+        row, pos, tok, slot, j = (torch.tensor(c, device=logits.device) for c in zip(*reads))
         picked = logits[row, pos].float()                                     # (reads, V)
         terms = picked.gather(1, tok[:, None]).squeeze(1)                     # the tokens' logits
-        terms = torch.where(is_first, terms, terms - picked.logsumexp(dim=1))  # later tokens: log-probs
-        scores = torch.full((len(batch) * n_opts,), -math.inf, device=logits.device)
-        scores = scores.index_put_((slot,), torch.zeros_like(terms)).index_add_(0, slot, terms)
+        terms = torch.where(j == 0, terms, terms - picked.logsumexp(dim=1))   # later tokens: log-probs
+        # (option slot, token index) table summed along its rows: the same sum in the same order on
+        # every device (no atomic adds); zeros pad short options, -inf the slots no option fills
+        longest = max(len(option) for it in batch for option in it.options)
+        table = torch.zeros(len(batch) * n_opts, longest, device=logits.device)
+        table[slot, j] = terms
+        filled = torch.zeros(len(batch) * n_opts, dtype=torch.bool, device=logits.device)
+        filled[slot] = True
+        scores = table.sum(dim=1).masked_fill(~filled, -math.inf)
         answers = torch.tensor([it.answer for it in batch], device=logits.device)
         correct += int((scores.view(len(batch), n_opts).argmax(dim=1) == answers).sum())
     return correct, len(items)

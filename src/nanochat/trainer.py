@@ -126,9 +126,9 @@ class TrainResult:
     whose answer tokens have the highest log-likelihood (nanochat.evaluation); None when there are
     no multiple-choice records."""
     accuracy_scoring: str | None = None
-    """How val_accuracy scored the options, e.g. "option log-likelihood (1-2 tokens per option)"
-    (a letter split into several tokens); with 1 token per option that is the letters' logits
-    compared. None without multiple-choice records."""
+    """How val_accuracy scored the options: "option log-likelihood (1 token per option)", which is
+    the letters' logits compared, or e.g. "(1-2 tokens per option)" where some letter takes two
+    tokens. None without multiple-choice records."""
     state_bytes_per_param: float = 0.0
     """Training state per parameter, measured from the live tensors after the first optimizer
     step: weights + gradients (all of them before the step; the largest one alive at a time with
