@@ -304,8 +304,13 @@ def probe(what: str, encode, fix: str | None = None) -> list[tuple[str, list[int
 
 @contextlib.contextmanager
 def _silenced_stderr():
-    sys.stderr.flush()
-    saved = os.dup(2)
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 at all: nothing to silence
+        yield
+        return
     try:
         with open(os.devnull, "wb") as null:
             os.dup2(null.fileno(), 2)
