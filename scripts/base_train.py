@@ -31,7 +31,7 @@ def train(cfg: TrainConfig) -> int:
            + (f" | compile time {result.compile_time_s:.1f} s" if result.compile_time_s else "")
            + (f" | fp8 layer timing {result.fp8_measure_time_s:.1f} s" if result.fp8_measure_time_s else ""))
     if result.val_accuracy is not None:
-        print0(f"val accuracy {result.val_accuracy:.4f} (multiple choice)")
+        print0(f"val accuracy {result.val_accuracy:.4f} (multiple choice, {result.accuracy_scoring})")
     if result.peak_memory_bytes is not None:
         print0(f"peak memory {result.peak_memory_bytes / 2**30:.2f} GiB measured "
                f"(planned {result.planned_memory_bytes / 2**30:.2f} GiB)")

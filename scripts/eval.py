@@ -4,9 +4,8 @@
     python scripts/eval.py --model_name org/name --dataset_path data/arc         # a model as loaded
 
 The validation split is the one training uses (split files: the validation files). Accuracy
-compares the correct letter's logit with the other options' letters at the answer position
-(nanochat.evaluation); the records are rendered with the run's chat template, or as
---chat_template says.
+picks the option whose answer tokens have the highest log-likelihood (nanochat.evaluation); the
+records are rendered with the run's chat template, or as --chat_template says.
 """
 
 import json
@@ -21,13 +20,13 @@ def main() -> None:
     from nanochat.evaluation import evaluate_saved  # after parsing: --help stays fast
 
     result = evaluate_saved(cfg)
-    accuracy = (f"val accuracy {result.val_accuracy:.4f} ({result.questions} questions)"
-                if result.val_accuracy is not None else "no multiple-choice records")
+    accuracy = (f"val accuracy {result.val_accuracy:.4f} ({result.questions} questions, "
+                f"{result.accuracy_scoring})" if result.val_accuracy is not None else "no multiple-choice records")
     print0(f"val loss {result.val_loss:.4f} | {accuracy}")
     for f in result.fallbacks:
         print0(f"fallback: {f}")
     print0(json.dumps({"val_loss": result.val_loss, "val_accuracy": result.val_accuracy,
-                       "questions": result.questions}))
+                       "questions": result.questions, "accuracy_scoring": result.accuracy_scoring}))
 
 
 if __name__ == "__main__":

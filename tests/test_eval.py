@@ -1,27 +1,34 @@
 """The flagship example in miniature, and multiple-choice accuracy checked against transformers.
 
 Everything is built here: a tiny Llama saved by transformers, a byte-level BPE tokenizer.json
-without a chat template (a base model), and ARC in the hub's layout (`ARC-Challenge/train-*`,
-`validation-*`, `test-*` parquet, letter and digit labels, a README next to them).
+without a chat template (a base model) whose vocabulary has ` A` and ` B` but spells ` C` and
+` D` as two tokens, and ARC in the hub's layout (`ARC-Challenge/train-*`, `validation-*`,
+`test-*` parquet, letter and digit labels, a README next to them).
 
 - `scripts/base_train.py --model_name <dir> --dataset_path <arc> --fp8 --fp8_emulate
   --fp8_opt_level 2`, 20 steps on CPU: exits 0 and prints the memory plan, the plain-format
-  fallback line and the accuracy at step 0 and at the end; metrics.jsonl holds both and
-  result.json's val_accuracy is the last one.
+  fallback line and the accuracy at step 0 and at the end, with the scoring used (option
+  log-likelihood, 1-2 tokens per option); metrics.jsonl holds both and result.json's
+  val_accuracy and accuracy_scoring are the last ones.
 - The step-0 accuracy equals the accuracy computed with transformers' LlamaForCausalLM on the
-  original checkpoint, from text written out by hand in the documented plain format ("question,
-  lettered options, Answer:" and each letter's token): exact (a count of argmaxes; the logits
-  agree to 1e-5, far below the gaps between letters' logits here).
+  original checkpoint, lm-evaluation-harness's way, from text written out by hand in the
+  documented plain format (question, lettered options, `Answer:` as the context, ` D` as the
+  continuation): exact, a count of argmaxes; every question's best option beats the runner-up
+  by more than 1e-4 nats (asserted), ten times the logits' agreement (1e-5).
 - The run, exported with scripts/export_hf.py, reloads in transformers with logits equal to our
   model's (atol/rtol 1e-5) and with the plain template as its chat template
   (apply_chat_template gives our rendering); its accuracy, computed by transformers, equals the
   run's final val_accuracy.
 - scripts/eval.py on the run reproduces the run's final accuracy; on the base model, step 0's.
-- choice_counts against a hand count on fixed logits (prompts and option counts of different
-  lengths in one batch; every batch size gives the same count).
+- A vocabulary where every letter is one token: every prediction is the old rule's (the largest
+  of the letters' logits), exactly.
+- choice_counts against a hand count on fixed logits (prompts, options of one and two tokens
+  and option counts of different lengths in one batch; every batch size gives the same count).
 """
 
 import json
+import math
+import os
 import random
 import subprocess
 import sys
@@ -44,6 +51,7 @@ WORDS = "red green blue cat dog fish sun moon star tree rock sand water fire ice
 # optimizer step to amplify a last bit, so the two differ by fp32 sums over widths <= 128 taken in
 # another order (~sqrt(n) * 2^-24 relative, ~1e-6 on logits of magnitude <= 10): 1e-5 has 10x to spare.
 TOL = dict(rtol=1e-5, atol=1e-5)
+MARGIN = 1e-4  # nats between the best and the second option: 10x the logits' agreement (TOL)
 
 
 def arc_rows(n: int, split: str, seed: int) -> list[dict]:
@@ -76,11 +84,13 @@ def write_arc(root: Path, fmt: str = "parquet") -> Path:
     return root
 
 
-def write_base_llama(directory: Path) -> Path:
-    """A tiny Llama saved by transformers, with a byte-level BPE tokenizer.json and no chat template."""
+def write_base_llama(directory: Path, merged_letters: str = "AB") -> Path:
+    """A tiny Llama saved by transformers, with a byte-level BPE tokenizer.json and no chat template.
+    The tokenizer is trained on text where only `merged_letters` follow a space, so ` A` is one
+    token and ` D` is two (` `, `D`), as in a real vocabulary trained on a small corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    texts = [json.dumps(r) for r in arc_rows(60, "train", 9)] + ["Answer: A B C D"] * 5
+    texts = [json.dumps(r) for r in arc_rows(60, "train", 9)] + ["Answer: " + " ".join(merged_letters)] * 5
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -99,8 +109,13 @@ def write_base_llama(directory: Path) -> Path:
 
 
 def reference_accuracy(model_dir: Path, rows: list[dict], *, use_template: bool) -> float:
-    """Accuracy by transformers alone: the plain format written out here (or the directory's
-    chat template via apply_chat_template), each letter's token, argmax over the letters."""
+    """Accuracy by transformers alone, lm-evaluation-harness's way: each option's whole text (the
+    plain format written out here, or the directory's chat template via apply_chat_template); the
+    context is the text all options share (its trailing space goes to the options), the
+    continuation what follows up to the ending they share (</s>); an option's score is the sum of
+    its continuation tokens' log-softmax, the prediction the best score. Asserts that the best
+    option beats the runner-up by more than MARGIN in every question, so the two computations'
+    difference (1e-5 on logits) cannot change a prediction and the accuracies must be equal."""
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     correct = 0
@@ -115,12 +130,20 @@ def reference_accuracy(model_dir: Path, rows: list[dict], *, use_template: bool)
                      for L in letters]
         else:
             texts = [f"<s>{row['question']}\n\n{options}\nAnswer: {L}</s>" for L in letters]
-        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-        at = next(k for k in range(len(ids[0])) if len({tuple(i[:k + 1]) for i in ids}) > 1)
-        with torch.no_grad():
-            logits = model(torch.tensor([ids[0][:at]])).logits[0, -1]
-        scores = torch.stack([logits[i[at]] for i in ids])
-        correct += int(scores.argmax()) == labels.index(row["answerKey"])
+        context = os.path.commonprefix(texts).rstrip(" ")
+        ending = os.path.commonprefix([t[::-1] for t in texts])[::-1]
+        context_ids = tok(context, add_special_tokens=False)["input_ids"]
+        n_context, n_ending = len(context_ids), len(tok(ending, add_special_tokens=False)["input_ids"])
+        scores = []
+        for text in texts:
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert ids[:n_context] == context_ids  # no token straddles the context's end
+            with torch.no_grad():
+                logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+            scores.append(sum(float(logp[p - 1, ids[p]]) for p in range(n_context, len(ids) - n_ending)))
+        runner_up, best = sorted(scores)[-2:]
+        assert best - runner_up > MARGIN, (row["id"], scores)
+        correct += scores.index(best) == labels.index(row["answerKey"])
     return correct / len(rows)
 
 
@@ -152,6 +175,9 @@ def test_flagship_run_reports_plan_fallback_and_accuracy(flagship):
     assert sorted(acc) == [0, 10, 20]
     result = json.loads((run / "result.json").read_text())
     assert result["val_accuracy"] == acc[20]
+    # ` A` and ` B` are one token each, ` C` and ` D` two: scored by their log-likelihood, and said so
+    assert result["accuracy_scoring"] == "option log-likelihood (1-2 tokens per option)"
+    assert f"val accuracy {acc[20]:.4f} (multiple choice, option log-likelihood (1-2 tokens per option))" in out
     assert instruct.PLAIN_FALLBACK in result["fallbacks"]
     assert result["planned_memory_bytes"] > 0 and result["peak_memory_bytes"] is None  # CPU: not measured
     # the run's tokenizer carries the template it trained with
@@ -198,21 +224,60 @@ def test_eval_script_reproduces_the_runs_accuracy(flagship):
         assert r.returncode == 0, r.stderr[-3000:]
         report = json.loads(r.stdout.strip().splitlines()[-1])
         assert report["val_accuracy"] == expected and report["questions"] == 24
+        assert report["accuracy_scoring"] == "option log-likelihood (1-2 tokens per option)"
+
+
+def test_single_token_letters_score_as_their_logits(tmp_path):
+    """A vocabulary with ` A` ... ` D` as single tokens: every prediction is the old rule's (the
+    largest of the letters' logits after the prompt), and so is the accuracy. Exact: with
+    batch_size 1 the row is the prompt alone, the very forward the old rule ran."""
+    from nanochat.evaluation import describe_scoring
+    from nanochat.hf import load_hf_model
+
+    model, tok = load_hf_model(write_base_llama(tmp_path / "m", merged_letters="ABCD"))
+    model.eval()
+    tok, _ = instruct.choose_chat_template(tok, None, records=True)
+    items = instruct.choice_items(tok, [instruct.to_messages(r, "multiple choice") for r in arc_rows(24, "validation", 1)])
+    assert describe_scoring(items) == "option log-likelihood (1 token per option)"
+    with torch.no_grad():
+        old = [int(model(torch.tensor([it.prompt]))[0, -1][[o[0] for o in it.options]].argmax()) for it in items]
+    as_old = [it._replace(answer=pick) for it, pick in zip(items, old)]
+    assert choice_counts(model, as_old, batch_size=1, seq_len=256, device="cpu") == (24, 24)
+    old_correct = sum(pick == it.answer for it, pick in zip(items, old))
+    assert choice_counts(model, items, batch_size=1, seq_len=256, device="cpu") == (old_correct, 24)
+    assert 0 < old_correct < 24  # predictions that differ from question to question
 
 
 def test_choice_counts_against_a_hand_count():
+    """Options of one and two tokens, against log-softmax written out by hand."""
+    table = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.0], [5.0, 0.0, 0.0, 4.0, 9.0], [0.0, 1.0, 1.0, 0.0, 0.0],
+                          [2.0, 0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 6.0]])
+
     class Fixed(torch.nn.Module):
-        """Logits that depend only on the last token of the prompt: row = that token's id."""
+        """Logits that depend only on the current token: row = that token's id."""
 
         def forward(self, x):
-            table = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.0], [5.0, 0.0, 0.0, 4.0, 9.0], [0.0, 1.0, 1.0, 0.0, 0.0]])
             return table[x]
 
-    items = [instruct.ChoiceItem([2, 0], [1, 2, 3], 0),    # logits 3, 1, 2 -> option 0: correct
-             instruct.ChoiceItem([1], [1, 2, 3, 4], 3),    # 0, 0, 4, 9 -> option 3: correct (token 0's 5
-                                                           # is larger, but token 0 is not an option)
-             instruct.ChoiceItem([0, 2], [1, 3], 1),       # 1, 0 -> option 0: wrong
-             instruct.ChoiceItem([1, 2, 1], [0, 3], 1)]    # 5, 4 -> option 0: wrong
-    # right padding of the shorter prompts must not matter: every batch size gives the same count
-    for batch_size in (1, 2, 4):
-        assert choice_counts(Fixed(), items, batch_size=batch_size, seq_len=8, device="cpu") == (2, 4)
+    def logp(prev: int, tok: int) -> float:  # log-softmax of row `prev` at `tok`
+        return float(table[prev, tok]) - math.log(sum(math.exp(v) for v in table[prev].tolist()))
+
+    items = [instruct.ChoiceItem([2, 0], [[1], [2], [3]], 0),     # logits 3, 1, 2 -> option 0: correct
+             instruct.ChoiceItem([1], [[1], [2], [3], [4]], 3),   # 0, 0, 4, 9 -> option 3: correct (token 0's
+                                                                  # 5 is larger, but token 0 is not an option)
+             instruct.ChoiceItem([0, 2], [[1], [3]], 1),          # 1, 0 -> option 0: wrong
+             instruct.ChoiceItem([1, 2, 1], [[0], [3]], 1),       # 5, 4 -> option 0: wrong
+             instruct.ChoiceItem([2], [[1, 3], [3, 0]], 1),
+             instruct.ChoiceItem([0], [[4, 0], [4, 4], [0, 4]], 1),
+             instruct.ChoiceItem([2], [[1], [3, 4]], 0)]
+    # two-token options: the first token's logit after the prompt (its normalizer is the same for
+    # every option) plus the second's log-probability after the first. The first two questions
+    # are lost by the first token alone (1 > 0; a tie) and the first by raw logits (1+4 > 0+2).
+    scores = [[1.0 + logp(1, 3), 0.0 + logp(3, 0)],                    # -4.03, -0.43
+              [0.0 + logp(4, 0), 0.0 + logp(4, 4), 0.0 + logp(0, 4)],  # -6.01, -0.01, -3.47
+              [1.0, 0.0 + logp(3, 4)]]                                 # 1, -2.43
+    assert [max(range(len(s)), key=s.__getitem__) for s in scores] == [it.answer for it in items[4:]]
+    # rows of different lengths padded in one batch, options sharing a row or not: every batch
+    # size gives the same count
+    for batch_size in (1, 2, 3, 8):
+        assert choice_counts(Fixed(), items, batch_size=batch_size, seq_len=8, device="cpu") == (5, 7)

@@ -13,10 +13,13 @@
   special-token text not parsed unless allow_special), chat rendering against
   `apply_chat_template` (identical text), token_bytes against the UTF-8 length of the text.
 - Resolution: presets, local dirs, hub ids in a fake cache (env var pointing at a tmp dir;
-  refs/main preferred over a newer snapshot); a missing model is a FileNotFoundError that lists
+  refs/main preferred over a newer snapshot; huggingface_hub's layout of files linked to blobs/
+  resolves, a file linked out of the cache is refused, by scripts/base_train.py too); a missing model is a FileNotFoundError that lists
   the searched paths and the download command, with HF_HUB_OFFLINE=1 and socket.connect
   patched to fail, so any network attempt would fail the test.
 - Unsupported architectures and options are errors that name them.
+- A tokenizer.json regex with catastrophic backtracking (a Rust panic inside tokenizers) is
+  refused at load naming the file; one the load-time probe misses is a UsageError from encode.
 - FP8 (nanochat.fp8.convert, emulated): a loaded model converts (the SwiGLU Linears, not
   lm_head), its FP8 forward stays close to transformers' (SQNR > 10 dB; measured 13.6 dB with
   the deliberately large test weights) and its export carries the untouched fp32 weights.
@@ -24,10 +27,13 @@
   transformers with our logits (TOL).
 """
 
+import hashlib
 import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +51,7 @@ from nanochat.hf import (  # noqa: E402
     resolve_model,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -343,6 +350,47 @@ def test_cache_ref_must_be_a_hash_inside_the_cache(saved, fake_cache, tmp_path, 
         resolve_model("tiny-org/tiny-llama")
 
 
+def _hub_layout(cache: Path, repo_id: str, source: Path, revision: str = "4" * 40) -> Path:
+    """`source`'s files in huggingface_hub's cache layout: each file a blob named by its sha256
+    under models--org--name/blobs/, linked from snapshots/<revision>/ by a relative symlink."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in source.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, blob)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_cache_file_linked_outside_the_cache_is_refused(saved, fake_cache, tmp_path, small_corpus, no_network):
+    """A snapshot file that links out of the model's cache folder (reference: the same layout with
+    every link into blobs/, which resolves and loads) is refused in one line, by the CLI too."""
+    snapshot = _hub_layout(fake_cache, "tiny-org/tiny-llama", saved["llama"][0])
+    assert resolve_model("tiny-org/tiny-llama").path == snapshot
+    load_hf_model(snapshot)
+    outside = tmp_path / "elsewhere" / "tokenizer.json"
+    outside.parent.mkdir()
+    shutil.copyfile(snapshot / "tokenizer.json", outside)  # a working file: only where it lives is wrong
+    (snapshot / "tokenizer.json").unlink()
+    (snapshot / "tokenizer.json").symlink_to(outside)
+    with pytest.raises(ValueError, match=rf"cache entry {snapshot}/tokenizer\.json resolves to {outside}, outside "
+                                         rf"the cache folder {fake_cache.resolve()}/models--tiny-org--tiny-llama"):
+        resolve_model("tiny-org/tiny-llama")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), "--model_name", "tiny-org/tiny-llama",
+                        "--dataset_path", str(small_corpus), "--num_iterations", "1", "--device", "cpu",
+                        "--run_dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr and f"resolves to {outside}" in errors[0]
+    assert errors[0].endswith("remove it and download the model again")
+
+
 def test_malformed_hf_files_name_the_file(saved, tmp_path):
     model_dir = tmp_path / "m"
     shutil.copytree(saved["llama"][0], model_dir)
@@ -356,6 +404,43 @@ def test_malformed_hf_files_name_the_file(saved, tmp_path):
     (model_dir / "tokenizer.json").write_text('{"truncated": ')
     with pytest.raises(ValueError, match=r"m/tokenizer\.json is not a tokenizer"):
         load_hf_model(model_dir)
+
+
+def _with_split_regex(directory: Path, pattern: str) -> Path:
+    """A copy of the byte-level tokenizer whose pre-tokenizer first splits on `pattern` (a Split
+    pre-tokenizer, as Llama 3's and Qwen2's tokenizer.json have), in `directory`."""
+    from tokenizers import Regex, pre_tokenizers
+
+    tok = _byte_level_tokenizer()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(tok.to_str())
+    (directory / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return directory
+
+
+def test_runaway_tokenizer_regex_is_refused_at_load(tmp_path):
+    """(\\w+\\s?)+ before a lookahead: the tokenizers library's regex engine (Oniguruma) gives up on
+    ~25 word characters with a Rust panic; the probe finds it at load."""
+    d = _with_split_regex(tmp_path / "runaway", r"(?:\w+\s?)+(?!x)\d")
+    with pytest.raises(ValueError, match=rf"^{d}/tokenizer\.json \(a regex of its normalizer or pre-tokenizer\) "
+                                         r"exceeds the regex engine's backtracking limit on 'aaaa.*; restore "
+                                         r"tokenizer\.json from the model's source$"):
+        HFTokenizer.load(d)
+
+
+def test_tokenizer_regex_panic_the_probe_missed_is_a_usage_error(tmp_path):
+    """Q is in no probe text: the tokenizer loads, then a run of Q's is a UsageError from encode
+    and encode_batch, never the PanicException (a BaseException the CLI's handler misses)."""
+    from nanochat.common import UsageError
+
+    tok = HFTokenizer.load(_with_split_regex(tmp_path / "late", r"(?:Q+\s?)+(?!x)\d"))
+    assert tok.decode(tok.encode("QQ QQ 12")) == "QQ QQ 12"
+    for encode in (tok.encode, lambda text: tok.encode_batch([text])):
+        with pytest.raises(UsageError, match="tokenizer.json .* made the tokenizer library give up on a text "
+                                             r"\(Onig: .*retry-limit-in-match over\): catastrophic backtracking"):
+            encode("Q" * 64)
 
 
 def test_missing_model_errors_without_network(fake_cache, no_network):

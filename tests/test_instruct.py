@@ -12,9 +12,10 @@ the formats written out by hand here:
   documented format written out here; --chat_template plain / chatml / llama3 / a .jinja file
   render as the equivalent hand-written templates; unknown names and our own tokenizer with
   --chat_template are errors;
-- multiple-choice items (stopping at a prompt-token budget, at least one): the prompt plus each
-  candidate are the rendering's tokens with that letter as its answer; with our tokenizer the
-  prompt is `generation_prompt`'s;
+- multiple-choice items (stopping at a prompt-token budget, at least one): the prompt, each
+  option and the turn's closing tokens are the rendering with that letter as its answer, the
+  option decoding to the letter (one token, or two where the vocabulary has ` A` but not ` D`);
+  with our tokenizer the prompt is `generation_prompt`'s;
 - a Llama-3-like template with BOS and headers scores content + <|eot_id|>; a template that is
   not prefix-stable and a tokenizer that merges across a turn boundary are errors naming the
   record and the turn; a Hugging Face tokenizer without a template is an error;
@@ -111,7 +112,7 @@ def tok(small_corpus) -> Tokenizer:
     return Tokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
 
 
-def _hf_tokenizer(template: str | None, **special) -> HFTokenizer:
+def _hf_tokenizer(template: str | None, extra_texts: list[str] = (), **special) -> HFTokenizer:
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -120,7 +121,7 @@ def _hf_tokenizer(template: str | None, **special) -> HFTokenizer:
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, special_tokens=HF_SPECIALS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    texts = [json.dumps(r) for rows in ROWS.values() for r in rows] * 5
+    texts = [json.dumps(r) for rows in ROWS.values() for r in rows] * 5 + list(extra_texts)
     raw.train_from_iterator(texts, trainer)
     config = {"eos_token": "<|im_end|>", **special}
     if template is not None:
@@ -554,15 +555,29 @@ def test_chat_template_flag_builtins_files_and_errors(tmp_path, tok):
 def test_choice_items_point_at_the_answer_letter(tok):
     records = [instruct.to_messages(r, "multiple choice") for r in ARC]
     plain, _ = instruct.choose_chat_template(_hf_tokenizer(None, bos_token="<s>"), None, records=True)
-    for tokenizer in (plain, _hf_tokenizer(CHATML), tok):
+    # ` A` one token, ` D` two: a vocabulary that saw "Answer: A" often and never " D"
+    split, _ = instruct.choose_chat_template(_hf_tokenizer(None, ["Answer: A"] * 50, bos_token="<s>"), None,
+                                             records=True)
+    closing = {id(plain): "<|im_end|>", id(split): "<|im_end|>", id(tok): "<|end|>"}
+    for tokenizer in (plain, split, _hf_tokenizer(CHATML), tok):
         items = instruct.choice_items(tokenizer, records)
         assert [it.answer for it in items] == [1, 2, 0]
         for messages, item in zip(records, items):
-            for letter, cand in zip(messages[0]["choices"], item.candidates):
+            for letter, option in zip(messages[0]["choices"], item.options):
                 full, mask = instruct.render(tokenizer, [messages[0], {"role": "assistant", "content": letter}])
-                # prompt + candidate is the rendering with that letter, up to and including the letter
-                assert item.prompt + [cand] == full[:len(item.prompt) + 1] and mask[len(item.prompt)]
-                assert tokenizer.decode([cand]).strip() == letter
+                # the prompt, the option and the turn's closing tokens are the rendering with that
+                # letter, and the option is the letter's tokens, scored in training
+                end = len(full) - mask[::-1].index(True)
+                assert full[:len(item.prompt) + len(option)] == item.prompt + option
+                assert all(mask[len(item.prompt):len(item.prompt) + len(option)])
+                assert tokenizer.decode(option).strip() == letter
+                assert tokenizer.decode(full[len(item.prompt) + len(option):end]) == closing.get(
+                    id(tokenizer), "<|im_end|>\n")
+        if tokenizer is split:
+            assert [len(o) for o in items[0].options] == [1, 2, 2, 2]
+            assert tokenizer.decode(items[0].prompt).endswith("Answer:")
+        else:
+            assert all(len(o) == 1 for it in items for o in it.options)
         if tokenizer is tok:
             assert items[0].prompt == instruct.generation_prompt(tok, records[0])
     # records without choices are not questions

@@ -12,19 +12,36 @@
   an edited file fails the fingerprint check;
 - training: deterministic (same corpus -> same fingerprint), vocab_size counts bytes + merges +
   specials, too-small vocab_size is a ValueError (not a panic inside rustbpe);
-- the on-the-fly cache: a second get_or_train_tokenizer call loads instead of training.
+- the on-the-fly cache: a second get_or_train_tokenizer call loads instead of training;
+- split patterns from a saved tokenizer: one with catastrophic backtracking (a Rust panic inside
+  tiktoken on today's text) is refused at load by the probe: scripts/base_train.py exits 2 with
+  one `error:` line naming the directory, the pattern and the fix, no traceback and no panic
+  message; one that skips text is refused too; one that passes the probe but panics on other
+  text is a UsageError from encode and encode_batch, never the PanicException (a BaseException).
 All comparisons are exact (tolerance 0): a tokenizer is integer bookkeeping.
 """
 
 import base64
 import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from nanochat.data import get_or_train_tokenizer, load_corpus
+import nanochat.tokenizer
+from nanochat.common import UsageError
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, take_chars
+
+ROOT = Path(__file__).resolve().parents[1]
+# (\w+\s?)+ before a lookahead: exponential backtracking on ~25 word characters, which tiktoken's
+# regex engine (fancy_regex) gives up on with a panic. The alternative [\s\S] makes it match
+# every character, so nothing but the backtracking is wrong with it.
+RUNAWAY = r"(?:\w+\s?)+(?!x)\d|[\s\S]"
 
 TRICKY = [
     "",
@@ -170,3 +187,44 @@ def test_get_or_train_tokenizer_caches(small_corpus, tmp_path, monkeypatch):
     small = get_or_train_tokenizer(corpus, 400, tmp_path, max_chars=10_000, progress=False)
     assert small.fingerprint != first.fingerprint
     assert (tmp_path / f"tokenizer-{corpus.fingerprint}-400-10000chars").is_dir()
+
+
+def _saved_with_pattern(tok: Tokenizer, pattern: str, directory: Path, monkeypatch) -> Path:
+    """`tok`'s vocabulary saved with `pattern`, as a hand-edited or older tokenizer could be: the
+    probe is switched off for the save only."""
+    with monkeypatch.context() as m:
+        m.setattr(nanochat.tokenizer, "PROBE_TEXTS", ())
+        Tokenizer(tok.mergeable_ranks, pattern).save(directory)
+    return directory
+
+
+def test_runaway_pattern_is_refused_at_load_in_one_line(tok, small_corpus, tmp_path, monkeypatch):
+    saved = _saved_with_pattern(tok, RUNAWAY, tmp_path / "tok", monkeypatch)
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), "--model_name", "d2",
+                        "--tokenizer_dir", str(saved), "--dataset_path", str(small_corpus), "--num_iterations", "1",
+                        "--batch_size", "2", "--seq_len", "32", "--device", "cpu", "--run_dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "RUST_BACKTRACE": "1"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "panicked" not in r.stderr, r.stderr[-2000:]
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {saved}: the split pattern ")
+    assert "exceeds the regex engine's backtracking limit on 'aaaa" in errors[0]
+    assert errors[0].endswith(f"make one with: python scripts/tok_train.py --tokenizer_dir {saved}")
+
+
+def test_pattern_that_skips_text_is_refused(tok, tmp_path, monkeypatch):
+    saved = _saved_with_pattern(tok, r"\w+", tmp_path / "tok", monkeypatch)
+    with pytest.raises(UsageError, match=r"the split pattern '\\\\w\+' skips part of '     .*so encoding would "
+                                         "silently drop text"):
+        Tokenizer.load(saved)
+
+
+def test_panic_on_text_the_probe_missed_is_a_usage_error(tok):
+    """Q is in no probe text: the pattern passes, then gives up on a run of Q's."""
+    late = Tokenizer(tok.mergeable_ranks, r"(?:Q+\s?)+(?!x)\d|[\s\S]")
+    assert late.decode(late.encode("QQ QQ 123")) == "QQ QQ 123"
+    for encode in (late.encode, lambda text: late.encode_batch([text])):
+        with pytest.raises(UsageError, match="made the tokenizer library give up on a text .*BacktrackLimitExceeded"
+                                             ".*catastrophic backtracking.*; retrain the tokenizer"):
+            encode("Q" * 64)

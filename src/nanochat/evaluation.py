@@ -1,15 +1,21 @@
 """Multiple-choice accuracy, and evaluating a saved model on a dataset without training.
 
-Accuracy is measured the way karpathy/nanochat's categorical evaluation does it: the question is
-rendered up to the answer (`nanochat.instruct.choice_items`), one forward pass gives the logits
-at the answer position, and the prediction is the option whose letter has the largest logit
-among the options' letters only (not over the whole vocabulary: a model that would rather say
-"The" than a letter still has a preference between A and D, and that preference is what is
-measured). No sampling, no parsing of generated text: deterministic, one forward per question.
+Each option is scored by the log-likelihood of its answer tokens after the shared prompt
+(`nanochat.instruct.choice_items`), the sum of log p(token | everything before it), and the
+prediction is the best option (lm-evaluation-harness's convention). A letter may take more than
+one token (` A` one, ` D` two in a vocabulary trained on a small corpus), so the letters' logits
+at one position are not enough in general. Every option's first token is read at the end of the
+prompt, so its normalizer (log of the softmax's denominator there) is the same for all options
+and is left out: the ranking is the log-likelihood's, and with one token per option it is the
+comparison of the letters' logits (karpathy/nanochat's categorical evaluation) bit for bit.
+Only the options compete, not the vocabulary: a model that would rather say "The" than a
+letter still has a preference between A and D. Deterministic; no sampling.
 
-Prompts of a batch are right-padded to the longest one; the model is causal, so the padding,
-which comes after the answer position, cannot change the logits there. A prompt longer than the
-model's context keeps its last `seq_len` tokens (the options and `Answer:` are at the end).
+A row is the prompt plus an option's tokens but its last; options equal but for their last
+token share a row (one row per question when every option is one token). Rows are right-padded;
+the model is causal, so padding cannot change the logits read before it. A row longer than the
+context keeps its last `seq_len` tokens (the options and `Answer:` are at the end). The long
+form: docs/instruct.md.
 
 `evaluate_saved` is `scripts/eval.py`: a run's checkpoint (or a Hugging Face directory as
 loaded), a dataset's validation split, its loss and its accuracy.
@@ -33,26 +39,70 @@ from nanochat.common import logger
 @torch.no_grad()
 def choice_counts(model: torch.nn.Module, items: list[instruct.ChoiceItem], *, batch_size: int, seq_len: int,
                   device: torch.device | str, autocast: Any = None) -> tuple[int, int]:
-    """(correct, total) over `items` (see the module docstring); the caller sets eval mode and
-    precision. Counts rather than a ratio, so ranks can sum theirs."""
+    """(correct, total) over `items` (see the module docstring); `batch_size` rows per forward,
+    one device read per batch; the caller sets eval mode and precision. Counts rather than a
+    ratio, so ranks can sum theirs."""
     correct = 0
-    for start in range(0, len(items), batch_size):
-        batch = items[start:start + batch_size]
-        prompts = [it.prompt[-seq_len:] for it in batch]
-        lengths = torch.tensor([len(p) for p in prompts])
-        x = torch.zeros(len(batch), int(lengths.max()), dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            x[i, :len(p)] = torch.tensor(p)
-        n_opts = max(len(it.candidates) for it in batch)
-        cand = torch.tensor([it.candidates + [it.candidates[0]] * (n_opts - len(it.candidates)) for it in batch])
-        valid = torch.tensor([[k < len(it.candidates) for k in range(n_opts)] for it in batch])
+    for batch in _row_batches(items, batch_size):
+        rows: list[list[int]] = []
+        reads: list[tuple[int, int, int, int, int]] = []  # (row, position, token, option slot, token index)
+        n_opts = max(len(it.options) for it in batch)
+        for i, it in enumerate(batch):
+            row_of: dict[tuple[int, ...], int] = {}
+            for k, option in enumerate(it.options):
+                if len(option) >= seq_len:
+                    raise ValueError(f"an option of {len(option)} tokens does not fit a context of seq_len "
+                                     f"{seq_len} with its prompt; raise --seq_len")
+                lead = tuple(option[:-1])
+                if lead not in row_of:
+                    row_of[lead] = len(rows)
+                    rows.append((it.prompt + list(lead))[-seq_len:])
+                r = row_of[lead]
+                first = len(rows[r]) - len(option)  # the position whose logits predict option[0]
+                reads += [(r, first + j, tok, i * n_opts + k, j) for j, tok in enumerate(option)]
+        lengths = [len(row) for row in rows]
+        x = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
+        for r, row in enumerate(rows):
+            x[r, :len(row)] = torch.tensor(row)
         with autocast if autocast is not None else contextlib.nullcontext():
-            logits = model(x.to(device))                                   # (B, T, V)
-        last = logits[torch.arange(len(batch)), (lengths - 1).to(logits.device)].float()  # (B, V)
-        scores = last.gather(1, cand.to(last.device)).masked_fill(~valid.to(last.device), -math.inf)
-        answers = torch.tensor([it.answer for it in batch], device=last.device)
-        correct += int((scores.argmax(dim=1) == answers).sum())
+            logits = model(x.to(device))                                      # (rows, T, V)
+        row, pos, tok, slot, j = (torch.tensor(c, device=logits.device) for c in zip(*reads))
+        picked = logits[row, pos].float()                                     # (reads, V)
+        terms = picked.gather(1, tok[:, None]).squeeze(1)                     # the tokens' logits
+        terms = torch.where(j == 0, terms, terms - picked.logsumexp(dim=1))   # later tokens: log-probs
+        # (option slot, token index) table summed along its rows: the same sum in the same order on
+        # every device (no atomic adds); zeros pad short options, -inf the slots no option fills
+        longest = max(len(option) for it in batch for option in it.options)
+        table = torch.zeros(len(batch) * n_opts, longest, device=logits.device)
+        table[slot, j] = terms
+        filled = torch.zeros(len(batch) * n_opts, dtype=torch.bool, device=logits.device)
+        filled[slot] = True
+        scores = table.sum(dim=1).masked_fill(~filled, -math.inf)
+        answers = torch.tensor([it.answer for it in batch], device=logits.device)
+        correct += int((scores.view(len(batch), n_opts).argmax(dim=1) == answers).sum())
     return correct, len(items)
+
+
+def _row_batches(items: list[instruct.ChoiceItem], batch_size: int):
+    """`items` in consecutive groups of at most `batch_size` rows (at least one question each)."""
+    batch, rows = [], 0
+    for it in items:
+        n = len({tuple(option[:-1]) for option in it.options})
+        if batch and rows + n > batch_size:
+            yield batch
+            batch, rows = [], 0
+        batch.append(it)
+        rows += n
+    if batch:
+        yield batch
+
+
+def describe_scoring(items: list[instruct.ChoiceItem]) -> str:
+    """How `choice_counts` scores `items`, for a run's results and summary: "option log-likelihood
+    (1-2 tokens per option)"; with one token per option that is the letters' logits compared."""
+    sizes = sorted({len(option) for it in items for option in it.options})
+    spread = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return f"option log-likelihood ({spread} token{'s' * (sizes[-1] > 1)} per option)"
 
 
 @dataclass
@@ -65,6 +115,8 @@ class EvalResult:
     """Multiple-choice accuracy; None when the validation split has no multiple-choice records."""
     questions: int = 0
     """Multiple-choice questions scored."""
+    accuracy_scoring: str | None = None
+    """How the options were scored (`describe_scoring`); None without multiple-choice records."""
     fallbacks: list[str] = field(default_factory=list)
 
 
@@ -137,4 +189,4 @@ def evaluate_saved(cfg) -> EvalResult:
                                        device=device, autocast=autocast)
         accuracy = correct / total
     return EvalResult(val_loss=nats / max(count, 1), val_accuracy=accuracy, questions=len(items),
-                      fallbacks=fallbacks)
+                      accuracy_scoring=describe_scoring(items) if items else None, fallbacks=fallbacks)

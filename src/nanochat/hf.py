@@ -33,6 +33,7 @@ from safetensors.torch import save_file
 
 from nanochat.common import UsageError, logger, read_json_object, warn_once
 from nanochat.gpt import GPT, PRESETS, GPTConfig
+from nanochat.tokenizer import panics_as_errors, probe
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -68,14 +69,17 @@ def _find_in_cache(repo_id: str, cache: Path) -> Path | None:
     """The snapshot directory of `repo_id` in one cache: the revision refs/main points to if it
     is complete (has config.json), else the most recently modified snapshot that is.
 
-    refs/main must hold a commit hash (40 hex digits, as huggingface_hub writes it) and every
-    snapshot must resolve inside the cache's snapshots/ directory: a ref or a symlink that leads
-    elsewhere would load files from outside the cache, so it is an error naming the file."""
+    refs/main must hold a commit hash (40 hex digits, as huggingface_hub writes it), every
+    snapshot must resolve inside the cache's snapshots/ directory and every file of the chosen
+    one inside the model's cache folder (huggingface_hub links them to its blobs/): a ref or a
+    symlink that leads elsewhere would load files from outside the cache, so it is an error
+    naming the file."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshots = repo / "snapshots"
     if not snapshots.is_dir():
         return None
     ref = repo / "refs" / "main"
+    chosen = None
     if ref.is_file():
         rev = ref.read_text(encoding="utf-8", errors="replace").strip()
         if not re.fullmatch(r"[0-9a-f]{40}", rev):
@@ -83,17 +87,24 @@ def _find_in_cache(repo_id: str, cache: Path) -> Path | None:
                              f"huggingface_hub writes); delete {ref} or download {repo_id} again")
         main = _inside(snapshots / rev, snapshots)
         if (main / "config.json").is_file():
-            return main
-    complete = [_inside(s, snapshots) for s in snapshots.iterdir() if (s / "config.json").is_file()]
-    return max(complete, key=lambda s: s.stat().st_mtime) if complete else None
+            chosen = main
+    if chosen is None:
+        complete = [_inside(s, snapshots) for s in snapshots.iterdir() if (s / "config.json").is_file()]
+        if not complete:
+            return None
+        chosen = max(complete, key=lambda s: s.stat().st_mtime)
+    for entry in chosen.iterdir():
+        _inside(entry, repo)
+    return chosen
 
 
 def _inside(path: Path, root: Path) -> Path:
     """`path`, refused unless it stays inside `root` once symlinks and `..` are resolved."""
     real, real_root = path.resolve(), root.resolve()
     if not real.is_relative_to(real_root):
-        raise UsageError(f"Hugging Face cache snapshot {path} resolves to {real}, outside the cache "
-                         f"directory {real_root}; remove it and download the model again")
+        raise UsageError(f"Hugging Face cache entry {path} resolves to {real}, outside the cache folder "
+                         f"{real_root}, and nanochat reads only files inside the cache; remove it and download "
+                         "the model again")
     return path
 
 
@@ -386,6 +397,11 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 # ----------------------------------------------------------------------------- tokenizer
 
+# A checkpoint's regexes (a Split pre-tokenizer, a Replace normalizer) are tried on the probe
+# texts at load, as our own split pattern is (nanochat.tokenizer.probe).
+_REGEX_OWNER = "tokenizer.json (a regex of its normalizer or pre-tokenizer)"
+_RESTORE = "restore tokenizer.json from the model's source"
+
 # Files of a Hugging Face tokenizer that are copied as they are when saving or exporting.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -416,7 +432,8 @@ class HFTokenizer:
     exception: it is meant to contain special tokens, so `encode(..., allow_special=True)`.
     """
 
-    def __init__(self, files: dict[str, bytes]):
+    def __init__(self, files: dict[str, bytes], *, origin: str | None = None):
+        """`files`: name -> content; `origin`: the directory they came from, named in messages."""
         from tokenizers import Tokenizer as _Tokenizer  # a dependency of transformers
 
         if "tokenizer.json" not in files:
@@ -427,6 +444,7 @@ class HFTokenizer:
         except Exception as e:  # the tokenizers library raises its own Exception subclass
             raise UsageError(f"tokenizer.json is not a tokenizer the tokenizers library reads ({e}); "
                              "restore it from the model's source") from None
+        probe(_REGEX_OWNER, lambda text: self._tok.encode(text, add_special_tokens=False).ids, _RESTORE)
         try:
             self._config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -437,6 +455,11 @@ class HFTokenizer:
                              "expected an object; restore it from the model's source")
         self.chat_template: str | None = self._find_chat_template()
         """Jinja source of the checkpoint's chat template, or None if it has none."""
+        where = f"{origin}/" if origin else ""
+        self.chat_template_origin = (f"{where}chat_template.jinja" if "chat_template.jinja" in files
+                                     else f"{where}tokenizer_config.json (\"chat_template\")")
+        """Where chat_template came from, for messages: a file, or the flag that chose it."""
+        self._template = None  # compiled at the first render_chat
         h = hashlib.sha256()
         for name in sorted(files):
             h.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
@@ -462,7 +485,7 @@ class HFTokenizer:
                 "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
             )
         try:
-            return cls({n: (d / n).read_bytes() for n in _TOKENIZER_FILES if (d / n).is_file()})
+            return cls({n: (d / n).read_bytes() for n in _TOKENIZER_FILES if (d / n).is_file()}, origin=str(d))
         except UsageError as e:
             raise UsageError(f"{d}/{e}") from None  # the message starts with the file's name
 
@@ -473,17 +496,20 @@ class HFTokenizer:
             (d / name).write_bytes(data)
         return d
 
-    def with_chat_template(self, source: str) -> "HFTokenizer":
+    def with_chat_template(self, source: str, origin: str = "with_chat_template") -> "HFTokenizer":
         """This tokenizer with `source` (Jinja) as its chat template, written as
         chat_template.jinja (and removed from tokenizer_config.json, so only one template exists):
         the run's saved tokenizer and an export carry the template the model was trained with,
-        and the fingerprint, which keys the token caches, changes with it."""
+        and the fingerprint, which keys the token caches, changes with it. `origin` names the
+        source in messages (e.g. the --chat_template flag that chose it)."""
         files = dict(self._files)
         files["chat_template.jinja"] = source.encode("utf-8")
         if "chat_template" in self._config:
             config = {k: v for k, v in self._config.items() if k != "chat_template"}
             files["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        return HFTokenizer(files)
+        tokenizer = HFTokenizer(files)
+        tokenizer.chat_template_origin = origin
+        return tokenizer
 
     def has_token(self, token: str) -> bool:
         """Whether `token` is one token of the vocabulary (e.g. a template's <|im_start|>)."""
@@ -506,7 +532,8 @@ class HFTokenizer:
 
     def encode(self, text: str, *, prepend_bos: bool = False, allow_special: bool = False) -> list[int]:
         self._tok.encode_special_tokens = not allow_special
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        with panics_as_errors(_REGEX_OWNER, _RESTORE):
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         return [self.bos_id, *ids] if prepend_bos else ids
 
     def encode_batch(self, texts: list[str], *, prepend_bos: bool = False,
@@ -514,7 +541,8 @@ class HFTokenizer:
         """`encode` over many texts (the tokenizers library parallelizes on its own; num_threads
         is accepted for interface compatibility and ignored)."""
         self._tok.encode_special_tokens = True
-        batch = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        with panics_as_errors(_REGEX_OWNER, _RESTORE):
+            batch = [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
         return [[self.bos_id, *ids] for ids in batch] if prepend_bos else batch
 
     def decode(self, ids) -> str:
@@ -559,36 +587,16 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, **kwargs) -> str:
         """The checkpoint's chat template applied to `messages` ([{"role", "content"}, ...]),
-        as text; encode it with `encode(text, allow_special=True)`. Needs jinja2."""
+        as text, rendered in a bounded sandbox (nanochat.chat_template); encode it with
+        `encode(text, allow_special=True)`."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        return self._compiled_template().render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        if self._template is None:
+            from nanochat.chat_template import ChatTemplate
 
-    def _compiled_template(self):
-        """The template compiled once per tokenizer: compiling costs ~12 ms, rendering ~0.3 ms,
-        and instruction data renders every record several times (prefix by prefix)."""
-        if getattr(self, "_template", None) is not None:
-            return self._template
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:
-            raise ImportError("rendering a chat template needs jinja2: pip install jinja2") from None
-
-        def raise_exception(message):
-            raise ValueError(f"chat template: {message}")
-
-        def strftime_now(fmt):
-            import datetime
-            return datetime.datetime.now().strftime(fmt)
-
-        # trim_blocks/lstrip_blocks: the whitespace rules chat templates are written for.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-        env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(self.chat_template)
-        return self._template
+            self._template = ChatTemplate(self.chat_template, self.chat_template_origin)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
     def __repr__(self) -> str:
         return f"HFTokenizer(vocab_size={self.vocab_size}, fingerprint={self.fingerprint!r})"

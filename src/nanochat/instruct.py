@@ -339,6 +339,7 @@ def _with_template(tokenizer: Any, chat_template: str) -> Any:
         if chat_template == "plain" and tokenizer.eos_id is None:
             raise ValueError("the plain format ends every answer with the EOS token, and tokenizer_config.json "
                              "names no eos_token; add one, or pass a --chat_template .jinja file")
+        origin = f"{chat_template!r} (built in)"
     else:
         from pathlib import Path
 
@@ -346,8 +347,8 @@ def _with_template(tokenizer: Any, chat_template: str) -> Any:
         if not path.is_file():
             raise ValueError(f"--chat_template {chat_template!r} is neither a built-in template "
                              f"({', '.join(BUILTIN_TEMPLATES)}) nor an existing Jinja file")
-        source = path.read_text(encoding="utf-8")
-    return tokenizer.with_chat_template(source)
+        source, origin = path.read_text(encoding="utf-8"), str(path)
+    return tokenizer.with_chat_template(source, origin)
 
 
 # ------------------------------------------------------------ multiple choice
@@ -355,21 +356,22 @@ class ChoiceItem(NamedTuple):
     """One multiple-choice question as the model sees it."""
 
     prompt: list[int]
-    """Token ids up to the answer: the model's logits after the last one are compared."""
-    candidates: list[int]
-    """Token id of each option's letter at the answer position (A, B, ... in order)."""
+    """Token ids up to the answer, shared by every option."""
+    options: list[list[int]]
+    """Each option's answer tokens after the prompt (A, B, ... in order): one token per letter in
+    most vocabularies, more where a letter is split (` D` as ` `, `D`)."""
     answer: int
     """Index of the correct option."""
 
 
 def choice_items(tokenizer: Any, records: list[list[Message]], max_tokens: int | None = None) -> list[ChoiceItem]:
     """The multiple-choice records among `records` (others are skipped), each rendered once per
-    option letter as the answer. Rendering through `render` keeps the letter's token exactly as
-    training scores it (`B` after a chat header, ` B` after `Answer:` in the plain format). The
-    answer position is the first scored token at which the letters' renderings differ (a
-    vocabulary without a ` B` token spells it ` ` + `B`: the shared ` ` joins the prompt).
-    `max_tokens`: stop before the prompts would total more (the first question is always kept),
-    so an evaluation costs about what --eval_tokens says however large the split is."""
+    option letter as the answer. Rendering through `render` keeps the letter's tokens exactly as
+    training scores them (`B` after a chat header, ` B` after `Answer:` in the plain format). The
+    prompt is the tokens all renderings share; each option is what follows, up to the tokens
+    that close the answer in every rendering (EOS, <|end|>), which are the same for all options
+    and left out. `max_tokens`: stop before the prompts would total more (the first question is
+    always kept), so an evaluation costs about what --eval_tokens says however large the split is."""
     items, total = [], 0
     for messages in records:
         asked = next((i for i, m in enumerate(messages) if "choices" in m), None)
@@ -380,16 +382,19 @@ def choice_items(tokenizer: Any, records: list[list[Message]], max_tokens: int |
         for letter in letters:
             ids, mask = render(tokenizer, [*messages[:asked + 1], {"role": "assistant", "content": letter}])
             rendered.append(ids[:len(mask) - mask[::-1].index(True)])  # through the last scored token
-        start = mask.index(True)
-        at = start
-        while all(at < len(r) for r in rendered) and len({r[at] for r in rendered}) == 1:
-            at += 1
-        if any(r[:start] != rendered[0][:start] for r in rendered) or any(at >= len(r) for r in rendered) \
-                or len({r[at] for r in rendered}) != len(letters):
-            raise ValueError(f"the option letters {letters} do not render as one distinct token each after "
-                             "the same prompt, so their logits cannot be compared (check the chat template)")
+        at = _shared_length(rendered)
+        if len({tuple(r) for r in rendered}) != len(letters) or any(len(r) == at for r in rendered):
+            raise ValueError(f"the option letters {letters} do not render to distinct tokens after a shared "
+                             "prompt, so the options cannot be told apart (check the chat template)")
+        # the closing tokens every rendering ends with, keeping at least one token per option
+        tail = min(_shared_length([r[::-1] for r in rendered]), min(len(r) for r in rendered) - at - 1)
         total += at
         if items and max_tokens is not None and total > max_tokens:
             break
-        items.append(ChoiceItem(rendered[0][:at], [r[at] for r in rendered], letters.index(key)))
+        items.append(ChoiceItem(rendered[0][:at], [r[at:len(r) - tail] for r in rendered], letters.index(key)))
     return items
+
+
+def _shared_length(seqs: list[list[int]]) -> int:
+    """Length of the longest prefix all of `seqs` have."""
+    return next((k for k, column in enumerate(zip(*seqs)) if len(set(column)) > 1), min(len(s) for s in seqs))

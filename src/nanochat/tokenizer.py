@@ -10,7 +10,10 @@ vocabulary on the default corpus in ~1.5 s on 2 CPU cores), tiktoken encodes (a 
 encoder from the learned ranks, which cannot train).
 
 The split pattern is GPT-4's with digits grouped in runs of at most two (`\\p{N}{1,2}`), so a
-small vocabulary does not spend its merges on 1,110 digit groups in number-heavy text.
+small vocabulary does not spend its merges on 1,110 digit groups in number-heavy text. A saved
+tokenizer's pattern is data, so it is tried on PROBE_TEXTS before use: one whose backtracking
+runs away, which the regex engine's limit turns into a Rust panic mid-corpus, or that skips
+text, is an error at load; a panic on real text is caught at encode and said in one line.
 
 Special tokens follow the learned vocabulary: `<|bos|>` starts every document and three chat
 markers are reserved (the smallest vocabulary is 256 + 4 = 260). Text that merely contains
@@ -24,9 +27,11 @@ edited file is an error. The reasons and the measurements in full: docs/tokenize
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -42,6 +47,16 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|"""
     r"""\s*[\r\n]|\s+(?!\S)|\s+"""
 )
+
+# Runs of 256 of one character and of two alternating, over the classes split patterns tell
+# apart (letters of three scripts, digits, spaces, newlines, tabs, punctuation, the apostrophe of
+# contractions): the shapes on which a pattern with nested repetition, e.g. (\w+\s?)+, backtracks
+# without end (a long word, a line of dashes, indentation). 256 is long enough that a cubic one
+# goes over the engines' limits as well as an exponential one: 256^3 = 16.8M steps, above
+# fancy_regex's 1M backtracking steps (tiktoken) and Oniguruma's 10M retries (tokenizers).
+_PROBE_CHARS = "aé日1 \n\t.'"
+PROBE_TEXTS = tuple(c * 256 for c in _PROBE_CHARS) + tuple(
+    (a + b) * 128 for a in _PROBE_CHARS for b in _PROBE_CHARS if a != b)
 
 BOS = "<|bos|>"
 SPECIAL_TOKENS = (BOS, "<|user_start|>", "<|assistant_start|>", "<|end|>")
@@ -74,6 +89,11 @@ class Tokenizer:
             name="nanochat", pat_str=pattern, mergeable_ranks=self.mergeable_ranks,
             special_tokens=self.special_tokens,
         )
+        self._pattern_name = f"the split pattern {_preview(pattern)}"
+        for text, ids in probe(self._pattern_name, self._enc.encode_ordinary):
+            if self.decode(ids) != text:
+                raise ValueError(f"{self._pattern_name} skips part of {_preview(text, 20)} ({len(text)} characters), "
+                                 "so encoding would silently drop text; a split pattern must match every character")
         self.fingerprint = self._compute_fingerprint()
         """16 hex digits of sha256 over pattern, ranks and specials: keys caches, checks resumes."""
 
@@ -107,13 +127,15 @@ class Tokenizer:
         Lone surrogates (e.g. "\\ud800" from a broken JSON escape) have no UTF-8 form; tiktoken
         encodes them as U+FFFD, so they are the one input that does not round-trip.
         """
-        ids = self._enc.encode_ordinary(text)
+        with panics_as_errors(self._pattern_name, RETRAIN):
+            ids = self._enc.encode_ordinary(text)
         return [self.bos_id, *ids] if prepend_bos else ids
 
     def encode_batch(self, texts: list[str], *, prepend_bos: bool = False,
                      num_threads: int | None = None) -> list[list[int]]:
         """`encode` over many texts with tiktoken's thread pool (its Rust core drops the GIL)."""
-        batch = self._enc.encode_ordinary_batch(list(texts), num_threads=num_threads or os.cpu_count() or 1)
+        with panics_as_errors(self._pattern_name, RETRAIN):
+            batch = self._enc.encode_ordinary_batch(list(texts), num_threads=num_threads or os.cpu_count() or 1)
         if prepend_bos:
             batch = [[self.bos_id, *ids] for ids in batch]
         return batch
@@ -234,3 +256,70 @@ def take_chars(texts: Iterable[str], max_chars: int) -> Iterator[str]:
             return
         yield text[:left]
         left -= len(text)
+
+
+# ------------------------------------------------------------------ patterns from files
+RETRAIN = "retrain the tokenizer with scripts/tok_train.py (it writes the default pattern)"
+_RUNAWAY = "catastrophic backtracking, a repetition of something that itself repeats, such as (\\w+\\s?)+"
+
+
+def _is_rust_panic(e: BaseException) -> bool:
+    """A panic inside a Rust extension (tiktoken, tokenizers), raised by pyo3 as its
+    PanicException: a BaseException, so `except Exception` and the CLI's error handler miss it.
+    Each extension has its own class of that name."""
+    return type(e).__name__ == "PanicException"
+
+
+@contextlib.contextmanager
+def panics_as_errors(what: str, fix: str):
+    """A Rust panic inside the block (a regex over its backtracking limit) becomes a UsageError
+    naming `what` (whose regex) and `fix`. The library has printed the panic's own message on
+    stderr by then; `probe` is what keeps that from happening on real text."""
+    try:
+        yield
+    except BaseException as e:
+        if not _is_rust_panic(e):
+            raise
+        raise UsageError(f"{what} made the tokenizer library give up on a text ({' '.join(str(e).split())}): "
+                         f"{_RUNAWAY}; {fix}") from None
+
+
+def probe(what: str, encode, fix: str | None = None) -> list[tuple[str, list[int]]]:
+    """(text, encode(text)) for each of PROBE_TEXTS; a UsageError naming `what` (whose regex),
+    the text and `fix` if the tokenizer library panics on one. stderr is silenced meanwhile (file
+    descriptor 2, where the Rust panic handler writes its message and backtrace before Python
+    sees the exception)."""
+    text, out = "", []
+    try:
+        with _silenced_stderr():
+            for text in PROBE_TEXTS:
+                out.append((text, encode(text)))
+    except BaseException as e:
+        if not _is_rust_panic(e):
+            raise
+        raise UsageError(f"{what} exceeds the regex engine's backtracking limit on {_preview(text, 20)} "
+                         f"({len(text)} characters): {_RUNAWAY}" + (f"; {fix}" if fix else "")) from None
+    return out
+
+
+@contextlib.contextmanager
+def _silenced_stderr():
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no file descriptor 2 at all: nothing to silence
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _preview(text: str, limit: int = 80) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."

@@ -64,7 +64,7 @@ from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
 from nanochat.gpt import GPT, PRESETS, preset_config
-from nanochat.evaluation import choice_counts
+from nanochat.evaluation import choice_counts, describe_scoring
 from nanochat.hf import HFTokenizer, gpt_config_from_hf, load_hf_model, resolve_model
 from nanochat.tokenizer import Tokenizer
 
@@ -130,8 +130,13 @@ class TrainResult:
     """How the run was spread over processes: none, or ddp/fsdp x world size (backend), with FP8
     all-gather on/off and why."""
     val_accuracy: float | None = None
-    """Multiple-choice accuracy on the validation records at the end (the correct letter's logit
-    against the other options' letters); None when there are no multiple-choice records."""
+    """Multiple-choice accuracy on the validation records at the end: the prediction is the option
+    whose answer tokens have the highest log-likelihood (nanochat.evaluation); None when there are
+    no multiple-choice records."""
+    accuracy_scoring: str | None = None
+    """How val_accuracy scored the options: "option log-likelihood (1 token per option)", which is
+    the letters' logits compared, or e.g. "(1-2 tokens per option)" where some letter takes two
+    tokens. None without multiple-choice records."""
     state_bytes_per_param: float = 0.0
     """Training state per parameter, measured from the live tensors after the first optimizer
     step: weights + gradients (all of them before the step; the largest one alive at a time with
@@ -295,6 +300,7 @@ class NanoChatTrainer:
                  if self.corpus.kind == "instruct" else [])
         self.num_choice_items = len(items)
         self.choice_items = items[self.dist.rank::self.dist.world_size]
+        self.accuracy_scoring = describe_scoring(items) if items else None
         self.token_bytes = self.tokenizer.token_bytes().to(self.device)
         self.loader = TokenBatches(
             self.train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
@@ -1027,8 +1033,8 @@ class NanoChatTrainer:
         if start_step == 0 and (self.num_choice_items or cfg.init_from):  # the starting point fine-tuning improves on
             val_loss0, val_bpb0, val_accuracy = self._evaluate_all()
             self._log({"step": 0, "val_loss": val_loss0, "val_bpb": val_bpb0, "val_accuracy": val_accuracy})
-            acc = (f", val accuracy {val_accuracy:.4f} ({self.num_choice_items} questions)"
-                   if val_accuracy is not None else "")
+            acc = (f", val accuracy {val_accuracy:.4f} ({self.num_choice_items} questions, "
+                   f"{self.accuracy_scoring})" if val_accuracy is not None else "")
             print0(f"step 0: val loss {val_loss0:.4f}{acc}")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
@@ -1115,6 +1121,7 @@ class NanoChatTrainer:
             fp8_measure_time_s=report.measure_time_s if report is not None else 0.0,
             fp8_choices=self.fp8.choices,
             fp8_stats=fp8_stats,
+            accuracy_scoring=self.accuracy_scoring,
             samples=self.sample(cfg.num_samples) if cfg.num_samples else [],
             run_dir=str(self.run_dir),
             parallel=self.parallel,
