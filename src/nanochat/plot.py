@@ -373,7 +373,7 @@ def _common_prefix(labels: list[str]) -> str:
     return ".".join(parts[0][:n])
 
 
-def drawn_by_plot_run(path: str | os.PathLike) -> bool:
+def _drawn_by_plot_run(path: str | os.PathLike) -> bool:
     """Whether `path` is a PNG this module wrote (its Software field; PIL comes with matplotlib)."""
     from PIL import Image
 
@@ -407,7 +407,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *
         raise UsageError(f"--out {out} is a directory; give a file name, e.g. {out / 'run.png'}")
     # A picture plot_run drew is redrawn from the run's files, which is what running it again is
     # for; anything else at `out` may be someone's file, so replacing it takes --overwrite.
-    if out.exists() and not overwrite and not drawn_by_plot_run(out):
+    if out.exists() and not overwrite and not _drawn_by_plot_run(out):
         raise UsageError(f"{out} exists and plot_run did not draw it; pass --overwrite to replace it, or "
                          "choose another --out")
     fig = draw(read_run(run_dir, tokens_per_step=tokens_per_step, max_rows=max_rows))
