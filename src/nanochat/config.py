@@ -30,6 +30,7 @@ from typing import Annotated, Literal, TypeVar
 import tyro
 
 from nanochat.fp8.config import FP8Config, FP8Recipe
+from nanochat.plot import MAX_ROWS
 
 FP8_FLAGS = {
     "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "layers": "fp8_layers", "emulate": "fp8_emulate",
@@ -398,6 +399,32 @@ class EvalConfig:
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
         _positive(self, "seq_len", "batch_size", "eval_tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlotConfig:
+    """Draw a training run: loss and validation bpb against tokens, tokens/s, MFU and the FP8
+    health map (underflow and saturation per layer and statistics step). `scripts/plot_run.py`."""
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """A training run directory (base_train's --run_dir): its metrics.jsonl, result.json and checkpoint."""
+
+    out: str | None = None
+    """The PNG to write. Default: RUN_DIR/run.png."""
+
+    overwrite: bool = False
+    """Replace --out even when it is a file plot_run did not draw (a picture it drew is always redrawn)."""
+
+    max_rows: int = MAX_ROWS
+    """Rows of the FP8 health map before layers are grouped (each Linear over a range of blocks)."""
+
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
+    def __post_init__(self) -> None:
+        _normalize_paths(self, "run_dir", "out")
+        _check_types(self)
+        _positive(self, "max_rows")
 
 
 ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck", "bf16", "bf16_sr", "bf16_split"]
