@@ -47,8 +47,8 @@ LLAMA = [f"model.layers.{b}.{k}" for b in range(32) for k in KINDS]  # Llama-3-8
 def fp8_run(small_corpus, tmp_path_factory) -> Path:
     """A real d2 FP8 run (emulated): statistics every 2 steps, validation every 3."""
     run_dir = tmp_path_factory.mktemp("plot") / "fp8"
-    NanoChatTrainer(**tiny_train_kwargs(small_corpus, run_dir, num_iterations=6, fp8=True, fp8_emulate=True, fp8_layers="all",
-                                        fp8_stats_every=2, eval_every=3, num_samples=0)).train()
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, run_dir, num_iterations=6, fp8=True, fp8_emulate=True,
+                                        fp8_layers="all", fp8_stats_every=2, eval_every=3, num_samples=0)).train()
     return run_dir
 
 
