@@ -511,6 +511,8 @@ class NanoChatTrainer:
             for r in self.corpus.val_records[:cfg.num_samples]:
                 instruct.generation_prompt(self.tokenizer, r)
         self._prepare_run_dir()
+        if not cfg.save_checkpoints:
+            return
         # room for one more checkpoint: the new one is complete before older ones are deleted
         need = sum(distributed.local_numel(t) * t.element_size() for t in self.model.state_dict().values()
                    if isinstance(t, torch.Tensor)) + self.optimizer_state_bytes
@@ -595,6 +597,8 @@ class NanoChatTrainer:
                           f"{' on each rank' if self.dist.is_distributed else ''} "
                           f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
         ]
+        if not cfg.save_checkpoints:
+            rows.append(["checkpoints", "none (--no_save_checkpoints): this run cannot be resumed or exported"])
         if self.fp8.report is not None:
             rows.append(["fp8", flag_text(self.fp8.report.summary())])
         print0(format_table(["run", ""], rows))
@@ -1046,7 +1050,8 @@ class NanoChatTrainer:
 
             done = step + 1
             is_last = done == self.total_steps
-            if is_last:  # before the final evaluation: an error there must not lose the trained weights
+            # before the final evaluation: an error there must not lose the trained weights
+            if is_last and cfg.save_checkpoints:
                 self._save(done, record)
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 val_loss, val_bpb, val_accuracy = self._evaluate_all()
@@ -1059,7 +1064,7 @@ class NanoChatTrainer:
             self._log(record)
             if cfg.fp8 and int(self.loader.epoch) > epoch_before and not is_last:
                 self._fp8_summary(f"epoch {int(self.loader.epoch)}")
-            if cfg.save_every and done % cfg.save_every == 0 and not is_last:
+            if cfg.save_checkpoints and cfg.save_every and done % cfg.save_every == 0 and not is_last:
                 self._save(done)
         bar.close()
         self.fp8.finish()  # a calibration the run did not complete keeps the hybrid (recorded)
