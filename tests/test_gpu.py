@@ -113,7 +113,8 @@ def test_native_fp8_gemms_match_emulation(mode, recipe):
             "against bf16")
 
 
-@pytest.mark.parametrize("a,b", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)])
+@pytest.mark.parametrize("a,b", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3), (E5M2, E5M2)],
+                         ids=["e4m3-e4m3", "e4m3-e5m2", "e5m2-e4m3", "e5m2-e5m2"])
 def test_scaled_mm_runs_exactly_the_pairs_nanochat_allows(a, b):
     # the forward GEMM input @ weight_t with these operands; e4m3 gradients keep the other two legal
     problem = native_gemm_problem({"input": a, "weight": b, "grad_output": E4M3}, recipe="tensorwise")
