@@ -81,7 +81,8 @@ class BenchFP8LinearConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in PRESETS and m not in SEED_MODELS]
         if unknown:
-            raise ValueError(f"--models {' '.join(unknown)}: unknown; choose among {', '.join([*PRESETS, *SEED_MODELS])}")
+            known = ", ".join([*PRESETS, *SEED_MODELS])
+            raise ValueError(f"--models {' '.join(unknown)}: unknown; choose among {known}")
         if any(t < 16 or t % 16 for t in self.shape_tokens):
             raise ValueError(f"--shape_tokens must be multiples of 16 (FP8 GEMM rows), got {self.shape_tokens}")
 

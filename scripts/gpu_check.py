@@ -119,9 +119,10 @@ ESTIMATES_S = {
     "shape": 15,  # the shapes job runs --shapes_budget_s plus the shape started last: 3 compiles of a few
     # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
     "model/bf16": 35,  # compile 20 s, the tokenizer (BPE on the stdlib, first run only) ~10 s, 20 steps 1 s
-    "model/fp8": 70,  # compile 59 s with every Linear in FP8 (faster converts fewer: less), profiled steps
+    "model/fp8": 80,  # compile 59 s with every Linear in FP8 (faster converts fewer: less), profiled steps;
+    # --fp8_layers faster first times each distinct shape once (~10 s for d12's three, then cached)
     "big/bf16": 60,  # compile scales with the graph: 20.4 s x 26/12 layers ~ 45 s; 20 steps of 16k tokens ~4 s
-    "big/fp8": 140,  # 58.7 s x 26/12 ~ 127 s (the FP8 casts of every converted Linear are traced)
+    "big/fp8": 150,  # 58.7 s x 26/12 ~ 127 s (the FP8 casts of every converted Linear are traced), shapes ~10 s
     "optim": 40,  # 4 optimizers: state creation, one compile per level, 10 steps over 537M parameters
     "stats": 45,  # the d12 FP8 run again, its compile now from inductor's cache (~20 s); 201 steps of 53 ms
     "scope": 120,  # d12 bf16 and FP8 compiled per block: 10 + 21 s compile (run 1)
@@ -250,8 +251,9 @@ def trainer_kwargs(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, 
 
 
 def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -> tuple[Any, dict]:
-    """One NanoChatTrainer run: the trainer (for more steps) and its figures, graph breaks,
-    recompile reasons and peak memory."""
+    """One NanoChatTrainer run: the trainer (for more steps) and its figures: TrainResult's
+    fields (the layer lists as counts, without samples and statistics), graph breaks, recompile
+    reasons and peak memory."""
     from torch._dynamo.utils import counters
 
     from nanochat.trainer import NanoChatTrainer
@@ -263,14 +265,11 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -
     trainer = NanoChatTrainer(**trainer_kwargs(cfg, name, model, batch_size, **over))
     with recompiles:
         r = trainer.train()
-    figures = dict(
-        settings=over, model=model, batch_size=batch_size, tokens_per_sec=r.tokens_per_sec, mfu=r.mfu,
-        mfu_fp8=r.mfu_fp8, flops_per_token=r.flops_per_token, peak_tflops=r.peak_tflops,
-        compile_time_s=r.compile_time_s, wall_time_s=r.wall_time_s, train_loss=r.train_loss, val_loss=r.val_loss,
-        fp8_backend=r.fp8_backend, fp8_converted_layers=len(r.fp8_converted), fallbacks=r.fallbacks,
-        optimizer_state_bytes=r.optimizer_state_bytes, num_params=r.num_params,
-        state_bytes_per_param=r.state_bytes_per_param, state_bytes=r.state_bytes, peak_gib=peak_gib(device),
-        recompile_reasons=recompiles.reasons[:3], **graph_breaks())
+    bulky = ("samples", "fp8_stats", "fp8_converted", "fp8_skipped")
+    figures = {k: v for k, v in r.to_dict().items() if k not in bulky}
+    figures.update(settings=over, model=model, batch_size=batch_size, fp8_converted_layers=len(r.fp8_converted),
+                   fp8_skipped_layers=len(r.fp8_skipped), peak_gib=peak_gib(device),
+                   recompile_reasons=recompiles.reasons[:3], **graph_breaks())
     return trainer, figures
 
 
@@ -354,11 +353,10 @@ def run_pytest(args: list[str], out_dir: Path, name: str, timeout_s: float) -> d
                 proc.kill()
                 returncode = proc.wait()
     lines = log.read_text(errors="replace").strip().splitlines()
-    out: dict[str, Any] = {"returncode": returncode, "timed_out": timed_out,
-                           "summary": lines[-1].strip("= ") if lines else "",
-                           "interrupted_at": next((line for line in lines if line.endswith(": KeyboardInterrupt")), None),
-                           "log": str(log), "junit": str(junit) if junit.is_file() else None,
-                           "outcomes": {}, "failures": {}}
+    out: dict[str, Any] = {
+        "returncode": returncode, "timed_out": timed_out, "summary": lines[-1].strip("= ") if lines else "",
+        "interrupted_at": next((line for line in lines if line.endswith(": KeyboardInterrupt")), None),
+        "log": str(log), "junit": str(junit) if junit.is_file() else None, "outcomes": {}, "failures": {}}
     if junit.is_file():
         for case in ET.parse(junit).getroot().iter("testcase"):
             test = case.get("name")

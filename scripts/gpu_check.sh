@@ -40,5 +40,6 @@ fi
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
 # TERM first (gpu_check.py records the measurement it cuts short), KILL 15 s later
-timeout -k 15 "${LIMIT_S:-525}" "$PY" scripts/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout -k 15 "${LIMIT_S:-525}" "$PY" scripts/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 \
+  | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"
