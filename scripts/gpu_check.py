@@ -14,8 +14,8 @@ Jobs, in priority order:
           --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
   train   --model (d12) and --big_model (d26), bf16 vs FP8 with --fp8_layers faster (the
           default), then with all: tokens/s, MFU, compile time, graph breaks, recompile reasons,
-          peak memory; one profiled FP8 step at d12 (its GEMM kernels, torch._scaled_mm calls,
-          device reads);
+          peak memory; one profiled step of d12's run with every Linear in FP8 (its GEMM kernels,
+          torch._scaled_mm calls, device reads);
   optim   fused AdamW vs FP8Optim's multi-tensor step, levels 0/1/2, on --opt_tensors x
           --opt_dim^2 fp32 parameters: step time, peak memory, backend, fallbacks;
   stats   what FP8 statistics cost: tokens/s over one --fp8_stats_every period with its sampled
@@ -416,7 +416,8 @@ def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
     """bf16 vs FP8 `faster` at --model, then at --big_model, then FP8 `all` at both: the default
-    policy's comparison first. The FP8 `faster` run at --model adds one profiled step."""
+    policy's comparison first. --model's run with every eligible Linear in FP8 adds one profiled
+    step (`all`; `faster` where TrainConfig has no policy field and converts them all)."""
     device = device_of(cfg)
     models = {cfg.model: ("model", cfg.batch_size)}
     models.setdefault(cfg.big_model, ("big", cfg.big_batch_size))  # the dry run's two are one preset
@@ -431,16 +432,17 @@ def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
             return figures
         return go
 
+    policy = bool(fp8_layers("all"))
     for model, (role, _) in models.items():
         findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], run(model, "bf16"))
-        findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"],
-                         run(model, "fp8_faster", profile=role == "model", fp8=True, **fp8_layers("faster")))
-    if not fp8_layers("all"):
+        findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"], run(
+            model, "fp8_faster", profile=role == "model" and not policy, fp8=True, **fp8_layers("faster")))
+    if not policy:
         print("[gpu_check] train: no fp8_layers field in TrainConfig, so `all` would repeat `faster`: not run")
         return
     for model, (role, _) in models.items():
         findings.measure(f"train/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8"],
-                         run(model, "fp8_all", fp8=True, **fp8_layers("all")))
+                         run(model, "fp8_all", profile=role == "model", fp8=True, **fp8_layers("all")))
 
 
 def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:

@@ -57,15 +57,18 @@ def test_dry_run_runs_every_job_and_reports_figures(dry_run):
     assert report["errors"] == {} and report["skipped_for_time"] == []
     assert set(report["results"]) == {"env", "tests", "shapes", "train", "optim", "stats"}
     runs = report["results"]["train"]["d2"]
-    for kind in ("bf16", "fp8_faster"):
+    for kind in runs:
         r = runs[kind]
         assert r["tokens_per_sec"] > 0 and r["compile_time_s"] > 0 and math.isfinite(r["val_loss"])
         assert r["mfu"] is None and r["flops_per_token"] > 0  # no listed peak for a CPU
         assert r["graph_breaks"] >= 0 and r["peak_gib"] is None  # no CUDA memory figures on the CPU
-    fp8 = runs["fp8_faster"]
-    assert fp8["fp8_backend"] == "emulated" and fp8["fallbacks"] == [] and fp8["fp8_converted_layers"] > 0
+    assert set(runs) <= {"bf16", "fp8_faster", "fp8_all"} and {"bf16", "fp8_faster"} <= set(runs)
+    # every Linear in FP8: `all`, or `faster` where TrainConfig has no fp8_layers (it converts them all)
+    fp8 = runs.get("fp8_all", runs["fp8_faster"])
+    assert fp8["fp8_backend"] == "emulated" and fp8["fallbacks"] == []
+    assert fp8["fp8_converted_layers"] == 12  # d2: 2 blocks x 6 Linears (lm_head stays in high precision)
     assert fp8["device_reads_in_step"] == 1  # the trainer's one read per steady-state step
-    for kind in ("bf16", "fp8_faster"):  # --no_save_checkpoints: the run's files, no checkpoint
+    for kind in runs:  # --no_save_checkpoints: the run's files, no checkpoint
         assert (out / "runs" / f"d2-{kind}" / "result.json").is_file()
         assert not list((out / "runs" / f"d2-{kind}").glob("checkpoint*"))
     assert report["results"]["env"]["fp8"]["tensorwise"]["backend"] == "emulated"
