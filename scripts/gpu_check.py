@@ -115,7 +115,7 @@ DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_l
 # env, optim and the 17 GPU tests took <= 105 s together) and the reasoning beside each figure.
 ESTIMATES_S = {
     "env": 5,
-    "tests": 75,  # ~60 s in run 1, plus six tests, four of them compiling a small MLP (~4 s each)
+    "tests": 75,  # ~60 s for 17 in run 1; 5 more: 3 instant _scaled_mm calls, 2 compiling a small MLP (~4 s)
     "shape": 15,  # the shapes job runs --shapes_budget_s plus the shape started last: 3 compiles of a few
     # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
     "model/bf16": 35,  # compile 20 s, the tokenizer (BPE on the stdlib, first run only) ~10 s, 20 steps 1 s

@@ -12,10 +12,12 @@ against what the GPU run must produce:
 - optim: every level against fused AdamW with FP8Optim's state bytes (8, 1 + 4/256 + 4,
   2 * (1 + 4/256) per parameter);
 - stats: tokens/s over one statistics period, with and without its sampled step.
-And, each against a reference: pytest interrupted by the time limit keeps its log and the
-outcomes and failure texts of the tests that finished (junit), and names where it stopped; the
-shapes job's Llama shapes are Meta-Llama-3-8B's published ones; the wrapper refuses, with exit
-4, an interpreter on which torchao does not import.
+And, each against a reference: stopped by the wrapper's time limit, the check exits 124 with a
+whole JSON that names the measurement it cut and keeps every one that finished; pytest
+interrupted by its timeout keeps its log and the outcomes and failure texts of the tests that
+finished (junit), and names where it stopped; the shapes job's Llama shapes are
+Meta-Llama-3-8B's published ones; the wrapper refuses, with exit 4, an interpreter on which
+torchao does not import.
 """
 
 from __future__ import annotations
@@ -106,6 +108,21 @@ def test_dry_run_measures_a_statistics_period(dry_run):
     assert stats["period"] == 200 and stats["fp8_converted_layers"] > 0
     assert 0 < stats["tokens_per_sec_with_stats"] and 0 < stats["tokens_per_sec_without"]
     assert stats["sampled_step_s"] > 0 and math.isfinite(stats["overhead_pct"])
+
+
+def test_time_limit_stops_the_check_and_keeps_what_finished(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, NANOCHAT_CACHE=str(tmp_path / "cache"),
+               LIMIT_S="30")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry_run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 124 and "stopped by the time limit" in proc.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())  # whole: written atomically
+    cut = [key for key, error in report["errors"].items() if error.startswith("stopped by the time limit")]
+    assert report["errors"].keys() == set(cut) and len(cut) == 1 and "env" in report["results"]
+    for key in set(report["durations_s"]) - set(cut):  # every measurement that finished is there
+        node = report["results"]
+        for part in key.split("/"):
+            node = node[part]
 
 
 def test_pytest_stopped_by_the_time_limit_keeps_what_ran(tmp_path):
