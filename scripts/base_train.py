@@ -30,6 +30,9 @@ def train(cfg: TrainConfig) -> int:
            f"({result.epochs:.3f} epochs) in {result.wall_time_s:.0f} s"
            + (f" | compile time {result.compile_time_s:.1f} s" if result.compile_time_s else "")
            + (f" | fp8 layer timing {result.fp8_measure_time_s:.1f} s" if result.fp8_measure_time_s else ""))
+    if result.mfu is not None:
+        print0(f"MFU {result.mfu:.1%} of the dense bf16 peak ({result.peak_tflops:g} TFLOP/s per GPU)"
+               + (f", {result.mfu_fp8:.1%} of the dense FP8 peak" if result.mfu_fp8 is not None else ""))
     if result.val_accuracy is not None:
         print0(f"val accuracy {result.val_accuracy:.4f} (multiple choice, {result.accuracy_scoring})")
     if result.peak_memory_bytes is not None:

@@ -1,29 +1,34 @@
 """GPU check: nanochat's default training path on one CUDA GPU with FP8 tensor cores (sm_89+).
 
-    bash scripts/gpu_check.sh                 # ~8 minutes; figures in $OUT/gpu_check.json
+    bash scripts/gpu_check.sh                 # at most 9 minutes; figures in $OUT/gpu_check.json
     .venv/bin/python scripts/gpu_check.py --dry_run    # the same jobs at toy sizes on the CPU
 
-Every job runs what a user runs: `NanoChatTrainer` with its defaults (the whole model compiled,
-bf16 autocast over fp32 master weights), on this Python's standard-library sources with a
-BPE tokenizer trained on the fly (cached after the first job). Jobs, in priority order:
-  env       torch / torchao / GPU, and what nanochat.fp8.detect decides for each recipe;
-  bf16      d12 without FP8: tokens/s, compile time, graph breaks, recompile reasons, peak memory;
-  fp8       the same with --fp8 (e4m3, tensorwise), then one profiled step: the GEMM kernels that
-            ran and the calls of torch._scaled_mm (proof that FP8 GEMMs run), device reads in the step;
-  optim     fused AdamW vs FP8Optim levels 0/1/2 on --opt_tensors x --opt_dim^2 fp32 parameters:
-            step time, peak memory, the step's backend and fallbacks;
-  opt_levels d12 --fp8 at --fp8_opt_level 1 and 2: tokens/s and peak memory of whole steps;
-  scope     d12 bf16 and FP8 compiled per block (--compile_scope blocks): compile time and
-            tokens/s against the whole-model default;
-  big       --big_model (d26) bf16 vs FP8: the speedup at a size where GEMMs dominate;
-  tests     `pytest -m gpu tests/test_gpu.py`.
-Each job has an estimate (ESTIMATES_S, seconds on an H100/H200 class GPU, compile included); one
-that does not fit what is left of --budget_s is skipped and listed. The JSON is rewritten after
-each job, so a run stopped at any point keeps what finished.
+Training runs are what a user runs: `NanoChatTrainer` with its defaults (the whole model
+compiled, bf16 autocast over fp32 master weights), no checkpoints, on this Python's
+standard-library sources with a BPE tokenizer trained on the fly (cached after the first run).
+Jobs, in priority order:
+  env     torch / torchao / GPU, what nanochat.fp8.detect decides per recipe, the MFU peak;
+  tests   `pytest -m gpu tests/test_gpu.py`: each test's outcome and full failure text (junit
+          XML, the whole log in $OUT), kept when the time limit interrupts pytest;
+  shapes  scripts/bench_fp8_linear.py: bf16 vs FP8 tensorwise and rowwise per Linear shape of
+          --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
+  train   --model (d12) and --big_model (d26), bf16 vs FP8 with --fp8_layers faster (the
+          default), then with all: tokens/s, MFU, compile time, graph breaks, recompile reasons,
+          peak memory; one profiled step of d12's run with every Linear in FP8 (its GEMM kernels,
+          torch._scaled_mm calls, device reads);
+  optim   fused AdamW vs FP8Optim's multi-tensor step, levels 0/1/2, on --opt_tensors x
+          --opt_dim^2 fp32 parameters: step time, peak memory, backend, fallbacks;
+  stats   what FP8 statistics cost: tokens/s over one --fp8_stats_every period with its sampled
+          step against the same steps without it (goal: <= 2%).
+Also on request: scope (--compile_scope blocks against model), opt_levels, master.
+Each measurement has an estimate (ESTIMATES_S); one that does not fit what is left of --budget_s
+is skipped and listed. The JSON is rewritten after every measurement (each shape included), so
+a run stopped at any point keeps what finished; gpu_check.sh stops it at 9 minutes.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import json
@@ -31,12 +36,14 @@ import logging
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -51,44 +58,150 @@ class GPUCheckConfig:
     """Flags of scripts/gpu_check.py; --dry_run swaps in toy sizes (DRY_RUN)."""
 
     out: str = ".cache/gpu_check/gpu_check.json"
-    """The JSON file, rewritten after every job."""
+    """The JSON file, rewritten after every measurement; the tests' log and junit XML go next to it."""
     dry_run: bool = False
     """Rehearse on the CPU: toy sizes, FP8 emulated; the figures mean nothing, the schema is the GPU run's."""
-    budget_s: float = 420.0
-    """Seconds for all jobs; a job whose estimate does not fit what is left is skipped."""
-    jobs: tuple[str, ...] = ("env", "bf16", "fp8", "optim", "opt_levels", "scope", "big", "tests", "master")
+    budget_s: float = 510.0
+    """Seconds for all measurements: one whose estimate does not fit what is left is skipped.
+    gpu_check.sh stops the process at 525 s whatever happens (9 minutes with its own start)."""
+    jobs: tuple[str, ...] = ("env", "tests", "shapes", "train", "optim", "stats")
     """Jobs to run, in this order."""
     model: str = "d12"
-    """Preset of the bf16 / fp8 / opt_levels / scope jobs."""
+    """Preset of the train job's first model and of the stats job."""
     big_model: str = "d26"
-    """Preset of the big job."""
+    """Preset of the train job's second model."""
     batch_size: int = 16
-    """Sequences per step of the d12 jobs."""
+    """Sequences per step of --model's runs."""
     big_batch_size: int = 8
-    """Sequences per step of the big job."""
+    """Sequences per step of --big_model's runs."""
     seq_len: int = 2048
-    """Tokens per sequence of every training job."""
+    """Tokens per sequence of every training run."""
     vocab_size: int = 8192
-    """BPE vocabulary trained on the stdlib for the training jobs (cached after the first)."""
+    """BPE vocabulary trained on the stdlib for the training runs (cached after the first)."""
     steps: int = 20
-    """Training steps per job (the compiling step is not in tokens/s)."""
+    """Training steps per run (the compiling step is not in tokens/s)."""
+    shape_models: tuple[str, ...] = ("llama3-8b", "d26", "d20", "d12")
+    """Models whose Linear shapes the shapes job times, in priority order."""
+    shape_tokens: tuple[int, ...] = (8192, 32768)
+    """Rows of each shape's GEMMs."""
+    shapes_budget_s: float = 60.0
+    """The shapes job starts no new shape after this many seconds (the rest are listed)."""
     opt_tensors: int = 32
     """Parameter tensors of the optim job."""
     opt_dim: int = 4096
     """Each optim-job parameter is opt_dim x opt_dim fp32."""
     opt_steps: int = 10
     """Timed optimizer steps (median reported) after one that creates the state and compiles."""
-    tests_timeout_s: float = 150.0
-    """Stop the GPU tests after this many seconds (recorded as an error)."""
+    optimizers: tuple[str, ...] = ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2")
+    """What the optim job times; also fp8optim_l2_bf16, fp8optim_l2_bf16_sr, fp8optim_l2_bf16_split
+    (level 2 with bf16 master weights)."""
+    tests_timeout_s: float = 120.0
+    """Interrupt the GPU tests after this many seconds (what ran is kept)."""
     run_root: str = ""
     """Where the runs' directories go (default: a temporary directory)."""
 
+    def __post_init__(self) -> None:
+        unknown = [j for j in self.jobs if j not in JOBS]
+        if unknown:
+            raise ValueError(f"--jobs {' '.join(unknown)}: unknown; the jobs are {', '.join(JOBS)}")
+
 
 DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_len=32, vocab_size=320,
-               steps=3, opt_tensors=2, opt_dim=256, opt_steps=2, tests_timeout_s=120.0)
+               steps=3, shape_models=("d2",), shape_tokens=(64,), shapes_budget_s=1.0, opt_tensors=2,
+               opt_dim=256, opt_steps=2)
 
-ESTIMATES_S = {"env": 5, "bf16": 75, "fp8": 80, "optim": 40, "opt_levels": 100, "scope": 120,
-               "big": 180, "tests": 70, "master": 150}
+# Seconds on an H100/H200 class GPU, compile included, from BENCHMARKS.md section 5 (H200, torch
+# 2.11: d12 compiled whole in 20.4 s bf16 and 58.7 s FP8 e4m3, then ran 613k / 553k tokens/s;
+# env, optim and the 17 GPU tests took <= 105 s together) and the reasoning beside each figure.
+ESTIMATES_S = {
+    "env": 5,
+    "tests": 75,  # ~60 s for 17 in run 1; 5 more: 3 instant _scaled_mm calls, 2 compiling a small MLP (~4 s)
+    "shape": 15,  # the shapes job runs --shapes_budget_s plus the shape started last: 3 compiles of a few
+    # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
+    "model/bf16": 35,  # compile 20 s, the tokenizer (BPE on the stdlib, first run only) ~10 s, 20 steps 1 s
+    "model/fp8": 80,  # compile 59 s with every Linear in FP8 (faster converts fewer: less), profiled steps;
+    # --fp8_layers faster first times each distinct shape once (~10 s for d12's three, then cached)
+    "big/bf16": 60,  # compile scales with the graph: 20.4 s x 26/12 layers ~ 45 s; 20 steps of 16k tokens ~4 s
+    "big/fp8": 150,  # 58.7 s x 26/12 ~ 127 s (the FP8 casts of every converted Linear are traced), shapes ~10 s
+    "optim": 40,  # 4 optimizers: state creation, one compile per level, 10 steps over 537M parameters
+    "stats": 45,  # the d12 FP8 run again, its compile now from inductor's cache (~20 s); 201 steps of 53 ms
+    "scope": 120,  # d12 bf16 and FP8 compiled per block: 10 + 21 s compile (run 1)
+    "opt_levels": 150,  # d12 FP8 at --fp8_opt_level 1 and 2, each compiling ~60 s
+    "master": 220,  # three d12 FP8 runs with bf16 master weights, the first compiling ~60 s
+}
+
+
+class Interrupted(BaseException):
+    """The time limit (SIGTERM from gpu_check.sh): the measurement running is recorded as cut."""
+
+
+# ------------------------------------------------------------------------------------ findings
+class Findings:
+    """gpu_check.json: each measurement's figures, error or skip, rewritten (atomically) after
+    every one. Keys are paths: "train/d12/bf16" is results["train"]["d12"]["bf16"]."""
+
+    def __init__(self, path: Path, cfg: GPUCheckConfig):
+        self.path, self.cfg, self.start = path, cfg, time.perf_counter()
+        self.data: dict[str, Any] = {"config": dataclasses.asdict(cfg), "results": {}, "ratios": {},
+                                     "errors": {}, "durations_s": {}, "skipped_for_time": []}
+        self.save()
+
+    def left_s(self) -> float:
+        return self.cfg.budget_s - (time.perf_counter() - self.start)
+
+    def measure(self, key: str, estimate_s: float, fn: Callable[[], Any]) -> Any:
+        """fn()'s figures stored at `key`, unless its estimate does not fit what is left (skipped,
+        None); an exception is recorded with its traceback (None) and the next measurement runs."""
+        left = self.left_s()
+        if estimate_s > left and not self.cfg.dry_run:
+            self.data["skipped_for_time"].append(key)
+            print(f"[gpu_check] {key}: skipped ({estimate_s:.0f} s estimated, {left:.0f} s left)", flush=True)
+            self.save()
+            return None
+        print(f"[gpu_check] {key}: running ({left:.0f} s left)", flush=True)
+        t0, value = time.perf_counter(), None
+        try:
+            value = fn()
+            self.put(key, value, save=False)
+        except Interrupted:
+            self.data["errors"][key] = "stopped by the time limit (SIGTERM) while running"
+            raise
+        except Exception as e:  # noqa: BLE001 -- one failing measurement must not cost the others
+            self.data["errors"][key] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+            print(f"[gpu_check] {key}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        finally:
+            self.data["durations_s"][key] = time.perf_counter() - t0
+            self.data["ratios"] = ratios(self.data["results"])
+            self.save()
+        return value
+
+    def put(self, key: str, value: Any, *, save: bool = True) -> None:
+        *parents, name = key.split("/")
+        node = self.data["results"]
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = value
+        if save:
+            self.save()
+
+    def save(self) -> None:
+        from nanochat.common import write_atomic
+
+        write_atomic(self.path, json.dumps(self.data, indent=1, default=str))
+
+
+def ratios(results: dict) -> dict:
+    """FP8 / bf16 tokens/s and the MFUs of every model of the train job, where both sides ran."""
+    out = {}
+    for model, runs in (results.get("train") or {}).items():
+        base = (runs.get("bf16") or {}).get("tokens_per_sec")
+        for kind, r in runs.items():
+            if not isinstance(r, dict) or not r.get("tokens_per_sec"):
+                continue
+            if base and kind != "bf16":
+                out[f"{model}_{kind}_over_bf16_tokens_per_sec"] = r["tokens_per_sec"] / base
+            out[f"{model}_{kind}_mfu"] = r.get("mfu")
+    return out
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -97,7 +210,7 @@ def device_of(cfg: GPUCheckConfig) -> torch.device:
 
 
 def reset_memory(device: torch.device) -> None:
-    torch._dynamo.reset()  # each job compiles from scratch: compile times are first runs'
+    torch._dynamo.reset()  # each run traces afresh (inductor's on-disk cache may still serve it)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -109,7 +222,7 @@ def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
-def graph_breaks() -> dict[str, int]:
+def graph_breaks() -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     return {"graph_breaks": sum(counters["graph_break"].values()),
@@ -117,10 +230,19 @@ def graph_breaks() -> dict[str, int]:
             "break_reasons": dict(list(counters["graph_break"].items())[:5])}
 
 
+def fp8_layers(policy: str) -> dict[str, str]:
+    """NanoChatTrainer's `fp8_layers` (the FP8 conversion policy: `faster` converts only the
+    Linears where FP8 is faster, `all` every eligible one), where this TrainConfig has the field;
+    without it every eligible Linear converts, and a run asked for `all` repeats `faster`'s."""
+    from nanochat.config import TrainConfig
+
+    return {"fp8_layers": policy} if "fp8_layers" in {f.name for f in dataclasses.fields(TrainConfig)} else {}
+
+
 def trainer_kwargs(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -> dict:
     kw = dict(model_name=model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=batch_size,
               num_iterations=cfg.steps, warmup_steps=2, eval_every=0, eval_tokens=cfg.seq_len * batch_size,
-              save_every=0, num_samples=0, device=str(device_of(cfg)),
+              save_checkpoints=False, num_samples=0, device=str(device_of(cfg)),
               run_dir=str(Path(cfg.run_root) / name))
     if over.get("fp8") and cfg.dry_run:
         over = dict(over, fp8_emulate=True)
@@ -128,10 +250,10 @@ def trainer_kwargs(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, 
     return kw
 
 
-def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, *, profile: bool = False,
-          **over) -> dict:
-    """One NanoChatTrainer run; its figures, graph breaks, peak memory and (profile) the kernels
-    and device reads of one more step."""
+def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -> tuple[Any, dict]:
+    """One NanoChatTrainer run: the trainer (for more steps) and its figures: TrainResult's
+    fields (the layer lists as counts, without samples and statistics), graph breaks, recompile
+    reasons and peak memory."""
     from torch._dynamo.utils import counters
 
     from nanochat.trainer import NanoChatTrainer
@@ -143,15 +265,12 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, *, profil
     trainer = NanoChatTrainer(**trainer_kwargs(cfg, name, model, batch_size, **over))
     with recompiles:
         r = trainer.train()
-    out = dict(settings=over, model=model, batch_size=batch_size, tokens_per_sec=r.tokens_per_sec,
-               compile_time_s=r.compile_time_s, wall_time_s=r.wall_time_s, train_loss=r.train_loss,
-               val_loss=r.val_loss, fp8_backend=r.fp8_backend, fallbacks=r.fallbacks,
-               optimizer_state_bytes=r.optimizer_state_bytes, num_params=r.num_params,
-               state_bytes_per_param=r.state_bytes_per_param, state_bytes=r.state_bytes,
-               peak_gib=peak_gib(device), recompile_reasons=recompiles.reasons[:3], **graph_breaks())
-    if profile:
-        out.update(profile_step(trainer, device))
-    return out
+    bulky = ("samples", "fp8_stats", "fp8_converted", "fp8_skipped")
+    figures = {k: v for k, v in r.to_dict().items() if k not in bulky}
+    figures.update(settings=over, model=model, batch_size=batch_size, fp8_converted_layers=len(r.fp8_converted),
+                   fp8_skipped_layers=len(r.fp8_skipped), peak_gib=peak_gib(device),
+                   recompile_reasons=recompiles.reasons[:3], **graph_breaks())
+    return trainer, figures
 
 
 def profile_step(trainer, device: torch.device) -> dict:
@@ -171,20 +290,11 @@ def profile_step(trainer, device: torch.device) -> dict:
             torch.cuda.synchronize()
     kernels: dict[str, int] = {}
     for e in prof.key_averages():
-        name = e.key
-        if re.search(r"gemm|_mm|matmul|xmma|cutlass|nvjet", name, re.I) and (
+        if re.search(r"gemm|_mm|matmul|xmma|cutlass|nvjet", e.key, re.I) and (
                 device.type != "cuda" or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA):
-            kernels[name[:160]] = e.count
+            kernels[e.key[:160]] = e.count
     scaled_mm = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
-    out = {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
-    period = trainer.config.fp8_stats_every
-    if period:  # what one statistics step costs, in steps: sets the default period (<= 2%)
-        normal = [timed_step(trainer, 2 * period - 2, device) for _ in range(3)]
-        sampled = [timed_step(trainer, 2 * period - 1, device) for _ in range(2)][-1:]  # 1st: eager warmup
-        cost = sampled[0] / statistics.median(normal) - 1
-        out.update(step_s=statistics.median(normal), stats_step_s=sampled[0], stats_step_cost_steps=cost,
-                   stats_overhead_pct_at_default=100 * cost / period)
-    return out
+    return {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
 
 
 def timed_step(trainer, step: int, device: torch.device) -> float:
@@ -219,56 +329,134 @@ class RecompileLog(logging.Handler):
         torch._logging.set_logs()
 
 
-# --------------------------------------------------------------------------------------- jobs
-def job_env(cfg: GPUCheckConfig) -> dict:
-    import torchao
-
-    from nanochat.fp8 import detect
-
-    device = device_of(cfg)
-    out = dict(python=platform.python_version(), torch=torch.__version__, torchao=torchao.__version__,
-               cuda=torch.version.cuda, device=str(device))
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        out.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(0)),
-                   memory_gib=props.total_memory / 2**30)
-    out["fp8"] = {r: dataclasses.asdict(detect(device, emulate=cfg.dry_run, recipe=r))
-                  for r in ("tensorwise", "rowwise")}
+def run_pytest(args: list[str], out_dir: Path, name: str, timeout_s: float) -> dict:
+    """pytest in a subprocess, its whole output in <name>.log and every test's outcome and full
+    failure text from <name>.xml (junit). On timeout pytest is interrupted (SIGINT: it reports
+    the tests that ran, writes the XML and names where the running one was), killed 30 s later
+    if still running."""
+    log, junit = out_dir / f"{name}.log", out_dir / f"{name}.xml"
+    junit.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:logging", "-rA", "--tb=long",
+           "--durations=0", f"--junitxml={junit}", *args]
+    timed_out = False
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, COLUMNS="200"))  # long test ids and values unwrapped
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                returncode = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                returncode = proc.wait()
+    lines = log.read_text(errors="replace").strip().splitlines()
+    out: dict[str, Any] = {
+        "returncode": returncode, "timed_out": timed_out, "summary": lines[-1].strip("= ") if lines else "",
+        "interrupted_at": next((line for line in lines if line.endswith(": KeyboardInterrupt")), None),
+        "log": str(log), "junit": str(junit) if junit.is_file() else None, "outcomes": {}, "failures": {}}
+    if junit.is_file():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            test = case.get("name")
+            if test is None:  # the test an interrupt cut short: see interrupted_at
+                continue
+            kind = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+            out["outcomes"][test] = {"failure": "failed", "error": "error", "skipped": "skipped"}.get(
+                kind.tag if kind is not None else "", "passed")
+            if kind is not None and kind.tag != "skipped":
+                out["failures"][test] = f"{kind.get('message', '')}\n{kind.text or ''}"
+    out["counts"] = dict(collections.Counter(out["outcomes"].values()))
     return out
 
 
-def job_bf16(cfg):
-    return train(cfg, "bf16", cfg.model, cfg.batch_size)
+# --------------------------------------------------------------------------------------- jobs
+def job_env(cfg: GPUCheckConfig, findings: Findings) -> None:
+    def env() -> dict:
+        import torchao
+
+        from nanochat.fp8 import detect
+        from nanochat.mfu import device_peak
+
+        device = device_of(cfg)
+        out = dict(python=platform.python_version(), torch=torch.__version__, torchao=torchao.__version__,
+                   cuda=torch.version.cuda, device=str(device), fp8_layers_field=bool(fp8_layers("all")))
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(0)
+            out.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(0)),
+                       memory_gib=props.total_memory / 2**30)
+        peak = device_peak(device)
+        out["mfu_peak"] = dataclasses.asdict(peak) if peak is not None else None
+        out["fp8"] = {r: dataclasses.asdict(detect(device, emulate=cfg.dry_run, recipe=r))
+                      for r in ("tensorwise", "rowwise")}
+        return out
+
+    findings.measure("env", ESTIMATES_S["env"], env)
 
 
-def job_fp8(cfg):
-    return train(cfg, "fp8", cfg.model, cfg.batch_size, profile=True, fp8=True)
+def job_tests(cfg: GPUCheckConfig, findings: Findings) -> None:
+    # on the CPU every test skips (no CUDA device): the dry run rehearses the run and its report
+    findings.measure("tests", ESTIMATES_S["tests"], lambda: run_pytest(
+        ["-m", "gpu", str(ROOT / "tests" / "test_gpu.py")], findings.path.parent, "gpu_tests", cfg.tests_timeout_s))
 
 
-def job_opt_levels(cfg):
-    return {f"level{lvl}": train(cfg, f"fp8-l{lvl}", cfg.model, cfg.batch_size, fp8=True, fp8_opt_level=lvl)
-            for lvl in (1, 2)}
+def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
+    from bench_fp8_linear import BenchFP8LinearConfig, time_shapes  # scripts/, this script's folder
+
+    bench = BenchFP8LinearConfig(models=cfg.shape_models, shape_tokens=cfg.shape_tokens, steps=10, repeats=3)
+
+    def shapes() -> dict:
+        deadline = time.perf_counter() + cfg.shapes_budget_s
+        return time_shapes(bench, device_of(cfg), emulate=cfg.dry_run, deadline=deadline,
+                           on_result=lambda key, figures: findings.put(f"shapes/shapes/{key}", figures))
+
+    findings.measure("shapes", cfg.shapes_budget_s + ESTIMATES_S["shape"], shapes)
 
 
-def job_scope(cfg):
-    return {"bf16_blocks": train(cfg, "bf16-blocks", cfg.model, cfg.batch_size, compile_scope="blocks"),
-            "fp8_blocks": train(cfg, "fp8-blocks", cfg.model, cfg.batch_size, fp8=True, compile_scope="blocks")}
+def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """bf16 vs FP8 `faster` at --model, then at --big_model, then FP8 `all` at both: the default
+    policy's comparison first. --model's run with every eligible Linear in FP8 adds one profiled
+    step (`all`; `faster` where TrainConfig has no policy field and converts them all)."""
+    device = device_of(cfg)
+    models = {cfg.model: ("model", cfg.batch_size)}
+    models.setdefault(cfg.big_model, ("big", cfg.big_batch_size))  # the dry run's two are one preset
+
+    def run(model: str, kind: str, profile: bool = False, **over) -> Callable[[], dict]:
+        def go() -> dict:
+            trainer, figures = train(cfg, f"{model}-{kind}", model, models[model][1], **over)
+            figures["fp8_layers"] = over.get("fp8_layers", "not a TrainConfig field: every eligible Linear"
+                                             if over.get("fp8") else None)
+            if profile:
+                figures.update(profile_step(trainer, device))
+            return figures
+        return go
+
+    policy = bool(fp8_layers("all"))
+    for model, (role, _) in models.items():
+        findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], run(model, "bf16"))
+        findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"], run(
+            model, "fp8_faster", profile=role == "model" and not policy, fp8=True, **fp8_layers("faster")))
+    if not policy:
+        print("[gpu_check] train: no fp8_layers field in TrainConfig, so `all` would repeat `faster`: not run")
+        return
+    for model, (role, _) in models.items():
+        findings.measure(f"train/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8"],
+                         run(model, "fp8_all", profile=role == "model", fp8=True, **fp8_layers("all")))
 
 
-def job_big(cfg):
-    return {"bf16": train(cfg, "big-bf16", cfg.big_model, cfg.big_batch_size),
-            "fp8": train(cfg, "big-fp8", cfg.big_model, cfg.big_batch_size, fp8=True)}
+def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
+    findings.measure("optim", ESTIMATES_S["optim"], lambda: optimizer_steps(cfg))
 
 
-def job_optim(cfg: GPUCheckConfig) -> dict:
-    """Step time and peak memory: AdamW(fused=True) vs FP8Optim levels 0/1/2, same parameters."""
+def optimizer_steps(cfg: GPUCheckConfig) -> dict:
+    """Step time and peak memory: AdamW(fused=True) vs FP8Optim, same parameters and gradients."""
     from nanochat.common import DeviceReads
     from nanochat.fp8 import FP8Optim
 
     device = device_of(cfg)
     out = {}
-    for name in ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2", "fp8optim_l2_bf16",
-                 "fp8optim_l2_bf16_sr", "fp8optim_l2_bf16_split"):
+    for name in cfg.optimizers:
         reset_memory(device)
         master = name.split("_l2_")[1] if "_l2_" in name else "fp32"
         dtype = torch.float32 if master == "fp32" else torch.bfloat16
@@ -295,31 +483,17 @@ def job_optim(cfg: GPUCheckConfig) -> dict:
         with reads:
             opt.step()
         n = cfg.opt_tensors * cfg.opt_dim ** 2
+        state = opt.state_bytes() / n if hasattr(opt, "state_bytes") else 8.0
         peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
         out[name] = dict(step_ms=1e3 * statistics.median(times), device_reads_per_step=reads.count,
-                         state_bytes_per_param=(opt.state_bytes() / n if hasattr(opt, "state_bytes") else 8.0),
-                         training_state_bytes_per_param=2 * dtype.itemsize + (
-                             opt.state_bytes() / n if hasattr(opt, "state_bytes") else 8.0),
+                         state_bytes_per_param=state, training_state_bytes_per_param=2 * dtype.itemsize + state,
                          peak_above_params_grads_bytes_per_param=None if peak is None else peak / n,
-                         backend=step_backend(opt),
-                         fallbacks=list(getattr(opt, "fallbacks", [])))
+                         backend=step_backend(opt), fallbacks=list(getattr(opt, "fallbacks", [])))
         del opt, params
-    base = out["adamw_fused"]["step_ms"]
+    base = out.get("adamw_fused", {}).get("step_ms")
     for v in out.values():
-        v["ratio_to_fused"] = v["step_ms"] / base
+        v["ratio_to_fused"] = v["step_ms"] / base if base else None
     return out
-
-
-def job_master(cfg):
-    """Training with FP8 level-2 moments and each way of cutting the rest of the training state:
-    bf16_sr masters, bf16_split, bf16_sr with the step inside the backward; tokens/s, measured
-    state bytes per parameter and peak memory next to the fp32-master run of the opt_levels job."""
-    fp8 = dict(fp8=True, fp8_opt_level=2)
-    return {"bf16_sr": train(cfg, "master-bf16_sr", cfg.model, cfg.batch_size, master_weights="bf16_sr", **fp8),
-            "bf16_split": train(cfg, "master-bf16_split", cfg.model, cfg.batch_size, master_weights="bf16_split",
-                                **fp8),
-            "bf16_sr_in_backward": train(cfg, "master-bf16_sr-bwd", cfg.model, cfg.batch_size,
-                                         master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0, **fp8)}
 
 
 def step_backend(opt) -> str | dict:
@@ -329,43 +503,59 @@ def step_backend(opt) -> str | dict:
     return opt.step_backends() or "torch fused (level 0: the wrapped AdamW steps every tensor)"
 
 
-def job_tests(cfg: GPUCheckConfig) -> dict:
-    if cfg.dry_run:
-        return {"skipped": "dry run: the GPU tests need a CUDA device"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-                           "-p", "no:logging", "-rf", "--tb=line",
-                           str(ROOT / "tests" / "test_gpu.py")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=cfg.tests_timeout_s)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    return {"returncode": proc.returncode, "summary": tail.strip().splitlines()[-1] if tail.strip() else "",
-            "tail": tail}
+def job_stats(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """--model with every eligible Linear in FP8 (the most layers to sample), then one period of
+    --fp8_stats_every steps timed one by one: the last is the period's sampled step. tokens/s
+    over the period against the same steps without the sampled one, i.e. statistics off (a
+    step that samples nothing runs exactly as with statistics off)."""
+    device = device_of(cfg)
+
+    def stats() -> dict:
+        trainer, figures = train(cfg, "stats", cfg.model, cfg.batch_size, fp8=True, **fp8_layers("all"))
+        period = trainer.config.fp8_stats_every
+        # step s samples when (s + 1) % period == 0: warm up on one (its first eager run of the
+        # model), then time steps period .. 2 period - 1
+        timed_step(trainer, period - 1, device)
+        times = [timed_step(trainer, s, device) for s in range(period, 2 * period)]
+        tokens = cfg.batch_size * cfg.seq_len
+        with_stats, without = period * tokens / sum(times), (period - 1) * tokens / sum(times[:-1])
+        return {"model": cfg.model, "fp8_converted_layers": figures["fp8_converted_layers"], "period": period,
+                "tokens_per_sec_with_stats": with_stats, "tokens_per_sec_without": without,
+                "overhead_pct": 100 * (1 - with_stats / without), "sampled_step_s": times[-1],
+                "median_step_s": statistics.median(times[:-1]),
+                "sampled_step_costs_steps": times[-1] / statistics.median(times[:-1]) - 1}
+
+    findings.measure("stats", ESTIMATES_S["stats"], stats)
 
 
-JOBS: dict[str, Callable[[GPUCheckConfig], Any]] = {
-    "env": job_env, "bf16": job_bf16, "fp8": job_fp8, "optim": job_optim, "opt_levels": job_opt_levels,
-    "scope": job_scope, "big": job_big, "tests": job_tests, "master": job_master}
+def job_scope(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """--model compiled per block (--compile_scope blocks), bf16 and FP8: against train's whole-model runs."""
+    for kind, over in (("bf16", {}), ("fp8", {"fp8": True})):
+        findings.measure(f"scope/{kind}_blocks", ESTIMATES_S["scope"] / 2, lambda over=over, kind=kind: train(
+            cfg, f"{kind}-blocks", cfg.model, cfg.batch_size, compile_scope="blocks", **over)[1])
 
 
-def ratios(results: dict) -> dict:
-    """FP8 / bf16 tokens/s, whole-model vs per-block compile time, where both sides ran."""
-    r = results.get("results", {})
-    out = {}
+def job_opt_levels(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """--model with FP8 and the moments in FP8 (--fp8_opt_level 1, 2): tokens/s, peak memory."""
+    for level in (1, 2):
+        findings.measure(f"opt_levels/level{level}", ESTIMATES_S["opt_levels"] / 2, lambda level=level: train(
+            cfg, f"fp8-l{level}", cfg.model, cfg.batch_size, fp8=True, fp8_opt_level=level)[1])
 
-    def tps(x):
-        return x.get("tokens_per_sec") if isinstance(x, dict) else None
 
-    if tps(r.get("bf16")) and tps(r.get("fp8")):
-        out["fp8_over_bf16_tokens_per_sec"] = r["fp8"]["tokens_per_sec"] / r["bf16"]["tokens_per_sec"]
-    big = r.get("big") or {}
-    if tps(big.get("bf16")) and tps(big.get("fp8")):
-        out["big_fp8_over_bf16_tokens_per_sec"] = big["fp8"]["tokens_per_sec"] / big["bf16"]["tokens_per_sec"]
-    scope = r.get("scope") or {}
-    for kind in ("bf16", "fp8"):
-        whole, blocks = r.get(kind), scope.get(f"{kind}_blocks")
-        if tps(whole) and tps(blocks):
-            out[f"{kind}_compile_s_model_vs_blocks"] = [whole["compile_time_s"], blocks["compile_time_s"]]
-            out[f"{kind}_tokens_per_sec_blocks_over_model"] = blocks["tokens_per_sec"] / whole["tokens_per_sec"]
-    return out
+def job_master(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """FP8 level-2 moments with each way of cutting the rest of the training state: bf16_sr
+    masters, bf16_split, bf16_sr with the step inside the backward."""
+    fp8 = dict(fp8=True, fp8_opt_level=2)
+    runs = {"bf16_sr": dict(master_weights="bf16_sr"), "bf16_split": dict(master_weights="bf16_split"),
+            "bf16_sr_in_backward": dict(master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0)}
+    for name, over in runs.items():
+        findings.measure(f"master/{name}", ESTIMATES_S["master"] / 3, lambda name=name, over=over: train(
+            cfg, f"master-{name}", cfg.model, cfg.batch_size, **fp8, **over)[1])
+
+
+JOBS: dict[str, Callable[[GPUCheckConfig, Findings], None]] = {
+    "env": job_env, "tests": job_tests, "shapes": job_shapes, "train": job_train, "optim": job_optim,
+    "stats": job_stats, "scope": job_scope, "opt_levels": job_opt_levels, "master": job_master}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,31 +569,21 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device; run with --dry_run to rehearse on the CPU", file=sys.stderr)
         return 2
-    out_path = Path(cfg.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "results": {}, "errors": {},
-                               "durations_s": {}, "skipped_for_time": []}
-    for name in cfg.jobs:
-        left = cfg.budget_s - (time.perf_counter() - t_start)
-        if ESTIMATES_S[name] > left and not cfg.dry_run:
-            results["skipped_for_time"].append(name)
-            print(f"[gpu_check] {name}: skipped ({ESTIMATES_S[name]} s estimated, {left:.0f} s left)", flush=True)
-            continue
-        print(f"[gpu_check] {name}: running ({left:.0f} s left)", flush=True)
-        t0 = time.perf_counter()
-        try:
-            results["results"][name] = JOBS[name](cfg)
-        except Exception as e:  # noqa: BLE001 -- one failing job must not cost the others' figures
-            results["errors"][name] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-            print(f"[gpu_check] {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        results["durations_s"][name] = time.perf_counter() - t0
-        results["ratios"] = ratios(results)
-        out_path.write_text(json.dumps(results, indent=1, default=str))
-    summary = {k: v for k, v in results["ratios"].items()}
-    print("[gpu_check] ratios: " + json.dumps(summary))
-    print(f"[gpu_check] errors: {sorted(results['errors'])}; skipped: {results['skipped_for_time']}; "
-          f"total {time.perf_counter() - t_start:.0f} s; JSON: {out_path}")
+
+    def stop(signum, frame):
+        raise Interrupted
+
+    signal.signal(signal.SIGTERM, stop)
+    findings = Findings(Path(cfg.out), cfg)
+    try:
+        for name in cfg.jobs:
+            JOBS[name](cfg, findings)
+    except Interrupted:
+        print("[gpu_check] stopped by the time limit; the JSON keeps every measurement that finished", flush=True)
+        return 124
+    print("[gpu_check] ratios: " + json.dumps(findings.data["ratios"]))
+    print(f"[gpu_check] errors: {sorted(findings.data['errors'])}; skipped: {findings.data['skipped_for_time']}; "
+          f"total {time.perf_counter() - findings.start:.0f} s; JSON: {findings.path}")
     return 0
 
 

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Run scripts/gpu_check.py on a CUDA machine with sm_89+ and collect its figures in $OUT.
 #
-#   bash scripts/gpu_check.sh [gpu_check.py flags]       e.g. --jobs env fp8 --budget_s 200
+#   bash scripts/gpu_check.sh [gpu_check.py flags]       e.g. --jobs env train --budget_s 200
 #
 # The machine needs torch with CUDA (>= 2.11) and the other packages: the interpreter's own
 # (`pip install -e .` done beforehand) or, where they do not import, the wheels in .whl/, installed
 # into .site without touching the machine's environment (for a machine without internet access:
 # `pip download -d .whl torchao tyro docstring-parser typeguard rustbpe tiktoken` elsewhere, for
 # its Python version and platform).
-# Environment: OUT (default .cache/gpu_check), PYTHON (default python3), WHEELS (default .whl).
-# Exit status: gpu_check.py's; 3 if the wheels in .whl/ do not install; 4 if torchao or
-# nanochat.fp8 does not import (nothing could be measured).
+# gpu_check.py is stopped after LIMIT_S seconds (default 525: with this wrapper's own start, 9
+# minutes); its JSON keeps every measurement that finished.
+# Environment: OUT (default .cache/gpu_check), PYTHON (default python3), WHEELS (default .whl), LIMIT_S.
+# Exit status: gpu_check.py's (124: stopped by the limit); 3 if the wheels in .whl/ do not install;
+# 4 if torchao or nanochat.fp8 does not import (nothing could be measured).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -37,5 +39,7 @@ if ! imports; then
 fi
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 
-"$PY" scripts/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+# TERM first (gpu_check.py records the measurement it cuts short), KILL 15 s later
+timeout -k 15 "${LIMIT_S:-525}" "$PY" scripts/gpu_check.py --out "$OUT/gpu_check.json" "$@" 2>&1 \
+  | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -2,15 +2,27 @@
 
 The GPU run is short and rare; a script that breaks there wastes it. Here the wrapper runs the
 script's --dry_run (the same jobs and JSON at toy sizes, FP8 emulated) and the JSON is checked
-against what the GPU run must produce: every job ran without error, the trainer's figures are
-positive and finite, the profiled FP8 step read the device once (the trainer's one read), the
-optimizer job compares every level against fused AdamW with FP8Optim's state bytes (8, 1 + 4/256 + 4,
-2 * (1 + 4/256) per parameter), and the wrapper refuses, with exit 4, an interpreter on which
+against what the GPU run must produce:
+- every default job ran without error and none was skipped;
+- tests: every GPU test reported from the junit XML (all skipped on a CPU), the log kept;
+- shapes: the first shape timed (bf16, tensorwise, rowwise, positive), the others listed as not
+  timed once --shapes_budget_s ran out;
+- train: bf16 and FP8 runs with positive, finite figures, no checkpoint in their run
+  directories, no MFU on a CPU; the profiled FP8 step read the device once (the trainer's read);
+- optim: every level against fused AdamW with FP8Optim's state bytes (8, 1 + 4/256 + 4,
+  2 * (1 + 4/256) per parameter);
+- stats: tokens/s over one statistics period, with and without its sampled step.
+And, each against a reference: stopped by the wrapper's time limit, the check exits 124 with a
+whole JSON that names the measurement it cut and keeps every one that finished; pytest
+interrupted by its timeout keeps its log and the outcomes and failure texts of the tests that
+finished (junit), and names where it stopped; the shapes job's Llama shapes are
+Meta-Llama-3-8B's published ones; the wrapper refuses, with exit 4, an interpreter on which
 torchao does not import.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -23,35 +35,117 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, NANOCHAT_CACHE=str(out / "cache"))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry_run",
-                           "--jobs", "env", "fp8", "optim", "tests"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                           "--run_root", str(out / "runs")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "gpu_check.json").read_text())
+    return out, json.loads((out / "gpu_check.json").read_text())
 
 
 def test_dry_run_runs_every_job_and_reports_figures(dry_run):
-    assert dry_run["errors"] == {} and dry_run["skipped_for_time"] == []
-    assert set(dry_run["results"]) == {"env", "fp8", "optim", "tests"}
-    fp8 = dry_run["results"]["fp8"]
+    out, report = dry_run
+    assert report["errors"] == {} and report["skipped_for_time"] == []
+    assert set(report["results"]) == {"env", "tests", "shapes", "train", "optim", "stats"}
+    runs = report["results"]["train"]["d2"]
+    for kind in runs:
+        r = runs[kind]
+        assert r["tokens_per_sec"] > 0 and r["compile_time_s"] > 0 and math.isfinite(r["val_loss"])
+        assert r["mfu"] is None and r["flops_per_token"] > 0  # no listed peak for a CPU
+        assert r["graph_breaks"] >= 0 and r["peak_gib"] is None  # no CUDA memory figures on the CPU
+    assert set(runs) <= {"bf16", "fp8_faster", "fp8_all"} and {"bf16", "fp8_faster"} <= set(runs)
+    # every Linear in FP8: `all`, or `faster` where TrainConfig has no fp8_layers (it converts them all)
+    fp8 = runs.get("fp8_all", runs["fp8_faster"])
     assert fp8["fp8_backend"] == "emulated" and fp8["fallbacks"] == []
-    assert fp8["tokens_per_sec"] > 0 and fp8["compile_time_s"] > 0 and math.isfinite(fp8["val_loss"])
+    assert fp8["fp8_converted_layers"] == 12  # d2: 2 blocks x 6 Linears (lm_head stays in high precision)
     assert fp8["device_reads_in_step"] == 1  # the trainer's one read per steady-state step
-    assert fp8["graph_breaks"] >= 0 and fp8["peak_gib"] is None  # no CUDA memory figures on the CPU
-    assert dry_run["results"]["env"]["fp8"]["tensorwise"]["backend"] == "emulated"
+    for kind in runs:  # --no_save_checkpoints: the run's files, no checkpoint
+        assert (out / "runs" / f"d2-{kind}" / "result.json").is_file()
+        assert not list((out / "runs" / f"d2-{kind}").glob("checkpoint*"))
+    assert report["results"]["env"]["fp8"]["tensorwise"]["backend"] == "emulated"
+    assert report["results"]["env"]["mfu_peak"] is None
+
+
+def test_dry_run_reports_each_gpu_test(dry_run):
+    out, report = dry_run
+    tests = report["results"]["tests"]
+    assert tests["returncode"] == 0 and not tests["timed_out"] and Path(tests["log"]).is_file()
+    assert len(tests["outcomes"]) >= 20 and set(tests["outcomes"].values()) == {"skipped"}  # no CUDA here
+    assert "test_compiled_fp8_matches_eager[emulate_precision_casts-rowwise]" in tests["outcomes"]
+
+
+def test_dry_run_times_shapes_within_the_budget(dry_run):
+    shapes = dry_run[1]["results"]["shapes"]
+    assert list(shapes["shapes"]) == ["128x128"] and shapes["not_timed"] == ["128x512", "512x128"]
+    timed = shapes["shapes"]["128x128"]
+    assert timed["layers"] == {"d2": ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj"]}
+    figures = timed["tokens"]["64"]
+    assert all(figures[f"{v}_ms"] > 0 for v in ("bf16", "tensorwise", "rowwise"))
 
 
 def test_dry_run_optimizer_job_against_fused_adamw(dry_run):
-    opt = dry_run["results"]["optim"]
+    opt = dry_run[1]["results"]["optim"]
     assert opt["adamw_fused"]["ratio_to_fused"] == 1.0
     expected = {"fp8optim_l0": 8.0, "fp8optim_l1": 1 + 4 / 256 + 4, "fp8optim_l2": 2 * (1 + 4 / 256)}
     for name, bytes_per_param in expected.items():
         assert opt[name]["state_bytes_per_param"] == pytest.approx(bytes_per_param), name
         assert opt[name]["step_ms"] > 0 and opt[name]["fallbacks"] == []
+
+
+def test_dry_run_measures_a_statistics_period(dry_run):
+    stats = dry_run[1]["results"]["stats"]
+    assert stats["period"] == 200 and stats["fp8_converted_layers"] > 0
+    assert 0 < stats["tokens_per_sec_with_stats"] and 0 < stats["tokens_per_sec_without"]
+    assert stats["sampled_step_s"] > 0 and math.isfinite(stats["overhead_pct"])
+
+
+def test_time_limit_stops_the_check_and_keeps_what_finished(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, NANOCHAT_CACHE=str(tmp_path / "cache"),
+               LIMIT_S="30")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry_run"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 124 and "stopped by the time limit" in proc.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())  # whole: written atomically
+    cut = [key for key, error in report["errors"].items() if error.startswith("stopped by the time limit")]
+    assert report["errors"].keys() == set(cut) and len(cut) == 1 and "env" in report["results"]
+    for key in set(report["durations_s"]) - set(cut):  # every measurement that finished is there
+        node = report["results"]
+        for part in key.split("/"):
+            node = node[part]
+
+
+def test_pytest_stopped_by_the_time_limit_keeps_what_ran(tmp_path):
+    gpu_check = _script("gpu_check")
+    (tmp_path / "test_three.py").write_text(
+        "import time\n"
+        "def test_fast():\n    print('printed by test_fast')\n"
+        "def test_fails():\n    value = 1\n    assert value == 2, 'the value was not two'\n"
+        "def test_hangs():\n    time.sleep(600)\n")
+    out = gpu_check.run_pytest([str(tmp_path / "test_three.py")], tmp_path, "three", timeout_s=15)
+    assert out["timed_out"] and out["interrupted_at"].endswith("test_three.py:8: KeyboardInterrupt")
+    assert out["outcomes"] == {"test_fast": "passed", "test_fails": "failed"}
+    assert "the value was not two" in out["failures"]["test_fails"] and "assert 1 == 2" in out["failures"]["test_fails"]
+    assert "printed by test_fast" in (tmp_path / "three.log").read_text()
+
+
+def test_shapes_of_llama3_8b_and_d12():
+    bench = _script("bench_fp8_linear")
+    assert bench.linear_shapes("llama3-8b") == {
+        (4096, 4096): ["attn.c_q", "attn.c_proj"], (4096, 1024): ["attn.c_k", "attn.c_v"],
+        (4096, 14336): ["mlp.c_fc", "mlp.c_gate"], (14336, 4096): ["mlp.c_proj"]}
+    assert bench.linear_shapes("d12") == {(768, 768): ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj"],
+                                          (768, 3072): ["mlp.c_fc"], (3072, 768): ["mlp.c_proj"]}
 
 
 def test_wrapper_exits_4_when_torchao_does_not_import(tmp_path):

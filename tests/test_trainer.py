@@ -230,3 +230,17 @@ def test_a_training_step_reads_the_device_once(small_corpus, tmp_path):
     stats_steps = {3, 7, 11}  # steps 4, 8, 12 (0-based here)
     assert [r for i, r in enumerate(reads) if i not in stats_steps] == [1] * 9
     assert all(reads[i] <= 2 for i in stats_steps), reads
+
+
+def test_no_save_checkpoints_writes_none(small_corpus, tmp_path):
+    """--no_save_checkpoints (benchmarks): no checkpoint at --save_every nor at the end, the rest
+    of the run's files as usual, and such a run cannot be resumed (refused, naming why)."""
+    assert parse_cli(TrainConfig, ["--no_save_checkpoints"]).save_checkpoints is False
+    with pytest.raises(ValueError, match="--save_checkpoints must be"):
+        TrainConfig(save_checkpoints="no")
+    kw = dict(num_iterations=4, save_every=2, num_samples=0)
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", save_checkpoints=False, **kw)).train()
+    assert result.steps == 4
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl", "result.json", "tokenizer"]
+    with pytest.raises(ValueError, match="--resume: no checkpoint"):
+        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw)).train()

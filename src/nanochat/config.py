@@ -151,6 +151,12 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     save_every: int = 200
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
 
+    save_checkpoints: bool = True
+    """Write checkpoints (every --save_every steps and at the end). --no_save_checkpoints writes
+    none, for benchmarks (a d26 checkpoint is ~10 GB, hashed and synced to disk): such a run
+    cannot be resumed, continued with --init_from or exported; metrics.jsonl, result.json and
+    the tokenizer are still written."""
+
     run_dir: str = "runs/default"
     """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go. A directory that
     already holds a run is never reused silently: continue it with --resume or replace it with

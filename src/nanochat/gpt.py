@@ -382,8 +382,9 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
-        """Training FLOPs per token, nanochat's estimate: 6 per matmul weight (forward 2, backward
-        4) plus attention's QK^T and AV, 12 * n_layer * n_head * head_dim * seq_len. The
+        """Training FLOPs per token, the convention of karpathy/nanochat's `estimate_flops` and
+        torchtitan's `get_num_flop_per_token` (nanochat.mfu): 6 per matmul weight (forward 2,
+        backward 4) plus attention's QK^T and AV, 12 * n_layer * n_head * head_dim * seq_len. The
         embedding lookup is not a matmul and is left out (unless tied: then it is the lm_head).
         seq_len is the training sequence length (default: config.seq_len, which for a loaded
         checkpoint is its whole context, far longer than what is trained on)."""

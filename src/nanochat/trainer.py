@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanochat import checkpoint, distributed, engine, memory
+from nanochat import checkpoint, distributed, engine, memory, mfu
 from nanochat.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from nanochat.common import (
     NanoChatError,
@@ -148,6 +148,18 @@ class TrainResult:
     """The memory plan's total per device (an estimate, printed before the weights were loaded)."""
     peak_memory_bytes: int | None = None
     """Measured peak of allocated memory on CUDA (torch.cuda.max_memory_allocated); None elsewhere."""
+    flops_per_token: int = 0
+    """Model FLOPs per trained token: GPT.flops_per_token at --seq_len (nanochat.mfu)."""
+    peak_tflops: float | None = None
+    """The dense bf16 peak per GPU that `mfu` divides by, from the device's datasheet
+    (nanochat.mfu.PEAKS); None without a listed peak (CPU, MPS, an unlisted GPU)."""
+    mfu: float | None = None
+    """Model FLOPs utilization against the dense bf16 peak: tokens_per_sec x flops_per_token /
+    (GPUs x peak_tflops). One denominator for bf16 and FP8 runs, so MFUs compare as tokens/s
+    do. None where the peak is unknown."""
+    mfu_fp8: float | None = None
+    """The same against the dense FP8 peak, for runs with native FP8 layers (a lower bound on
+    the FP8 tensor cores' use: the head and attention stay in bf16); None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -198,6 +210,10 @@ class NanoChatTrainer:
     val_mask: torch.Tensor | None
     fallbacks: list[str]
     """Every fallback the run took, with its reason (TrainResult.fallbacks)."""
+    flops_per_token: int
+    """Model FLOPs per trained token (TrainResult.flops_per_token)."""
+    peak: mfu.Peak | None
+    """This device's dense tensor-core peaks, None if not listed: MFU is reported against them."""
 
     def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
         if config is not None and kwargs:
@@ -245,6 +261,9 @@ class NanoChatTrainer:
         self.dist_model = self._parallelize()  # before the optimizer: FSDP replaces the parameters
         self._setup_optimizer()
         self._compile()
+        # the two factors of MFU (nanochat.mfu): the model's FLOPs per token, the device's peaks
+        self.flops_per_token = self.model.flops_per_token(cfg.seq_len)
+        self.peak = mfu.device_peak(self.device)
         self.autocast = (
             torch.autocast(self.device.type, dtype=self.dtype)
             if self.dtype != torch.float32 else contextlib.nullcontext()
@@ -528,6 +547,8 @@ class NanoChatTrainer:
             for r in self.corpus.val_records[:cfg.num_samples]:
                 instruct.generation_prompt(self.tokenizer, r)
         self._prepare_run_dir()
+        if not cfg.save_checkpoints:
+            return
         # room for one more checkpoint: the new one is complete before older ones are deleted
         need = sum(distributed.local_numel(t) * t.element_size() for t in self.model.state_dict().values()
                    if isinstance(t, torch.Tensor)) + self.optimizer_state_bytes
@@ -612,8 +633,16 @@ class NanoChatTrainer:
                           f"{' on each rank' if self.dist.is_distributed else ''} "
                           f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
         ]
+        if not cfg.save_checkpoints:
+            rows.append(["checkpoints", "none (--no_save_checkpoints): this run cannot be resumed or exported"])
         if self.fp8.report is not None:
             rows.append(["fp8", flag_text(self.fp8.report.summary())])
+        if self.peak is not None:
+            against = f"the {self.peak.part}'s dense bf16 peak, {self.peak.bf16_tflops:g} TFLOP/s ({self.peak.source})"
+        else:
+            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
+            against = f"no listed peak for {name}: MFU not reported"
+        rows.append(["mfu", f"{self.flops_per_token / 1e9:.3g} GFLOP per token, against {against}"])
         print0(format_table(["run", ""], rows))
         if self.fp8.report is not None:
             print0(self.fp8.report.table(flag_text))
@@ -1060,12 +1089,17 @@ class NanoChatTrainer:
                 timed_seconds += dt
             tok_s = timed_tokens / timed_seconds if timed_seconds else tokens_per_step / dt
             record["tokens_per_sec"] = tok_s
+            utilization = self._mfu(tok_s)
+            if utilization is not None:
+                record["mfu"] = utilization
             recent_losses = (recent_losses + [record["loss"]])[-20:]
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{record['lr']:.2e}")
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{record['lr']:.2e}",
+                            **({"mfu": f"{utilization:.1%}"} if utilization is not None else {}))
 
             done = step + 1
             is_last = done == self.total_steps
-            if is_last:  # before the final evaluation: an error there must not lose the trained weights
+            # before the final evaluation: an error there must not lose the trained weights
+            if is_last and cfg.save_checkpoints:
                 self._save(done, record)
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 val_loss, val_bpb, val_accuracy = self._evaluate_all()
@@ -1078,7 +1112,7 @@ class NanoChatTrainer:
             self._log(record)
             if cfg.fp8 and int(self.loader.epoch) > epoch_before and not is_last:
                 self._fp8_summary(f"epoch {int(self.loader.epoch)}")
-            if cfg.save_every and done % cfg.save_every == 0 and not is_last:
+            if cfg.save_checkpoints and cfg.save_every and done % cfg.save_every == 0 and not is_last:
                 self._save(done)
         bar.close()
         self.fp8.finish()  # a calibration the run did not complete keeps the hybrid (recorded)
@@ -1098,6 +1132,17 @@ class NanoChatTrainer:
         """Validation loss, bits per byte and multiple-choice accuracy (None without choices)."""
         val_loss, val_bpb = self.evaluate()
         return val_loss, val_bpb, self.evaluate_accuracy()
+
+    def _mfu(self, tokens_per_sec: float, *, fp8: bool = False) -> float | None:
+        """MFU against the dense bf16 peak, or with `fp8` the FP8 peak (only for native FP8
+        layers); None where that peak is unknown or nothing was timed."""
+        report = self.fp8.report
+        if fp8 and not (report is not None and report.backend == "native" and report.converted):
+            return None
+        peak = None if self.peak is None else self.peak.fp8_tflops if fp8 else self.peak.bf16_tflops
+        if peak is None or not math.isfinite(tokens_per_sec):
+            return None
+        return mfu.utilization(tokens_per_sec, self.flops_per_token, peak, self.dist.world_size)
 
     def _result(self, **measured: Any) -> TrainResult:
         """The run's TrainResult: `measured` (losses, throughput, time) and what the run recorded.
@@ -1130,4 +1175,8 @@ class NanoChatTrainer:
             state_bytes=dict(self.state_bytes),
             planned_memory_bytes=self.memory_plan.total,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            flops_per_token=self.flops_per_token,
+            peak_tflops=None if self.peak is None else self.peak.bf16_tflops,
+            mfu=self._mfu(measured["tokens_per_sec"]),
+            mfu_fp8=self._mfu(measured["tokens_per_sec"], fp8=True),
         )
