@@ -4,7 +4,8 @@
     .venv/bin/python scripts/gpu_check.py --dry_run    # the same jobs at toy sizes on the CPU
 
 Training runs are what a user runs: `NanoChatTrainer` with its defaults (the whole model
-compiled, bf16 autocast over fp32 master weights), no checkpoints, on this Python's
+compiled, bf16 autocast over fp32 master weights; --big_model compiled per block to fit the
+time), no checkpoints, on this Python's
 standard-library sources with a BPE tokenizer trained on the fly (cached after the first run).
 Jobs, in priority order:
   env     torch / torchao / GPU, what nanochat.fp8.detect decides per recipe, the MFU peak;
@@ -13,7 +14,8 @@ Jobs, in priority order:
   shapes  scripts/bench_fp8_linear.py: bf16 vs FP8 tensorwise and rowwise per Linear shape of
           --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
   train   --model (d12) and --big_model (d26), bf16 vs FP8 with --fp8_layers faster (the
-          default), then with all: tokens/s, MFU, compile time, graph breaks, recompile reasons,
+          default), then with all (not repeated where faster converted every layer): tokens/s, MFU,
+          compile time, graph breaks, recompile reasons,
           peak memory; one profiled step of d12's run with every Linear in FP8 (its GEMM kernels,
           torch._scaled_mm calls, device reads);
   optim   fused AdamW vs FP8Optim's multi-tensor step, levels 0/1/2, on --opt_tensors x
@@ -74,6 +76,11 @@ class GPUCheckConfig:
     """Sequences per step of --model's runs."""
     big_batch_size: int = 8
     """Sequences per step of --big_model's runs."""
+    big_compile_scope: str = "blocks"
+    """--compile_scope of --big_model's runs. blocks: one block's graph compiled once and reused by
+    every block, so compiling does not grow with depth (d12 per block: 10 s bf16, 21 s FP8, against
+    20 s and 59 s whole); a whole-model compile of d26 would take ~2 minutes of the 9 in FP8 alone.
+    bf16 and FP8 are compared under the same scope."""
     seq_len: int = 2048
     """Tokens per sequence of every training run."""
     vocab_size: int = 8192
@@ -119,10 +126,12 @@ ESTIMATES_S = {
     "shape": 15,  # the shapes job runs --shapes_budget_s plus the shape started last: 3 compiles of a few
     # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
     "model/bf16": 35,  # compile 20 s, the tokenizer (BPE on the stdlib, first run only) ~10 s, 20 steps 1 s
-    "model/fp8": 80,  # compile 59 s with every Linear in FP8 (faster converts fewer: less), profiled steps;
-    # --fp8_layers faster first times each distinct shape once (~10 s for d12's three, then cached)
-    "big/bf16": 60,  # compile scales with the graph: 20.4 s x 26/12 layers ~ 45 s; 20 steps of 16k tokens ~4 s
-    "big/fp8": 150,  # 58.7 s x 26/12 ~ 127 s (the FP8 casts of every converted Linear are traced), shapes ~10 s
+    "model/fp8": 60,  # faster: ~10 s timing d12's three shapes (then cached), compile below 59 s since only
+    # the 12 MLP up-projections carry FP8 casts, 20 steps; with every Linear in FP8 (`all`): 59 s + profiled steps
+    "model/fp8_all": 80,
+    "big/bf16": 25,  # per block: one block's graph (10 s for d12's, the same for d26's) + 20 steps of 16k tokens
+    "big/fp8": 45,  # per block: 21 s + timing d26's three shapes (~10 s); `all` is not run when faster
+    # converted every eligible layer (torchao's tables convert all of d26's)
     "optim": 40,  # 4 optimizers: state creation, one compile per level, 10 steps over 537M parameters
     "stats": 45,  # the d12 FP8 run again, its compile now from inductor's cache (~20 s); 201 steps of 53 ms
     "scope": 120,  # d12 bf16 and FP8 compiled per block: 10 + 21 s compile (run 1)
@@ -230,15 +239,6 @@ def graph_breaks() -> dict[str, Any]:
             "break_reasons": dict(list(counters["graph_break"].items())[:5])}
 
 
-def fp8_layers(policy: str) -> dict[str, str]:
-    """NanoChatTrainer's `fp8_layers` (the FP8 conversion policy: `faster` converts only the
-    Linears where FP8 is faster, `all` every eligible one), where this TrainConfig has the field;
-    without it every eligible Linear converts, and a run asked for `all` repeats `faster`'s."""
-    from nanochat.config import TrainConfig
-
-    return {"fp8_layers": policy} if "fp8_layers" in {f.name for f in dataclasses.fields(TrainConfig)} else {}
-
-
 def trainer_kwargs(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -> dict:
     kw = dict(model_name=model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=batch_size,
               num_iterations=cfg.steps, warmup_steps=2, eval_every=0, eval_tokens=cfg.seq_len * batch_size,
@@ -267,8 +267,10 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -
         r = trainer.train()
     bulky = ("samples", "fp8_stats", "fp8_converted", "fp8_skipped")
     figures = {k: v for k, v in r.to_dict().items() if k not in bulky}
+    report = trainer.fp8.report
     figures.update(settings=over, model=model, batch_size=batch_size, fp8_converted_layers=len(r.fp8_converted),
                    fp8_skipped_layers=len(r.fp8_skipped), peak_gib=peak_gib(device),
+                   fp8_kept_by_policy=report.kept_by_layers if report is not None else None,
                    recompile_reasons=recompiles.reasons[:3], **graph_breaks())
     return trainer, figures
 
@@ -381,7 +383,7 @@ def job_env(cfg: GPUCheckConfig, findings: Findings) -> None:
 
         device = device_of(cfg)
         out = dict(python=platform.python_version(), torch=torch.__version__, torchao=torchao.__version__,
-                   cuda=torch.version.cuda, device=str(device), fp8_layers_field=bool(fp8_layers("all")))
+                   cuda=torch.version.cuda, device=str(device))
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(0)
             out.update(gpu=props.name, capability=list(torch.cuda.get_device_capability(0)),
@@ -416,33 +418,35 @@ def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
     """bf16 vs FP8 `faster` at --model, then at --big_model, then FP8 `all` at both: the default
-    policy's comparison first. --model's run with every eligible Linear in FP8 adds one profiled
-    step (`all`; `faster` where TrainConfig has no policy field and converts them all)."""
+    policy's comparison first. --model's `all` run adds one profiled step (GEMM kernels, device
+    reads). At a model where `faster` converted every eligible Linear, `all` is the same run and
+    is recorded as such, not repeated."""
     device = device_of(cfg)
-    models = {cfg.model: ("model", cfg.batch_size)}
-    models.setdefault(cfg.big_model, ("big", cfg.big_batch_size))  # the dry run's two are one preset
+    models = {cfg.model: ("model", cfg.batch_size, {})}
+    models.setdefault(cfg.big_model, ("big", cfg.big_batch_size, {"compile_scope": cfg.big_compile_scope}))
 
     def run(model: str, kind: str, profile: bool = False, **over) -> Callable[[], dict]:
         def go() -> dict:
-            trainer, figures = train(cfg, f"{model}-{kind}", model, models[model][1], **over)
-            figures["fp8_layers"] = over.get("fp8_layers", "not a TrainConfig field: every eligible Linear"
-                                             if over.get("fp8") else None)
+            _, batch_size, scope = models[model]
+            trainer, figures = train(cfg, f"{model}-{kind}", model, batch_size, **scope, **over)
             if profile:
                 figures.update(profile_step(trainer, device))
             return figures
         return go
 
-    policy = bool(fp8_layers("all"))
-    for model, (role, _) in models.items():
+    faster = {}
+    for model, (role, _, _) in models.items():
         findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], run(model, "bf16"))
-        findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"], run(
-            model, "fp8_faster", profile=role == "model" and not policy, fp8=True, **fp8_layers("faster")))
-    if not policy:
-        print("[gpu_check] train: no fp8_layers field in TrainConfig, so `all` would repeat `faster`: not run")
-        return
-    for model, (role, _) in models.items():
-        findings.measure(f"train/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8"],
-                         run(model, "fp8_all", profile=role == "model", fp8=True, **fp8_layers("all")))
+        faster[model] = findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"],
+                                         run(model, "fp8_faster", fp8=True, fp8_layers="faster"))
+    for model, (role, _, _) in models.items():
+        kept = (faster[model] or {}).get("fp8_kept_by_policy")
+        if kept == 0 and role != "model":
+            findings.put(f"train/{model}/fp8_all", {"same_as": "fp8_faster", "why": (
+                "--fp8_layers faster converted every eligible Linear, so `all` is the same run")})
+            continue
+        findings.measure(f"train/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8" + ("_all" if role == "model" else "")],
+                         run(model, "fp8_all", profile=role == "model", fp8=True, fp8_layers="all"))
 
 
 def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
@@ -511,7 +515,7 @@ def job_stats(cfg: GPUCheckConfig, findings: Findings) -> None:
     device = device_of(cfg)
 
     def stats() -> dict:
-        trainer, figures = train(cfg, "stats", cfg.model, cfg.batch_size, fp8=True, **fp8_layers("all"))
+        trainer, figures = train(cfg, "stats", cfg.model, cfg.batch_size, fp8=True, fp8_layers="all")
         period = trainer.config.fp8_stats_every
         # step s samples when (s + 1) % period == 0: warm up on one (its first eager run of the
         # model), then time steps period .. 2 period - 1
