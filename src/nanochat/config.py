@@ -165,11 +165,14 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
 
     resume: bool = False
     """Continue from the newest checkpoint in --run_dir (model, optimizer, step, RNG, data
-    position); it is verified against its checksum first."""
+    position); it is verified against its checksum first. A finished run, or one already past
+    --num_iterations, is refused: pass a larger --num_iterations to train on."""
 
     overwrite: bool = False
     """Start a fresh run in a --run_dir that already holds one: deletes its checkpoints,
-    metrics.jsonl and result.json first. Without it (or --resume) such a directory is refused."""
+    metrics.jsonl and result.json first (a checkpoint nanochat cannot tell it wrote, e.g. one
+    without its manifest, is refused, never deleted). Without it (or --resume) such a directory
+    is refused."""
 
     keep_checkpoints: int = 2
     """Keep the newest N checkpoints (DCP step directories in distributed runs; older ones are
