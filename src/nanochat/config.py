@@ -322,7 +322,11 @@ class TokTrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     standard-library sources."""
 
     tokenizer_dir: str = "runs/tokenizer"
-    """Directory to write the tokenizer to."""
+    """Directory to write the tokenizer to. One that already holds a tokenizer is refused without
+    --overwrite; a run's own tokenizer/ (next to its checkpoints) always."""
+
+    overwrite: bool = False
+    """Replace the tokenizer already in --tokenizer_dir (never a run's)."""
 
     vocab_size: int = 4096
     """Vocabulary size including the 256 byte tokens and the special tokens."""
