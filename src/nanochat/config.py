@@ -349,7 +349,12 @@ class ExportConfig:
     """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
 
     out_dir: str
-    """Directory to write config.json, model.safetensors and the tokenizer files to."""
+    """Directory to write config.json, model.safetensors and the tokenizer files to. It must be
+    new or empty, unless --overwrite."""
+
+    overwrite: bool = False
+    """Replace a non-empty --out_dir whole, once the export is complete (never the model or run
+    the export reads from)."""
 
     run_dir: str | None = None
     """A training run directory (its newest checkpoint and tokenizer/) to export."""
