@@ -8,8 +8,10 @@ always plain fp32, FP8 training or not. The tokenizer files are the run's, with 
 the records were rendered with (`chat_template.jinja`; the plain format for a base model), so
 `AutoTokenizer.apply_chat_template` writes the text the model was fine-tuned on. Only
 Llama-family models (loaded from a Hugging Face checkpoint, then trained) can be exported; see
-nanochat/hf.py for why presets cannot. Errors are one `error:` line (exit 2: bad flags or
-input; 1: e.g. a corrupt checkpoint); `--debug` adds the traceback.
+nanochat/hf.py for why presets cannot. A non-empty --out_dir is refused unless --overwrite, which
+replaces it whole once the export is complete (never the run or the model it reads from). Errors
+are one `error:` line (exit 2: bad flags or input; 1: e.g. a corrupt checkpoint); `--debug` adds
+the traceback.
 """
 
 import sys
@@ -17,7 +19,7 @@ import sys
 from nanochat.checkpoint import load_checkpoint
 from nanochat.common import UsageError, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
-from nanochat.hf import export_hf, load_hf_model, model_from_state_dict, resolve_model
+from nanochat.hf import check_export_dir, export_hf, load_hf_model, model_from_state_dict, resolve_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,11 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 def export(cfg: ExportConfig) -> int:
     setup_logging()
     if cfg.run_dir is not None:
-        try:
-            import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
-        except ImportError:
-            pass
-        ckpt = load_checkpoint(cfg.run_dir)
+        check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
+        ckpt = load_checkpoint(cfg.run_dir, keys=("model", "config.model_name"), mmap=True)
+        # export_hf protects the model the run fine-tuned too
+        sources = [cfg.run_dir, resolve_model(ckpt["config"]["model_name"]).path]
         model, tokenizer = model_from_state_dict(ckpt["config"]["model_name"], ckpt["model"],
                                                  tokenizer_dir=f"{cfg.run_dir}/tokenizer")
     else:
@@ -40,8 +41,10 @@ def export(cfg: ExportConfig) -> int:
         if resolved.kind != "hf":
             raise UsageError(f"--model_name {cfg.model_name!r} is a nanochat preset; only Hugging Face "
                              "models can be exported (see nanochat/hf.py)")
+        sources = [resolved.path]
+        check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
         model, tokenizer = load_hf_model(resolved.path)
-    out = export_hf(model, tokenizer, cfg.out_dir)
+    out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
     print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out}")
     return 0
 

@@ -3,8 +3,9 @@
 Thin entrypoint: parse flags into TokTrainConfig (tyro), load the corpus, train, save, print the
 vocabulary size, the compression on the validation split and the time. `base_train.py
 --tokenizer_dir DIR` loads the result; without that flag base_train trains and caches its own.
-Errors are one `error:` line (exit 2: bad flags or input; 1: e.g. a full disk); `--debug` adds
-the traceback.
+A DIR that already holds a tokenizer is refused before training unless --overwrite, and a run's
+own tokenizer/ always (its checkpoints were trained with it). Errors are one `error:` line (exit
+2: bad flags or input; 1: e.g. a full disk); `--debug` adds the traceback.
 """
 
 import dataclasses
@@ -24,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: TokTrainConfig) -> int:
     from nanochat.common import setup_logging
     from nanochat.data import load_corpus
-    from nanochat.tokenizer import Tokenizer, take_chars
+    from nanochat.tokenizer import Tokenizer, check_tokenizer_dir, take_chars
 
     setup_logging()
+    check_tokenizer_dir(cfg.tokenizer_dir, overwrite=cfg.overwrite)
     changed = [f.name for f in dataclasses.fields(FP8Flags) if getattr(cfg, f.name) != getattr(FP8Flags(), f.name)]
     if changed:
         print(f"note: {', '.join('--' + n for n in changed)} do not apply to tokenizer training "
@@ -37,7 +39,7 @@ def train(cfg: TokTrainConfig) -> int:
     t0 = time.perf_counter()
     tok = Tokenizer.train(take_chars(corpus.train_docs, cfg.max_chars), cfg.vocab_size)
     train_s = time.perf_counter() - t0
-    tok.save(cfg.tokenizer_dir)
+    tok.save(cfg.tokenizer_dir, overwrite=cfg.overwrite)
 
     n_chars = min(cfg.max_chars, sum(len(d) for d in corpus.train_docs))
     val_bytes = sum(len(d.encode("utf-8")) for d in corpus.val_docs)

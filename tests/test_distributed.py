@@ -20,12 +20,14 @@ What is checked against what:
   so the decisions cannot differ between ranks).
 - DCP checkpoints are verified: every step directory has a manifest hashing all its files, the
   newest --keep_checkpoints steps are kept; at 2 ranks a flipped byte in a shard is refused at
-  resume on every rank (naming the file and the previous step), and a step left without a
-  manifest (an interrupted save) is removed and the run resumes from the previous step with the
-  uninterrupted run's losses.
+  resume on every rank (naming the file and the previous step), and the temporary directory of
+  a killed save is removed and the run resumes from the previous step with the uninterrupted
+  run's losses.
 - Without processes: DCP save/load round trip in one process is bitwise; an interrupted save
-  leaves the previous checkpoint loadable and is cleaned; a flipped byte is refused;
-  --fsdp in one process is a recorded fallback.
+  leaves the previous checkpoint loadable, its temporary directory is removed while a step
+  directory nanochat did not commit is kept (and --overwrite's removal keeps it too); a flipped
+  byte is refused; a NaN weight is named, and passed over by the last good finite step; --fsdp
+  in one process is a recorded fallback.
 
 The fast multi-process runs share one torchrun launch (`_worker` below, this file run as
 a script): on 2 shared cores each launch costs ~10 s of startup.
@@ -278,9 +280,9 @@ def test_dcp_keeps_the_newest_steps_each_with_a_manifest(two_ranks, single):
 
 def test_damaged_or_interrupted_dcp_step_at_resume(two_ranks, single, tmp_path, cache):
     """At 2 ranks, from copies of the "kept" run (steps 6 and 8): a flipped byte in rank 1's shard
-    of step 8 is refused on every rank, naming the file and step 6; a step 8 without its manifest
-    (a save killed after the shards: LATEST still names step 6) is removed at the start, and the
-    run resumes from step 6 with the uninterrupted run's losses."""
+    of step 8 is refused on every rank, naming the file and step 6; step 8's temporary directory
+    without its manifest (a save killed after the shards: LATEST still names step 6) is removed at
+    the start, and the run resumes from step 6 with the uninterrupted run's losses."""
     from nanochat.distributed import MANIFEST_NAME
 
     cfg = json.loads((two_ranks["kept"] / "config.json").read_text())
@@ -288,6 +290,7 @@ def test_damaged_or_interrupted_dcp_step_at_resume(two_ranks, single, tmp_path, 
     for name in ("flipped", "interrupted"):
         shutil.copytree(two_ranks["kept"], tmp_path / name)
         runs[name] = {**cfg, "run_dir": str(tmp_path / name), "resume": True}
+    runs["flipped"]["num_iterations"] = STEPS + 2  # the run finished at step 8: extended, it reads step 8
     shard = tmp_path / "flipped" / "checkpoint_dcp" / "step-000008" / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -295,6 +298,7 @@ def test_damaged_or_interrupted_dcp_step_at_resume(two_ranks, single, tmp_path, 
     cut = tmp_path / "interrupted" / "checkpoint_dcp"
     (cut / "step-000008" / MANIFEST_NAME).unlink()
     (cut / "step-000008" / "stale").write_text("")
+    (cut / "step-000008").rename(cut / ".tmp-step-000008-4242-0badc0de")  # the save's own directory
     (cut / "LATEST").write_text(json.dumps({"dir": "step-000006", "step": 6}))
     _torchrun(2, [dict(name="flipped", expect_error=True, kwargs=runs["flipped"]),
                   dict(name="interrupted", kwargs=runs["interrupted"])], cache)
@@ -423,12 +427,23 @@ def test_interrupted_dcp_save_keeps_the_previous_checkpoint(tmp_path, monkeypatc
     assert distributed.load_dcp(latest, fresh, fresh_opt)["step"] == 1
     got = _flat_state(fresh, fresh_opt)
     assert all(torch.equal(got[k], saved[k]) for k in saved)
-    # the killed save left its shards without a manifest: uncommitted, removed at the next start
-    assert [p.name for p in distributed.clean_interrupted_dcp(tmp_path)] == ["step-000002"]
+    root = distributed.dcp_root(tmp_path)
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000001"]  # its own temporary removed
+    # what a kill -9 at that instant leaves: the temporary directory of the save, shards written
+    killed = root / ".tmp-step-000002-4242-0badc0de"
+    shutil.copytree(latest, killed)
+    (killed / distributed.MANIFEST_NAME).unlink()
+    foreign = root / "step-000005"  # a step directory nanochat did not commit (no manifest)
+    shutil.copytree(killed, foreign)
+    notes = distributed.clean_interrupted_dcp(tmp_path)
+    assert not killed.exists() and foreign.is_dir() and len(notes) == 2, notes
+    assert "removed" in notes[0] and "step-000005 alone" in notes[1], notes
+    assert [f.split(" ")[0] for f in distributed.foreign_dcp(tmp_path)] == ["checkpoint_dcp/step-000005"]
     distributed.save_dcp(tmp_path, model, opt, step=2, meta={})
     distributed.save_dcp(tmp_path, model, opt, step=3, meta={}, keep=2)
-    assert sorted(p.name for p in distributed.dcp_root(tmp_path).iterdir()) == [
-        "LATEST", "step-000002", "step-000003"]
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000002", "step-000003", "step-000005"]
+    distributed.remove_dcp(tmp_path)  # --overwrite: the committed steps go, the foreign one stays
+    assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000005"]
 
 
 def test_dcp_flipped_byte_is_refused_naming_the_file_and_the_previous_step(tmp_path):
@@ -452,6 +467,24 @@ def test_dcp_flipped_byte_is_refused_naming_the_file_and_the_previous_step(tmp_p
     shutil.rmtree(latest)  # the fix the message gives: the previous step is the latest again
     assert distributed.latest_dcp(tmp_path).name == "step-000001"
     assert distributed.load_dcp(distributed.latest_dcp(tmp_path), fresh, fresh_opt)["step"] == 1
+
+
+def test_dcp_nonfinite_names_the_tensor_and_the_good_step_skips_it(tmp_path):
+    """A NaN weight saved at step 2 (FP8 moments in both steps): dcp_nonfinite names it, read one
+    tensor at a time, and the last good step that is also finite is step 1."""
+    from nanochat import distributed
+
+    model, opt = _tiny_model_and_optimizer(0)
+    for step in (1, 2):
+        _train_steps(model, opt, 1)
+        if step == 2:
+            with torch.no_grad():
+                model.lm_head.weight[0, 0] = float("nan")
+        distributed.save_dcp(tmp_path, model, opt, step=step, meta={})
+    latest = distributed.latest_dcp(tmp_path)
+    assert distributed.dcp_nonfinite(latest) == ["model.lm_head.weight"]
+    assert distributed.last_good_dcp(tmp_path) == latest
+    assert distributed.last_good_dcp(tmp_path, finite=True).name == "step-000001"
 
 
 def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):

@@ -2,13 +2,22 @@
 
 - kill -9 at seeded random points of training and of saving (mid-write, between the file's and
   its manifest's rename), in a subprocess: `--resume` continues from a complete checkpoint and
-  the run's losses, its final weights and metrics.jsonl (each step once) equal an uninterrupted
-  run's bit for bit (the same eager CPU code runs in both, so equality is exact);
+  the run's losses, its final weights, metrics.jsonl (each step once) and result.json's train
+  loss equal an uninterrupted run's bit for bit (the same eager CPU code runs in both, so
+  equality is exact);
 - flipped bytes in the newest checkpoint are refused naming it and the previous good one, which
   then resumes; a NaN written into a weight is never saved, and the stop names a checkpoint that
-  verifies and is finite; a write failing with ENOSPC leaves the previous checkpoint intact;
-- a run directory holding a run is refused without --resume/--overwrite (its bytes unchanged);
-  the last checkpoint is written before the final evaluation, so a failure there keeps it;
+  verifies and is finite (one with a NaN under a valid manifest is passed over, and --resume
+  refuses it); metrics.jsonl is strict JSON (a skipped step's loss is null); a write failing
+  with ENOSPC leaves the previous checkpoint intact;
+- nothing nanochat cannot prove it wrote is deleted or overwritten (the directory's bytes before
+  and after are the reference): a run directory holding a run is refused without
+  --resume/--overwrite; a .pt without its manifest is refused by a fresh start and --overwrite,
+  and as the newest checkpoint by --resume; a checkpoint planted under another step's name is
+  refused; a second process on a run directory is refused (the lock dies with its holder, kill
+  -9 included); resuming a finished run, or below its step, is refused;
+- the last checkpoint is written before the final evaluation, so a failure there keeps it, and
+  also when the last step was skipped;
 - user and environment errors exit 2 (usage) or 1 (runtime) with one `error:` line naming the
   file or flag, and no traceback (`--debug` shows it); checks that need no training fail before
   the first step (no metrics written).
@@ -31,6 +40,7 @@ import torch
 from nanochat import checkpoint
 from nanochat.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nanochat.common import NanoChatError, UsageError
+from nanochat.runlock import LOCK_NAME
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
@@ -38,6 +48,15 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 8, 2
 WRITES_PER_SAVE = 319
 """torch.save's write calls for one d2 checkpoint (counted); a mid-write kill picks one of them."""
+
+
+@pytest.fixture(autouse=True)
+def _log_to_this_tests_stderr():
+    """setup_logging binds its handler to the sys.stderr of its first call, and capsys replaces
+    sys.stderr per test: each test starts unbound, whichever test ran first."""
+    from nanochat.common import logger
+
+    logger.handlers.clear()
 
 
 def _kw(corpus, run_dir, **over):
@@ -51,6 +70,11 @@ def _records(run_dir: Path) -> list[dict]:
 
 def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+
+
+def _contents(d: Path) -> dict[str, bytes]:
+    """Every file under `d` and its bytes, but the run lock's (each start records its pid there)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file() and p.name != LOCK_NAME}
 
 
 def _script(name: str):
@@ -84,11 +108,11 @@ def _cli(capsys, kw: dict, *extra: str, script: str = "base_train") -> tuple[int
 
 @pytest.fixture(scope="module")
 def reference(small_corpus, tmp_path_factory):
-    """The uninterrupted run: its losses and final weights."""
+    """The uninterrupted run: its losses, final weights and reported train loss."""
     run_dir = tmp_path_factory.mktemp("faults") / "full"
     trainer = NanoChatTrainer(**_kw(small_corpus, run_dir))
-    trainer.train()
-    return _losses(run_dir), {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    result = trainer.train()
+    return _losses(run_dir), {k: v.clone() for k, v in trainer.model.state_dict().items()}, result.train_loss
 
 
 # A child that trains and SIGKILLs itself at a chosen point (deterministic per seed).
@@ -150,7 +174,7 @@ def _kill_point(seed: int) -> tuple[str, int, int]:
 # evaluation runs in between)
 @pytest.mark.parametrize("point", [_kill_point(seed) for seed in range(5)] + [("step", 0, STEPS)], ids=str)
 def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, reference, point):
-    ref_losses, ref_weights = reference
+    ref_losses, ref_weights, ref_train_loss = reference
     run_dir = tmp_path / "cut"
     kw = _kw(small_corpus, run_dir)
     r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kw), point[0], str(point[1]), str(point[2])],
@@ -162,6 +186,10 @@ def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, refere
 
     trainer = NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True))
     trainer.train()
+    # result.json reports what the uninterrupted run did (the last losses: the same floats summed
+    # in the same order), also when the kill left no step to run, and is strict JSON
+    result = json.loads((run_dir / "result.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert result["train_loss"] == ref_train_loss and result["tokens_per_sec"] > 0, (point, result)
     steps = [rec["step"] for rec in _records(run_dir) if "loss" in rec]
     assert steps == list(range(1, STEPS + 1)), (point, steps)  # each step logged once, in order
     assert _losses(run_dir) == ref_losses, point
@@ -175,7 +203,7 @@ def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, refere
 
 def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
     """A SIGKILL from outside at a random instant (wherever it lands: setup, a step, a save)."""
-    ref_losses, _ = reference
+    ref_losses, _, _ = reference
     run_dir = tmp_path / "cut"
     kw = _kw(small_corpus, run_dir)
     proc = subprocess.Popen([sys.executable, "-c", "import json, sys\nfrom nanochat.trainer import "
@@ -203,7 +231,7 @@ def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_co
     for i in range(len(data) // 3, len(data) // 3 + 200):
         data[i] ^= 0xFF
     newest.path.write_bytes(bytes(data))
-    code, errors = _cli(capsys, {**kw, "resume": True})
+    code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": STEPS + 2})  # the run finished: extend it
     assert code == 1 and len(errors) == 1, errors
     assert "checkpoint-000008.pt is not usable" in errors[0] and "sha256" in errors[0]
     assert "checkpoint-000006.pt (step 6) verifies" in errors[0]
@@ -228,7 +256,7 @@ def test_damaged_checkpoint_is_one_error_line(small_corpus, tmp_path, capsys, da
         path.write_bytes(bytes(size))
     else:
         torch.save({"weights": torch.ones(3)}, path)
-    code, errors = _cli(capsys, {**kw, "resume": True})
+    code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": 3})
     assert code == 1 and len(errors) == 1 and "checkpoint-000002.pt is not usable" in errors[0], errors
 
 
@@ -288,10 +316,10 @@ def test_a_run_directory_is_never_clobbered(small_corpus, tmp_path, capsys):
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir, num_iterations=2)
     NanoChatTrainer(**kw).train()
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    before = _contents(run_dir)
     code, errors = _cli(capsys, kw)
     assert code == 2 and len(errors) == 1 and "--resume" in errors[0] and "--overwrite" in errors[0], errors
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert _contents(run_dir) == before
     code, _ = _cli(capsys, {**kw, "num_iterations": 4}, "--overwrite")
     assert code == 0
     assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
@@ -427,3 +455,173 @@ def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys)
     code, errors = _cli(capsys, {"dataset_path": str(small_corpus), "vocab_size": 300,
                                  "tokenizer_dir": str(blocker / "tok")}, script="tok_train")
     assert code == 2 and len(errors) == 1 and str(blocker) in errors[0], errors
+
+
+# ------------------------------------------------------- what nanochat cannot prove it wrote
+def test_a_checkpoint_without_its_manifest_is_never_deleted(small_corpus, tmp_path, capsys):
+    """A copied-in .pt without its manifest: a fresh start and --overwrite are refused, naming it;
+    its bytes stay (old nanochat deleted it as "left by an interrupted save")."""
+    src = tmp_path / "src"
+    NanoChatTrainer(**_kw(small_corpus, src, num_iterations=6)).train()
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "checkpoint-000006.pt").write_bytes((src / "checkpoint-000006.pt").read_bytes())
+    before = _contents(d)
+    kw = _kw(small_corpus, d, num_iterations=2)
+    for extra in ((), ("--overwrite",)):
+        code, errors = _cli(capsys, kw, *extra)
+        assert code == 2 and len(errors) == 1 and "checkpoint-000006.pt" in errors[0], (extra, errors)
+        assert _contents(d) == before, extra
+    assert "move them out" in errors[0]  # --overwrite deletes only checkpoints it can tell it wrote
+
+
+def test_resume_refuses_a_newest_checkpoint_without_manifest(small_corpus, tmp_path, capsys):
+    """The newest checkpoint's manifest deleted: --resume refuses (naming it and step 6) instead
+    of deleting it and silently resuming two steps back; nothing in the directory changes."""
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir)
+    NanoChatTrainer(**kw).train()
+    (run_dir / "checkpoint-000008.json").unlink()
+    before = _contents(run_dir)
+    code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": STEPS + 2})
+    assert code == 2 and len(errors) == 1, errors
+    assert "checkpoint-000008.pt has no manifest" in errors[0] and "continue from step 6" in errors[0], errors
+    assert _contents(run_dir) == before
+
+
+def test_a_planted_checkpoint_is_refused_and_nothing_rotated(small_corpus, tmp_path, capsys):
+    """checkpoint-000010.pt (+ manifest) holding step 2: --resume refuses it, one line, and the
+    real checkpoints survive (old nanochat resumed at step 2 and rotated steps 6 and 8 away)."""
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir, keep_checkpoints=3)
+    NanoChatTrainer(**kw).train()
+    for suffix in (".pt", ".json"):
+        (run_dir / f"checkpoint-000010{suffix}").write_bytes((run_dir / f"checkpoint-000004{suffix}").read_bytes())
+    before = _contents(run_dir)
+    code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": 12})
+    assert code == 1 and len(errors) == 1, errors
+    assert "checkpoint-000010.pt is not usable" in errors[0] and "checkpoint-000004.pt (step 4)" in errors[0], errors
+    assert _contents(run_dir) == before
+
+
+def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_corpus, tmp_path, capsys):
+    """The lock taken as the trainer takes it, by another process: a start is refused with its
+    pid (exit 2, nothing written); after kill -9 of the holder the kernel has released the
+    lock, and a start succeeds."""
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import runlock\n"
+                               "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
+                               str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        kw = _kw(small_corpus, run_dir, num_iterations=2)
+        code, errors = _cli(capsys, kw)
+        assert code == 2 and len(errors) == 1, errors
+        assert f"is in use by another nanochat process (pid {holder.pid} on " in errors[0], errors
+        assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    code, errors = _cli(capsys, kw)
+    assert code == 0 and [c.step for c in list_checkpoints(run_dir)] == [2], errors
+
+
+def test_resuming_a_finished_run_or_below_its_step_is_refused(small_corpus, tmp_path, capsys):
+    """Both would train nothing: refused before any work, result.json and metrics.jsonl unchanged
+    (old nanochat rewrote result.json with a nan train loss and nan tokens/s)."""
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir)
+    NanoChatTrainer(**kw).train()
+    before = _contents(run_dir)
+    code, errors = _cli(capsys, {**kw, "resume": True})
+    assert code == 2 and len(errors) == 1 and "already finished at step 8 (its result.json)" in errors[0], errors
+    code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": 6})
+    assert code == 2 and len(errors) == 1, errors
+    assert "already at step 8" in errors[0] and "--num_iterations 6 would train nothing" in errors[0], errors
+    assert _contents(run_dir) == before
+    code, _ = _cli(capsys, {**kw, "resume": True, "num_iterations": 10})  # extending it is what resume is for
+    result = json.loads((run_dir / "result.json").read_text())
+    assert code == 0 and result["steps"] == 10 and result["train_loss"] > 0 and result["tokens_per_sec"] > 0
+
+
+class PlantedNaN(NaNWriter):
+    """After the step-4 save, rewrites checkpoint 4 with a NaN weight (a valid manifest around
+    it), then poisons the weights so that later steps are skipped and the run stops."""
+
+    def _save(self, step, record=None):
+        super()._save(step, record)
+        if step == 4:
+            payload = load_checkpoint(self.run_dir)
+            payload["model"]["lm_head.weight"][0, 0] = float("nan")
+            payload.pop("format_version")
+            checkpoint.save_checkpoint(self.run_dir, payload, keep=5)
+
+
+def test_the_stop_names_a_checkpoint_that_is_finite_and_resume_refuses_nan(small_corpus, tmp_path, capsys):
+    PlantedNaN.at = 5
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir, fp8_max_overflows=3, num_iterations=20)
+    with pytest.raises(NanoChatError, match=r"stopping at step 8.*checkpoint-000002\.pt \(step 2, verified, finite\)"):
+        PlantedNaN(**kw).train()
+    # metrics.jsonl is strict JSON: the skipped steps' non-finite losses are null, the field kept
+    strict = [json.loads(l, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+              for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r for r in strict if r.get("skipped")]
+    assert [r["step"] for r in skipped] == [6, 7] and all("loss" in r and r["loss"] is None for r in skipped)
+    before = _contents(run_dir)
+    code, errors = _cli(capsys, {**kw, "resume": True})
+    assert code == 1 and len(errors) == 1, errors
+    assert "checkpoint-000004.pt holds inf/nan (1 of" in errors[0] and "lm_head.weight" in errors[0], errors
+    assert _contents(run_dir) == before
+
+
+class SkipLastStep(NanoChatTrainer):
+    """An infinite gradient in the last step: the step is skipped, the weights stay as they were."""
+
+    def _setup(self):
+        super()._setup()
+        calls = {"n": 0}
+
+        def hook(grad):
+            calls["n"] += 1
+            return grad * float("inf") if calls["n"] == self.total_steps else grad
+
+        self.model.lm_head.weight.register_hook(hook)
+
+
+def test_a_skipped_last_step_still_ends_with_a_final_checkpoint(small_corpus, tmp_path):
+    run_dir = tmp_path / "r"
+    trainer = SkipLastStep(**_kw(small_corpus, run_dir, save_every=0))
+    trainer.train()
+    assert [r["step"] for r in _records(run_dir) if r.get("skipped")] == [STEPS]
+    assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]
+    saved = load_checkpoint(run_dir)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items())
+
+
+@pytest.mark.parametrize("drop", ["config", "data"])
+def test_a_checkpoint_lacking_keys_is_one_line_on_resume(small_corpus, tmp_path, capsys, drop):
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir, num_iterations=2)
+    NanoChatTrainer(**kw).train()
+    payload = load_checkpoint(run_dir)
+    del payload[drop], payload["format_version"]
+    checkpoint.save_checkpoint(run_dir, payload)  # a manifest that verifies
+    code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": 3})
+    assert code == 1 and len(errors) == 1 and f"lacks '{drop}'" in errors[0], errors
+
+
+def test_a_fresh_run_never_replaces_another_tokenizer_in_its_run_dir(small_corpus, tmp_path, capsys):
+    from nanochat.tokenizer import Tokenizer
+
+    run_dir = tmp_path / "r"
+    Tokenizer.train([(small_corpus / "heapq.py").read_text()], 270).save(run_dir / "tokenizer")
+    before = _contents(run_dir)
+    kw = _kw(small_corpus, run_dir, num_iterations=2)
+    code, errors = _cli(capsys, kw)
+    assert code == 2 and len(errors) == 1 and "already holds a tokenizer" in errors[0], errors
+    assert _contents(run_dir) == before and not (run_dir / "metrics.jsonl").exists()
+    code, _ = _cli(capsys, kw, "--overwrite")
+    assert code == 0 and Tokenizer.load(run_dir / "tokenizer").vocab_size == 320

@@ -24,7 +24,8 @@
   lm_head), its FP8 forward stays close to transformers' (SQNR > 10 dB; measured 13.6 dB with
   the deliberately large test weights) and its export carries the untouched fp32 weights.
 - scripts/export_hf.py on a run checkpoint (with torch.compile key prefixes) reloads in
-  transformers with our logits (TOL).
+  transformers with our logits (TOL); a non-empty --out_dir is refused (its bytes unchanged)
+  unless --overwrite, which replaces it whole, and never the run's base model or run directory.
 """
 
 import hashlib
@@ -502,6 +503,65 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)
     with pytest.raises(ValueError, match="'d4' is a nanochat preset"):
         model_from_state_dict("d4", {})
+
+
+def _contents(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_export_refuses_a_non_empty_out_dir_and_replaces_it_whole(saved, tmp_path, capsys):
+    """A previous export's shards and index in --out_dir: refused without --overwrite (its bytes
+    unchanged); with it, replaced whole (no shard or index left, which a loader would prefer),
+    and transformers reloads the run's weights (logits within TOL). --overwrite of the run's own
+    base model directory, or of a directory holding the run, is refused before any work."""
+    import importlib.util
+
+    from nanochat.checkpoint import save_checkpoint
+    from nanochat.common import logger
+
+    logger.handlers.clear()  # log to this test's stderr (capsys replaces it per test)
+    spec = importlib.util.spec_from_file_location("export_hf", Path(__file__).parents[1] / "scripts" / "export_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    base = tmp_path / "base"  # a copy: a failing refusal must not damage the module's fixture
+    shutil.copytree(saved["qwen2_tied"][0], base)
+    model, tok = load_hf_model(base)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    run_dir = tmp_path / "work" / "run"
+    save_checkpoint(run_dir, {"model": model.state_dict(), "config": {"model_name": str(base)}, "step": 1})
+    tok.save(run_dir / "tokenizer")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"an earlier export's shard")
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+
+    def export(out_dir, *extra) -> tuple[int, list[str]]:
+        capsys.readouterr()
+        code = script.main(["--run_dir", str(run_dir), "--out_dir", str(out_dir), *extra])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        return code, [line for line in err.splitlines() if line.startswith("error:")]
+
+    before = _contents(out)
+    code, errors = export(out)
+    assert code == 2 and len(errors) == 1 and "is not empty" in errors[0] and "--overwrite" in errors[0], errors
+    assert _contents(out) == before
+    for protected, what in ((base, "is"), (tmp_path / "work", "contains")):
+        kept = _contents(protected)
+        code, errors = export(protected, "--overwrite")
+        named = protected if what == "is" else run_dir
+        assert code == 2 and len(errors) == 1 and f"{what} {named}" in errors[0], errors
+        assert _contents(protected) == kept
+    code, errors = export(out, "--overwrite")
+    assert code == 0, errors
+    assert "model.safetensors" in _contents(out) and not any(n.startswith("model-0") or n.endswith("index.json")
+                                                             for n in _contents(out))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)
 
 
 def test_trainer_fine_tunes_a_local_hf_model_with_fp8(saved, small_corpus, tmp_path):

@@ -3,7 +3,8 @@
 References: the source run's checkpoint (the new run's model holds its weights bit for bit, from a
 .pt checkpoint and from a DCP directory), the source's own final validation loss (the new run's
 step-0 evaluation runs the same code on the same weights and tokens: equal), and errors that
-name the fix before any training.
+name the fix before any training: one line each through the CLI for a source checkpoint that is
+a pickle payload, one lacking keys, and a newest one without its manifest.
 """
 
 import json
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from nanochat import distributed
-from nanochat.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nanochat.checkpoint import file_sha256, latest_checkpoint, load_checkpoint, save_checkpoint
 from nanochat.common import NanoChatError, UsageError
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
@@ -113,3 +114,56 @@ def test_bad_sources_are_refused_before_training(small_corpus, tmp_path, source)
     with pytest.raises(NanoChatError, match="not usable"):
         NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "ft", init_from=str(src), num_samples=0)).train()
     assert not (tmp_path / "ft" / "metrics.jsonl").exists()  # nothing trained, nothing written
+
+
+class _Payload:  # any class: unpickling it would run code of the file's choosing
+    pass
+
+
+def _cli(capsys, kw: dict) -> tuple[int, list[str]]:
+    """scripts/base_train.py in this process: (exit status, its error lines); never a traceback."""
+    import importlib.util
+    from pathlib import Path
+
+    from nanochat.common import logger
+
+    logger.handlers.clear()  # log to this test's stderr (capsys replaces it per test)
+    spec = importlib.util.spec_from_file_location("base_train", Path(__file__).parents[1] / "scripts" / "base_train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = [a for k, v in kw.items() for a in ((f"--{k}",) if v is True else () if v is False else (f"--{k}", str(v)))]
+    capsys.readouterr()
+    code = module.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-2000:]
+    return code, [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def test_unloadable_or_incomplete_sources_are_one_line(small_corpus, tmp_path, source, capsys):
+    """The source's newest checkpoint as a pickle payload (a manifest that verifies), then as a
+    checkpoint lacking its config, then without its manifest: one error line each, naming why,
+    never torch's advice to unpickle, never a silent fall back to an older checkpoint."""
+    src, _ = source
+    newest = latest_checkpoint(src)
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "ft", init_from=str(src), num_samples=0, num_iterations=2)
+
+    torch.save({"format_version": 1, "step": newest.step, "model": _Payload()}, newest.path)
+    sha, size = file_sha256(newest.path)
+    newest.manifest.write_text(json.dumps({"file": newest.path.name, "sha256": sha, "bytes": size,
+                                           "step": newest.step}))
+    code, errors = _cli(capsys, kw)
+    assert code == 1 and len(errors) == 1, errors
+    assert ("is not a nanochat checkpoint (it needs unpickling of arbitrary objects, which nanochat never does)"
+            in errors[0] and "weights_only" not in errors[0]), errors
+
+    payload = {"format_version": 1, "step": newest.step, "model": {"w": torch.ones(2)}}
+    newest.path.unlink()
+    save_checkpoint(src, payload)
+    code, errors = _cli(capsys, kw)
+    assert code == 1 and len(errors) == 1 and "lacks 'config', 'tokenizer_fingerprint'" in errors[0], errors
+
+    newest.manifest.unlink()
+    code, errors = _cli(capsys, kw)
+    assert code == 2 and len(errors) == 1, errors
+    assert "--init_from: the newest checkpoint" in errors[0] and "has no manifest" in errors[0], errors
+    assert not (tmp_path / "ft" / "metrics.jsonl").exists()

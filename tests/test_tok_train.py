@@ -4,10 +4,12 @@ other cases in-process through its `main(argv)` (an interpreter start costs seco
 Checked against: the saved directory (it must load with Tokenizer.load and have the vocabulary
 size asked for), the printed report (vocab, compression, fingerprint), the one-line FP8 note
 exactly when an FP8 flag differs from its default, and exit status 2 with a message for an
-invalid flag value and for a bad --dataset_path.
+invalid flag value and for a bad --dataset_path; a --tokenizer_dir that holds a tokenizer is
+replaced only with --overwrite, a run's own never (its bytes before are the reference).
 """
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,3 +60,28 @@ def test_bad_values_exit_2(tmp_path, capsys):
     assert _main()(["--dataset_path", str(tmp_path / "missing"), "--tokenizer_dir", str(tmp_path / "t")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert not (tmp_path / "t").exists()
+
+
+def test_an_existing_tokenizer_is_replaced_only_with_overwrite_and_a_runs_never(small_corpus, tmp_path, capsys):
+    """The directory's files before and after are the reference: a refused call changes none."""
+    args = ["--dataset_path", str(small_corpus), "--vocab_size", "260"]
+    tok_dir = tmp_path / "t"
+    assert _main()([*args, "--tokenizer_dir", str(tok_dir)]) == 0
+    before = {p.name: p.read_bytes() for p in tok_dir.iterdir()}
+    capsys.readouterr()
+    assert _main()([*args[:2], "--vocab_size", "270", "--tokenizer_dir", str(tok_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a tokenizer" in err and "--overwrite" in err and "Traceback" not in err, err
+    assert {p.name: p.read_bytes() for p in tok_dir.iterdir()} == before
+    assert _main()([*args[:2], "--vocab_size", "270", "--tokenizer_dir", str(tok_dir), "--overwrite"]) == 0
+    assert Tokenizer.load(tok_dir).vocab_size == 270
+
+    run_tok = tmp_path / "run" / "tokenizer"  # a run's own tokenizer, next to its metrics
+    shutil.copytree(tok_dir, run_tok)
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    before = {p.name: p.read_bytes() for p in run_tok.iterdir()}
+    capsys.readouterr()
+    assert _main()([*args, "--tokenizer_dir", str(run_tok), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"is the tokenizer of the run in {tmp_path / 'run'}" in err and "never replaced" in err, err
+    assert {p.name: p.read_bytes() for p in run_tok.iterdir()} == before

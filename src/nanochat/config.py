@@ -172,11 +172,14 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
 
     resume: bool = False
     """Continue from the newest checkpoint in --run_dir (model, optimizer, step, RNG, data
-    position); it is verified against its checksum first."""
+    position); it is verified against its checksum first. A finished run, or one already past
+    --num_iterations, is refused: pass a larger --num_iterations to train on."""
 
     overwrite: bool = False
     """Start a fresh run in a --run_dir that already holds one: deletes its checkpoints,
-    metrics.jsonl and result.json first. Without it (or --resume) such a directory is refused."""
+    metrics.jsonl and result.json first (a checkpoint nanochat cannot tell it wrote, e.g. one
+    without its manifest, is refused, never deleted). Without it (or --resume) such a directory
+    is refused."""
 
     keep_checkpoints: int = 2
     """Keep the newest N checkpoints (DCP step directories in distributed runs; older ones are
@@ -326,7 +329,11 @@ class TokTrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     standard-library sources."""
 
     tokenizer_dir: str = "runs/tokenizer"
-    """Directory to write the tokenizer to."""
+    """Directory to write the tokenizer to. One that already holds a tokenizer is refused without
+    --overwrite; a run's own tokenizer/ (next to its checkpoints) always."""
+
+    overwrite: bool = False
+    """Replace the tokenizer already in --tokenizer_dir (never a run's)."""
 
     vocab_size: int = 4096
     """Vocabulary size including the 256 byte tokens and the special tokens."""
@@ -349,7 +356,12 @@ class ExportConfig:
     """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
 
     out_dir: str
-    """Directory to write config.json, model.safetensors and the tokenizer files to."""
+    """Directory to write config.json, model.safetensors and the tokenizer files to. It must be
+    new or empty, unless --overwrite."""
+
+    overwrite: bool = False
+    """Replace a non-empty --out_dir whole, once the export is complete (never the model or run
+    the export reads from)."""
 
     run_dir: str | None = None
     """A training run directory (its newest checkpoint and tokenizer/) to export."""

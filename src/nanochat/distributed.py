@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import warnings
 from pathlib import Path
@@ -44,17 +45,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # private module in torch 2.11-2.13 (no public alias yet).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from nanochat.checkpoint import file_problem, file_sha256
+from nanochat import runlock
+from nanochat.checkpoint import DCP_DIRNAME, file_problem, file_sha256
 from nanochat.common import DistEnv, NanoChatError, dist_env, fsync_path, write_atomic
 
 if TYPE_CHECKING:
     from nanochat.fp8.config import FP8Config
 
-DCP_DIRNAME = "checkpoint_dcp"
 LATEST = "LATEST"
 META_NAME = "trainer.json"
 MANIFEST_NAME = "manifest.json"
 _STEP_DIR = re.compile(r"step-(\d+)(?:-(\d+))?")  # step-000200, or step-000200-2 for a re-save
+_OWN_TEMP = re.compile(r"\.tmp-step-\d+(?:-\d+)?-\d+-[0-9a-f]+")  # a save's directory until its commit
 
 _owns_process_group = False
 
@@ -269,22 +271,86 @@ def latest_dcp(run_dir: str | os.PathLike) -> Path | None:
     return committed[-1] if committed else None
 
 
-def clean_interrupted_dcp(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete what a killed save left: step directories without a manifest (and `.tmp-*` ones).
-    The directory LATEST names is kept even so: it was published, by a nanochat that wrote no
-    manifests, and resuming from it explains that it cannot be verified."""
+def uncommitted_dcp(run_dir: str | os.PathLike) -> list[Path]:
+    """Step directories without a manifest, oldest first: never loaded, never deleted. (The one
+    LATEST names is not among them: it was published, by a nanochat that wrote no manifests, and
+    resuming from it explains that it cannot be verified.)"""
     root = dcp_root(run_dir)
     if not root.is_dir():
         return []
     pointer = root / LATEST
     published = json.loads(pointer.read_text())["dir"] if pointer.is_file() else None
-    removed = []
-    for p in root.iterdir():
-        uncommitted = _STEP_DIR.fullmatch(p.name) and not (p / MANIFEST_NAME).is_file() and p.name != published
-        if p.is_dir() and (uncommitted or p.name.startswith(".tmp-")):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-    return removed
+    found = [p for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name) and p.is_dir()
+             and not (p / MANIFEST_NAME).is_file() and p.name != published]
+    return sorted(found, key=_order)
+
+
+def clean_interrupted_dcp(run_dir: str | os.PathLike) -> list[str]:
+    """Remove the temporary step directories killed saves left, under the run lock (runlock.py
+    says why that proves them ours); returns one line per directory for the log. Step directories
+    without a manifest and other temporaries are reported and left alone."""
+    root = dcp_root(run_dir)
+    if not root.is_dir():
+        return []
+    notes = []
+    with runlock.holding(run_dir):
+        for p in sorted(root.iterdir()):
+            if p.is_dir() and _OWN_TEMP.fullmatch(p.name):
+                shutil.rmtree(p)
+                notes.append(f"removed {p}, left by an interrupted save")
+            elif p.name.startswith(".tmp-"):
+                notes.append(f"left {p} alone: not a temporary name of this nanochat's saves; delete it if no "
+                             f"other program writes {run_dir}")
+        for p in uncommitted_dcp(run_dir):
+            notes.append(f"left {p} alone: it has no {MANIFEST_NAME}, so nanochat neither loads nor deletes it; "
+                         "restore its manifest or move it away")
+    return notes
+
+
+def _dcp_manifest_problem(path: Path) -> str | None:
+    """None when step directory `path`'s manifest describes it: its step, and exactly its files
+    with their sizes. Cheap (no file is read): what deleting a step directory requires."""
+    try:
+        manifest = json.loads((path / MANIFEST_NAME).read_text())
+        files = {name: int(e["bytes"]) for name, e in manifest["files"].items()}
+        step = int(manifest["step"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its {MANIFEST_NAME} is unreadable or missing ({type(e).__name__}: {e})"
+    if step != dcp_step(path):
+        return f"its manifest is of step {step}: it was renamed or copied under another step's name"
+    present = {f.name: f.stat().st_size for f in path.iterdir() if f.name != MANIFEST_NAME}
+    if present != files:
+        return "its files are not those its manifest lists (added, removed or resized)"
+    return None
+
+
+def foreign_dcp(run_dir: str | os.PathLike) -> list[str]:
+    """The DCP step directories nanochat cannot prove it wrote, each with the reason: what
+    --overwrite refuses to delete."""
+    root = dcp_root(run_dir)
+    steps = [p for p in root.glob("step-*") if _STEP_DIR.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
+    out = []
+    for p in sorted(steps, key=_order):
+        problem = _dcp_manifest_problem(p)
+        if problem is not None:
+            out.append(f"{DCP_DIRNAME}/{p.name} ({problem})")
+    return out
+
+
+def remove_dcp(run_dir: str | os.PathLike) -> None:
+    """Delete the DCP checkpoints of `run_dir` whose manifests describe them (manifest first, so
+    none is half-deleted), then LATEST and the directory once nothing else is left in it."""
+    root = dcp_root(run_dir)
+    if not root.is_dir():
+        return
+    with runlock.holding(run_dir):
+        for p in list_dcp(run_dir):
+            if _dcp_manifest_problem(p) is None:
+                (p / MANIFEST_NAME).unlink()
+                shutil.rmtree(p)
+        if not any(p.name != LATEST for p in root.iterdir()):
+            (root / LATEST).unlink(missing_ok=True)
+            root.rmdir()
 
 
 def _write_manifest(path: Path, step: int) -> None:
@@ -344,9 +410,29 @@ def verify_dcp(path: str | os.PathLike) -> None:
         raise NanoChatError(message)
 
 
-def last_good_dcp(run_dir: str | os.PathLike) -> Path | None:
-    """The newest DCP step directory whose files verify (this process reads them)."""
-    return next((p for p in reversed(list_dcp(run_dir)) if dcp_problem(p) is None), None)
+def last_good_dcp(run_dir: str | os.PathLike, *, finite: bool = False) -> Path | None:
+    """The newest DCP step directory whose files verify and, with `finite`, whose tensors hold no
+    inf/nan (this process reads them)."""
+    return next((p for p in reversed(list_dcp(run_dir))
+                 if dcp_problem(p) is None and not (finite and dcp_nonfinite(p))), None)
+
+
+def dcp_nonfinite(path: str | os.PathLike) -> list[str]:
+    """The tensors of step directory `path` (weights, optimizer states) that hold inf/nan, read
+    one at a time in this process (memory: the largest tensor, whatever the world size was)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    bad = []
+    for key, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or not md.properties.dtype.is_floating_point:
+            continue
+        one = {key: torch.empty(md.size, dtype=md.properties.dtype)}
+        with _single_process_quiet():
+            dcp.load(one, checkpoint_id=path, no_dist=True)
+        if not torch.isfinite(one[key]).all():
+            bad.append(key)
+    return bad
 
 
 def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -363,37 +449,62 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
     """Write model, optimizer, `tensors` (e.g. RNG states) and JSON `meta` as a DCP checkpoint,
     commit it with its manifest, point LATEST at it, and keep only the newest `keep` steps.
 
-    Collective: every rank calls it with the same step. Returns the step directory.
+    Collective: every rank calls it with the same step. Rank 0 holds the run lock meanwhile. The
+    ranks write into a temporary directory of rank 0's naming, which is renamed to its step's
+    name once its manifest is written: that rename is the commit. Returns the step directory.
     """
     import torch.distributed.checkpoint as dcp
 
     root = dcp_root(run_dir)
-    name, n = f"step-{step:06d}", 1
-    while (root / name).exists():  # this step saved before (a resumed run): never overwrite in place
-        n += 1
-        name = f"step-{step:06d}-{n}"
-    final = root / name
     rank0 = dist_env().rank == 0
-    barrier()  # every rank has chosen the name before rank 0 creates that directory
+    box: list[Any] = [None, None, None]  # rank 0's verdict: error or None, step directory, temporary one
     if rank0:
-        final.mkdir(parents=True)
-    barrier()
-    state = _state_dicts(model, optimizer)
-    state["extra"] = dict(tensors or {})
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=final, no_dist=not is_distributed())
-    barrier()  # every rank's shards are written before rank 0 hashes and commits them
-    if rank0:
-        (final / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
-        _fsync_tree(final)
-        _write_manifest(final, step)
-        fsync_path(final)
-        write_atomic(root / LATEST, json.dumps({"dir": name, "step": step}), fsync=True)
-        fsync_path(root)
-        for old in list_dcp(run_dir)[:-keep] if keep > 0 else []:
-            (old / MANIFEST_NAME).unlink(missing_ok=True)  # uncommit first: a kill midway leaves no half step
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            runlock.acquire(run_dir)
+        except (OSError, NanoChatError) as e:
+            box[0] = f"cannot save the DCP checkpoint of step {step} in {root}: {e}"
+        else:
+            name, n = f"step-{step:06d}", 1
+            while (root / name).exists():  # this step saved before (a resumed run): never overwrite it
+                n += 1
+                name = f"step-{step:06d}-{n}"
+            box[1:] = [name, f".tmp-{name}-{os.getpid()}-{secrets.token_hex(4)}"]
+    if is_distributed():
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise NanoChatError(box[0])
+    final, tmp = root / box[1], root / box[2]
+    try:
+        if rank0:
+            tmp.mkdir()
+        barrier()  # the directory exists before any rank writes into it
+        state = _state_dicts(model, optimizer)
+        state["extra"] = dict(tensors or {})
+        with _single_process_quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+        barrier()  # every rank's shards are written before rank 0 hashes and commits them
+        if rank0:
+            (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
+            _fsync_tree(tmp)
+            _write_manifest(tmp, step)
+            fsync_path(tmp)
+            os.rename(tmp, final)  # the commit (DCP's index names its files relative to the directory)
+            fsync_path(root)
+            write_atomic(root / LATEST, json.dumps({"dir": final.name, "step": step}), fsync=True)
+            fsync_path(root)
+            ours = [p for p in list_dcp(run_dir) if _dcp_manifest_problem(p) is None]  # counted, deletable
+            for old in ours[:-keep] if keep > 0 else []:
+                (old / MANIFEST_NAME).unlink()  # uncommit first: a kill midway leaves no half step
+                shutil.rmtree(old)
+        barrier()
+    except BaseException:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)  # ours, never committed
+        raise
+    finally:
+        if rank0:
+            runlock.release(run_dir)
     return final
 
 
@@ -546,7 +657,8 @@ __all__ = [
     "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
     "fp8_all_gather_problem", "full_copy",
-    "dcp_root", "dcp_step", "list_dcp", "latest_dcp", "clean_interrupted_dcp", "dcp_problem", "verify_dcp",
+    "dcp_root", "dcp_step", "list_dcp", "latest_dcp", "uncommitted_dcp", "clean_interrupted_dcp", "foreign_dcp",
+    "remove_dcp", "dcp_problem", "verify_dcp", "dcp_nonfinite",
     "last_good_dcp", "save_dcp", "load_dcp", "read_dcp_meta", "load_full_state_dicts",
     "DCP_DIRNAME", "LATEST", "MANIFEST_NAME",
 ]

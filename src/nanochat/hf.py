@@ -23,6 +23,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
+import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -641,11 +644,40 @@ def model_from_state_dict(model_name: str, state_dict: dict[str, torch.Tensor],
     return model, HFTokenizer.load(tok_dir)
 
 
+def check_export_dir(out_dir: str | os.PathLike, *, overwrite: bool,
+                     sources: Iterable[str | os.PathLike | None] = ()) -> None:
+    """Raise a UsageError, before any work, when exporting to `out_dir` would lose something: it
+    is not empty (without `overwrite`: a previous export's shards would be left next to the new
+    files, and loaders prefer a sharded index), or `overwrite` would delete one of `sources`, the
+    directories the export reads from (the run, its base model)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out_dir {out} is a file; give a directory (new or empty)")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if not overwrite:
+        raise UsageError(f"--out_dir {out} is not empty ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); "
+                         "pass --overwrite to replace it whole, or choose a new --out_dir")
+    real = os.path.realpath(out)
+    for source in filter(None, sources):
+        inside = os.path.realpath(source)
+        if inside == real or inside.startswith(real.rstrip(os.sep) + os.sep):
+            raise UsageError(f"--out_dir {out} {'is' if inside == real else 'contains'} {source}, which this export "
+                             "reads from: --overwrite would delete it; choose another --out_dir")
+
+
 @torch.no_grad()
-def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: str | os.PathLike) -> Path:
+def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: str | os.PathLike, *,
+              overwrite: bool = False, sources: Iterable[str | os.PathLike | None] = ()) -> Path:
     """Write `model` (and its tokenizer) as a Hugging Face model directory that
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads: config.json,
-    model.safetensors (fp32), tokenizer files. Errors for architectures that do not map."""
+    model.safetensors (fp32), tokenizer files. Errors for architectures that do not map.
+
+    `out_dir` must be new or empty, or `overwrite` (see `check_export_dir`, which also protects
+    `sources`): the export is written to a temporary sibling directory, and replaces `out_dir`
+    whole only once it is complete, so no file of an earlier export survives next to it."""
+    check_export_dir(out_dir, overwrite=overwrite, sources=sources)
     gpt = _unwrap(model)
     hf_config = hf_config_from_gpt(gpt.config)
     if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
@@ -660,11 +692,28 @@ def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: st
         # Always plain fp32: FP8 lives only inside the matmuls, master weights are high precision.
         tensors[hf_name] = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    if tokenizer is not None:
-        tokenizer.save(out)
-    else:
-        logger.warning("export_hf: no tokenizer given, %s holds weights and config only", out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    old = None
+    try:
+        tmp.mkdir()
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        else:
+            logger.warning("export_hf: no tokenizer given, %s holds weights and config only", out)
+        if out.is_dir() and any(out.iterdir()):  # --overwrite: set aside, removed once the new one is in place
+            old = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(out, old)
+        elif out.is_dir():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, never published
+        if old is not None and not out.exists():
+            os.rename(old, out)  # the previous directory back in place
+        raise
+    if old is not None:
+        shutil.rmtree(old)
     return out

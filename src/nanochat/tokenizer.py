@@ -169,9 +169,17 @@ class Tokenizer:
         return out
 
     # ------------------------------------------------------------ persistence
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Write the two files into `directory` (created); each is replaced atomically."""
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the two files into `directory` (created); each is replaced atomically. A directory
+        that already holds this tokenizer is left as it is; one holding another tokenizer is
+        refused unless `overwrite`, and always when it is a run's (see `check_tokenizer_dir`)."""
         d = Path(directory)
+        try:
+            if Tokenizer.load(d).fingerprint == self.fingerprint:  # load checks the files against it
+                return d
+        except (OSError, ValueError):  # none there, or a damaged one
+            pass
+        check_tokenizer_dir(d, overwrite=overwrite)
         d.mkdir(parents=True, exist_ok=True)
         by_rank = sorted(self.mergeable_ranks.items(), key=lambda kv: kv[1])
         ranks_text = "".join(f"{base64.b64encode(tok).decode('ascii')} {rank}\n" for tok, rank in by_rank)
@@ -323,3 +331,29 @@ def _silenced_stderr():
 def _preview(text: str, limit: int = 80) -> str:
     shown = repr(text)
     return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
+def _saved_fingerprint(directory: Path) -> str | None:
+    """The fingerprint recorded in `directory`'s tokenizer_meta.json; None without a readable one."""
+    try:
+        return json.loads((directory / META_FILE).read_text()).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_tokenizer_dir(directory: str | os.PathLike, *, overwrite: bool) -> None:
+    """Raise a UsageError, before a tokenizer is trained, when writing one into `directory` would
+    replace a tokenizer: one it holds, unless `overwrite`; a run's (`<run_dir>/tokenizer`, next to
+    checkpoints or metrics), always: its checkpoints only mean something with that tokenizer."""
+    from nanochat.checkpoint import run_contents
+
+    d = Path(directory)
+    if not any((d / name).exists() for name in (META_FILE, RANKS_FILE)):
+        return
+    run = run_contents(d.parent) if d.name == "tokenizer" else []
+    if run:
+        raise UsageError(f"{d} is the tokenizer of the run in {d.parent} ({', '.join(run[:3])}), whose "
+                         "checkpoints were trained with it; it is never replaced: choose another directory")
+    if not overwrite:
+        raise UsageError(f"{d} already holds a tokenizer (fingerprint {_saved_fingerprint(d)}); pass --overwrite "
+                         "to replace it, or choose another directory")

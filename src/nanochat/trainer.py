@@ -5,9 +5,9 @@ CLI (`scripts/base_train.py`) builds the same `TrainConfig` from flags and calls
 so anything the command line can do, Python can do with the same names.
 
 Where to read what (methods of NanoChatTrainer, in file order):
-  _setup          device, run directory, data (every data error before a model exists), model
-                  (fp32 master weights; FP8 conversion before compile), parallel wrapping,
-                  optimizer, compile, prechecks
+  _setup          device, run directory (locked: one process per run), data (every data error
+                  before a model exists), model (fp32 master weights; FP8 conversion before
+                  compile), parallel wrapping, optimizer, compile, prechecks
   evaluate        validation loss and bits per byte; evaluate_accuracy: multiple choice; sample:
                   generation. All in high precision on the uncompiled model: the figure is the
                   model's quality, not FP8's inference noise
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from nanochat import checkpoint, distributed, engine, memory, mfu
+from nanochat import checkpoint, distributed, engine, memory, mfu, runlock
 from nanochat.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from nanochat.common import (
     NanoChatError,
@@ -82,6 +82,10 @@ _RESUME_MUST_MATCH = (
 # every eligible layer)
 _RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False, "init_from": None,
                     "fp8_layers": "all"}
+# What a checkpoint must hold to be resumed, or to start another run from (dotted: nested), besides
+# the tensors: a .pt's "model", "optimizer" and "rng", which a DCP step holds outside its trainer.json.
+_RESUME_KEYS = ("config.batch_size", "step", "data", "tokenizer_fingerprint")
+_INIT_KEYS = ("config.model_name", "step", "tokenizer_fingerprint")
 
 
 @dataclass
@@ -165,6 +169,22 @@ class TrainResult:
         return dataclasses.asdict(self)
 
 
+def _jsonable(x: Any) -> Any:
+    """`x` with every non-finite float as None: metrics.jsonl and result.json are strict JSON
+    (json.dumps would write NaN, which only Python's parser reads); the field names stay."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    return json.dumps(_jsonable(record), allow_nan=False) + "\n"
+
+
 def _is_compile_failure(e: BaseException) -> bool:
     """An exception raised by torch.compile's machinery (dynamo, inductor, a C++ or Triton
     toolchain), as opposed to an error of the model or the data that eager would raise too."""
@@ -214,6 +234,8 @@ class NanoChatTrainer:
     """Model FLOPs per trained token (TrainResult.flops_per_token)."""
     peak: mfu.Peak | None
     """This device's dense tensor-core peaks, None if not listed: MFU is reported against them."""
+    _locked: Path | None = None
+    """The run directory whose lock this trainer holds (rank 0), released when train() ends."""
 
     def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
         if config is not None and kwargs:
@@ -332,6 +354,30 @@ class NanoChatTrainer:
                 f"{self.loader.steps_per_epoch}; lower --grad_accum_steps or --batch_size"
             )
         self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.steps_per_epoch
+        if cfg.resume:
+            self._check_resume_target()
+
+    def _check_resume_target(self) -> None:
+        """--resume with the newest checkpoint at or past the last step trains nothing: refused
+        before any work (a finished run, or --num_iterations below its step), so result.json is
+        never rewritten with nothing measured. A run killed after its final checkpoint, before
+        its result.json, does resume: it finishes (final evaluation, result)."""
+        cfg, d = self.config, self.run_dir
+        _, path, step = self._find_checkpoint(d, "--resume")
+        more = f"pass a larger --num_iterations (more than {step}) to train on"
+        if step > self.total_steps:
+            budget = (f"--num_iterations {cfg.num_iterations}" if cfg.num_iterations > 0
+                      else f"--num_epochs {cfg.num_epochs} ({self.total_steps} steps)")
+            raise UsageError(f"--resume: {d} is already at step {step} ({path.name}); {budget} would train "
+                             f"nothing: {more}")
+        if step == self.total_steps:
+            try:
+                finished = json.loads((d / "result.json").read_text()).get("steps") == step
+            except (OSError, ValueError, AttributeError):
+                finished = False
+            if finished:
+                raise UsageError(f"--resume: the run in {d} already finished at step {step} (its result.json); "
+                                 f"{more}, or start it over with --overwrite")
 
     def _read_init_source(self) -> dict[str, Any]:
         """--init_from: the source run's newest checkpoint (.pt or DCP), verified, and its tokenizer,
@@ -341,24 +387,13 @@ class NanoChatTrainer:
         src = Path(cfg.init_from)
         if not src.is_dir():
             raise UsageError(f"--init_from {src}: no such directory; give the --run_dir of a finished run")
-        kind, path = self._find_checkpoint(src)
-        if kind == "dcp":
-            problem = distributed.dcp_problem(path)
-        else:
-            pt = checkpoint.latest_checkpoint(src)
-            if pt is None:
-                raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
-                                 f"manifest, no {distributed.DCP_DIRNAME}/); give the --run_dir of a run that saved one")
-            path, problem = pt.path, checkpoint.verify_checkpoint(pt)
-        if problem is not None:
-            raise NanoChatError(f"--init_from {src}: its newest checkpoint {path} is not usable ({problem}); "
-                                "restore it, or delete it to start from the run's previous checkpoint")
-        if kind == "dcp":
-            meta, weights = distributed.read_dcp_meta(path), None
-        else:
-            import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer states for weights_only loading
-            meta = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            weights = meta["model"]
+        found = self._find_checkpoint(src, "--init_from")
+        if found is None:
+            raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
+                             f"manifest, no {distributed.DCP_DIRNAME}/); give the --run_dir of a run that saved one")
+        kind, path, _ = found
+        meta = self._read_meta(kind, path, "--init_from", _INIT_KEYS)
+        weights = meta["model"] if kind == "pt" else None
         name = meta["config"]["model_name"]
         if name not in PRESETS:
             raise UsageError(f"--init_from {src} trained the Hugging Face model {name}: continue from its export "
@@ -451,6 +486,11 @@ class NanoChatTrainer:
             raise UsageError(f"--init_from {self.config.init_from}: its weights do not fit this {self.config.model_name} "
                              f"model ({str(e).splitlines()[0]}); it was saved by another version of the model") from None
         src["weights"] = None  # the memory-mapped checkpoint is closed with its last reference
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise NanoChatError(f"--init_from {self.config.init_from}: its checkpoint {src['path']} holds inf/nan in "
+                                f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}; start from one of its earlier "
+                                "checkpoints (move this one away)")
         logger.info("initialized from %s (step %d of that run)", src["path"], src["step"])
 
     def _setup_optimizer(self) -> None:
@@ -479,27 +519,41 @@ class NanoChatTrainer:
             self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
                                              for g in adamw.param_groups for p in g["params"])
 
-    # Files that make a directory a run's: refused without --resume, deleted by --overwrite
-    # (checkpoint.pt: the single checkpoint file of earlier nanochat versions).
-    _RUN_FILES = ("metrics.jsonl", "result.json", "checkpoint.pt")
-
-    def _existing_run(self) -> list[str]:
-        """What in --run_dir belongs to an earlier run (checkpoints, DCP checkpoints, metrics)."""
-        found = [c.path.name for c in checkpoint.list_checkpoints(self.run_dir)]
-        found += [n for n in self._RUN_FILES if (self.run_dir / n).exists()]
-        if distributed.dcp_root(self.run_dir).exists():
-            found.append(distributed.dcp_root(self.run_dir).name + "/")
-        return found
-
     def _check_run_dir(self) -> None:
-        """Before any work: --run_dir is a directory (or can become one), and a run already in it
-        is continued (--resume) or replaced (--overwrite), never silently clobbered."""
-        cfg, d = self.config, self.run_dir
+        """Before any work: --run_dir is a directory, or can become one; one that exists is locked
+        now (_lock_run_dir), and a run already in it is continued (--resume) or replaced
+        (--overwrite), never silently clobbered. One that does not exist yet is created and locked
+        by _prepare_run_dir, so that an error in the data or the model leaves nothing behind."""
+        d = self.run_dir
         if d.exists() and not d.is_dir():
             raise UsageError(f"--run_dir {d} exists and is not a directory; give a directory path")
-        existing = self._existing_run() if d.is_dir() else []
+        if d.is_dir():
+            self._lock_run_dir()
+        distributed.barrier()  # the other ranks look at what rank 0 finished or removed
+        self._refuse_clobbering()
+
+    def _lock_run_dir(self) -> None:
+        """Rank 0 (the other ranks share the directory): take --run_dir's lock, held until train()
+        returns, then finish or remove what a killed save left there and report what is not
+        provably nanochat's (runlock.py says why the lock makes that a proof)."""
+        if self.dist.rank != 0:
+            return
+        try:
+            runlock.acquire(self.run_dir)
+        except OSError as e:
+            raise UsageError(f"--run_dir {self.run_dir} is not writable ({e.strerror or e}); fix its permissions or "
+                             "choose another --run_dir") from None
+        self._locked = self.run_dir
+        for note in checkpoint.clean_interrupted(self.run_dir) + distributed.clean_interrupted_dcp(self.run_dir):
+            logger.info("%s", note)
+
+    def _refuse_clobbering(self) -> None:
+        """--resume needs a checkpoint; a fresh start needs a directory without a run, or
+        --overwrite and only checkpoints nanochat can tell it wrote (the only ones it deletes)."""
+        cfg, d = self.config, self.run_dir
+        existing = checkpoint.run_contents(d)
         if cfg.resume:
-            if checkpoint.latest_checkpoint(d) is None and distributed.latest_dcp(d) is None:
+            if self._find_checkpoint(d, "--resume") is None:
                 legacy = (f" Its checkpoint.pt was written by an earlier nanochat, without the checksum "
                           "--resume verifies: it still loads with torch.load(weights_only=True), but "
                           "cannot be resumed." if (d / "checkpoint.pt").is_file() else "")
@@ -511,10 +565,19 @@ class NanoChatTrainer:
             raise UsageError(
                 f"--run_dir {d} already holds a run ({', '.join(existing[:4])}); continue it with --resume, "
                 "replace it with --overwrite (deletes its checkpoints and metrics), or choose a new --run_dir")
+        elif existing:
+            foreign = checkpoint.foreign_checkpoints(d) + distributed.foreign_dcp(d)
+            if foreign:
+                raise UsageError(
+                    f"--overwrite: {d} holds checkpoints nanochat cannot tell it wrote ({'; '.join(foreign[:3])}), "
+                    "and it deletes only its own; move them out of the directory and run again")
 
     def _prepare_run_dir(self) -> None:
-        """Create --run_dir, prove it writable, make room for --overwrite, and remove what a killed
-        save left behind (rank 0 deletes; every rank probes, since each writes there)."""
+        """Create --run_dir and prove it writable (every rank probes, since each writes there);
+        rank 0 locks a directory created just now and looks at it again (another process may
+        have started there meanwhile), and makes room for --overwrite: it deletes the previous
+        run's checkpoints that their manifests describe (_refuse_clobbering refused any other)
+        and its metrics, with no barrier: the other ranks only write there later."""
         d = self.run_dir
         try:
             d.mkdir(parents=True, exist_ok=True)
@@ -524,17 +587,17 @@ class NanoChatTrainer:
         except OSError as e:
             raise UsageError(f"--run_dir {d} is not writable ({e.strerror or e}); fix its permissions or "
                              "choose another --run_dir") from None
-        # rank 0 cleans alone, with no barrier: the other ranks only use committed checkpoints, which it keeps
         if self.dist.rank != 0:
             return
-        if self.config.overwrite and self._existing_run():
+        if self._locked is None:
+            self._lock_run_dir()
+            self._refuse_clobbering()
+        if self.config.overwrite and checkpoint.run_contents(d):
             logger.info("--overwrite: deleting the previous run's checkpoints and metrics in %s", d)
             checkpoint.remove_checkpoints(d)
-            shutil.rmtree(distributed.dcp_root(d), ignore_errors=True)
-            for name in self._RUN_FILES:
+            distributed.remove_dcp(d)
+            for name in checkpoint.RUN_FILES:
                 (d / name).unlink(missing_ok=True)
-        for p in checkpoint.clean_interrupted(d) + distributed.clean_interrupted_dcp(d):
-            logger.info("removed %s, left by an interrupted save", p)
 
     def _prechecks(self) -> None:
         """Everything that would otherwise fail after training has started, checked now."""
@@ -776,7 +839,7 @@ class NanoChatTrainer:
             "rng": rng_state(),
             **meta,
         }, step=step, keep=self.config.keep_checkpoints)
-        shutil.rmtree(distributed.dcp_root(self.run_dir), ignore_errors=True)
+        distributed.remove_dcp(self.run_dir)
 
     def _nonfinite_state(self) -> str:
         """'' when every parameter and optimizer state is finite, else which tensors are not.
@@ -802,19 +865,19 @@ class NanoChatTrainer:
                 f"{', ...' if len(names) > 3 else ''})" if names else "tensors on another rank")
 
     def _good_checkpoint_note(self) -> str:
-        """Which checkpoint a resume would start from, checked now against its checksums (DCP: by
-        rank 0 only, without communication: this runs on error paths, where ranks may diverge)."""
+        """Which checkpoint a resume would start from, checked now: its checksums, and its weights
+        and optimizer states loaded and found finite (DCP: by rank 0 only, without communication:
+        this runs on error paths, where ranks may diverge)."""
         if self.dist.is_distributed:
             if self.dist.rank == 0:
-                dcp = distributed.last_good_dcp(self.run_dir)
-                checked = "verified"
+                dcp, checked = distributed.last_good_dcp(self.run_dir, finite=True), "verified, finite"
             else:
-                dcp, checked = distributed.latest_dcp(self.run_dir), "rank 0 verifies it"
+                dcp, checked = distributed.latest_dcp(self.run_dir), "rank 0 checks it"
             return (f"The last good checkpoint is {dcp} (step {distributed.dcp_step(dcp)}, {checked})" if dcp
-                    else f"No checkpoint of this run was saved in {self.run_dir} before the problem")
-        good = checkpoint.last_good_checkpoint(self.run_dir)
+                    else f"No good checkpoint of this run is in {self.run_dir}")
+        good = checkpoint.last_good_checkpoint(self.run_dir, finite=True)
         if good is None:
-            return f"No checkpoint of this run was saved in {self.run_dir} before the problem"
+            return f"No good checkpoint of this run is in {self.run_dir}"
         return f"The last good checkpoint is {good.path} (step {good.step}, verified, finite)"
 
     def _resolved_paths(self) -> dict[str, str | None]:
@@ -827,26 +890,55 @@ class NanoChatTrainer:
             out[k] = None if v is None else (os.path.realpath(v) if os.path.exists(v) else v)
         return out
 
-    def _find_checkpoint(self, run_dir: Path | None = None) -> tuple[str, Path]:
-        """("dcp", step dir) or ("pt", run_dir): where the newest checkpoint of run_dir (default:
-        this run's) is. Both exist only after a crash between writing one and deleting the other;
-        the later step wins."""
-        run_dir = self.run_dir if run_dir is None else run_dir
+    def _find_checkpoint(self, run_dir: Path, flag: str) -> tuple[str, Path, int] | None:
+        """("pt", file, step) or ("dcp", step directory, step): the newest checkpoint of run_dir, or
+        None. Both formats exist only after a crash between writing one and deleting the other;
+        the later step wins. A checkpoint without a manifest that is newer is refused: falling
+        back to an older one would silently lose its steps."""
         dcp_dir, pt = distributed.latest_dcp(run_dir), checkpoint.latest_checkpoint(run_dir)
-        if dcp_dir is None:
-            return "pt", run_dir  # load_checkpoint explains a missing file
-        if pt is not None and pt.step > distributed.dcp_step(dcp_dir):
-            return "pt", run_dir
-        return "dcp", dcp_dir
+        found = ([("dcp", dcp_dir, distributed.dcp_step(dcp_dir))] if dcp_dir else []) + (
+            [("pt", pt.path, pt.step)] if pt else [])
+        newest = max(found, key=lambda f: f[2], default=None)  # a tie: the first, DCP
+        loose = ([(c.path, c.step) for c in checkpoint.uncommitted(run_dir)]
+                 + [(p, distributed.dcp_step(p)) for p in distributed.uncommitted_dcp(run_dir)])
+        newest_loose = max(loose, key=lambda f: f[1], default=None)
+        if newest_loose is not None and (newest is None or newest_loose[1] > newest[2]):
+            older, older_step = newest[1:] if newest else (None, None)
+            raise UsageError(checkpoint.unmanifested_message(newest_loose[0], flag, older, older_step))
+        return newest
+
+    def _read_meta(self, kind: str, path: Path, flag: str, keys: tuple[str, ...]) -> dict[str, Any]:
+        """The checkpoint at `path`, verified: a .pt's whole payload (memory-mapped for
+        --init_from), a DCP step's trainer.json; a NanoChatError naming what is wrong."""
+        if kind == "pt":
+            keys = keys + (("model", "optimizer", "rng") if flag == "--resume" else ("model",))
+            return load_checkpoint(path, map_location=self.device if flag == "--resume" else "cpu",
+                                   keys=keys, mmap=flag != "--resume", flag=flag)
+        if flag == "--resume":
+            distributed.verify_dcp(path)  # collective: rank 0 reads, every rank gets the verdict
+        else:
+            problem = distributed.dcp_problem(path)
+            if problem is not None:
+                raise NanoChatError(f"{flag} {path.parent.parent}: its newest checkpoint {path} is not usable "
+                                    f"({problem}); restore it, or move it away to start from the run's previous "
+                                    "checkpoint")
+        try:
+            meta = distributed.read_dcp_meta(path)
+        except (OSError, ValueError) as e:
+            meta, problem = None, f"its {distributed.META_NAME} does not read ({e})"
+        else:
+            missing = checkpoint.missing_keys(meta, keys) if isinstance(meta, dict) else list(keys)
+            problem = (f"its {distributed.META_NAME} lacks {', '.join(map(repr, missing))}" if missing else
+                       None if meta["step"] == distributed.dcp_step(path) else
+                       f"it holds step {meta['step']} under the name of step {distributed.dcp_step(path)}")
+        if problem is not None:
+            raise NanoChatError(f"{flag}: DCP checkpoint {path} is not usable: {problem}; move it out of "
+                                f"{path.parent} to use the previous step")
+        return meta
 
     def _resume(self) -> int:
-        kind, source = self._find_checkpoint()
-        if kind == "dcp":
-            distributed.verify_dcp(source)  # before its meta is trusted
-            ckpt = distributed.read_dcp_meta(source)
-        else:
-            ckpt = load_checkpoint(self.run_dir, map_location=self.device)
-            source = checkpoint.latest_checkpoint(self.run_dir).path
+        kind, source, _ = self._find_checkpoint(self.run_dir, "--resume")
+        ckpt = self._read_meta(kind, source, "--resume", _RESUME_KEYS)
         saved = ckpt["config"]
         now = self.config.to_dict()
         saved_paths = ckpt.get("resolved_paths") or {}
@@ -880,6 +972,10 @@ class NanoChatTrainer:
         else:
             self.model.load_state_dict(ckpt["model"])
             self.optimizer.load_state_dict(ckpt["optimizer"])
+        bad = self._nonfinite_state()
+        if bad:
+            raise NanoChatError(f"--resume: checkpoint {source} holds inf/nan ({bad}), so training cannot continue "
+                                f"from it; move it out of {source.parent} to resume from the previous checkpoint")
         self.loader.load_state_dict(ckpt["data"])
         set_rng_state(ckpt["rng"])
         try:
@@ -890,31 +986,32 @@ class NanoChatTrainer:
         self.resumed_record = ckpt.get("record")
         return int(ckpt["step"])
 
-    def _truncate_metrics(self, step: int, record: dict[str, Any] | None) -> None:
+    def _truncate_metrics(self, step: int, record: dict[str, Any] | None) -> list[dict[str, Any]]:
         """Drop metrics.jsonl's lines from the first record after `step` on: the steps a resume
         repeats were logged by the interrupted run, and each step must appear once. `record`, the
-        checkpoint's own line for `step`, is appended when the run died before logging it."""
+        checkpoint's own line for `step`, is appended when the run died before logging it.
+        Returns the records kept: the run's history up to `step`."""
         path = self.run_dir / "metrics.jsonl"
         lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
-        keep = len(lines)
-        for i, line in enumerate(lines):
+        kept = []
+        for line in lines:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a line cut by the kill
-                keep = i
                 break
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
-                keep = i
                 break
-        logged = any('"loss"' in line and json.loads(line).get("step") == step for line in lines[:keep])
-        tail = [json.dumps(record) + "\n"] if record is not None and not logged else []
-        if keep < len(lines) or tail:
-            write_atomic(path, "".join(lines[:keep] + tail))
+            kept.append(rec)
+        logged = any(isinstance(r, dict) and "loss" in r and r.get("step") == step for r in kept)
+        tail = [_json_line(record)] if record is not None and not logged else []
+        if len(kept) < len(lines) or tail:
+            write_atomic(path, "".join(lines[:len(kept)] + tail))
+        return [r for r in kept if isinstance(r, dict)] + ([_jsonable(record)] if tail else [])
 
     def _log(self, record: dict[str, Any]) -> None:
         if self.dist.rank == 0:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(_json_line(record))
 
     def _fp8_summary(self, label: str) -> dict[str, Any]:
         """The per-epoch (and final) FP8 report: printed, logged to metrics.jsonl, returned."""
@@ -1043,6 +1140,9 @@ class NanoChatTrainer:
         try:
             return self._train()
         finally:
+            if self._locked is not None:
+                runlock.release(self._locked)
+                self._locked = None
             distributed.destroy_distributed()  # only a process group init_distributed created
 
     def _train(self) -> TrainResult:
@@ -1051,9 +1151,12 @@ class NanoChatTrainer:
         cfg = self.config
         self._setup()
         start_step = self._resume() if cfg.resume else 0
+        history: list[dict[str, Any]] = []  # metrics.jsonl's records before this call's first step
         if self.dist.rank == 0:
             if cfg.resume:
-                self._truncate_metrics(start_step, self.resumed_record)
+                history = self._truncate_metrics(start_step, self.resumed_record)
+            elif isinstance(self.tokenizer, Tokenizer):
+                self.tokenizer.save(self.run_dir / "tokenizer", overwrite=cfg.overwrite)
             else:
                 self.tokenizer.save(self.run_dir / "tokenizer")
         self._print_header()
@@ -1067,7 +1170,12 @@ class NanoChatTrainer:
             print0(f"step 0: val loss {val_loss0:.4f}{acc}")
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size
-        recent_losses: list[float] = []
+        # a resumed run reports what the uninterrupted one would: its last losses include those
+        # logged before the resume, and with no step left to time, the throughput last logged
+        logged = [r for r in history if isinstance(r.get("loss"), float) and not r.get("skipped")]
+        recent_losses: list[float] = [r["loss"] for r in logged][-20:]
+        logged_tok_s = next((r["tokens_per_sec"] for r in reversed(logged)
+                             if isinstance(r.get("tokens_per_sec"), float)), float("nan"))
         timed_tokens, timed_seconds = 0, 0.0
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=start_step, disable=self.dist.rank != 0,
@@ -1081,6 +1189,8 @@ class NanoChatTrainer:
             bar.update(1)
             if record.get("skipped"):
                 self._log(record)
+                if step + 1 == self.total_steps:  # the weights are the last update's: they are the result
+                    self._save(self.total_steps)
                 continue
             if compiles:  # compile time is reported on its own, not in tokens/s
                 self.compile_time_s += dt
@@ -1122,10 +1232,11 @@ class NanoChatTrainer:
         result = self._result(
             train_loss=sum(recent_losses) / len(recent_losses) if recent_losses else float("nan"),
             val_loss=val_loss, val_bpb=val_bpb, val_accuracy=val_accuracy,
-            tokens_per_sec=timed_tokens / timed_seconds if timed_seconds else float("nan"),
+            tokens_per_sec=timed_tokens / timed_seconds if timed_seconds else logged_tok_s,
             wall_time_s=time.perf_counter() - t_start)
         if self.dist.rank == 0:
-            (self.run_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
+            write_atomic(self.run_dir / "result.json",
+                         json.dumps(_jsonable(result.to_dict()), indent=2, allow_nan=False))
         return result
 
     def _evaluate_all(self) -> tuple[float, float, float | None]:
