@@ -59,7 +59,7 @@ from nanochat.config import TrainConfig, flag_text
 from nanochat import instruct
 from nanochat.fp8 import FP8Training
 from nanochat.fp8.master import param_dtype
-from nanochat.fp8.optim import FP8Optim
+from nanochat.fp8.optim import optimizer_state_bytes
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
@@ -437,11 +437,8 @@ class NanoChatTrainer:
                                  "gradients after the per-parameter steps would have run; train in one process or "
                                  "drop --optimizer_in_backward")
             self.optimizer.step_in_backward()
-        if isinstance(self.optimizer, FP8Optim):
-            self.optimizer_state_bytes = self.optimizer.state_bytes()
-        else:  # torch creates the two fp32 moments at the first step; count them now (this rank's)
-            self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
-                                             for g in adamw.param_groups for p in g["params"])
+        # this rank's; before the first step: what that step will allocate
+        self.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)
 
     # Files that make a directory a run's: refused without --resume, deleted by --overwrite
     # (checkpoint.pt: the single checkpoint file of earlier nanochat versions).
@@ -958,12 +955,8 @@ class NanoChatTrainer:
         if self.state_bytes:
             return
         weights = sum(distributed.local_numel(p) * p.element_size() for p in self.model.parameters())
-        if isinstance(self.optimizer, FP8Optim):
-            optimizer = self.optimizer.state_bytes()
-        else:
-            optimizer = sum(distributed.local_numel(v) * v.element_size() for st in self.optimizer.state.values()
-                            for k, v in st.items() if torch.is_tensor(v) and k != "step")
-        self.state_bytes = {"weights": weights, "gradients": gradient_bytes, "optimizer": optimizer}
+        self.state_bytes = {"weights": weights, "gradients": gradient_bytes,
+                            "optimizer": optimizer_state_bytes(self.optimizer)}
 
     def _after_optimizer_step(self, step: int) -> None:
         """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""

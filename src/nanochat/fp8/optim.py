@@ -87,7 +87,7 @@ import torch
 
 from nanochat.common import format_bytes, logger, warn_once
 
-from .master import MASTER_WEIGHTS, read_master, round_rne, sr_bits, sr_salt, write_master
+from .master import MASTER_WEIGHTS, bytes_per_param, read_master, round_rne, sr_bits, sr_salt, write_master
 from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, decode, encode, fp8_max
 
 try:
@@ -264,6 +264,24 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
     r = v.detach().float().clamp(min=0).sqrt().reshape(-1, block_size)
     _requantize(r, out.codes.view(torch.uint8).view(-1, block_size), out.scale, floor=True)
     return out
+
+
+def optimizer_bytes(numel: int, *, fp8_moments: int, moments: int = 2, block_size: int = DEFAULT_BLOCK_SIZE,
+                    moment_bytes: int = 4) -> int:
+    """Bytes of the moments of one tensor of `numel` elements (Adam 2, SGD with momentum 1): the
+    first `fp8_moments` in FP8 (a byte per element and an fp32 scale per block), the others
+    `moment_bytes` per element. The one formula behind the memory plan, FP8Optim's planned
+    bytes and its summary."""
+    return fp8_moments * (numel + numel // block_size * 4) + (moments - fp8_moments) * numel * moment_bytes
+
+
+def fp8_size_problem(numel: int, block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL) -> str | None:
+    """Why a tensor of `numel` elements keeps fp32 moments whatever its layout, or None."""
+    if numel < min_numel:
+        return f"numel < {min_numel}"
+    if numel % block_size:
+        return f"numel % {block_size} != 0"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,10 +684,9 @@ class FP8Optim(torch.optim.Optimizer):
         """None if p's state goes FP8 at this level, else why it stays fp32."""
         if self.opt_level == 0:
             return "opt_level 0"
-        if p.numel() < self.min_numel:
-            return f"numel < {self.min_numel}"
-        if p.numel() % self.block_size:
-            return f"numel % {self.block_size} != 0"
+        size = fp8_size_problem(p.numel(), self.block_size, self.min_numel)
+        if size:
+            return size
         if isinstance(p, DTensor):  # FSDP: every rank's rows must be whole blocks too
             problem = _shard_problem(p, self.block_size)
             if problem:
@@ -1067,32 +1084,20 @@ class FP8Optim(torch.optim.Optimizer):
     # ---- reporting ----------------------------------------------------------------------------
 
     def _planned_bytes(self, p: torch.Tensor, group: dict) -> int:
-        """Bytes of moment state the first step will allocate for p (this level's layout)."""
-        moments = 0 if self.is_sgd and group["momentum"] == 0 else (1 if self.is_sgd else 2)
+        """Bytes of state the first step will allocate for p (this level's layout)."""
+        moments = _moments(self.optimizer, group)
         n = _local(p).numel()  # FSDP: this rank's shard
-        lo = 2 * n if self.master_weights == "bf16_split" else 0
-        if not self._uses_fp8(p, group):  # torch keeps state in p's dtype, we in fp32
-            return moments * n * (4 if self._own else p.element_size()) + lo
-        fp8 = min(self.opt_level, moments)
-        return fp8 * (n + n // self.block_size * 4) + (moments - fp8) * n * 4 + lo
+        fp8 = self._uses_fp8(p, group)
+        # the moments we allocate are fp32 (level 1's v; all of them when we step every
+        # parameter), the wrapped optimizer's are in p's dtype
+        return (optimizer_bytes(n, fp8_moments=min(self.opt_level, moments) if fp8 else 0, moments=moments,
+                                block_size=self.block_size,
+                                moment_bytes=4 if fp8 or self._own else p.element_size())
+                + n * bytes_per_param(self.master_weights)[2])  # bf16_split's remainder
 
     def state_bytes(self) -> int:
-        """Bytes of moment state (FP8 codes + scales, or fp32; steps excluded): what is held now,
-        plus what the first step will allocate for parameters that have no state yet (so it is
-        meaningful right after construction)."""
-        total = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    total += self._planned_bytes(p, group)
-                    continue
-                for key, value in state.items():
-                    if key == "step" or not torch.is_tensor(value):
-                        continue
-                    value = _local(value)  # FSDP: this rank's shard
-                    total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.numel() * value.element_size()
-        return total
+        """Bytes of optimizer state on this rank: optimizer_state_bytes(self)."""
+        return optimizer_state_bytes(self)
 
     def state_bytes_per_param(self) -> float:
         """state_bytes() / number of parameters."""
@@ -1122,15 +1127,45 @@ class FP8Optim(torch.optim.Optimizer):
         kept = self.fp32_states()
         moments = 1 if self.is_sgd else 2
         fp8_moments = min(self.opt_level, moments)
-        per_param = fp8_moments * (1 + 4 / self.block_size) + (moments - fp8_moments) * 4
+        B = self.block_size
+        per_param = optimizer_bytes(B, fp8_moments=fp8_moments, moments=moments, block_size=B) / B
         master = "" if self.master_weights == "fp32" else f", master_weights={self.master_weights}"
-        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={self.block_size}{master}): "
+        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={B}{master}): "
                  f"{n_fp8} tensors / {b_fp8:,} params with FP8 state "
-                 f"({per_param:.3f} bytes/param of moments)"]
+                 f"({per_param:.3f} bytes/param of moments); {self.state_bytes():,} bytes of state"]
         for reason, (n, numel) in kept.items():
             lines.append(f"  fp32 state: {n} tensors / {numel:,} params "
-                         f"({format_bytes(numel * 4 * moments)}): {reason}")
+                         f"({format_bytes(optimizer_bytes(numel, fp8_moments=0, moments=moments))}): {reason}")
         return "\n".join(lines)
+
+
+def _moments(optimizer: torch.optim.Optimizer, group: dict) -> int:
+    """Moments a torch optimizer keeps per parameter of `group`: Adam(W) 2, SGD with momentum 1."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group["momentum"] else 0
+    return 2
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state on this rank (moments, FP8 codes and scales, bf16_split's
+    remainders; step counts excluded) of an FP8Optim or a plain torch Adam/AdamW/SGD: the
+    tensors held, plus what the first step will allocate for parameters without state yet, so
+    the figure means the same right after construction and after a step."""
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                for key, value in state.items():
+                    if key != "step" and torch.is_tensor(value):
+                        value = _local(value)  # FSDP: this rank's shard
+                        total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.nbytes
+            elif isinstance(optimizer, FP8Optim):
+                total += optimizer._planned_bytes(p, group)
+            else:  # torch makes its moments at the first step, in the parameter's dtype
+                total += optimizer_bytes(_local(p).numel(), fp8_moments=0, moments=_moments(optimizer, group),
+                                         moment_bytes=p.element_size())
+    return total
 
 
 _ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_sq_sqrt", "master_lo")
