@@ -932,19 +932,31 @@ class NanoChatTrainer:
         return record
 
     def _in_backward_record(self, step: int, lr: float, loss_mean: torch.Tensor, fp8_step) -> dict[str, Any]:
-        """The metrics of a step whose update ran inside the backward (--optimizer_in_backward):
-        the loss, the norm of the finite gradients and how many parameters kept their values
-        because their gradient was not finite, in one read."""
-        stats = self.optimizer.backward_stats()
-        stats = torch.zeros(2, device=self.device) if stats is None else stats
-        loss_value, grad_norm, skipped = host_read(torch.cat([loss_mean.float().view(1), stats.to(self.device)]))
+        """The metrics of a step whose update ran inside the backward (--optimizer_in_backward),
+        in one read: the loss, the norm of the finite gradients and, when some gradient was not
+        finite, `skipped_params` (how many parameters kept their values) and
+        `skipped_param_names`. The step counts as skipped (the overflow counters and the
+        --fp8_max_overflows stop) only when nothing was updated: the loss was not finite, or every
+        parameter with a gradient was left unchanged. Otherwise the finite ones moved."""
+        stats = self.optimizer.backward_stats(per_param=True)
+        stats = torch.zeros(3, device=self.device) if stats is None else stats
+        values = host_read(torch.cat([loss_mean.float().view(1), stats.to(self.device)]))
+        loss_value, grad_norm, skipped, with_grad = values[:4]
         record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
         record.update(fp8_step.record())
-        if skipped or not math.isfinite(loss_value):
+        nothing_updated = not math.isfinite(loss_value) or (skipped and skipped == with_grad)
+        if skipped:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            hooked = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
             record["skipped_params"] = int(skipped)
-            # counts the event and stops the run after --fp8_max_overflows in a row; the
-            # parameters with non-finite gradients were left unchanged by the step itself
-            record.update(self.fp8.check_step(step, loss_value, math.nan, note=self._good_checkpoint_note))
+            record["skipped_param_names"] = [names.get(id(p), f"#{i}") for i, (p, flag) in
+                                             enumerate(zip(hooked, values[4:])) if flag]
+            if not nothing_updated:
+                logger.warning("step %d: non-finite gradient of %s; left unchanged, the other parameters updated",
+                               step + 1, ", ".join(record["skipped_param_names"]))
+        # a finite norm resets the count of skipped steps in a row
+        record.update(self.fp8.check_step(step, loss_value, math.nan if nothing_updated else grad_norm,
+                                          note=self._good_checkpoint_note))
         self._measure_state(self.optimizer.max_live_grad_bytes)
         self._after_optimizer_step(step)
         return record

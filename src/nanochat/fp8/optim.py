@@ -646,6 +646,7 @@ class FP8Optim(torch.optim.Optimizer):
         self._seed = seed
         self._salts = self._make_salts()
         self._bwd: torch.Tensor | None = None  # step_in_backward's per-backward sums
+        self._bwd_params = 0  # parameters with a step_in_backward hook
         self.max_live_grad_bytes = 0
         """step_in_backward: the largest gradient seen (the most gradient memory alive at once)."""
         self._check_groups()
@@ -763,37 +764,44 @@ class FP8Optim(torch.optim.Optimizer):
                              "reduced after the per-parameter hooks would run; step after the backward instead")
         self._own = True
         # the group by index, looked up when the hook runs: load_state_dict replaces the dicts
-        groups = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
         handles = []
-        for p, i in groups.items():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param, i=i: self._step_in_backward(param, self.param_groups[i])))
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    index = len(handles)
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        lambda param, i=i, index=index: self._step_in_backward(param, self.param_groups[i], index)))
+        self._bwd_params = len(handles)
         return handles
 
     @torch.no_grad()
-    def _step_in_backward(self, p: torch.Tensor, group: dict) -> None:
+    def _step_in_backward(self, p: torch.Tensor, group: dict, index: int) -> None:
         g = p.grad
         if self._bwd is None:
             self._backends = {}
             self._log_summary()
-            self._bwd = torch.zeros(2, dtype=torch.float32, device=g.device)
+            # [sum of squared norms of the finite gradients, parameters left unchanged, parameters
+            # that had a gradient, then per hooked parameter: 1 if it was left unchanged]
+            self._bwd = torch.zeros(3 + self._bwd_params, dtype=torch.float32, device=g.device)
         self.max_live_grad_bytes = max(self.max_live_grad_bytes, _local(g).numel() * g.element_size())
         ok = torch.isfinite(g).all()
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        # [sum of squared norms of the finite gradients, parameters skipped]
-        self._bwd += torch.stack([torch.where(ok, norm * norm, 0.0), (~ok).float()])
+        self._bwd[:3] += torch.stack([torch.where(ok, norm * norm, 0.0), (~ok).float(), torch.ones_like(norm)])
+        self._bwd[3 + index] = (~ok).float()
         self._step_adam([(p, group)], oks={p: ok})
         p.grad = None
 
-    def backward_stats(self) -> torch.Tensor | None:
-        """After a backward under `step_in_backward`: a 2-element fp32 device tensor, [global
-        norm of the finite gradients, parameters left unchanged because their gradient was not
-        finite] (read it when you log: one read); None if no parameter stepped. Resets."""
+    def backward_stats(self, per_param: bool = False) -> torch.Tensor | None:
+        """After a backward under `step_in_backward`: an fp32 device tensor, [global norm of the
+        finite gradients, parameters left unchanged because their gradient was not finite] (read
+        it when you log: one read); None if no parameter stepped. Resets. per_param: followed by
+        the number of parameters that had a gradient, then one flag per parameter with a hook
+        (param_groups order, those that require grad): 1 if it was left unchanged, else 0."""
         out, self._bwd = self._bwd, None
         if out is None:
             return None
-        return torch.stack([out[0].sqrt(), out[1]])
+        head = torch.stack([out[0].sqrt(), out[1]])
+        return torch.cat([head, out[2:]]) if per_param else head
 
     def _count(self, backend: str, tensors: int) -> None:
         calls, n = self._backends.get(backend, (0, 0))
