@@ -832,6 +832,20 @@ try:
 except ValueError as e:
     assert "m_codes buffer of tensor 0 holds 512 bytes, too few for its 4 blocks of 256" in str(e), e
 assert torch.equal(r["p"], p0)
+# the heap corruption a crafted checkpoint caused, with the load-time check bypassed: a moment of
+# 256 elements put in the state of a (64, 256) parameter directly
+w = torch.nn.Parameter(torch.randn(64, 256))
+opt = o.FP8Optim(torch.optim.AdamW([w], lr=1e-2), opt_level=2, backend="native")
+w.grad = torch.randn(64, 256)
+opt.step()
+opt.state[w]["exp_avg"] = o.FP8Tensor.from_float(torch.zeros(256))
+w0 = w.detach().clone()
+try:
+    opt.step()
+    raise AssertionError("not refused")
+except ValueError as e:
+    assert "m_codes buffer of tensor 0 holds 256 bytes, too few for its 64 blocks" in str(e), e
+assert torch.equal(w, w0) and opt.step_backends() == {}
 print("refused cleanly")
 '''
 
@@ -842,8 +856,10 @@ def test_kernel_checks_every_buffer_size_it_is_given(tmp_path):
     and in fp32, each buffer one block too small, missing, or declared one byte short is refused
     with the code naming it, and no buffer changes; so are too many blocks, a block size that is
     not a multiple of 8 or above 1024, and an unknown mode; a consistent table steps. Through the
-    Python binding the refusal is a ValueError naming the buffer. The process exits normally
-    (no signal)."""
+    Python binding the refusal is a ValueError naming the buffer, also for FP8Optim's step with
+    a 256-element moment put in a (64, 256) parameter's state directly (the crafted checkpoint
+    that corrupted the heap, past the load-time check). The process exits normally (no
+    signal)."""
     import os
     import subprocess
     import sys
