@@ -881,8 +881,8 @@ def test_kernel_checks_every_buffer_size_it_is_given(tmp_path):
 def test_kernel_built_for_another_abi_is_refused_and_the_step_falls_back(tmp_path, monkeypatch):
     """A library compiled from a source with another ABI version is refused on load with one line
     naming the file, both versions and the fix; with Python expecting another table layout than
-    the cached build reports, the optimizer falls back to the compiled step, records why, and
-    computes what the eager step does (fp32 rounding, as test_kernel_fallback_is_recorded)."""
+    the cached build reports, the optimizer falls back to the compiled step and records why (that
+    step's numbers: test_kernel_fallback_is_recorded)."""
     import ctypes
     import shutil
     import subprocess
@@ -906,16 +906,12 @@ def test_kernel_built_for_another_abi_is_refused_and_the_step_falls_back(tmp_pat
     monkeypatch.setattr(optim_mod, "KERNEL_ABI", (nargs + 1, width, version))
     monkeypatch.setattr(optim_mod, "_native", {})
     p = _params(shapes=((64, 128),))
-    ref = [torch.nn.Parameter(x.detach().clone()) for x in p]
     opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2)
-    ref_opt = FP8Optim(torch.optim.AdamW(ref, lr=1e-3), opt_level=2, backend="eager")
     _run(opt, p, 2)
-    _run(ref_opt, ref, 2)
     if "ABI" not in "".join(opt.fallbacks):
         pytest.skip(f"the native kernel does not build here: {opt.fallbacks}")
     assert len(opt.fallbacks) == 1 and f"with {nargs} buffers" in opt.fallbacks[0], opt.fallbacks
-    assert "native" not in opt.step_backends()
-    torch.testing.assert_close(p[0], ref[0], rtol=1e-6, atol=1e-7)
+    assert opt.step_backends() == {"compile": (1, 1)}  # the second step: the compiled one only
 
 
 def test_fallback_from_the_kernel_keeps_the_in_backward_guard(monkeypatch):
