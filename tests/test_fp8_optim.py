@@ -22,6 +22,14 @@
 - state_dict -> load_state_dict is bit-exact and loads with torch.load(weights_only=True); level
   2 <-> level 0 and plain AdamW -> level 2 convert within e4m3's 2^-4 relative error.
 - Unsupported optimizers and options raise errors listing what is supported.
+- Loaded state: one state of a saved level-2 run replaced by one of another size, block count,
+  dtype or layout (read back with weights_only=True) is refused by load_state_dict with a
+  ValueError naming the parameter, and the optimizer is unchanged (its next step equals an
+  untouched twin's, bit for bit). The C entry point, called in a subprocess, refuses every
+  buffer smaller than its blocks need with a code naming it, touching nothing (exit status 0, no
+  signal); a library built for another ABI is refused naming the file, and the step falls back
+  (recorded). A native fallback inside step_in_backward keeps the guard: the parameters with a
+  NaN gradient, their moments and step counts stay as they were.
 """
 
 from __future__ import annotations
@@ -304,7 +312,7 @@ def test_kernel_isa_variants_agree(tmp_path):
                             "-fPIC", "-o", str(so), str(src), "-lm"], capture_output=True, text=True)
         if r.returncode:
             pytest.skip(f"cannot build with {arch}: {r.stderr[-200:]}")
-        libs.append(ctypes.CDLL(str(so)))
+        libs.append(optim_mod._bind(ctypes.CDLL(str(so)), so))
     n, B = 64, 256
     g = torch.Generator().manual_seed(0)
     start = dict(p=torch.randn(n, B, generator=g), grad=torch.randn(n, B, generator=g) * 1e-2,
@@ -312,15 +320,14 @@ def test_kernel_isa_variants_agree(tmp_path):
                  vc=torch.randint(0, 127, (n, B), dtype=torch.uint8, generator=g),
                  ms=torch.rand(n, generator=g) * 1e-3, vs=torch.rand(n, generator=g) * 1e-3)
     start["mc"][(start["mc"] & 0x7F) == 0x7F] = 0  # 0x7F / 0xFF are NaN in e4m3fn
-    h = torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3, 0.03, 0.1, 0.001, 1 - 1e-5])  # optim_kernel.c: NH
+    h = torch.tensor([[1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3, 0.03, 0.1, 0.001, 1 - 1e-5, 1.0]])  # TABLE_COLUMNS
     outs = []
     for i, lib in enumerate(libs):
-        lib.adam_step.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
         t = {k: v.clone() for k, v in start.items()}
         t["grad"] = last_bits(t["grad"]) if i else t["grad"]
         for _ in range(3):
-            assert lib.adam_step(t["p"].data_ptr(), t["grad"].data_ptr(), t["mc"].data_ptr(), t["ms"].data_ptr(),
-                                 t["vc"].data_ptr(), t["vs"].data_ptr(), None, h.data_ptr(), 0, n, B, 1, 1) == 0
+            optim_mod._native_adam([(t["p"], t["grad"], t["mc"], t["ms"], None, t["vc"], t["vs"])], h, B, True, True,
+                                   lib=lib)
         outs.append(t)
     a = outs[0]
     assert not torch.equal(a["p"], start["p"])  # the step moved the weights
@@ -716,3 +723,257 @@ def test_kernel_threads_are_torchs_own():
     assert hasattr(lib, "adam_parallel")
     runtimes = {line.split()[-1] for line in open("/proc/self/maps") if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaded state and the native kernel's memory safety
+# ---------------------------------------------------------------------------------------------
+def _fp8_with(**parts):
+    """An FP8Tensor of a (64, 256) parameter's shape with some of its saved attributes replaced,
+    as a crafted file can hold them (torch.load does not call __init__)."""
+    x = FP8Tensor.from_float(torch.zeros(64, 256))
+    for name, value in parts.items():
+        setattr(x, name, value)
+    return x
+
+
+CRAFTED = {  # state key -> a value that does not fit a (64, 256) parameter at level 2
+    "too small": ("exp_avg", lambda: FP8Tensor.from_float(torch.zeros(256))),
+    "too large": ("exp_avg", lambda: FP8Tensor.from_float(torch.zeros(128, 256))),
+    "fewer scales than blocks": ("exp_avg_sq_sqrt", lambda: _fp8_with(scale=torch.ones(3))),
+    "codes smaller than the tensor": ("exp_avg", lambda: _fp8_with(codes=torch.zeros(256, dtype=torch.float8_e4m3fn))),
+    "codes not FP8": ("exp_avg", lambda: _fp8_with(codes=torch.zeros(64, 256, dtype=torch.uint8))),
+    "scales not fp32": ("exp_avg", lambda: _fp8_with(scale=torch.ones(64, dtype=torch.float64))),
+    "codes of one byte, strides 0": (
+        "exp_avg", lambda: _fp8_with(codes=torch.zeros(1, dtype=torch.float8_e4m3fn).expand(64, 256))),
+    "fp32 moment too small": ("exp_avg", lambda: torch.zeros(100)),
+    "fp32 moment of one element, strides 0": ("exp_avg", lambda: torch.zeros(1).expand(64, 256)),
+    "integer moment": ("exp_avg", lambda: torch.zeros(64, 256, dtype=torch.int32)),
+    "step not a scalar": ("step", lambda: torch.zeros(3)),
+    "unknown state": ("max_exp_avg_sq", lambda: torch.zeros(64, 256)),
+}
+
+
+def _state_bits(opt, params):
+    return [[b.clone() for v in opt.state[p].values() for b in _bits(v)] for p in params]
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_loaded_state_that_does_not_fit_is_refused_before_anything_changes(case):
+    """A state dict saved by a level-2 run, one state of parameter 0 replaced, written and read
+    back with torch.load(weights_only=True): load_state_dict raises one ValueError naming the
+    parameter and the state, and the optimizer holds exactly what it held (states bit for bit,
+    group hyperparameters), so its next step equals that of a twin that never saw the file."""
+    key, make = CRAFTED[case]
+    shapes = ((64, 256), (10,))
+    saved = _params(shapes=shapes)
+    src = FP8Optim(torch.optim.AdamW(saved, lr=1e-2), opt_level=2, backend="eager")
+    _run(src, saved, 2)
+    sd = src.state_dict()
+    sd["state"][0][key] = make()
+    sd = _roundtrip(sd)
+    opts, params = [], []
+    for _ in range(2):  # the loader and its twin, in the same state
+        p = _params(seed=3, shapes=shapes)
+        opt = FP8Optim(torch.optim.AdamW(p, lr=0.5), opt_level=2, backend="eager")
+        _run(opt, p, 1)
+        opts.append(opt)
+        params.append(p)
+    before = _state_bits(opts[0], params[0])
+    with pytest.raises(ValueError, match=rf"parameter 0 \(param group 0, shape \(64, 256\)\): .*{key}"):
+        opts[0].load_state_dict(sd)
+    assert opts[0].param_groups[0]["lr"] == 0.5
+    after = _state_bits(opts[0], params[0])
+    assert all(torch.equal(a, b) for xs, ys in zip(before, after) for a, b in zip(xs, ys))
+    for opt, p in zip(opts, params):
+        _run(opt, p, 1, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+
+
+KERNEL_SIZE_CHECK = r'''
+import ctypes
+import torch
+from nanochat.fp8 import optim as o
+
+lib = o._native_lib()
+B, NB, W = 256, 4, len(o.KernelRow._fields)
+FIELDS = o.KernelRow._fields
+
+
+def row(mode, vfp8, nb=NB):
+    """Consistent buffers for nb blocks; g random so that a step would change everything."""
+    wide = torch.float32 if mode == 0 else torch.bfloat16
+    r = dict(p=torch.randn(nb, B).to(wide), g=torch.randn(nb, B).to(wide), m_codes=torch.zeros(nb, B, dtype=torch.uint8),
+             m_scale=torch.ones(nb), ok=torch.tensor(True), h=o._adam_table([torch.tensor(1.0)], [dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                                                               weight_decay=0.0)])[0])
+    if vfp8:
+        r.update(v_codes=torch.zeros(nb, B, dtype=torch.uint8), v_scale=torch.ones(nb))
+    else:
+        r["v"] = torch.zeros(nb, B)
+    if mode == 3:
+        r["lo"] = torch.zeros(nb, B, dtype=torch.int16)
+    if mode == 2:
+        r["salt"] = torch.tensor(7, dtype=torch.uint32)
+    return r
+
+
+def call(r, mode, vfp8, nb=NB, B=B, sizes=None):
+    """adam_dynamic on one tensor: the sizes each buffer's allocation holds, unless given."""
+    xs = [r.get(f) for f in FIELDS]
+    ptrs = (ctypes.c_void_p * W)(*[None if x is None else x.data_ptr() for x in xs])
+    size = (ctypes.c_int64 * W)(*(sizes or [o._extent(x) for x in xs]))
+    return lib.adam_dynamic(1, ptrs, size, (ctypes.c_int64 * 1)(nb), nb, 128, ctypes.byref(ctypes.c_int64(0)), B,
+                            1, int(vfp8), mode)
+
+
+def unchanged(r, ref):
+    return all(torch.equal(r[k], ref[k]) for k in ref)
+
+
+for mode in range(4):
+    for vfp8 in (True, False):
+        r = row(mode, vfp8)
+        used = [k for k in FIELDS if k in r]
+        for k in used:  # each buffer one block short, or missing (the guard may be): refused, nothing touched
+            shorts = ([r[k][:-1].clone()] if r[k].dim() else []) + ([None] if k != "ok" else [])
+            for short in shorts:
+                bad = dict(r, **{k: short})
+                ref = {f: v.clone() for f, v in bad.items() if v is not None}
+                got = call(bad, mode, vfp8)
+                assert got == 2 + FIELDS.index(k), (mode, vfp8, k, got)
+                assert unchanged(bad, ref), (mode, vfp8, k)
+        # the same buffers, declared one byte smaller than the tensors' blocks need
+        for i, k in enumerate(FIELDS):
+            if k in used:
+                sizes = [o._extent(r.get(f)) for f in FIELDS]
+                sizes[i] = {"h": 44}.get(k, r[k].numel() * r[k].element_size()) - 1
+                assert call(r, mode, vfp8, sizes=sizes) == 2 + i, (mode, k)
+        ref = {f: v.clone() for f, v in r.items()}
+        assert call(r, mode, vfp8) == 0 and not torch.equal(r["p"], ref["p"])  # consistent: it steps
+r = row(0, True)
+assert call(r, 0, True, nb=NB + 1) == 2 + FIELDS.index("p")  # more blocks than p holds
+assert call(r, 0, True, nb=-1) == 2 + FIELDS.index("p")
+assert call(r, 0, True, B=12) == 1 and call(r, 0, True, B=2048) == 1 and call(r, 7, True) == 1
+# through the Python binding: a ValueError naming the buffer, not the fallback's RuntimeError
+r = row(0, True)
+p0 = r["p"].clone()
+try:
+    o._native_adam([(r["p"], r["g"], r["m_codes"][:2].clone(), r["m_scale"], None, r["v_codes"], r["v_scale"])],
+                   r["h"].view(1, -1).clone(), B, True, True)
+    raise AssertionError("not refused")
+except ValueError as e:
+    assert "m_codes buffer of tensor 0 holds 512 bytes, too few for its 4 blocks of 256" in str(e), e
+assert torch.equal(r["p"], p0)
+# the heap corruption a crafted checkpoint caused, with the load-time check bypassed: a moment of
+# 256 elements put in the state of a (64, 256) parameter directly
+w = torch.nn.Parameter(torch.randn(64, 256))
+opt = o.FP8Optim(torch.optim.AdamW([w], lr=1e-2), opt_level=2, backend="native")
+w.grad = torch.randn(64, 256)
+opt.step()
+opt.state[w]["exp_avg"] = o.FP8Tensor.from_float(torch.zeros(256))
+w0 = w.detach().clone()
+try:
+    opt.step()
+    raise AssertionError("not refused")
+except ValueError as e:
+    assert "m_codes buffer of tensor 0 holds 256 bytes, too few for its 64 blocks" in str(e), e
+assert torch.equal(w, w0) and opt.step_backends() == {}
+print("refused cleanly")
+'''
+
+
+def test_kernel_checks_every_buffer_size_it_is_given(tmp_path):
+    """The C entry point against tables that do not describe their memory, in a subprocess (a
+    write out of bounds could abort it or corrupt its heap): in every master mode, with v in FP8
+    and in fp32, each buffer one block too small, missing, or declared one byte short is refused
+    with the code naming it, and no buffer changes; so are too many blocks, a block size that is
+    not a multiple of 8 or above 1024, and an unknown mode; a consistent table steps. Through the
+    Python binding the refusal is a ValueError naming the buffer, also for FP8Optim's step with
+    a 256-element moment put in a (64, 256) parameter's state directly (the crafted checkpoint
+    that corrupted the heap, past the load-time check). The process exits normally (no
+    signal)."""
+    import os
+    import subprocess
+    import sys
+
+    from nanochat.fp8 import optim as optim_mod
+
+    try:
+        optim_mod._native_lib()
+    except RuntimeError as e:
+        pytest.skip(f"the native kernel does not build here: {e}")
+    script = tmp_path / "check.py"
+    script.write_text(KERNEL_SIZE_CHECK)
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(optim_mod.__file__).parents[2]), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "refused cleanly" in r.stdout
+
+
+def test_kernel_built_for_another_abi_is_refused_and_the_step_falls_back(tmp_path, monkeypatch):
+    """A library compiled from a source with another ABI version is refused on load with one line
+    naming the file, both versions and the fix; with Python expecting another table layout than
+    the cached build reports, the optimizer falls back to the compiled step and records why (that
+    step's numbers: test_kernel_fallback_is_recorded)."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from nanochat.fp8 import optim as optim_mod
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    source = optim_mod.KERNEL_SOURCE.read_text()
+    assert f"#define ABI_VERSION {optim_mod.KERNEL_ABI[2]}\n" in source
+    src = tmp_path / "k.c"
+    src.write_text(source.replace(f"#define ABI_VERSION {optim_mod.KERNEL_ABI[2]}\n", "#define ABI_VERSION 99\n"))
+    so = tmp_path / "k.so"
+    subprocess.run([cc, "-O1", "-fopenmp-simd", "-shared", "-fPIC", "-o", str(so), str(src), "-lm"], check=True)
+    with pytest.raises(RuntimeError, match=rf"kernel {so} was built for ABI v99 with 11 buffers and 11 hyper"
+                                           rf"parameters per tensor; this nanochat expects v2 .*delete {so} to rebuild"):
+        optim_mod._bind(ctypes.CDLL(str(so)), so)
+
+    nargs, width, version = optim_mod.KERNEL_ABI
+    monkeypatch.setattr(optim_mod, "KERNEL_ABI", (nargs + 1, width, version))
+    monkeypatch.setattr(optim_mod, "_native", {})
+    p = _params(shapes=((64, 128),))
+    opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2)
+    _run(opt, p, 2)
+    if "ABI" not in "".join(opt.fallbacks):
+        pytest.skip(f"the native kernel does not build here: {opt.fallbacks}")
+    assert len(opt.fallbacks) == 1 and f"with {nargs} buffers" in opt.fallbacks[0], opt.fallbacks
+    assert opt.step_backends() == {"compile": (1, 1)}  # the second step: the compiled one only
+
+
+def test_fallback_from_the_kernel_keeps_the_in_backward_guard(monkeypatch):
+    """The native kernel fails on the first step inside the backward, the step in which both
+    FP8-state weights get a NaN gradient: the fallback steps them compiled with their guard, so
+    they, their moments and their step counts stay as they were (the fresh state), while the
+    parameters with finite gradients move and stay finite."""
+    from nanochat.fp8 import optim as optim_mod
+
+    monkeypatch.setattr(optim_mod, "_native_lib", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler (test)")))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 64))
+    opt = FP8Optim(torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level=2)
+    opt.step_in_backward()
+    poisoned = [model[0].weight, model[2].weight]  # 8192 elements each: FP8 state, the native kernel's
+    for w in poisoned:
+        w.register_hook(lambda g: torch.full_like(g, float("nan")))
+    before = {p: p.detach().clone() for p in model.parameters()}
+    model(torch.randn(8, 64)).sum().backward()
+    assert len(opt.fallbacks) == 1 and "no C compiler (test)" in opt.fallbacks[0]
+    norm, skipped = opt.backward_stats().tolist()
+    assert skipped == 2 and math.isfinite(norm)
+    for w in poisoned:
+        assert torch.equal(w, before[w])
+        st = opt.state[w]
+        assert st["step"].item() == 0
+        for key in ("exp_avg", "exp_avg_sq_sqrt"):  # as made: codes 0, scales 1
+            assert torch.equal(st[key].codes.view(torch.uint8), torch.zeros(w.shape, dtype=torch.uint8)), key
+            assert torch.equal(st[key].scale, torch.ones_like(st[key].scale)), key
+    for p in model.parameters():
+        if all(p is not w for w in poisoned):
+            assert torch.isfinite(p).all() and not torch.equal(p, before[p])
+            assert opt.state[p]["step"].item() == 1

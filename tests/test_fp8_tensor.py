@@ -10,12 +10,15 @@
 - torch.save / torch.load(weights_only=True) round-trips codes and scales bit-exactly, and an
   optimizer state saved by an earlier release (tests/data/fp8_optim_state.pt) still loads to the
   values stored beside it.
+- A saved tensor whose codes, scales or block size disagree (a crafted file) still loads, and
+  `layout_problem()` names the disagreement; sound tensors have none.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +175,34 @@ def test_load_state_saved_by_earlier_release():
         assert m.fp8_dtype == fp8 and m.block_size == block and m.scale.shape == (256 // block,)
         assert torch.equal(m.dequantize(), saved["values"][name])
         assert torch.equal(m.clone().dequantize(), saved["values"][name])  # usable, not just loaded
+
+
+def _saved_and_loaded(x):
+    buf = io.BytesIO()
+    torch.save(x, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("part,value,problem", [
+    ("scale", torch.ones(3), r"scale must be float32 of shape \(4,\), one per block of 128; got torch.float32 \(3,\)"),
+    ("scale", torch.ones(4, dtype=torch.float64), "scale must be float32"),
+    ("codes", torch.zeros(128, dtype=E4M3), r"codes of shape \(128,\) in an FP8Tensor of shape \(8, 64\)"),
+    ("codes", torch.zeros(8, 64, dtype=torch.uint8), "codes must be float8_e4m3fn or float8_e5m2, got torch.uint8"),
+    ("codes", torch.zeros(1, dtype=E4M3).expand(8, 64), "contiguous"),
+    ("block_size", 0, "block_size 0 does not divide its 512 elements"),
+    ("block_size", 96, "block_size 96 does not divide"),
+])
+def test_layout_problem_names_what_a_loaded_tensor_got_wrong(q, part, value, problem):
+    """torch.load(weights_only=True) rebuilds an FP8Tensor from its saved attributes without
+    __init__'s checks: one whose parts disagree loads, and layout_problem() says what is wrong
+    (FP8Optim refuses such state before a kernel reads it). Sound tensors, including the ones an
+    earlier release saved, have none."""
+    assert q.layout_problem() is None and _saved_and_loaded(q).layout_problem() is None
+    saved = torch.load(Path(__file__).parent / "data" / "fp8_optim_state.pt", weights_only=True)
+    assert all(saved["state"][0][k].layout_problem() is None for k in ("exp_avg", "exp_avg_sq_sqrt"))
+    bad = q.clone()
+    setattr(bad, part, value)
+    loaded = _saved_and_loaded(bad)
+    assert isinstance(loaded, FP8Tensor)
+    assert re.search(problem, loaded.layout_problem())

@@ -7,9 +7,14 @@
 - the step inside the backward equals the step after it (same kernels, bit for bit), frees
   every gradient, and leaves a parameter with a non-finite gradient untouched;
 - the trainer: measured training-state bytes equal the memory plan's, a resumed run equals an
-  uninterrupted one bit for bit, the in-backward step reads the device once.
+  uninterrupted one bit for bit, the in-backward step reads the device once; a step in which one
+  parameter's gradient is NaN moves every other parameter, names that one and is not a skipped
+  step, a step in which every gradient is NaN moves nothing and is (only those count toward
+  --fp8_max_overflows, and a step that updated weights ends a run of them).
 The C kernel against the Python step per mode: tests/test_fp8_optim_master.py.
 """
+
+import json
 
 import pytest
 import torch
@@ -278,3 +283,51 @@ def test_the_in_backward_step_reads_the_device_once(small_corpus, tmp_path):
                            fp8_layers="all", fp8_opt_level=2, fp8_stats_every=0, num_samples=0,
                            master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0)
     assert count_reads_per_step(NanoChatTrainer(**kw)) == [1] * 5
+
+
+POISONED = "transformer.h.1.mlp.c_fc.weight"
+EVERY_GRADIENT_NAN, ONE_GRADIENT_NAN = (1, 4), 3  # steps
+
+
+class NonFiniteGradients(NanoChatTrainer):
+    """Makes gradients NaN from a hook: every parameter's at EVERY_GRADIENT_NAN, POISONED's at
+    ONE_GRADIENT_NAN. Keeps a copy of the parameters before the first step and after each one."""
+
+    def _setup(self):
+        super()._setup()
+        step = {"n": 0}
+        self.model.register_forward_pre_hook(lambda module, args: step.update(n=step["n"] + 1))
+        for name, p in self.model.named_parameters():
+            p.register_hook(lambda g, name=name: torch.full_like(g, float("nan")) if step["n"] in EVERY_GRADIENT_NAN
+                            or (step["n"] == ONE_GRADIENT_NAN and name == POISONED) else g)
+        self.weights = [{n: p.detach().clone() for n, p in self.model.named_parameters()}]
+
+    def _in_backward_record(self, *args):
+        record = super()._in_backward_record(*args)
+        self.weights.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        return record
+
+
+def test_in_backward_step_with_some_nonfinite_gradients_is_not_a_skipped_step(small_corpus, tmp_path):
+    """--optimizer_in_backward over 5 steps, --fp8_max_overflows 2. Step 3, one parameter's
+    gradient NaN: that parameter keeps its value, every other one moves, the record names it
+    (skipped_params 1, skipped_param_names) and the step is not a skipped step. Steps 1 and 4,
+    every gradient NaN: nothing moves and each is a skipped step. Two skipped steps, never two
+    in a row (steps 2 and 3 updated weights), so the run finishes."""
+    t = NonFiniteGradients(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=5, num_samples=0,
+                                               optimizer_in_backward=True, grad_clip=0.0, fp8_max_overflows=2))
+    r = t.train()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = {rec["step"]: rec for rec in map(json.loads, lines) if "loss" in rec and "step" in rec}
+    names = list(t.weights[0])
+    step = ONE_GRADIENT_NAN
+    assert records[step]["skipped_params"] == 1 and records[step]["skipped_param_names"] == [POISONED]
+    assert "skipped" not in records[step]
+    before, after = t.weights[step - 1], t.weights[step]
+    assert torch.equal(after[POISONED], before[POISONED])
+    assert all(not torch.equal(after[n], before[n]) for n in names if n != POISONED)
+    for step in EVERY_GRADIENT_NAN:
+        assert records[step]["skipped"] is True and records[step]["skipped_params"] == len(names)
+        assert all(torch.equal(t.weights[step][n], t.weights[step - 1][n]) for n in names)
+    assert all("skipped_params" not in records[s] for s in (2, 5))
+    assert r.steps == 5 and r.fp8_stats["skipped_steps"] == 2 and r.fp8_stats["overflow_events"] == 2

@@ -4,7 +4,8 @@
   below (exact bytes): parameters tensor by tensor, fp32 weights and gradients, AdamW moments
   at opt levels 0/1/2 (which tensors get FP8 blocks), activations from the documented formula.
 - The optimizer figure equals what nanochat.fp8.FP8Optim actually reports for that model
-  (`state_bytes()`, exact) at every level.
+  (`state_bytes()`, exact) at every level; in a one-step training run it also equals the
+  trainer's header figure, its measurement after the step and FP8Optim's summary, exactly.
 - Master weights, by hand on the same config: fp32 4 + 4 bytes/param, bf16 and bf16_sr 2 + 2,
   bf16_split 2 + 2 and 2 more in the optimizer part; with the optimizer in the backward the
   gradients are the largest tensor's only (a tied embedding's on top); state bytes per param
@@ -145,6 +146,24 @@ def test_optimizer_figure_equals_fp8optim(level):
     opt = FP8Optim(torch.optim.AdamW(model.param_groups(0.1), lr=1e-3), opt_level=level)
     plan = memory.plan_training(LLAMA_TINY, batch_size=1, seq_len=8, opt_level=level)
     assert plan.optimizer == opt.state_bytes()
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_optimizer_bytes_agree_in_plan_summary_header_and_measurement(small_corpus, tmp_path, level):
+    """One training step of the d2 model (level 0: plain AdamW, FP8 off; levels 1-2: FP8Optim on
+    emulated FP8): the plan's optimizer bytes, the trainer's header figure (planned before the
+    first step), its measurement of the tensors held after it, and FP8Optim's summary line are
+    the same number, exactly."""
+    from nanochat.trainer import NanoChatTrainer
+    from tests.conftest import tiny_train_kwargs
+
+    extra = dict(fp8=True, fp8_emulate=True, fp8_opt_level=level) if level else {}
+    t = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=1, num_samples=0,
+                                            **extra))
+    r = t.train()
+    assert r.optimizer_state_bytes == r.state_bytes["optimizer"] == t.memory_plan.optimizer
+    if level:
+        assert f"; {t.memory_plan.optimizer:,} bytes of state" in t.optimizer.summary()
 
 
 def test_plan_that_does_not_fit_names_the_remedies():

@@ -43,12 +43,8 @@ import torch
 
 from nanochat.common import format_bytes, format_table
 from nanochat.fp8.master import MASTER_WEIGHTS, bytes_per_param
+from nanochat.fp8.optim import fp8_size_problem, optimizer_bytes
 from nanochat.gpt import GPT, GPTConfig
-
-FP8_BLOCK = 256
-"""Elements per FP8 optimizer-state block, each with one fp32 scale (nanochat.fp8.tensor)."""
-FP8_MIN_NUMEL = 4096
-"""Smaller tensors keep fp32 moments (FP8Optim's rule, from bitsandbytes and torchao)."""
 
 
 def param_numels(config: GPTConfig) -> list[int]:
@@ -57,15 +53,6 @@ def param_numels(config: GPTConfig) -> list[int]:
     with torch.device("meta"):
         model = GPT(config)
     return [p.numel() for p in model.parameters()]
-
-
-def optimizer_bytes(numels: list[int], opt_level: int) -> int:
-    """AdamW moment bytes for tensors of these sizes at an FP8 opt level (0, 1, 2)."""
-    total = 0
-    for n in numels:
-        fp8 = opt_level if n >= FP8_MIN_NUMEL and n % FP8_BLOCK == 0 else 0
-        total += fp8 * (n + n // FP8_BLOCK * 4) + (2 - fp8) * n * 4
-    return total
 
 
 def activation_bytes(config: GPTConfig, tokens: int, *, autocast: bool, checkpointing: bool) -> int:
@@ -257,13 +244,15 @@ def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level
     n = sum(numels)
     grad_numel = in_backward_grad_numel(config, numels) if optimizer_in_backward else n
     remainder = math.ceil(n * extra_bytes / shards)
+    # AdamW's moments as FP8Optim lays them out (fp32 on tensors FP8 blocks do not fit)
+    moments = sum(optimizer_bytes(t, fp8_moments=0 if fp8_size_problem(t) else opt_level) for t in numels)
     return MemoryPlan(
         config=config, num_params=n, batch_size=batch_size, seq_len=seq_len, opt_level=opt_level,
         activation_checkpointing=activation_checkpointing, autocast=autocast, shards=shards,
         master_weights=master_weights, optimizer_in_backward=optimizer_in_backward,
         weight_bytes=weight_bytes, grad_bytes=grad_bytes, grad_numel=grad_numel,
         weights=math.ceil(n * weight_bytes / shards), gradients=math.ceil(grad_numel * grad_bytes / shards),
-        optimizer=math.ceil(optimizer_bytes(numels, opt_level) / shards) + remainder, remainder=remainder,
+        optimizer=math.ceil(moments / shards) + remainder, remainder=remainder,
         activations=activation_bytes(dataclasses.replace(config, seq_len=seq_len), batch_size * seq_len,
                                      autocast=autocast, checkpointing=activation_checkpointing),
         free_bytes=free_bytes)

@@ -59,7 +59,7 @@ from nanochat.config import TrainConfig, flag_text
 from nanochat import instruct
 from nanochat.fp8 import FP8Training
 from nanochat.fp8.master import param_dtype
-from nanochat.fp8.optim import FP8Optim
+from nanochat.fp8.optim import optimizer_state_bytes
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
@@ -513,11 +513,8 @@ class NanoChatTrainer:
                                  "gradients after the per-parameter steps would have run; train in one process or "
                                  "drop --optimizer_in_backward")
             self.optimizer.step_in_backward()
-        if isinstance(self.optimizer, FP8Optim):
-            self.optimizer_state_bytes = self.optimizer.state_bytes()
-        else:  # torch creates the two fp32 moments at the first step; count them now (this rank's)
-            self.optimizer_state_bytes = sum(8 * distributed.local_numel(p)
-                                             for g in adamw.param_groups for p in g["params"])
+        # this rank's; before the first step: what that step will allocate
+        self.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)
 
     def _check_run_dir(self) -> None:
         """Before any work: --run_dir is a directory, or can become one; one that exists is locked
@@ -1080,19 +1077,31 @@ class NanoChatTrainer:
         return record
 
     def _in_backward_record(self, step: int, lr: float, loss_mean: torch.Tensor, fp8_step) -> dict[str, Any]:
-        """The metrics of a step whose update ran inside the backward (--optimizer_in_backward):
-        the loss, the norm of the finite gradients and how many parameters kept their values
-        because their gradient was not finite, in one read."""
-        stats = self.optimizer.backward_stats()
-        stats = torch.zeros(2, device=self.device) if stats is None else stats
-        loss_value, grad_norm, skipped = host_read(torch.cat([loss_mean.float().view(1), stats.to(self.device)]))
+        """The metrics of a step whose update ran inside the backward (--optimizer_in_backward),
+        in one read: the loss, the norm of the finite gradients and, when some gradient was not
+        finite, `skipped_params` (how many parameters kept their values) and
+        `skipped_param_names`. The step counts as skipped (the overflow counters and the
+        --fp8_max_overflows stop) only when nothing was updated: the loss was not finite, or every
+        parameter with a gradient was left unchanged. Otherwise the finite ones moved."""
+        stats = self.optimizer.backward_stats(per_param=True)
+        stats = torch.zeros(3, device=self.device) if stats is None else stats
+        values = host_read(torch.cat([loss_mean.float().view(1), stats.to(self.device)]))
+        loss_value, grad_norm, skipped, with_grad = values[:4]
         record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
         record.update(fp8_step.record())
-        if skipped or not math.isfinite(loss_value):
+        nothing_updated = not math.isfinite(loss_value) or (skipped and skipped == with_grad)
+        if skipped:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            hooked = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
             record["skipped_params"] = int(skipped)
-            # counts the event and stops the run after --fp8_max_overflows in a row; the
-            # parameters with non-finite gradients were left unchanged by the step itself
-            record.update(self.fp8.check_step(step, loss_value, math.nan, note=self._good_checkpoint_note))
+            record["skipped_param_names"] = [names.get(id(p), f"#{i}") for i, (p, flag) in
+                                             enumerate(zip(hooked, values[4:])) if flag]
+            if not nothing_updated:
+                logger.warning("step %d: non-finite gradient of %s; left unchanged, the other parameters updated",
+                               step + 1, ", ".join(record["skipped_param_names"]))
+        # a finite norm resets the count of skipped steps in a row
+        record.update(self.fp8.check_step(step, loss_value, math.nan if nothing_updated else grad_norm,
+                                          note=self._good_checkpoint_note))
         self._measure_state(self.optimizer.max_live_grad_bytes)
         self._after_optimizer_step(step)
         return record
@@ -1103,12 +1112,8 @@ class NanoChatTrainer:
         if self.state_bytes:
             return
         weights = sum(distributed.local_numel(p) * p.element_size() for p in self.model.parameters())
-        if isinstance(self.optimizer, FP8Optim):
-            optimizer = self.optimizer.state_bytes()
-        else:
-            optimizer = sum(distributed.local_numel(v) * v.element_size() for st in self.optimizer.state.values()
-                            for k, v in st.items() if torch.is_tensor(v) and k != "step")
-        self.state_bytes = {"weights": weights, "gradients": gradient_bytes, "optimizer": optimizer}
+        self.state_bytes = {"weights": weights, "gradients": gradient_bytes,
+                            "optimizer": optimizer_state_bytes(self.optimizer)}
 
     def _after_optimizer_step(self, step: int) -> None:
         """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""

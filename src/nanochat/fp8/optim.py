@@ -80,14 +80,15 @@ import shutil
 import subprocess
 import tempfile
 from collections import defaultdict
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 from nanochat.common import format_bytes, logger, warn_once
 
-from .master import MASTER_WEIGHTS, read_master, round_rne, sr_bits, sr_salt, write_master
-from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, block_scale, decode, encode, fp8_max
+from .master import MASTER_WEIGHTS, bytes_per_param, read_master, round_rne, sr_bits, sr_salt, write_master
+from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, decode, encode, fp8_max
 
 try:
     from torch.distributed.tensor import DTensor
@@ -257,13 +258,30 @@ def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP8Tensor:
-    """fp32 second moment v -> FP8Tensor of sqrt(v), positive values never flushed to zero."""
-    r = v.detach().float().clamp(min=0).sqrt()
-    blocks = r.reshape(-1, block_size)
-    scale = block_scale(blocks, E4M3)
-    codes = encode(blocks / scale[:, None], E4M3)
-    codes = torch.where((blocks > 0) & (codes == 0), 1, codes).to(torch.uint8)
-    return FP8Tensor(codes.view(E4M3).view(v.shape), scale, block_size)
+    """fp32 second moment v -> FP8Tensor of sqrt(v), positive values never flushed to zero: the
+    step's own requantizer, so a converted state is stored as a stepped one would be."""
+    out = FP8Tensor.zeros(v.shape, dtype=E4M3, block_size=block_size, device=v.device)
+    r = v.detach().float().clamp(min=0).sqrt().reshape(-1, block_size)
+    _requantize(r, out.codes.view(torch.uint8).view(-1, block_size), out.scale, floor=True)
+    return out
+
+
+def optimizer_bytes(numel: int, *, fp8_moments: int, moments: int = 2, block_size: int = DEFAULT_BLOCK_SIZE,
+                    moment_bytes: int = 4) -> int:
+    """Bytes of the moments of one tensor of `numel` elements (Adam 2, SGD with momentum 1): the
+    first `fp8_moments` in FP8 (a byte per element and an fp32 scale per block), the others
+    `moment_bytes` per element. The one formula behind the memory plan, FP8Optim's planned
+    bytes and its summary."""
+    return fp8_moments * (numel + numel // block_size * 4) + (moments - fp8_moments) * numel * moment_bytes
+
+
+def fp8_size_problem(numel: int, block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL) -> str | None:
+    """Why a tensor of `numel` elements keeps fp32 moments whatever its layout, or None."""
+    if numel < min_numel:
+        return f"numel < {min_numel}"
+    if numel % block_size:
+        return f"numel % {block_size} != 0"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +298,14 @@ def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP
 # pool, torch.get_num_threads() of them; ctypes releases the GIL) take chunks of blocks from a
 # shared counter.
 # NANOCHAT_NATIVE_OPTIM=0 turns it off (the step then runs compiled; a recorded fallback).
+#
+# Memory safety: the kernel writes through raw pointers, so nothing it is given may be smaller
+# than it believes. Each buffer goes with the bytes its allocation holds from that pointer on,
+# and the C side checks every one against the tensor's block count before stepping anything
+# (optim_kernel.c: check); loaded optimizer state is checked against its parameter before it
+# can reach a kernel (FP8Optim.load_state_dict). The library reports the layout it was built
+# for, checked on load (KERNEL_ABI); a mismatch makes it unavailable like a failed build: the
+# step falls back to the compiled one (same update, slower), recorded with the reason.
 # ---------------------------------------------------------------------------------------------
 
 KERNEL_SOURCE = pathlib.Path(__file__).with_name("optim_kernel.c")
@@ -300,6 +326,53 @@ def _cpu_identity() -> str:
         return "\n".join(dict.fromkeys(lines))  # the same lines repeat per core
     except OSError:
         return f"{platform.processor()} {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+class KernelRow(NamedTuple):
+    """One tensor's buffers in the order of its row in the native kernel's table (optim_kernel.c:
+    the enum P..SALT); unused ones None. FP8 codes as uint8 [n_blocks, B] views, scales
+    [n_blocks] fp32."""
+    p: torch.Tensor
+    g: torch.Tensor
+    m_codes: torch.Tensor
+    m_scale: torch.Tensor
+    v: torch.Tensor | None  # fp32 second moment (level 1) ...
+    v_codes: torch.Tensor | None  # ... or sqrt(v) in FP8 (level 2)
+    v_scale: torch.Tensor | None
+    lo: torch.Tensor | None = None  # bf16_split's int16 low halves
+    ok: torch.Tensor | None = None  # guard: a one-byte CPU tensor, False leaves the tensor as it was
+    h: torch.Tensor | None = None  # its row of _adam_table
+    salt: torch.Tensor | None = None  # its bf16_sr salt, a 0-dim uint32
+
+
+TABLE_COLUMNS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt",
+                 "1 - beta1", "1 - beta2", "1 - lr * weight_decay", "step")
+"""The native kernel's hyperparameters of a tensor, in its order (optim_kernel.c: h, NH)."""
+KERNEL_ABI = (len(KernelRow._fields), len(TABLE_COLUMNS), 2)
+"""(buffers per tensor, hyperparameters per tensor, version) this module calls the kernel with;
+the compiled library must report the same (optim_kernel.c: nanochat_optim_abi)."""
+
+
+def _bind(lib: ctypes.CDLL, path: pathlib.Path) -> ctypes.CDLL:
+    """`lib` with its entry points' argument types declared, after checking that it was built
+    for KERNEL_ABI; RuntimeError naming the file otherwise (a stale or foreign build)."""
+    got = (ctypes.c_int(), ctypes.c_int(), ctypes.c_int())  # stays (0, 0, 0) without the function
+    if hasattr(lib, "nanochat_optim_abi"):
+        lib.nanochat_optim_abi(*(ctypes.byref(x) for x in got))
+    nargs, width, version = (x.value for x in got)
+    if (nargs, width, version) != KERNEL_ABI:
+        raise RuntimeError(
+            f"the compiled FP8Optim kernel {path} was built for ABI v{version} with {nargs} buffers and {width} "
+            f"hyperparameters per tensor; this nanochat expects v{KERNEL_ABI[2]} with {KERNEL_ABI[0]} and "
+            f"{KERNEL_ABI[1]}; delete {path} to rebuild it")
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    table = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ctypes.POINTER(i64), i64, i64]  # n .. chunk
+    lib.adam_dynamic.argtypes = [*table, ctypes.POINTER(i64), i64, i32, i32, i32]
+    lib.adam_dynamic.restype = i64
+    if hasattr(lib, "adam_parallel"):
+        lib.adam_parallel.argtypes = [*table, i64, i32, i32, i32, i32]
+        lib.adam_parallel.restype = i64
+    return lib
 
 
 def _native_lib():
@@ -337,14 +410,7 @@ def _native_lib():
             except (subprocess.CalledProcessError, OSError):
                 if threading is _THREADING[-1]:
                     raise  # else e.g. no libgomp to link: the build without OpenMP
-        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.adam_dynamic.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, ptr, i64, i64,
-                                     ctypes.POINTER(i64), i64, i32, i32, i32]
-        lib.adam_dynamic.restype = i32
-        if hasattr(lib, "adam_parallel"):
-            lib.adam_parallel.argtypes = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ptr, ptr, i64, i64, i64,
-                                          i32, i32, i32, i32]
-            lib.adam_parallel.restype = i32
+        lib = _bind(lib, so)
     except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
         detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
         _native["error"] = f"{type(e).__name__}: {detail}"
@@ -357,82 +423,158 @@ _pool: list = []
 
 
 _MASTER_MODES = {"fp32": 0, "bf16": 1, "bf16_sr": 2, "bf16_split": 3}  # optim_kernel.c: M_*
-_NP = 9  # pointers per tensor (optim_kernel.c: NP)
+
+
+def _extent(x: torch.Tensor | None) -> int:
+    """Bytes from x's first element to the end of its allocation: all the kernel may touch
+    through x's pointer (0 for None)."""
+    if x is None:
+        return 0
+    return x.untyped_storage().nbytes() - x.storage_offset() * x.element_size()
 
 
 def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool, *,
                  master: str = "fp32", salts: list[int] | None = None,
-                 oks: list[torch.Tensor | None] | None = None) -> None:
-    """Step every tensor in one kernel call per thread. tensors[t] = (p, g, m codes, m scales,
-    v fp32, v codes, v scales, lo) of tensor t, contiguous (the unused ones None; a 7-tuple
-    means lo None); h is _adam_table's [n_tensors, NH] fp32.
+                 oks: list[torch.Tensor | None] | None = None, lib: ctypes.CDLL | None = None) -> None:
+    """Step every tensor in one kernel call per thread. tensors[t]: KernelRow's first fields
+    (p, g, m codes, m scales, v fp32, v codes, v scales[, lo]) of tensor t, contiguous, the
+    unused ones None; h is _adam_table's [n_tensors, len(TABLE_COLUMNS)] fp32.
 
     master (master.py): "fp32" wants p and g fp32; the others bf16 p and g, the fp32 update
     written back rounded to nearest even ("bf16"), stochastically with master.py's sr_bits of
     salts[t] (a uint32 per tensor) and the step in h ("bf16_sr"), or split into p and the int16
     remainder lo ("bf16_split", p joined with lo being the fp32 master it reads).
     oks[t]: None, or a 0-dim bool CPU tensor read by the kernel (no host sync): False leaves
-    tensor t entirely unchanged (p, lo and the moments), e.g. after a non-finite gradient."""
-    lib = _native_lib()
+    tensor t entirely unchanged (p, lo and the moments), e.g. after a non-finite gradient.
+    lib: the loaded library (default: _native_lib()).
+
+    RuntimeError when the kernel cannot do this block size (a caller may fall back); ValueError,
+    with nothing stepped, when a buffer does not hold its tensor's blocks."""
+    lib = lib or _native_lib()
     mode = _MASTER_MODES[master]
     dtype = torch.float32 if mode == 0 else torch.bfloat16
-    n = len(tensors)
-    ptrs = (ctypes.c_void_p * (_NP * n))()
-    nb = (ctypes.c_int64 * n)()
-    for t, ts in enumerate(tensors):
-        # a wrong dtype would make the kernel read the wrong number of bytes: check, cheaply
-        if ts[0].dtype != dtype or ts[1].dtype != dtype:
-            raise TypeError(f"master={master!r} steps {dtype} parameters and gradients, "
-                            f"got {ts[0].dtype} and {ts[1].dtype}")
-        lo = ts[7] if len(ts) > 7 else None
-        if (mode == 3) != (lo is not None) or (lo is not None and lo.dtype != torch.int16):
-            raise TypeError("bf16_split (and only it) needs the int16 remainder lo of each tensor")
-        ok = None if oks is None else oks[t]
-        if ok is not None and (ok.device.type != "cpu" or ok.element_size() != 1):
-            raise TypeError(f"the guard flag must be a one-byte CPU tensor, got {ok.dtype} on {ok.device}")
-        ptrs[_NP * t:_NP * t + _NP] = [None if x is None else x.data_ptr() for x in (*ts[:7], lo, ok)]
-        nb[t] = ts[0].numel() // block_size
+    n, width = len(tensors), len(KernelRow._fields)
+    if h.dtype != torch.float32 or tuple(h.shape) != (n, len(TABLE_COLUMNS)) or not h.is_contiguous():
+        raise ValueError(f"the hyperparameter table must be contiguous float32 [{n}, {len(TABLE_COLUMNS)}], "
+                         f"got {h.dtype} {tuple(h.shape)}")
     salt = None
     if mode == 2:
         if salts is None or len(salts) != n:
             raise ValueError("bf16_sr needs one salt per tensor")
-        salt = (ctypes.c_uint32 * n)(*(s & 0xFFFFFFFF for s in salts))
+        salt = torch.tensor([s & 0xFFFFFFFF for s in salts], dtype=torch.uint32)
+    ptrs = (ctypes.c_void_p * (width * n))()
+    sizes = (ctypes.c_int64 * (width * n))()
+    nb = (ctypes.c_int64 * n)()
+    for t, ts in enumerate(tensors):
+        row = KernelRow(*ts)._replace(ok=None if oks is None else oks[t], h=h[t], salt=None if salt is None else salt[t])
+        # the sizes are checked in C; a wrong dtype or layout would step the wrong values
+        if row.p.dtype != dtype or row.g.dtype != dtype:
+            raise TypeError(f"master={master!r} steps {dtype} parameters and gradients, "
+                            f"got {row.p.dtype} and {row.g.dtype}")
+        if (mode == 3) != (row.lo is not None) or (row.lo is not None and row.lo.dtype != torch.int16):
+            raise TypeError("bf16_split (and only it) needs the int16 remainder lo of each tensor")
+        if row.ok is not None and (row.ok.device.type != "cpu" or row.ok.element_size() != 1):
+            raise TypeError(f"the guard flag must be a one-byte CPU tensor, got {row.ok.dtype} on {row.ok.device}")
+        if not all(x is None or x.is_contiguous() for x in row):
+            raise ValueError(f"tensor {t}: the native kernel reads contiguous buffers only")
+        ptrs[width * t:width * (t + 1)] = [None if x is None else x.data_ptr() for x in row]
+        sizes[width * t:width * (t + 1)] = [_extent(x) for x in row]
+        nb[t] = row.p.numel() // block_size
     total = sum(nb)
     threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
     # 128 blocks (32K elements) a take: ~0.1 ms of work, so a late thread delays the step by
     # at most that much, and the shared counter is touched ~500 times for 16M parameters
     if hasattr(lib, "adam_parallel"):  # on torch's OpenMP threads
-        if lib.adam_parallel(n, ptrs, nb, h.data_ptr(), salt, total, 128, block_size, int(decoupled), int(v_fp8),
-                             mode, threads):
-            raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (at most 1024)")
-        return
-    next_block = ctypes.c_int64(0)
-    args = (n, ptrs, nb, h.data_ptr(), salt, total, 128, ctypes.byref(next_block), block_size, int(decoupled),
-            int(v_fp8), mode)
-    jobs = []
-    if threads > 1:  # the calling thread works too
-        if not _pool or _pool[0]._max_workers < threads - 1:
-            from concurrent.futures import ThreadPoolExecutor
-            _pool[:] = [ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8optim")]
-        jobs = [_pool[0].submit(lib.adam_dynamic, *args) for _ in range(threads - 1)]
-    failed = lib.adam_dynamic(*args)
-    failed |= any([job.result() for job in jobs])  # every job ends before the tensors may be freed
-    if failed:
-        raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (at most 1024)")
+        bad = lib.adam_parallel(n, ptrs, sizes, nb, total, 128, block_size, int(decoupled), int(v_fp8), mode,
+                                threads)
+    else:
+        next_block = ctypes.c_int64(0)
+        args = (n, ptrs, sizes, nb, total, 128, ctypes.byref(next_block), block_size, int(decoupled),
+                int(v_fp8), mode)
+        jobs = []
+        if threads > 1:  # the calling thread works too
+            if not _pool or _pool[0]._max_workers < threads - 1:
+                from concurrent.futures import ThreadPoolExecutor
+                _pool[:] = [ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8optim")]
+            jobs = [_pool[0].submit(lib.adam_dynamic, *args) for _ in range(threads - 1)]
+        bad = lib.adam_dynamic(*args)
+        bad = bad or max([job.result() for job in jobs], default=0)  # all end before the tensors may be freed
+    if bad == 1:
+        raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (a multiple of 8, at most 1024)")
+    if bad:  # optim_kernel.c: 2 + NP t + k for buffer k of tensor t
+        t, k = divmod(bad - 2, width)
+        raise ValueError(f"FP8Optim native kernel: the {KernelRow._fields[k]} buffer of tensor {t} holds "
+                         f"{sizes[width * t + k]} bytes, too few for its {nb[t]} blocks of {block_size}; "
+                         "nothing was stepped")
 
 
 def _adam_table(steps: list[torch.Tensor], groups: list[dict]) -> torch.Tensor:
-    """The native kernel's hyperparameters, [n_tensors, 11] fp32 (optim_kernel.c: NH), computed
-    on the host from the (CPU) step counts without reading them into Python; bias corrections
-    and 1 - beta in float64, as torch computes them. The last column is the step count itself
-    (exact in fp32 below 2^24 steps), which keys bf16_sr's random bits."""
+    """The native kernel's hyperparameters, [n_tensors, len(TABLE_COLUMNS)] fp32, computed on the
+    host from the (CPU) step counts without reading them into Python; bias corrections and
+    1 - beta in float64, as torch computes them. The step count itself (exact in fp32 below 2^24
+    steps) keys bf16_sr's random bits."""
     s = torch.stack(steps).to(torch.float64)
     lr, b1, b2, eps, wd = (torch.tensor(col, dtype=torch.float64) for col in zip(*(
         (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
         for g in groups)))
-    return torch.stack([lr, b1, b2, eps, wd, lr / (1 - b1**s), (1 - b2**s).sqrt(), 1 - b1, 1 - b2, 1 - lr * wd, s],
-                       dim=1).float().contiguous()
+    cols = {"lr": lr, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd, "step_size": lr / (1 - b1**s),
+            "bias_correction2_sqrt": (1 - b2**s).sqrt(), "1 - beta1": 1 - b1, "1 - beta2": 1 - b2,
+            "1 - lr * weight_decay": 1 - lr * wd, "step": s}
+    return torch.stack([cols[c] for c in TABLE_COLUMNS], dim=1).float().contiguous()
 
+
+@dataclass(kw_only=True)
+class _AdamTensor:
+    """One parameter's Adam step as the kernels see it: this rank's shard; with FP8 moments, p, g,
+    lo and a fp32 v as [n_blocks, B] views and the codes as uint8 views of the same shape,
+    else every tensor in p's shape. A representation the parameter does not use is None."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    step: torch.Tensor
+    """The state's 0-dim float32 step count, on p's device."""
+    group: dict
+    salt: int
+    """bf16_sr's salt of the parameter (master.py: sr_salt)."""
+    decoupled: bool
+    """AdamW's weight decay (else Adam's L2 penalty)."""
+    ok: torch.Tensor | None
+    """step_in_backward's guard: a 0-dim bool, False leaves p and its state as they were."""
+    native: bool
+    """The native kernel can step it (FP8 moments, CPU, the kernel's dtypes)."""
+    m_codes: torch.Tensor | None = None
+    m_scale: torch.Tensor | None = None
+    m32: torch.Tensor | None = None
+    v32: torch.Tensor | None = None
+    v_codes: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    lo: torch.Tensor | None = None
+    """bf16_split's int16 low halves of the fp32 master."""
+
+    MULTI_ARGS = ("p", "g", "m_codes", "m_scale", "m32", "v32", "v_codes", "v_scale", "lo")
+    """_adam_multi's first arguments (lists of these fields)."""
+
+    @property
+    def m_fp8(self) -> bool:
+        return self.m_codes is not None
+
+    @property
+    def v_fp8(self) -> bool:
+        return self.v_codes is not None
+
+    def kernel_row(self) -> KernelRow:
+        return KernelRow(self.p, self.g, self.m_codes, self.m_scale, self.v32, self.v_codes, self.v_scale, self.lo)
+
+
+def _bucket(t: _AdamTensor, *, native: bool) -> tuple:
+    """Which call steps `t`: tensors with equal keys are stepped by one call. The native kernel
+    takes every shape in one call per weight-decay kind (its guard is per tensor); a compiled
+    call is one graph, so its key holds every flag of the graph, the guard's presence included,
+    and the device, dtypes and shape."""
+    if native:
+        return ("native", t.decoupled, t.v_fp8)
+    return ("compiled", t.decoupled, t.m_fp8, t.v_fp8, t.ok is not None, t.p.device, t.p.dtype, t.g.dtype,
+            tuple(t.p.shape))
 
 
 class FP8Optim(torch.optim.Optimizer):
@@ -504,6 +646,7 @@ class FP8Optim(torch.optim.Optimizer):
         self._seed = seed
         self._salts = self._make_salts()
         self._bwd: torch.Tensor | None = None  # step_in_backward's per-backward sums
+        self._bwd_params = 0  # parameters with a step_in_backward hook
         self.max_live_grad_bytes = 0
         """step_in_backward: the largest gradient seen (the most gradient memory alive at once)."""
         self._check_groups()
@@ -542,10 +685,9 @@ class FP8Optim(torch.optim.Optimizer):
         """None if p's state goes FP8 at this level, else why it stays fp32."""
         if self.opt_level == 0:
             return "opt_level 0"
-        if p.numel() < self.min_numel:
-            return f"numel < {self.min_numel}"
-        if p.numel() % self.block_size:
-            return f"numel % {self.block_size} != 0"
+        size = fp8_size_problem(p.numel(), self.block_size, self.min_numel)
+        if size:
+            return size
         if isinstance(p, DTensor):  # FSDP: every rank's rows must be whole blocks too
             problem = _shard_problem(p, self.block_size)
             if problem:
@@ -622,37 +764,44 @@ class FP8Optim(torch.optim.Optimizer):
                              "reduced after the per-parameter hooks would run; step after the backward instead")
         self._own = True
         # the group by index, looked up when the hook runs: load_state_dict replaces the dicts
-        groups = {p: i for i, group in enumerate(self.param_groups) for p in group["params"]}
         handles = []
-        for p, i in groups.items():
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(
-                    lambda param, i=i: self._step_in_backward(param, self.param_groups[i])))
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    index = len(handles)
+                    handles.append(p.register_post_accumulate_grad_hook(
+                        lambda param, i=i, index=index: self._step_in_backward(param, self.param_groups[i], index)))
+        self._bwd_params = len(handles)
         return handles
 
     @torch.no_grad()
-    def _step_in_backward(self, p: torch.Tensor, group: dict) -> None:
+    def _step_in_backward(self, p: torch.Tensor, group: dict, index: int) -> None:
         g = p.grad
         if self._bwd is None:
             self._backends = {}
             self._log_summary()
-            self._bwd = torch.zeros(2, dtype=torch.float32, device=g.device)
+            # [sum of squared norms of the finite gradients, parameters left unchanged, parameters
+            # that had a gradient, then per hooked parameter: 1 if it was left unchanged]
+            self._bwd = torch.zeros(3 + self._bwd_params, dtype=torch.float32, device=g.device)
         self.max_live_grad_bytes = max(self.max_live_grad_bytes, _local(g).numel() * g.element_size())
         ok = torch.isfinite(g).all()
         norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        # [sum of squared norms of the finite gradients, parameters skipped]
-        self._bwd += torch.stack([torch.where(ok, norm * norm, 0.0), (~ok).float()])
+        self._bwd[:3] += torch.stack([torch.where(ok, norm * norm, 0.0), (~ok).float(), torch.ones_like(norm)])
+        self._bwd[3 + index] = (~ok).float()
         self._step_adam([(p, group)], oks={p: ok})
         p.grad = None
 
-    def backward_stats(self) -> torch.Tensor | None:
-        """After a backward under `step_in_backward`: a 2-element fp32 device tensor, [global
-        norm of the finite gradients, parameters left unchanged because their gradient was not
-        finite] (read it when you log: one read); None if no parameter stepped. Resets."""
+    def backward_stats(self, per_param: bool = False) -> torch.Tensor | None:
+        """After a backward under `step_in_backward`: an fp32 device tensor, [global norm of the
+        finite gradients, parameters left unchanged because their gradient was not finite] (read
+        it when you log: one read); None if no parameter stepped. Resets. per_param: followed by
+        the number of parameters that had a gradient, then one flag per parameter with a hook
+        (param_groups order, those that require grad): 1 if it was left unchanged, else 0."""
         out, self._bwd = self._bwd, None
         if out is None:
             return None
-        return torch.stack([out[0].sqrt(), out[1]])
+        head = torch.stack([out[0].sqrt(), out[1]])
+        return torch.cat([head, out[2:]]) if per_param else head
 
     def _count(self, backend: str, tensors: int) -> None:
         calls, n = self._backends.get(backend, (0, 0))
@@ -687,83 +836,92 @@ class FP8Optim(torch.optim.Optimizer):
         fn(*args, **flags)
         self._count("eager", len(args[0]))
 
+    def _adam_tensor(self, p: torch.Tensor, group: dict, ok: torch.Tensor | None) -> _AdamTensor:
+        """p as the Adam kernels see it (its state made on its first step)."""
+        B = self.block_size
+        state = self.state[p]
+        m_fp8 = self._uses_fp8(p, group)
+        if len(state) == 0:
+            self._init_adam_state(p, state, m_fp8)
+        pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
+        if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
+            state["step"] = state["step"].to(pl.device, torch.float32)
+        kernel_dtype = torch.float32 if self.master_weights == "fp32" else torch.bfloat16
+        lo = _local(state["master_lo"]) if self.master_weights == "bf16_split" else None
+        t = _AdamTensor(p=pl, g=g.reshape(pl.shape), step=state["step"], group=group, salt=self._salts.get(p, 0),
+                        decoupled=bool(group.get("decoupled_weight_decay", self._adamw)), ok=ok,
+                        native=(m_fp8 and not self.emulate and pl.device.type == "cpu" and pl.dtype == kernel_dtype
+                                and g.dtype == kernel_dtype and g.is_contiguous() and B <= 1024))
+        if not m_fp8:
+            t.m32, t.v32, t.lo = _local(state["exp_avg"]), _local(state["exp_avg_sq"]), lo
+            return t
+        # [n_blocks, B] views, codes as uint8
+        m = _local(state["exp_avg"])
+        t.p, t.g, t.lo = pl.view(-1, B), g.reshape(-1, B), None if lo is None else lo.view(-1, B)
+        t.m_codes, t.m_scale = m.codes.view(torch.uint8).view(-1, B), m.scale
+        if self.opt_level >= 2:
+            r = _local(state["exp_avg_sq_sqrt"])
+            t.v_codes, t.v_scale = r.codes.view(torch.uint8).view(-1, B), r.scale
+        else:
+            t.v32 = _local(state["exp_avg_sq"]).view(-1, B)
+        return t
+
     def _step_adam(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
         """The Adam(W) parameters `mine` (with their groups): the FP8-state fp32 ones on CPU in one
         native kernel call, the others in one compiled call per (device, dtypes, shape, kinds).
         oks: parameter -> 0-dim bool guard (step_in_backward), else None."""
-        B = self.block_size
-        native: dict[bool, list] = defaultdict(list)
-        compiled: dict[tuple, list] = defaultdict(list)
+        calls: dict[tuple, list[_AdamTensor]] = defaultdict(list)
         steps: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        master = self.master_weights
         for p, group in mine:
-            state = self.state[p]
-            m_fp8 = self._uses_fp8(p, group)
-            if len(state) == 0:
-                self._init_adam_state(p, state, m_fp8)
-            pl, g = _local(p), _local(p.grad)  # from here on: this rank's shard
-            if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
-                state["step"] = state["step"].to(pl.device, torch.float32)
-            ok = None if oks is None else oks[p]
-            if ok is None:
-                steps[pl.device].append(state["step"])
+            t = self._adam_tensor(p, group, None if oks is None else oks[p])
+            if t.ok is None:
+                steps[t.p.device].append(t.step)
             else:  # a skipped parameter keeps its step count too
-                state["step"].add_(ok.to(torch.float32))
-            decoupled = bool(group.get("decoupled_weight_decay", self._adamw))
-            v_fp8 = m_fp8 and self.opt_level >= 2
-            lo = _local(state["master_lo"]) if master == "bf16_split" else None
-            if m_fp8:
-                m = _local(state["exp_avg"])
-                vq = _local(state["exp_avg_sq_sqrt"]) if v_fp8 else None
-                v = None if v_fp8 else _local(state["exp_avg_sq"])
-                # [n_blocks, B] views, codes as uint8
-                tensors = (pl.view(-1, B), g.reshape(-1, B), m.codes.view(torch.uint8).view(-1, B), m.scale, None,
-                           None if v_fp8 else v.view(-1, B),
-                           vq.codes.view(torch.uint8).view(-1, B) if v_fp8 else None, vq.scale if v_fp8 else None,
-                           None if lo is None else lo.view(-1, B))
-            else:
-                tensors = (pl, g.reshape(pl.shape), None, None, _local(state["exp_avg"]),
-                           _local(state["exp_avg_sq"]), None, None, lo)
-            item = (tensors, state["step"], group, self._salts.get(p, 0), ok)
-            kernel_dtype = torch.float32 if master == "fp32" else torch.bfloat16
-            if (self._native and m_fp8 and not self.emulate and pl.device.type == "cpu" and pl.dtype == kernel_dtype
-                    and g.dtype == kernel_dtype and g.is_contiguous() and B <= 1024):
-                native[decoupled].append(item)
-            else:
-                compiled[(decoupled, m_fp8, v_fp8, ok is not None, pl.device, pl.dtype, g.dtype,
-                          tuple(tensors[0].shape))].append(item)
+                t.step.add_(t.ok.to(torch.float32))
+            calls[_bucket(t, native=self._native and t.native)].append(t)
         for same_device in steps.values():  # torch's Adam counts steps first, then steps
             torch._foreach_add_(same_device, 1.0)
-        for decoupled, items in native.items():
-            try:
-                # the native kernel's layout: p, g, m codes, m scales, v fp32, v codes, v scales, lo
-                _native_adam([tuple(t[k] for k in (0, 1, 2, 3, 5, 6, 7, 8)) for t in (i[0] for i in items)],
-                             _adam_table([i[1] for i in items], [i[2] for i in items]),
-                             B, decoupled, self.opt_level >= 2, master=master, salts=[i[3] for i in items],
-                             oks=[i[4] for i in items])
-                self._count("native", len(items))
-            except RuntimeError as e:
-                self._native = False
-                msg = (f"FP8Optim: the native CPU kernel is unavailable ({e}); "
-                       "using torch.compile for the step instead (~5x slower on CPU).")
-                self.fallbacks.append(msg)
-                warn_once("fp8optim-native", msg)
-                for item in items:
-                    pl, g = item[0][:2]
-                    compiled[(decoupled, True, self.opt_level >= 2, False, pl.device, pl.dtype, g.dtype,
-                              tuple(pl.shape))].append(item)
-        hypers: dict[int, tuple] = {}  # per param group, made once a step
-        for (decoupled, m_fp8, v_fp8, guarded, *_), items in compiled.items():
-            for _, _, group, _, _ in items:
-                if id(group) not in hypers:
-                    hypers[id(group)] = tuple(_host_scalar(x) for x in (
-                        group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"]))
-            # one list per _adam_multi argument; a representation this call does not use: []
-            cols = [[i[0][k] for i in items] if items[0][0][k] is not None else [] for k in range(9)]
-            salts = [torch.tensor(i[3], dtype=torch.int64) for i in items] if master == "bf16_sr" else []
-            self._run("adam", _adam_multi, *cols, [i[1] for i in items], [hypers[id(i[2])] for i in items],
-                      salts, [i[4] for i in items] if guarded else [],
-                      decoupled=decoupled, m_fp8=m_fp8, v_fp8=v_fp8, master=master, emulate=self.emulate)
+        for key, items in calls.items():
+            (self._adam_native if key[0] == "native" else self._adam_compiled)(items)
+
+    def _adam_native(self, items: list[_AdamTensor]) -> None:
+        """One native kernel call for `items`; if the kernel is unavailable, the compiled step
+        (recorded fallback), each tensor re-keyed as it would have been without the kernel."""
+        try:
+            _native_adam([t.kernel_row() for t in items], _adam_table([t.step for t in items], [t.group for t in items]),
+                         self.block_size, items[0].decoupled, items[0].v_fp8, master=self.master_weights,
+                         salts=[t.salt for t in items], oks=[t.ok for t in items])
+            self._count("native", len(items))
+            return
+        except RuntimeError as e:
+            self._native = False
+            msg = (f"FP8Optim: the native CPU kernel is unavailable ({e}); "
+                   "using torch.compile for the step instead (~5x slower on CPU).")
+            self.fallbacks.append(msg)
+            warn_once("fp8optim-native", msg)
+        calls: dict[tuple, list[_AdamTensor]] = defaultdict(list)
+        for t in items:
+            calls[_bucket(t, native=False)].append(t)
+        for same in calls.values():
+            self._adam_compiled(same)
+
+    def _adam_compiled(self, items: list[_AdamTensor]) -> None:
+        """One compiled (or eager) _adam_multi call for tensors of one bucket (_bucket)."""
+        first = items[0]
+        hypers: dict[int, tuple] = {}  # per param group
+        for t in items:
+            if id(t.group) not in hypers:
+                g = t.group
+                hypers[id(g)] = tuple(_host_scalar(x) for x in (g["lr"], g["betas"][0], g["betas"][1], g["eps"],
+                                                                  g["weight_decay"]))
+        # one list per _adam_multi argument; a representation this bucket does not use: []
+        cols = [[getattr(t, name) for t in items] if getattr(first, name) is not None else []
+                for name in _AdamTensor.MULTI_ARGS]
+        salts = [torch.tensor(t.salt, dtype=torch.int64) for t in items] if self.master_weights == "bf16_sr" else []
+        self._run("adam", _adam_multi, *cols, [t.step for t in items], [hypers[id(t.group)] for t in items],
+                  salts, [t.ok for t in items] if first.ok is not None else [],
+                  decoupled=first.decoupled, m_fp8=first.m_fp8, v_fp8=first.v_fp8, master=self.master_weights,
+                  emulate=self.emulate)
 
     def _step_sgd(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
         """Every FP8-state SGD parameter, one compiled call per (device, dtypes, shape, kind)."""
@@ -864,12 +1022,43 @@ class FP8Optim(torch.optim.Optimizer):
                     state["master_lo"] = lo.to(p.device) if lo is not None else \
                         torch.zeros(_local(p).shape, dtype=torch.int16, device=p.device)
 
+    def _check_loaded(self, state_dict: dict) -> None:
+        """ValueError naming the first saved state that does not fit its parameter, before
+        anything is loaded. Parameters are matched as torch matches them (in param_groups
+        order); groups of other sizes are left to the wrapped optimizer, which refuses them."""
+        saved_groups, states = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(saved_groups, list) or not isinstance(states, dict):
+            raise ValueError("an optimizer state dict holds 'state' (a dict) and 'param_groups' (a list); got "
+                             f"{type(states).__name__} and {type(saved_groups).__name__}")
+        if [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in saved_groups] != \
+                [len(g["params"]) for g in self.param_groups]:
+            return
+        kind = type(self.optimizer).__name__
+        index = 0
+        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            for i, p in zip(saved["params"], group["params"]):
+                state = states.get(i)
+                if isinstance(state, dict):
+                    problem = _keys_problem(state, self.is_sgd) or next(
+                        (x for x in (_state_problem(k, v, _local(p)) for k, v in state.items()) if x), None)
+                else:
+                    problem = None if state is None else f"its state is a {type(state).__name__}, not a dict"
+                if problem:
+                    raise ValueError(
+                        f"optimizer state of parameter {index} (param group {gi}, shape {tuple(p.shape)}): {problem}; "
+                        f"this {kind} state is not this model's (or the file was altered): nothing was loaded")
+                index += 1
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FP8Optim (any level) or of the plain wrapped optimizer.
 
-        The wrapped optimizer does the loading (param id mapping, group hyperparameters, device);
-        then each state is converted to what this level stores (FP8 <-> fp32, v <-> sqrt(v)).
+        Every saved state is first checked against its parameter (shape, FP8 blocks and scales,
+        dtypes), ValueError otherwise with this optimizer unchanged: a moment of another size
+        would make the native kernel read and write past its buffers. The wrapped optimizer then
+        does the loading (param id mapping, group hyperparameters, device); each state is
+        converted to what this level stores (FP8 <-> fp32, v <-> sqrt(v)).
         """
+        self._check_loaded(state_dict)
         self.optimizer.load_state_dict(state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
@@ -903,32 +1092,20 @@ class FP8Optim(torch.optim.Optimizer):
     # ---- reporting ----------------------------------------------------------------------------
 
     def _planned_bytes(self, p: torch.Tensor, group: dict) -> int:
-        """Bytes of moment state the first step will allocate for p (this level's layout)."""
-        moments = 0 if self.is_sgd and group["momentum"] == 0 else (1 if self.is_sgd else 2)
+        """Bytes of state the first step will allocate for p (this level's layout)."""
+        moments = _moments(self.optimizer, group)
         n = _local(p).numel()  # FSDP: this rank's shard
-        lo = 2 * n if self.master_weights == "bf16_split" else 0
-        if not self._uses_fp8(p, group):  # torch keeps state in p's dtype, we in fp32
-            return moments * n * (4 if self._own else p.element_size()) + lo
-        fp8 = min(self.opt_level, moments)
-        return fp8 * (n + n // self.block_size * 4) + (moments - fp8) * n * 4 + lo
+        fp8 = self._uses_fp8(p, group)
+        # the moments we allocate are fp32 (level 1's v; all of them when we step every
+        # parameter), the wrapped optimizer's are in p's dtype
+        return (optimizer_bytes(n, fp8_moments=min(self.opt_level, moments) if fp8 else 0, moments=moments,
+                                block_size=self.block_size,
+                                moment_bytes=4 if fp8 or self._own else p.element_size())
+                + n * bytes_per_param(self.master_weights)[2])  # bf16_split's remainder
 
     def state_bytes(self) -> int:
-        """Bytes of moment state (FP8 codes + scales, or fp32; steps excluded): what is held now,
-        plus what the first step will allocate for parameters that have no state yet (so it is
-        meaningful right after construction)."""
-        total = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    total += self._planned_bytes(p, group)
-                    continue
-                for key, value in state.items():
-                    if key == "step" or not torch.is_tensor(value):
-                        continue
-                    value = _local(value)  # FSDP: this rank's shard
-                    total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.numel() * value.element_size()
-        return total
+        """Bytes of optimizer state on this rank: optimizer_state_bytes(self)."""
+        return optimizer_state_bytes(self)
 
     def state_bytes_per_param(self) -> float:
         """state_bytes() / number of parameters."""
@@ -958,12 +1135,98 @@ class FP8Optim(torch.optim.Optimizer):
         kept = self.fp32_states()
         moments = 1 if self.is_sgd else 2
         fp8_moments = min(self.opt_level, moments)
-        per_param = fp8_moments * (1 + 4 / self.block_size) + (moments - fp8_moments) * 4
+        B = self.block_size
+        per_param = optimizer_bytes(B, fp8_moments=fp8_moments, moments=moments, block_size=B) / B
         master = "" if self.master_weights == "fp32" else f", master_weights={self.master_weights}"
-        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={self.block_size}{master}): "
+        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={B}{master}): "
                  f"{n_fp8} tensors / {b_fp8:,} params with FP8 state "
-                 f"({per_param:.3f} bytes/param of moments)"]
+                 f"({per_param:.3f} bytes/param of moments); {self.state_bytes():,} bytes of state"]
         for reason, (n, numel) in kept.items():
             lines.append(f"  fp32 state: {n} tensors / {numel:,} params "
-                         f"({format_bytes(numel * 4 * moments)}): {reason}")
+                         f"({format_bytes(optimizer_bytes(numel, fp8_moments=0, moments=moments))}): {reason}")
         return "\n".join(lines)
+
+
+def _moments(optimizer: torch.optim.Optimizer, group: dict) -> int:
+    """Moments a torch optimizer keeps per parameter of `group`: Adam(W) 2, SGD with momentum 1."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return 1 if group["momentum"] else 0
+    return 2
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state on this rank (moments, FP8 codes and scales, bf16_split's
+    remainders; step counts excluded) of an FP8Optim or a plain torch Adam/AdamW/SGD: the
+    tensors held, plus what the first step will allocate for parameters without state yet, so
+    the figure means the same right after construction and after a step."""
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state:
+                for key, value in state.items():
+                    if key != "step" and torch.is_tensor(value):
+                        value = _local(value)  # FSDP: this rank's shard
+                        total += value.nbytes_stored() if isinstance(value, FP8Tensor) else value.nbytes
+            elif isinstance(optimizer, FP8Optim):
+                total += optimizer._planned_bytes(p, group)
+            else:  # torch makes its moments at the first step, in the parameter's dtype
+                total += optimizer_bytes(_local(p).numel(), fp8_moments=0, moments=_moments(optimizer, group),
+                                         moment_bytes=p.element_size())
+    return total
+
+
+_ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_sq_sqrt", "master_lo")
+
+
+def _keys_problem(state: dict, sgd: bool) -> str | None:
+    """What is wrong with the keys of one parameter's saved state, or None."""
+    allowed = ("momentum_buffer",) if sgd else _ADAM_KEYS
+    extra = [k for k in state if k not in allowed]
+    if extra:
+        return f"unexpected state {extra} (an {'SGD' if sgd else 'Adam'} state holds {', '.join(allowed)})"
+    if not sgd and not ("step" in state and "exp_avg" in state
+                        and ("exp_avg_sq" in state) != ("exp_avg_sq_sqrt" in state)):
+        return f"state {list(state)}: an Adam state holds step, exp_avg and one of exp_avg_sq, exp_avg_sq_sqrt"
+    return None
+
+
+def _state_problem(key: str, value: Any, like: torch.Tensor) -> str | None:
+    """Why `value` cannot be state `key` of a parameter whose tensor on this rank is `like`, or
+    None: a number or 0-dim tensor for the step; a moment of the parameter's shape, either a
+    consistent FP8Tensor or a floating tensor laid out as the parameter; int16 for master_lo."""
+    if key == "step":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if torch.is_tensor(value) and value.dim() == 0 and (value.is_floating_point() or value.dtype in (
+                torch.int32, torch.int64)):
+            return None
+        return f"step must be a number or a 0-dim tensor, got {_describe(value)}"
+    if key == "momentum_buffer" and value is None:  # SGD before its first step
+        return None
+    if not torch.is_tensor(value):
+        return f"{key} must be a tensor, got {_describe(value)}"
+    value = _local(value)  # FSDP: this rank's shard, compared with the parameter's
+    expected = f"the parameter's {tuple(like.shape)} ({like.numel()} elements)"
+    if isinstance(value, FP8Tensor):
+        problem = value.layout_problem()
+        if problem:
+            return f"{key} is an inconsistent FP8Tensor: {problem}"
+        if value.shape != like.shape:
+            return (f"{key} is an FP8Tensor of shape {tuple(value.shape)} ({value.numel()} elements, "
+                    f"{value.scale.numel()} scales), expected {expected}")
+        return None
+    want = "int16" if key == "master_lo" else "floating point"
+    if (value.dtype != torch.int16) if key == "master_lo" else not value.is_floating_point():
+        return f"{key} must be {want}, got {value.dtype}"
+    if value.shape != like.shape:
+        return f"{key} has shape {tuple(value.shape)} ({value.numel()} elements), expected {expected}"
+    if not (value.is_contiguous() or value.stride() == like.stride()):
+        return f"{key} has strides {value.stride()}: expected contiguous, or laid out as the parameter"
+    return None
+
+
+def _describe(value: Any) -> str:
+    if torch.is_tensor(value):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -328,70 +328,133 @@ static const adam_fn ADAM[4][2][2] = {  /* [mode][decoupled][vfp8] */
     {{adam_lf_split, adam_lq_split}, {adam_df_split, adam_dq_split}},
 };
 
-/* One fp32 tensor's blocks [b0, b1) (h: its first 10 values are read). */
-int adam_step(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc, float *vs, float *v32,
-              const float *h, int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8) {
-    if (B > BMAX) return 1;
-    ADAM[M_FP32][!!decoupled][!!vfp8](p, g, mc, ms, vc, vs, v32, 0, h, 0, b0, b1, B);
+/* The interface optim.py calls (through ctypes), and checks when it loads this library:
+   nanochat_optim_abi reports the row width NP, the hyperparameter width NH and ABI_VERSION
+   (raise it whenever an exported signature or the meaning of a row changes).
+
+   A step's tensors come as a table of NP pointers per tensor, ptr[NP t + k] for buffer k of
+   tensor t (the unused ones NULL), and beside it bytes[NP t + k]: how many bytes that pointer
+   may touch (the caller reads it from the tensor's allocation). Tensor t has nb[t] blocks of B
+   elements. Every entry point checks each buffer against nb[t] and B before any block is
+   stepped, so a table that does not describe the memory behind it is refused and changes
+   nothing; nothing past a checked size is ever read or written. */
+#define ABI_VERSION 2
+enum {
+    P, G,        /* parameter and gradient: fp32, or bf16 in the bf16 master modes */
+    MC, MS,      /* first moment: e4m3 codes (a byte per element), fp32 scale per block */
+    V32,         /* second moment in fp32 (level 1), or */
+    VC, VS,      /* sqrt of the second moment, codes and scales (level 2) */
+    LO,          /* bf16_split's int16 low halves of the fp32 master */
+    OK,          /* guard byte, read at step time (no host sync): 0 leaves the tensor as it
+                    is, e.g. after a non-finite gradient; NULL: always stepped */
+    HP,          /* the tensor's NH hyperparameters (fp32) */
+    SALT,        /* its uint32 stochastic-rounding salt (bf16_sr) */
+    NP
+};
+enum { REFUSED = 1, BAD_BUFFER = 2 };  /* return codes: see check() */
+
+void nanochat_optim_abi(int *nargs, int *width, int *version) {
+    *nargs = NP;
+    *width = NH;
+    *version = ABI_VERSION;
+}
+
+/* Bytes buffer k of a tensor of nb blocks is read or written over (0: not used). */
+static int64_t needed(int k, int64_t nb, int64_t B, int vfp8, int mode) {
+    const int64_t n = nb * B;
+    switch (k) {
+    case P: case G: return n * (mode == M_FP32 ? 4 : 2);
+    case MC: return n;
+    case MS: return nb * 4;
+    case V32: return vfp8 ? 0 : n * 4;
+    case VC: return vfp8 ? n : 0;
+    case VS: return vfp8 ? nb * 4 : 0;
+    case LO: return mode == M_SPLIT ? n * 2 : 0;
+    case HP: return NH * 4;
+    case SALT: return mode == M_SR ? 4 : 0;
+    default: return 0;
+    }
+}
+
+/* 0 when a step may run: else REFUSED for a block size or mode this library does not do (the
+   caller may use another backend), or BAD_BUFFER + NP t + k for the first buffer k of tensor t
+   that is missing or smaller than its nb[t] blocks need (a bug or corrupt state: not retried).
+   B is a multiple of 8 because the AVX2 decode takes 8 codes a step with no tail loop. */
+static int64_t check(int64_t n, void *const *ptr, const int64_t *bytes, const int64_t *nb, int64_t B,
+                     int vfp8, int mode) {
+    if (n < 0 || B <= 0 || B > BMAX || B % 8 || mode < M_FP32 || mode > M_SPLIT) return REFUSED;
+    for (int64_t t = 0; t < n; ++t) {
+        if (nb[t] < 0 || nb[t] > INT64_MAX / 4 / B) return BAD_BUFFER + NP * t + P;
+        for (int k = 0; k < NP; ++k) {
+            const int64_t want = k == OK ? (ptr[NP * t + k] ? 1 : 0) : needed(k, nb[t], B, vfp8, mode);
+            if (want && (!ptr[NP * t + k] || bytes[NP * t + k] < want)) return BAD_BUFFER + NP * t + k;
+        }
+    }
     return 0;
 }
 
-/* Every tensor of a step in one call. Tensor t has nb[t] blocks; ptr[NP t .. NP t + 8] are its
-   p, g, m codes, m scales, fp32 v, v codes, v scales, bf16_split remainder (int16) and guard
-   flag (one byte; 0: the tensor is left as it is, e.g. a non-finite gradient; NULL: always
-   stepped), the unused ones NULL; h + NH t its hyperparameters and salt[t] its stochastic-
-   rounding salt (bf16_sr only). The blocks of all tensors, concatenated, are numbered
-   0..sum(nb); this call steps blocks [b0, b1) of that numbering, so threads split a step by
-   cutting one range. mode: 0 fp32, 1 bf16, 2 bf16_sr, 3 bf16_split (master.py). */
-#define NP 9
-int adam_multi(int64_t n, void *const *ptr, const int64_t *nb, const float *h, const uint32_t *salt,
-               int64_t b0, int64_t b1, int64_t B, int decoupled, int vfp8, int mode) {
-    if (B > BMAX || mode < M_FP32 || mode > M_SPLIT || (mode == M_SR && !salt)) return 1;
-    const adam_fn fn = ADAM[mode][!!decoupled][!!vfp8];
+/* A float step count as the uint32 that keys bf16_sr's bits; converting a NaN, a negative or a
+   too large float to an integer is undefined in C, so those key as step 0 */
+static inline uint32_t step_key(float s) { return s >= 0.0f && s < 4294967296.0f ? (uint32_t)s : 0u; }
+
+/* Blocks [b0, b1) of the numbering that concatenates every tensor's blocks (0..sum(nb)), so
+   threads split a step by cutting one range; the table has been checked. */
+static void step_range(int64_t n, void *const *ptr, const int64_t *nb, int64_t b0, int64_t b1, int64_t B,
+                       adam_fn fn, int mode) {
     int64_t start = 0;
     for (int64_t t = 0; t < n && start < b1; start += nb[t], ++t) {
         int64_t lo = b0 > start ? b0 - start : 0, hi = b1 - start < nb[t] ? b1 - start : nb[t];
         if (lo >= hi) continue;
         void *const *q = ptr + NP * t;
-        if (q[8] && !*(const uint8_t *)q[8]) continue;  /* read here, at step time: no host sync */
-        const float *ht = h + NH * t;
-        const uint32_t key = mode == M_SR ? mix32(salt[t] + (uint32_t)ht[10]) : 0;
-        fn(q[0], q[1], (uint8_t *)q[2], (float *)q[3], (uint8_t *)q[5], (float *)q[6], (float *)q[4],
-           (uint16_t *)q[7], ht, key, lo, hi, B);
+        if (q[OK] && !*(const uint8_t *)q[OK]) continue;
+        const float *ht = (const float *)q[HP];
+        const uint32_t key = mode == M_SR ? mix32(*(const uint32_t *)q[SALT] + step_key(ht[10])) : 0;
+        fn(q[P], q[G], (uint8_t *)q[MC], (float *)q[MS], (uint8_t *)q[VC], (float *)q[VS], (float *)q[V32],
+           (uint16_t *)q[LO], ht, key, lo, hi, B);
     }
-    return 0;
 }
 
-/* adam_multi over all `total` blocks by every thread that calls it: each takes the next `chunk`
-   blocks from the shared counter *next until none are left. A thread that starts late (its core
-   busy, e.g. with OpenMP threads still spinning after torch's last parallel region) leaves its
-   share to the others instead of holding them at a barrier. Blocks are independent, so the
-   result does not depend on who stepped which. */
-int adam_dynamic(int64_t n, void *const *ptr, const int64_t *nb, const float *h, const uint32_t *salt,
-                 int64_t total, int64_t chunk, int64_t *next, int64_t B, int decoupled, int vfp8, int mode) {
-    int failed = 0;
+/* Every thread that calls this takes the next `chunk` blocks from the shared counter *next
+   until none of the `total` are left. A thread that starts late (its core busy, e.g. with
+   OpenMP threads still spinning after torch's last parallel region) leaves its share to the
+   others instead of holding them at a barrier. Blocks are independent, so the result does not
+   depend on who stepped which. */
+static void step_shared(int64_t n, void *const *ptr, const int64_t *nb, int64_t total, int64_t chunk,
+                        int64_t *next, int64_t B, adam_fn fn, int mode) {
     for (;;) {
         int64_t b0 = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
         if (b0 >= total) break;
-        failed |= adam_multi(n, ptr, nb, h, salt, b0, b0 + chunk < total ? b0 + chunk : total, B, decoupled,
-                             vfp8, mode);
+        step_range(n, ptr, nb, b0, b0 + chunk < total ? b0 + chunk : total, B, fn, mode);
     }
-    return failed;
+}
+
+/* Entry point for a pool of the caller's threads, each calling it with the same arguments and
+   the same counter *next (0 at the start). Returns check()'s code. mode: 0 fp32, 1 bf16,
+   2 bf16_sr, 3 bf16_split (master.py). */
+int64_t adam_dynamic(int64_t n, void *const *ptr, const int64_t *bytes, const int64_t *nb, int64_t total,
+                     int64_t chunk, int64_t *next, int64_t B, int decoupled, int vfp8, int mode) {
+    const int64_t bad = check(n, ptr, bytes, nb, B, vfp8, mode);
+    if (bad) return bad;
+    step_shared(n, ptr, nb, total, chunk > 0 ? chunk : 1, next, B, ADAM[mode][!!decoupled][!!vfp8], mode);
+    return 0;
 }
 
 #ifdef _OPENMP
 #include <omp.h>
-/* adam_dynamic on an OpenMP team of `threads`. Built with -fopenmp, this library needs
-   libgomp.so.1, which the dynamic loader resolves to the one torch has already loaded: the team
-   is torch's own intra-op thread pool, whose threads are still spinning right after torch's last
-   parallel region (a backward pass, a fused optimizer), so they start at once instead of
-   keeping a core from a thread of ours for the length of their spin. */
-int adam_parallel(int64_t n, void *const *ptr, const int64_t *nb, const float *h, const uint32_t *salt,
-                  int64_t total, int64_t chunk, int64_t B, int decoupled, int vfp8, int mode, int threads) {
+/* The same on an OpenMP team of `threads`. Built with -fopenmp, this library needs libgomp.so.1,
+   which the dynamic loader resolves to the one torch has already loaded: the team is torch's
+   own intra-op thread pool, whose threads are still spinning right after torch's last parallel
+   region (a backward pass, a fused optimizer), so they start at once instead of keeping a core
+   from a thread of ours for the length of their spin. */
+int64_t adam_parallel(int64_t n, void *const *ptr, const int64_t *bytes, const int64_t *nb, int64_t total,
+                      int64_t chunk, int64_t B, int decoupled, int vfp8, int mode, int threads) {
+    const int64_t bad = check(n, ptr, bytes, nb, B, vfp8, mode);
+    if (bad) return bad;
+    const adam_fn fn = ADAM[mode][!!decoupled][!!vfp8];
     int64_t next = 0;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads) reduction(|:failed)
-    failed |= adam_dynamic(n, ptr, nb, h, salt, total, chunk, &next, B, decoupled, vfp8, mode);
-    return failed;
+    chunk = chunk > 0 ? chunk : 1;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    step_shared(n, ptr, nb, total, chunk, &next, B, fn, mode);
+    return 0;
 }
 #endif

@@ -158,6 +158,30 @@ class FP8Tensor(TorchAOBaseTensor):
         values = decode(self.codes.view(torch.uint8).reshape(-1, self.block_size), self.fp8_dtype)
         return (values * self.scale[:, None]).view(self.shape).to(output_dtype)
 
+    def layout_problem(self) -> str | None:
+        """Why codes, scale and block_size do not describe this tensor, or None: codes of an FP8
+        dtype in this tensor's shape, a block size dividing their count, one float32 scale per
+        block, both contiguous and on this tensor's device. torch.load rebuilds a subclass from
+        its saved attributes without calling __init__, so a tensor read from a file is checked
+        with this before anything reads its codes as raw bytes (FP8Optim.load_state_dict)."""
+        codes, scale = getattr(self, "codes", None), getattr(self, "scale", None)
+        block = getattr(self, "block_size", None)
+        if not torch.is_tensor(codes) or codes.dtype not in FP8_DTYPES.values():
+            return f"codes must be float8_e4m3fn or float8_e5m2, got {getattr(codes, 'dtype', type(codes).__name__)}"
+        if codes.shape != self.shape:
+            return f"codes of shape {tuple(codes.shape)} in an FP8Tensor of shape {tuple(self.shape)}"
+        if type(block) is not int or block <= 0 or codes.numel() % block:
+            return f"block_size {block!r} does not divide its {codes.numel()} elements"
+        blocks = codes.numel() // block
+        if not torch.is_tensor(scale) or scale.dtype != torch.float32 or scale.shape != (blocks,):
+            got = f"{scale.dtype} {tuple(scale.shape)}" if torch.is_tensor(scale) else type(scale).__name__
+            return f"scale must be float32 of shape ({blocks},), one per block of {block}; got {got}"
+        if not (codes.is_contiguous() and scale.is_contiguous()):
+            return "codes and scale must be contiguous"
+        if codes.device != self.device or scale.device != self.device:
+            return f"codes on {codes.device} and scale on {scale.device} in an FP8Tensor on {self.device}"
+        return None
+
     @property
     def fp8_dtype(self) -> torch.dtype:
         return self.codes.dtype
