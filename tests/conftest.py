@@ -95,8 +95,8 @@ def perturbed_init():
 def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of `actual` against `expected`, in dB (torchao's
     compute_error): inf when equal."""
-    noise = (actual.double() - expected.double()).pow(2).mean()
-    return float(10 * torch.log10(expected.double().pow(2).mean() / noise)) if noise > 0 else math.inf
+    noise = (actual.detach().double() - expected.detach().double()).pow(2).mean()
+    return float(10 * torch.log10(expected.detach().double().pow(2).mean() / noise)) if noise > 0 else math.inf
 
 
 def assert_close_but_few(actual: torch.Tensor, expected: torch.Tensor, *, atol: float, rtol: float = 0.0,

@@ -217,7 +217,11 @@ def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
     time.sleep(random.Random(7).uniform(0, 0.5))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True)).train()
+    if (run_dir / "result.json").exists():  # the kill came after the run had finished: nothing to resume
+        with pytest.raises(UsageError, match="already finished"):
+            NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True)).train()
+    else:
+        NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True)).train()
     assert _losses(run_dir) == ref_losses
     assert [rec["step"] for rec in _records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
 

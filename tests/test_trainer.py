@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanochat import runlock
 from nanochat.checkpoint import latest_checkpoint
 from nanochat.common import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
@@ -241,6 +242,7 @@ def test_no_save_checkpoints_writes_none(small_corpus, tmp_path):
     kw = dict(num_iterations=4, save_every=2, num_samples=0)
     result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", save_checkpoints=False, **kw)).train()
     assert result.steps == 4
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.jsonl", "result.json", "tokenizer"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name != runlock.LOCK_NAME) == [
+        "metrics.jsonl", "result.json", "tokenizer"]
     with pytest.raises(ValueError, match="--resume: no checkpoint"):
         NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw)).train()
