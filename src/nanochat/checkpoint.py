@@ -212,11 +212,9 @@ def load_checkpoint(source: str | os.PathLike, map_location: str | torch.device 
     else:
         c = latest_checkpoint(source)
         if c is None:
-            raise UsageError(
-                f"--resume: no checkpoint in {source} (no checkpoint-<step>.pt with its .json manifest). "
-                "Start a fresh run without --resume, or point --run_dir at the directory of the run "
-                "you want to continue."
-            )
+            found = "no such directory" if not source.is_dir() else "no checkpoint-<step>.pt with its .json manifest"
+            raise UsageError(f"--run_dir {source} holds no checkpoint ({found}); point --run_dir at the "
+                             "directory of a training run")
     problem = verify_checkpoint(c)
     if problem is None:
         # FP8Tensor registers itself with torch.serialization.add_safe_globals on import.

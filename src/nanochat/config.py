@@ -398,7 +398,12 @@ class EvalConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto is bfloat16 on CUDA and float32 elsewhere."""
 
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
     def __post_init__(self) -> None:
+        _normalize_paths(self, "dataset_path", "run_dir", "model_name", "chat_template")
+        _check_types(self)
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
         _positive(self, "seq_len", "batch_size", "eval_tokens")
