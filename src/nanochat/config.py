@@ -512,6 +512,10 @@ class ParityConfig:
     """--fp8_opt_level of the FP8 modes and, with FP8 off, of the master-weight modes' and the
     baseline's FP8 optimizer states (needs no FP8 matmuls). 0: fp32 moments."""
 
+    debug: bool = False
+    """Show the full traceback of an error of the sweep itself instead of the one-line message
+    (a failed run's traceback is always printed)."""
+
     def __post_init__(self) -> None:
         if not self.modes:
             raise ValueError("--modes is empty; give at least: --modes baseline e4m3")
