@@ -16,13 +16,16 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
-import tyro
 
+from nanochat.common import resolve_device, run_main
+from nanochat.config import parse_cli
 from nanochat.fp8 import convert, detect
 
 
@@ -34,7 +37,7 @@ class BenchFP8LinearConfig:
     """Model width; the MLP is dim -> 4*dim -> dim (nanochat's MLP shape)."""
     tokens: int = 2048
     """Rows of the input (batch x sequence)."""
-    modes: tuple[str, ...] = ("e4m3", "e5m2", "auto")
+    modes: tuple[Literal["e4m3", "e5m2", "auto"], ...] = ("e4m3", "e5m2", "auto")
     """FP8 modes to time against the high-precision baseline."""
     steps: int = 5
     """Timed steps per measurement."""
@@ -43,8 +46,14 @@ class BenchFP8LinearConfig:
     threads: int = 2
     """torch intra-op threads (the CPU figures in BENCHMARKS.md: a 2-core machine)."""
     device: str = "cpu"
+    """cpu, cuda (cuda:N) or auto."""
     out: str | None = None
     """Write the figures as JSON here."""
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "tokens", "steps", "repeats", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -80,9 +89,9 @@ def sqnr_table(device: torch.device, emulate: bool, recipes=("tensorwise", "roww
 
 
 def main(cfg: BenchFP8LinearConfig) -> dict:
+    device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
-    device = torch.device(cfg.device)
     backend = detect(device, emulate=False)
     emulate = backend.backend != "native"
     base = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.ReLU(), nn.Linear(4 * cfg.dim, cfg.dim)).to(device)
@@ -135,4 +144,9 @@ def main(cfg: BenchFP8LinearConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchFP8LinearConfig, use_underscores=True))
+    cfg = parse_cli(BenchFP8LinearConfig)
+
+    def bench() -> None:
+        main(cfg)  # prints the figures (and writes --out); the returned dict is for Python callers
+
+    sys.exit(run_main(bench))
