@@ -13,6 +13,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import pytest
 import tyro
@@ -59,6 +60,31 @@ def test_bad_values_are_one_error_line_exit_2(argv, fragments, capsys):
     assert e.value.code == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err
     for fragment in fragments:
         assert fragment in err, (fragment, err)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _WithPositional:
+    """A CLI with a positional argument (as scripts/plot_run.py's RUN_DIR)."""
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """A run directory."""
+
+    def __post_init__(self) -> None:
+        if not self.run_dir.strip():
+            raise ValueError("RUN_DIR is empty; give a run directory")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "error: RUN_DIR is required (it has no default): give RUN_DIR, a str"),
+    (["a", "b"], "error: unexpected argument b: every value follows its --flag"),
+    ([" "], "error: RUN_DIR is empty; give a run directory"),
+])
+def test_positional_arguments_are_named_as_help_shows_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_cli(_WithPositional, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(message), err
+    assert parse_cli(_WithPositional, ["runs/x"]).run_dir == "runs/x"
 
 
 def test_help_is_tyros_own(capsys, monkeypatch):

@@ -666,7 +666,9 @@ def _one_line_parse_errors(cls: type):
         lowered = getattr(argument, "lowered", None)
         names = getattr(lowered, "name_or_flags", None) or ("an argument",)
         name = next((n for n in names if n.startswith("--")), names[0])
-        hint = hints.get(getattr(lowered, "dest", None) or "")
+        hint = hints.get(getattr(lowered, "dest", None) or name.lstrip("-"))
+        if not name.startswith("-"):  # a positional argument: named as --help shows it (RUN_DIR)
+            name = getattr(lowered, "metavar", None) or name
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `str | None`: "None" is the default
             hint = typing.Union[tuple(a for a in typing.get_args(hint) if a is not type(None))]
         return name, _describe(hint) if hint is not None else "a value"
@@ -688,7 +690,8 @@ def _one_line_parse_errors(cls: type):
         if isinstance(event, _errors.MissingArgs):
             missing = [flag(a.arg) for a in event.missing_arguments]
             raise _Rejected(f"{', '.join(n for n, _ in missing)} is required (it has no default): give "
-                            + ", ".join(f"{n} followed by {takes}" for n, takes in missing))
+                            + ", ".join(f"{n} followed by {takes}" if n.startswith("-") else f"{n}, {takes}"
+                                        for n, takes in missing))
         if isinstance(event, _errors.UnrecognizedArgs):
             unknown = [t for t in event.tokens if t.startswith("-")]
             if not unknown:
