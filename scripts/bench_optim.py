@@ -33,6 +33,7 @@ import torch
 from nanochat.common import format_table, resolve_device, run_main, seed_everything
 from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
 from nanochat.fp8.tensor import FP8Tensor
+from nanochat.gpt import PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,8 +70,6 @@ class BenchOptimConfig:
     """Write all figures as JSON here."""
 
     def __post_init__(self) -> None:
-        from nanochat.gpt import PRESETS
-
         for name in ("n_tensors", "dim", "steps", "train_steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")

@@ -20,13 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolved(parse_cli(ParityConfig, argv))
 
     def sweep() -> int:
-        payload = run_parity(cfg)
+        runs = [(seed, mode, r) for seed, modes in run_parity(cfg)["runs"].items() for mode, r in modes.items()]
         failed = [f"seed {seed} {mode} ({r['error'].splitlines()[0][:200]})"
-                  for seed, modes in payload["runs"].items() for mode, r in modes.items() if r.get("error")]
+                  for seed, mode, r in runs if r.get("error")]
         if failed:
-            raise NanoChatError(f"{len(failed)} of {sum(map(len, payload['runs'].values()))} runs failed: "
-                                f"{'; '.join(failed[:3])}{' ...' if len(failed) > 3 else ''}; their tracebacks "
-                                f"are above, the errors in {cfg.out_dir}/parity.json")
+            raise NanoChatError(f"{len(failed)} of {len(runs)} runs failed: {'; '.join(failed[:3])}"
+                                + (" ..." if len(failed) > 3 else "") + f"; the errors are in {cfg.out_dir}/"
+                                "parity.json, the tracebacks above (with --jobs > 1: in each run's train.log)")
         return 0
 
     return run_main(sweep, debug=cfg.debug)  # errors of the sweep itself (the corpus, --out_dir): one line

@@ -72,7 +72,8 @@ CASES = [
     ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env bf16 fp8"]),
     ("gpu_check", ["--budget_s", "nan", "--dry_run"], 2, ["--budget_s must be a positive number"]),
     # what only a run can look at
-    ("eval", [*DATA, "--run_dir", "{missing}"], 2, ["--run_dir {missing}", "no such directory", "a training run"]),
+    ("eval", [*DATA, "--run_dir", "{missing}"], 2,
+     ["--run_dir {missing}", "no such directory", "a training run"]),
     ("eval", [*DATA, "--run_dir", "{empty}"], 2, ["--run_dir {empty} holds no checkpoint", "a training run"]),
     ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ is missing", "restore it"]),
     ("eval", [*DATA, "--run_dir", "{mismatched}", "--device", "cpu"], 2,
@@ -80,7 +81,8 @@ CASES = [
     ("eval", [*DATA, "--model_name", "no-such-org/no-such-model"], 2, ["'no-such-org/no-such-model' not found"]),
     ("eval", [*DATA, "--model_name", "d4"], 2, ["'d4' is a nanochat preset", "--run_dir"]),
     ("eval", [*DATA, "--run_dir", "{run}", "--device", "tpu9"], 2, ["--device 'tpu9'", "use cpu, cuda"]),
-    ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{missing}"], 2, ["--run_dir {missing}", "no such directory"]),
+    ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{missing}"], 2,
+     ["--run_dir {missing}", "no such directory"]),
     ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
 ]
 

@@ -650,7 +650,7 @@ class _Rejected(Exception):
     """A parse error of tyro's, reworded as parse_cli's one line."""
 
 
-def _one_line_parse_errors(cls: type):
+def _one_line_parse_errors(cls: type) -> contextlib.AbstractContextManager:
     """While tyro parses: its errors for a bad command line raise `_Rejected` with one line naming
     the flag and the fix instead of printing a box. This uses tyro's parse-error hook
     (`tyro._errors`, marked experimental by tyro); a tyro without it, or a kind of error not
