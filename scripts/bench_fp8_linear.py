@@ -25,15 +25,18 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn as nn
-import tyro
 
+from nanochat.common import resolve_device, run_main
+from nanochat.config import parse_cli
 from nanochat.fp8 import FP8Config, convert, detect
 from nanochat.gpt import GPT, PRESETS, GPTConfig, preset_config
 
@@ -56,7 +59,7 @@ class BenchFP8LinearConfig:
     """Model width; the MLP is dim -> 4*dim -> dim (nanochat's MLP shape)."""
     tokens: int = 2048
     """Rows of the input (batch x sequence)."""
-    modes: tuple[str, ...] = ("e4m3", "e5m2", "auto")
+    modes: tuple[Literal["e4m3", "e5m2", "auto"], ...] = ("e4m3", "e5m2", "auto")
     """FP8 modes to time against the high-precision baseline."""
     steps: int = 5
     """Timed steps per measurement."""
@@ -65,7 +68,7 @@ class BenchFP8LinearConfig:
     threads: int = 2
     """torch intra-op threads (the CPU figures in BENCHMARKS.md: a 2-core machine)."""
     device: str = "cpu"
-    """cpu or cuda (FP8 runs natively on sm_89+, emulated elsewhere)."""
+    """cpu, cuda (cuda:N) or auto (FP8 runs natively on sm_89+, emulated elsewhere)."""
     out: str | None = None
     """Write the figures as JSON here."""
     models: tuple[str, ...] = ()
@@ -84,6 +87,9 @@ class BenchFP8LinearConfig:
             raise ValueError(f"--models {' '.join(unknown)}: unknown; choose among {known}")
         if any(t < 16 or t % 16 for t in self.shape_tokens):
             raise ValueError(f"--shape_tokens must be multiples of 16 (FP8 GEMM rows), got {self.shape_tokens}")
+        for name in ("dim", "tokens", "steps", "repeats", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -241,7 +247,7 @@ def print_shapes(result: dict) -> None:
 
 
 def shapes_main(cfg: BenchFP8LinearConfig) -> dict:
-    device = torch.device(cfg.device)
+    device = resolve_device(cfg.device)
     backend = detect(device, emulate=False)
     emulate = backend.backend != "native"
     deadline = time.perf_counter() + cfg.budget_s if cfg.budget_s else None
@@ -262,9 +268,9 @@ def shapes_main(cfg: BenchFP8LinearConfig) -> dict:
 def main(cfg: BenchFP8LinearConfig) -> dict:
     if cfg.models:
         return shapes_main(cfg)
+    device = resolve_device(cfg.device)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
-    device = torch.device(cfg.device)
     backend = detect(device, emulate=False)
     emulate = backend.backend != "native"
     base = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.ReLU(), nn.Linear(4 * cfg.dim, cfg.dim)).to(device)
@@ -317,4 +323,9 @@ def main(cfg: BenchFP8LinearConfig) -> dict:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(BenchFP8LinearConfig, use_underscores=True))
+    cfg = parse_cli(BenchFP8LinearConfig)
+
+    def bench() -> None:
+        main(cfg)  # prints the figures (and writes --out); the returned dict is for Python callers
+
+    sys.exit(run_main(bench))

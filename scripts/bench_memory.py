@@ -13,11 +13,15 @@ what the plan leaves out (temporaries, fragmentation). BENCHMARKS.md records the
 against one 80 GB and one 141 GB GPU (planner estimates, not measurements).
 """
 
-import argparse
+import sys
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from nanochat.common import UsageError, run_main
+from nanochat.config import parse_cli
 from nanochat.gpt import GPT, GPTConfig
 from nanochat.memory import plan_training
 
@@ -83,20 +87,41 @@ def plan_table(config: GPTConfig, batch: int, seq: int) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", choices=list(SHAPES), default="llama3-8b")
-    ap.add_argument("--batch_size", type=int, default=16)
-    ap.add_argument("--seq_len", type=int, default=256)
-    ap.add_argument("--checkpointing", choices=["on", "off", "both"], default="on")
-    ap.add_argument("--plan_only", action="store_true", help="print the plan table (no GPU, nothing measured)")
-    args = ap.parse_args()
+@dataclass(frozen=True, kw_only=True)
+class BenchMemoryConfig:
+    """Planned vs measured training memory on CUDA (or, with --plan_only, the plan table)."""
+
+    preset: Literal["llama3-8b", "llama3-1b"] = "llama3-8b"
+    """Model shape: Llama 3 8B or Llama 3.2 1B (SHAPES)."""
+    batch_size: int = 16
+    """Sequences per step."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    checkpointing: Literal["on", "off", "both"] = "on"
+    """Activation checkpointing of the measured runs: on, off, or one run each."""
+    plan_only: bool = False
+    """Print the plan table (no GPU, nothing measured)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_cli(BenchMemoryConfig, argv)
+    return run_main(lambda: bench(args))
+
+
+def bench(args: BenchMemoryConfig) -> int:
     config = SHAPES[args.preset]
     if args.plan_only:
         print(f"{args.preset}, batch {args.batch_size} x {args.seq_len}, bf16 autocast: planner estimate, "
               "not measured (GiB per device)\n")
         print(plan_table(config, args.batch_size, args.seq_len))
-        return
+        return 0
+    if not torch.cuda.is_available():
+        raise UsageError("no CUDA device: the measurement needs one; --plan_only prints the plan without it")
     free = torch.cuda.mem_get_info()[0]
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.checkpointing]
     for ckpt in modes:
@@ -112,7 +137,8 @@ def main() -> None:
               f"{plan.total / 2**30:.2f} GiB, measured peak {peak / 2**30:.2f} GiB (ratio "
               f"{peak / plan.total:.3f}); activations planned {plan.activations / 2**30:.2f} GiB, measured "
               f"peak minus weights/grads/moments {(peak - fixed) / 2**30:.2f} GiB; {dt:.2f} s/step", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import format_table, seed_everything
+from nanochat.common import format_table, resolve_device, run_main, seed_everything
 from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
 from nanochat.fp8.tensor import FP8Tensor
+from nanochat.gpt import PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,12 +73,15 @@ class BenchOptimConfig:
         for name in ("n_tensors", "dim", "steps", "train_steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r} is not a size preset; use one of {', '.join(PRESETS)}")
 
 
 def parse_args(argv=None) -> BenchOptimConfig:
     from nanochat.config import parse_cli
 
     args = parse_cli(BenchOptimConfig, argv)
+    resolve_device(args.device)  # an unknown or absent device: one error line before any timing
     if args.quick:
         args = dataclasses.replace(args, n_tensors=2, dim=128, steps=3, train_steps=5)
     return args
@@ -387,6 +391,10 @@ def study(args) -> dict:
 
 
 def main(argv=None) -> int:
+    return run_main(lambda: bench(argv))
+
+
+def bench(argv) -> int:
     args = parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {load()}")
     result: dict = dict(args={k: str(v) for k, v in dataclasses.asdict(args).items()}, load_start=os.getloadavg())

@@ -110,9 +110,14 @@ def _train(cfg: BenchTrainConfig, root: Path, name: str, over: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from nanochat.common import run_main
     from nanochat.config import parse_cli
 
     cfg = parse_cli(BenchTrainConfig, argv)
+    return run_main(lambda: bench(cfg))  # a run's error (re-raised from its process): one line
+
+
+def bench(cfg: BenchTrainConfig) -> int:
     if cfg.quick:
         cfg = dataclasses.replace(cfg, **QUICK)
     results: dict[str, dict] = {"config": dataclasses.asdict(cfg), "pairs": {}}

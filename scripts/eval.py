@@ -5,20 +5,27 @@
 
 The validation split is the one training uses (split files: the validation files). Accuracy
 picks the option whose answer tokens have the highest log-likelihood (nanochat.evaluation); the
-records are rendered with the run's chat template, or as --chat_template says.
+records are rendered with the run's chat template, or as --chat_template says. Errors are one
+`error:` line (exit 2: bad flags or input, e.g. a run directory without a checkpoint; 1: e.g. a
+corrupt checkpoint); `--debug` adds the traceback.
 """
 
 import json
+import sys
 
-from nanochat.common import print0, setup_logging
+from nanochat.common import print0, run_main, setup_logging
 from nanochat.config import EvalConfig, parse_cli
 
 
-def main() -> None:
-    cfg = parse_cli(EvalConfig)
-    setup_logging()
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_cli(EvalConfig, argv)
+    return run_main(lambda: evaluate(cfg), debug=cfg.debug)
+
+
+def evaluate(cfg: EvalConfig) -> int:
     from nanochat.evaluation import evaluate_saved  # after parsing: --help stays fast
 
+    setup_logging()
     result = evaluate_saved(cfg)
     accuracy = (f"val accuracy {result.val_accuracy:.4f} ({result.questions} questions, "
                 f"{result.accuracy_scoring})" if result.val_accuracy is not None else "no multiple-choice records")
@@ -27,7 +34,8 @@ def main() -> None:
         print0(f"fallback: {f}")
     print0(json.dumps({"val_loss": result.val_loss, "val_accuracy": result.val_accuracy,
                        "questions": result.questions, "accuracy_scoring": result.accuracy_scoring}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

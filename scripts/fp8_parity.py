@@ -5,12 +5,13 @@
     python scripts/fp8_parity.py --quick --seeds 1            # a seconds-long smoke run
 
 What is compared, the targets and the default config's reasoning: scripts/parity.py and
-docs/fp8_parity.md.
+docs/fp8_parity.md. A run that fails is recorded in parity.json and the sweep goes on; the
+exit status is then 1, with one `error:` line after the report naming the failed runs.
 """
 
 import sys
 
-from nanochat.common import run_main
+from nanochat.common import NanoChatError, run_main
 from nanochat.config import ParityConfig, parse_cli, resolved
 from parity import run_parity  # the harness, next to this script
 
@@ -19,10 +20,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = resolved(parse_cli(ParityConfig, argv))
 
     def sweep() -> int:
-        run_parity(cfg)  # a failing run is recorded in parity.json and the sweep goes on
+        runs = [(seed, mode, r) for seed, modes in run_parity(cfg)["runs"].items() for mode, r in modes.items()]
+        failed = [f"seed {seed} {mode} ({r['error'].splitlines()[0][:200]})"
+                  for seed, mode, r in runs if r.get("error")]
+        if failed:
+            raise NanoChatError(f"{len(failed)} of {len(runs)} runs failed: {'; '.join(failed[:3])}"
+                                + (" ..." if len(failed) > 3 else "") + f"; the errors are in {cfg.out_dir}/"
+                                "parity.json, the tracebacks above (with --jobs > 1: in each run's train.log)")
         return 0
 
-    return run_main(sweep)  # errors of the sweep itself (the corpus, --out_dir): one line
+    return run_main(sweep, debug=cfg.debug)  # errors of the sweep itself (the corpus, --out_dir): one line
 
 
 if __name__ == "__main__":

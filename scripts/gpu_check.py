@@ -110,7 +110,10 @@ class GPUCheckConfig:
     def __post_init__(self) -> None:
         unknown = [j for j in self.jobs if j not in JOBS]
         if unknown:
-            raise ValueError(f"--jobs {' '.join(unknown)}: unknown; the jobs are {', '.join(JOBS)}")
+            raise ValueError(f"--jobs: unknown job {' '.join(unknown)}; the jobs are {' '.join(JOBS)}")
+        for name in ("budget_s", "tests_timeout_s"):
+            if not getattr(self, name) > 0:  # also refuses nan
+                raise ValueError(f"--{name} must be a positive number of seconds, got {getattr(self, name)}")
 
 
 DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_len=32, vocab_size=320,

@@ -179,15 +179,20 @@ def _worker(kw: dict[str, Any], mode: str, seed: int, emulate: bool, threads: in
 
 def prepare_data(cfg: ParityConfig) -> None:
     """Train the tokenizer and tokenize the corpus once, into the cache every run reads, so that
-    parallel runs do not each train them (the trainer finds them in the cache)."""
+    runs (parallel ones above all) do not each train them; a corpus or --init_from that cannot be
+    used is one error before any run instead of one per run."""
+    from nanochat.common import UsageError
     from nanochat.data import get_or_train_tokenizer, load_corpus, tokenize_docs
+    from nanochat.tokenizer import Tokenizer
 
     cache = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))  # the trainer's cache root
+    if cfg.init_from is not None and not (Path(cfg.init_from) / "tokenizer").is_dir():
+        raise UsageError(f"--init_from {cfg.init_from}: no run there (no tokenizer/); give the --run_dir of a "
+                         "finished base_train run")
     corpus = load_corpus(cfg.dataset_path)
     if corpus.kind == "instruct":
         return  # the trainer renders records itself; parallel runs would only repeat the work
     if cfg.init_from is not None:  # the tokenizer the runs take from the run they start from
-        from nanochat.tokenizer import Tokenizer
         tok = Tokenizer.load(Path(cfg.init_from) / "tokenizer")
     else:
         tok = get_or_train_tokenizer(corpus, cfg.vocab_size, cache_root=cache / "tokenizers")
@@ -213,13 +218,13 @@ def run_all(cfg: ParityConfig, *, emulate: bool,
                 todo.append((kw, mode, seed))
     if not todo:
         return runs
+    prepare_data(cfg)
     if cfg.jobs == 1:
         for kw, mode, seed in todo:
             runs[str(seed)][mode] = run_one(kw, mode, seed, emulate=emulate)
             on_result(runs)
         return runs
 
-    prepare_data(cfg)
     threads = max(1, (os.cpu_count() or 1) // cfg.jobs)
     print(f"fp8 parity: {len(todo)} runs, {cfg.jobs} at a time, {threads} thread(s) each; "
           "each run's output goes to its run_dir/train.log", flush=True)
@@ -318,7 +323,8 @@ def check_targets(cfg: ParityConfig, summary: dict[str, dict[str, Any]]) -> dict
                 diff_se_pct=d_sd / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan"),
                 met=bool(math.isfinite(auto) and math.isfinite(limit) and auto <= limit),
             )
-    out["all_met"] = (all(v for m, v in within.items() if m not in MASTER_MODES)
+    out["all_met"] = (math.isfinite(base.get("val_loss_mean", math.nan))  # every baseline run finished
+                      and all(v for m, v in within.items() if m not in MASTER_MODES)
                       and all(a["met"] for a in out["auto_vs_best_fixed"].values())
                       and all(a["met"] for a in out["master_vs_seed_noise"].values() if a["target"]))
     return out

@@ -212,7 +212,7 @@ def test_enospc_keeps_previous_and_says_so(tmp_path, monkeypatch):
 
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(UsageError, match="--run_dir: no checkpoint in .*nope.*point --run_dir at"):
+    with pytest.raises(UsageError, match=r"--run_dir .*nope holds no checkpoint \(no such directory\); point --run_dir at"):
         load_checkpoint(tmp_path / "nope")
 
 

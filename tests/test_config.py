@@ -1,9 +1,11 @@
 """CLI parsing of TrainConfig / TokTrainConfig (tyro), checked against the documented flags.
 
 What a user relies on: both spellings of every flag (`--fp8_mode` and `--fp8-mode`), `-f` for
-`--fp8` and `--no-fp8` to turn it off, and exit status 2 with a message naming the fix for a
-bad value — including rules tyro cannot see (`--fp8_opt_level` without `--fp8`). The Python API
-gets the same checks at construction: wrong types, non-finite or out-of-range hyperparameters.
+`--fp8` and `--no-fp8` to turn it off, and exit status 2 with one `error:` line naming the flag
+and the fix for a bad value, whether tyro finds it (not a choice, not a number, an unknown
+flag) or the config does (`--fp8_opt_level` without `--fp8`); `--help` is tyro's, unchanged.
+The Python API gets the same checks at construction: wrong types, non-finite or out-of-range
+hyperparameters.
 """
 
 import dataclasses
@@ -11,8 +13,10 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+import tyro
 
 from nanochat.config import TokTrainConfig, TrainConfig, parse_cli
 
@@ -31,17 +35,67 @@ def test_both_spellings_and_aliases():
         num_iterations=7, run_dir="x", resume=True, compile=True, seed=3, tokenizer_dir="t", dataset_path="d")
 
 
-@pytest.mark.parametrize("argv", [
-    ["--fp8_mode", "e3m4"],              # not a choice
-    ["--fp8_opt_level", "3"],            # not a choice
-    ["--fp8_opt_level", "1"],            # needs --fp8 (__post_init__)
-    ["--batch_size", "0"],
-    ["--num_iterations", "0"],
+@pytest.mark.parametrize("argv, fragments", [
+    (["--fp8_mode", "e3m4"], ["--fp8_mode: 'e3m4' is not one of e4m3, e5m2, auto"]),   # tyro: not a choice
+    (["--fp8_opt_level", "3"], ["--fp8_opt_level: '3' is not one of 0, 1, 2"]),
+    (["--batch_size", "2.5"], ["--batch_size", "'2.5'", "it takes an int"]),            # tyro: not a number
+    (["--fp8_skip", "a", "--lr"], ["--lr is missing its value; give a float"]),         # tyro: no value
+    (["--tokenizer_dir"], ["--tokenizer_dir is missing its value; give a str"]),
+    (["--warp_drive", "1"], ["unknown flag --warp_drive", "--help lists the flags"]),  # tyro: unknown flag
+    (["--model-nam", "d2"], ["unknown flag --model-nam (did you mean --model_name?)"]),
+    (["d2"], ["unexpected argument d2", "every value follows its --flag"]),
+    (["--fp8_opt_level", "1"], ["needs --fp8"]),                                      # __post_init__
+    (["--batch_size", "0"], ["--batch_size must be positive, got 0"]),
+    (["--num_iterations", "0"], ["--num_iterations must be -1", "or positive"]),
+    (["--lr", "nan"], ["--lr must be a finite number, got nan"]),
+    (["--keep_checkpoints", "0"], ["--keep_checkpoints must be >= 1"]),
+    (["--run_dir", "r", "--init_from", "r"], ["--init_from r is also --run_dir", "Give another --run_dir"]),
 ])
-def test_bad_values_exit_2(argv, capsys):
+def test_bad_values_are_one_error_line_exit_2(argv, fragments, capsys):
+    """tyro's own parse errors and TrainConfig's checks alike: one line on stderr (tyro drew a
+    box for both), naming the flag and what to give."""
     with pytest.raises(SystemExit) as e:
         parse_cli(TrainConfig, argv)
-    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _WithPositional:
+    """A CLI with a positional argument (as scripts/plot_run.py's RUN_DIR)."""
+
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """A run directory."""
+
+    def __post_init__(self) -> None:
+        if not self.run_dir.strip():
+            raise ValueError("RUN_DIR is empty; give a run directory")
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "error: RUN_DIR is required (it has no default): give RUN_DIR, a str"),
+    (["a", "b"], "error: unexpected argument b: every value follows its --flag"),
+    ([" "], "error: RUN_DIR is empty; give a run directory"),
+])
+def test_positional_arguments_are_named_as_help_shows_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_cli(_WithPositional, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith(message), err
+    assert parse_cli(_WithPositional, ["runs/x"]).run_dir == "runs/x"
+
+
+def test_help_is_tyros_own(capsys, monkeypatch):
+    """parse_cli parses a copy of the dataclass without its checks: the help must not change."""
+    monkeypatch.setenv("COLUMNS", "120")
+    with pytest.raises(SystemExit):
+        tyro.cli(TrainConfig, args=["--help"], use_underscores=True)
+    want = capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        parse_cli(TrainConfig, ["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out == want and "--keep_checkpoints" in want
 
 
 def test_opt_level_without_fp8_message_names_the_fix():

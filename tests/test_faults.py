@@ -354,8 +354,8 @@ def test_errors_before_work_are_one_line(small_corpus, tmp_path, capsys, monkeyp
         code, errors = _cli(capsys, {**kw, **over})
         assert code == want_code and len(errors) == 1 and want in errors[0], (over, code, errors)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
-    # values tyro parses are checked by TrainConfig at parse time; tyro prints the message in its
-    # own box (exit 2, no traceback)
+    # values tyro parses are checked by TrainConfig at parse time: one error line, exit 2
+    # (tests/test_config.py and tests/test_cli_errors.py check that shape)
     for over, want in ((dict(temperature=-1), "--temperature must be >= 0"),
                        (dict(weight_decay="nan"), "--weight_decay must be a finite number")):
         capsys.readouterr()

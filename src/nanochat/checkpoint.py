@@ -418,8 +418,9 @@ def load_checkpoint(source: str | os.PathLike, map_location: str | torch.device 
     else:
         c = newest_checkpoint(source, flag)
         if c is None:
-            raise UsageError(f"{flag}: no checkpoint in {source} (no checkpoint-<step>.pt with its .json "
-                             f"manifest); point {flag} at the directory of a run that saved one")
+            found = "no such directory" if not source.is_dir() else "no checkpoint-<step>.pt with its .json manifest"
+            raise UsageError(f"{flag} {source} holds no checkpoint ({found}); point {flag} at the directory of "
+                             "a run that saved one")
     problem = verify_checkpoint(c)
     if problem is None:
         payload, problem = _load(c, map_location, mmap=mmap, keys=keys)

@@ -45,9 +45,9 @@ class UsageError(NanoChatError, ValueError):
     exit_code = 2
 
 
-# OS errors whose cause is the path the user gave (exit 2); every other OSError is the
-# environment's (exit 1).
-_USAGE_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG}
+# OS errors whose cause is the path the user gave (exit 2: ENOENT, ENOTDIR, EISDIR, EEXIST, whose
+# classes these are, and ENAMETOOLONG); every other OSError is the environment's (exit 1).
+_USAGE_OSERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError)
 
 
 def describe_error(e: BaseException) -> tuple[int, str] | None:
@@ -55,14 +55,17 @@ def describe_error(e: BaseException) -> tuple[int, str] | None:
     if isinstance(e, NanoChatError):
         return e.exit_code, str(e)
     if isinstance(e, OSError):
+        usage = isinstance(e, _USAGE_OSERRORS) or e.errno == errno.ENAMETOOLONG
+        if e.strerror is None:  # raised with a message of its own (a missing tokenizer or model)
+            return (2 if usage else 1), str(e)
         where = f" {e.filename}" if e.filename else ""
-        reason = e.strerror or str(e)
+        reason = e.strerror
         if e.errno == errno.ENOSPC:
             return 1, (f"no space left on the device of{where or ' a file being written'}; free space "
                        "there or point --run_dir (or the output path) at another disk")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return 1, f"cannot write or read{where}: {reason}; fix its permissions or choose another path"
-        if e.errno in _USAGE_ERRNOS:
+        if usage:
             return 2, f"{e.filename or e}: {reason}; check the path given on the command line"
         return 1, f"{e.filename}: {reason}" if e.filename else str(e)
     if isinstance(e, ValueError):  # bad input from a library check (data, tokenizer, HF files)

@@ -6,7 +6,8 @@ the same field names, and checkpoints store the config as a plain dict (`datacla
 so a run can be resumed and inspected without unpickling anything.
 
 Flags are shown with underscores (`--fp8_mode`); tyro also accepts the hyphenated spelling
-(`--fp8-mode`). Invalid values exit with status 2 and a message that names the fix.
+(`--fp8-mode`). `parse_cli` turns every rejected command line, tyro's parse errors and the
+`__post_init__` checks alike, into one `error:` line naming the flag and the fix, exit status 2.
 
 The FP8 flags are not written here: they are generated from `nanochat.fp8.FP8Config` (field,
 type, help text and checks), each named by `FP8_FLAGS`, so FP8 has one definition.
@@ -15,7 +16,10 @@ type, help text and checks), each named by `FP8_FLAGS`, so FP8 has one definitio
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import difflib
+import functools
 import inspect
 import math
 import os
@@ -413,7 +417,12 @@ class EvalConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Compute dtype: auto is bfloat16 on CUDA and float32 elsewhere."""
 
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
     def __post_init__(self) -> None:
+        _normalize_paths(self, "dataset_path", "run_dir", "model_name", "chat_template")
+        _check_types(self)
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
         _positive(self, "seq_len", "batch_size", "eval_tokens")
@@ -548,6 +557,10 @@ class ParityConfig:
     """--fp8_opt_level of the FP8 modes and, with FP8 off, of the master-weight modes' and the
     baseline's FP8 optimizer states (needs no FP8 matmuls). 0: fp32 moments."""
 
+    debug: bool = False
+    """Show the full traceback of an error of the sweep itself instead of the one-line message
+    (a failed run's traceback is always printed)."""
+
     def __post_init__(self) -> None:
         if not self.modes:
             raise ValueError("--modes is empty; give at least: --modes baseline e4m3")
@@ -612,7 +625,7 @@ def _describe(hint) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin is tuple:
-        return f"a tuple of {_describe(args[0])}"
+        return f"a tuple, each {_describe(args[0])}"
     if hint is type(None):
         return "None"
     return f"{'an' if hint.__name__[0] in 'aeiou' else 'a'} {hint.__name__}"
@@ -656,9 +669,82 @@ C = TypeVar("C")
 
 
 def parse_cli(cls: type[C], args: list[str] | None = None) -> C:
-    """Parse argv into `cls`; invalid values (tyro's or __post_init__'s) exit with status 2."""
+    """Parse argv into `cls`. Every rejection is one `error: ...` line on stderr and exit status
+    2: tyro's own (an unknown flag, a value that is not a choice or not a number, a missing value)
+    and `cls.__post_init__`'s checks, which run here, after tyro, so their message is printed as
+    written (tyro would draw it in a box). `--help` is tyro's, unchanged."""
     try:
-        return tyro.cli(cls, args=args, use_underscores=True)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        with _one_line_parse_errors(cls):
+            parsed = tyro.cli(_unchecked(cls), args=args, use_underscores=True)
+        return cls(**{f.name: getattr(parsed, f.name) for f in dataclasses.fields(cls) if f.init})
+    except (ValueError, _Rejected) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+@functools.cache
+def _unchecked(cls: type) -> type:
+    """`cls` without its `__post_init__`: the fields, defaults and help tyro reads, and no checks,
+    so tyro never sees (and boxes) a ValueError; parse_cli constructs `cls` itself."""
+    namespace = {"__post_init__": lambda self: None, "__doc__": cls.__doc__, "__module__": cls.__module__}
+    return dataclasses.make_dataclass(cls.__name__, [], bases=(cls,), namespace=namespace,
+                                      frozen=True, kw_only=True)
+
+
+class _Rejected(Exception):
+    """A parse error of tyro's, reworded as parse_cli's one line."""
+
+
+def _one_line_parse_errors(cls: type) -> contextlib.AbstractContextManager:
+    """While tyro parses: its errors for a bad command line raise `_Rejected` with one line naming
+    the flag and the fix instead of printing a box. This uses tyro's parse-error hook
+    (`tyro._errors`, marked experimental by tyro); a tyro without it, or a kind of error not
+    handled here, keeps tyro's own message (still exit status 2)."""
+    try:
+        from tyro import _errors
+    except ImportError:
+        return contextlib.nullcontext()
+    hints = typing.get_type_hints(cls, include_extras=True)
+
+    def flag(argument) -> tuple[str, str]:
+        """(--flag, what it takes) of one of tyro's argument definitions."""
+        lowered = getattr(argument, "lowered", None)
+        names = getattr(lowered, "name_or_flags", None) or ("an argument",)
+        name = next((n for n in names if n.startswith("--")), names[0])
+        hint = hints.get(getattr(lowered, "dest", None) or name.lstrip("-"))
+        if not name.startswith("-"):  # a positional argument: named as --help shows it (RUN_DIR)
+            name = getattr(lowered, "metavar", None) or name
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `str | None`: "None" is the default
+            hint = typing.Union[tuple(a for a in typing.get_args(hint) if a is not type(None))]
+        return name, _describe(hint) if hint is not None else "a value"
+
+    def hook(event) -> None:
+        help_hint = f"{event.prog} --help lists the flags"
+        if isinstance(event, _errors.InvalidChoice):
+            name, _ = flag(event.argument)
+            raise _Rejected(f"{name}: {event.value!r} is not one of {', '.join(event.choices)}; "
+                            f"give one of those ({event.prog} --help says what each does)")
+        if isinstance(event, _errors.BadValue):
+            name, takes = flag(event.argument)
+            if event.reason == "too_few_values":
+                raise _Rejected(f"{name} is missing its value; give {takes} after it")
+            raise _Rejected(f"{name} takes no value here (got {event.offending_value!r}); {help_hint}")
+        if isinstance(event, _errors.InstantiationFailure) and event.argument is not None:
+            name, takes = flag(event.argument)
+            raise _Rejected(f"{name}: {event.message}; it takes {takes}")
+        if isinstance(event, _errors.MissingArgs):
+            missing = [flag(a.arg) for a in event.missing_arguments]
+            raise _Rejected(f"{', '.join(n for n, _ in missing)} is required (it has no default): give "
+                            + ", ".join(f"{n} followed by {takes}" if n.startswith("-") else f"{n}, {takes}"
+                                        for n, takes in missing))
+        if isinstance(event, _errors.UnrecognizedArgs):
+            unknown = [t for t in event.tokens if t.startswith("-")]
+            if not unknown:
+                raise _Rejected(f"unexpected argument {' '.join(event.tokens)}: every value follows its --flag, "
+                                f"and on/off flags take none; {help_hint}")
+            typed = unknown[0].split("=")[0].lstrip("-").replace("-", "_")
+            near = difflib.get_close_matches(typed, [f.name for f in dataclasses.fields(cls)], n=1)
+            raise _Rejected(f"unknown flag {' '.join(unknown)}"
+                            + (f" (did you mean --{near[0]}?)" if near else "") + f"; {help_hint}")
+
+    return _errors.on_parse_error(hook)

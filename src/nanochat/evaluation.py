@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from nanochat import instruct
-from nanochat.common import logger
+from nanochat.common import UsageError, logger
 
 
 @torch.no_grad()
@@ -129,8 +129,8 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
     if run_dir is None:
         resolved = resolve_model(model_name)
         if resolved.kind != "hf":
-            raise ValueError(f"--model_name {model_name!r} is a nanochat preset, untrained; evaluate a "
-                             "run instead (--run_dir)")
+            raise UsageError(f"--model_name {model_name!r} is a nanochat preset, untrained; evaluate a "
+                             "run of it instead (--run_dir)")
         model, tok = load_hf_model(resolved.path, device, torch.float32, seq_len=seq_len)
         return model, tok
     from nanochat.checkpoint import load_checkpoint
@@ -141,10 +141,18 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
         pass
     ckpt = load_checkpoint(run_dir)
     name, tok_dir = ckpt["config"]["model_name"], Path(run_dir) / "tokenizer"
+    if not tok_dir.is_dir():
+        raise UsageError(f"--run_dir {run_dir}: its tokenizer/ is missing, and the weights mean something only "
+                         "with the tokenizer they were trained with; restore it from the run")
+    model = None
     if resolve_model(name).kind == "hf":
         model, tok = model_from_state_dict(name, ckpt["model"], tokenizer_dir=tok_dir)
     else:
         tok = Tokenizer.load(tok_dir)
+    if tok.fingerprint != ckpt.get("tokenizer_fingerprint", tok.fingerprint):
+        raise UsageError(f"--run_dir {run_dir}: {tok_dir} is not the tokenizer its checkpoint was trained with "
+                         "(fingerprints differ: its token ids mean other text); restore the run's own tokenizer/")
+    if model is None:
         with torch.device("meta"):
             model = GPT(preset_config(name, vocab_size=tok.vocab_size, seq_len=ckpt["config"]["seq_len"]))
         model.materialize("cpu")
@@ -161,8 +169,8 @@ def evaluate_saved(cfg) -> EvalResult:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     corpus = load_corpus(cfg.dataset_path)
-    logger.info("corpus: %s", corpus.describe())
     model, tok = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
+    logger.info("corpus: %s", corpus.describe())  # once the model loaded: an error is the only line
     tok, fallback = instruct.choose_chat_template(tok, cfg.chat_template, records=corpus.kind == "instruct")
     fallbacks = [fallback] if fallback else []
     if fallback:

@@ -1,0 +1,151 @@
+"""Every script's errors as the README promises them, checked by running the script as a user
+does (a subprocess, nothing patched): the exit status (2 for a bad flag or input, 1 for a failed
+run) and the whole output, which for an error found before any work is exactly one line,
+`error: ...`, naming the flag or path and the fix (each case lists the fragments it must hold).
+
+The cases cover each kind of rejection once per script that owns it: tyro's own parse errors
+(not a choice, not a number, a missing value, an unknown flag), the config dataclasses' checks,
+and the inputs only a run can look at (a run directory without a checkpoint or a tokenizer, a
+tokenizer that is not the checkpoint's, an unknown model, an unknown device). They fail before
+any model is built, a few seconds each. `--help` is checked to still print the flags.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat.common import describe_error
+from nanochat.tokenizer import Tokenizer
+from nanochat.trainer import NanoChatTrainer
+from tests.conftest import tiny_train_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(name: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *argv], cwd=cwd,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "120"})
+
+
+@pytest.fixture(scope="module")
+def paths(small_corpus, tmp_path_factory) -> dict[str, str]:
+    """A finished one-step run, a copy whose tokenizer/ is another tokenizer, a copy without one,
+    an empty directory and a path that does not exist."""
+    root = tmp_path_factory.mktemp("cli_errors")
+    run = root / "run"
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, run, num_iterations=1, num_samples=0)).train()
+    mismatched, no_tokenizer = root / "mismatched", root / "no_tokenizer"
+    for copy in (mismatched, no_tokenizer):
+        shutil.copytree(run, copy)
+        shutil.rmtree(copy / "tokenizer")
+    text = [p.read_text() for p in sorted(small_corpus.iterdir())]
+    Tokenizer.train(text, 300, progress=False).save(mismatched / "tokenizer")
+    (root / "empty").mkdir()
+    return dict(root=str(root), corpus=str(small_corpus), run=str(run), mismatched=str(mismatched),
+                no_tokenizer=str(no_tokenizer), empty=str(root / "empty"), missing=str(root / "missing"))
+
+
+DATA = ["--dataset_path", "{corpus}"]
+CASES = [
+    # tyro's parse errors, reworded by parse_cli (each kind for TrainConfig: tests/test_config.py)
+    ("base_train", ["--fp8_mode", "e4m5"], 2, ["--fp8_mode: 'e4m5' is not one of e4m3, e5m2, auto", "give one"]),
+    ("base_train", ["--fp8-mod", "e4m3"], 2, ["unknown flag --fp8-mod", "did you mean --fp8_mode?", "--help"]),
+    ("eval", [], 2, ["--dataset_path is required", "give --dataset_path followed by a str"]),
+    ("bench_memory", ["--preset", "llama9"], 2, ["--preset: 'llama9' is not one of llama3-8b, llama3-1b"]),
+    ("bench_fp8_linear", ["--modes", "e4m5"], 2, ["--modes: 'e4m5' is not one of e4m3, e5m2, auto"]),
+    # the config dataclasses' own checks (__post_init__)
+    ("base_train", ["--lr", "nan"], 2, ["--lr must be a finite number, got nan"]),
+    ("tok_train", ["--vocab_size", "10"], 2, ["--vocab_size must be >= 260", "got 10"]),
+    ("eval", DATA, 2, ["give exactly one of --run_dir", "--model_name"]),
+    ("export_hf", ["--out_dir", "{missing}"], 2, ["give exactly one of --run_dir", "--model_name"]),
+    ("fp8_parity", ["--modes", "e4m3"], 2, ["add baseline to --modes", "--modes baseline e4m3"]),
+    ("bench_train", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench_optim", ["--preset", "d3"], 2, ["--preset 'd3' is not a size preset", "d2, d4"]),
+    ("bench_memory", ["--seq_len", "0", "--plan_only"], 2, ["--seq_len must be >= 1"]),
+    ("bench_fp8_linear", ["--steps", "0"], 2, ["--steps must be >= 1"]),
+    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env bf16 fp8"]),
+    ("gpu_check", ["--budget_s", "nan", "--dry_run"], 2, ["--budget_s must be a positive number"]),
+    # what only a run can look at
+    ("eval", [*DATA, "--run_dir", "{missing}"], 2,
+     ["--run_dir {missing}", "no such directory", "a training run"]),
+    ("eval", [*DATA, "--run_dir", "{empty}"], 2, ["--run_dir {empty} holds no checkpoint", "point --run_dir at"]),
+    ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ is missing", "restore it"]),
+    ("eval", [*DATA, "--run_dir", "{mismatched}", "--device", "cpu"], 2,
+     ["{mismatched}/tokenizer is not the tokenizer its checkpoint was trained with", "restore the run's own"]),
+    ("eval", [*DATA, "--model_name", "no-such-org/no-such-model"], 2, ["'no-such-org/no-such-model' not found"]),
+    ("eval", [*DATA, "--model_name", "d4"], 2, ["'d4' is a nanochat preset", "--run_dir"]),
+    ("eval", [*DATA, "--run_dir", "{run}", "--device", "tpu9"], 2, ["--device 'tpu9'", "use cpu, cuda"]),
+    ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{missing}"], 2,
+     ["--run_dir {missing}", "no such directory"]),
+    ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
+]
+
+
+@pytest.mark.parametrize("script, argv, code, fragments", CASES,
+                         ids=[f"{c[0]} {' '.join(c[1])}" for c in CASES])
+def test_error_is_one_line_with_its_exit_status(paths, tmp_path, script, argv, code, fragments):
+    r = _script(script, [a.format(**paths) for a in argv], tmp_path)
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, lines)
+    for fragment in fragments:
+        assert fragment.format(**paths) in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the benchmark runs")
+def test_bench_memory_without_cuda_points_at_plan_only(tmp_path):
+    r = _script("bench_memory", [], tmp_path)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: no CUDA device"), r.stderr
+    assert "--plan_only" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_parity_sweep_with_a_failed_run_exits_1(paths, tmp_path):
+    """Every run fails (the run it starts from holds a d2 model, not d4): the report is printed,
+    then one error line naming the failed run, exit status 1 (it exited 0, "targets: all met")."""
+    r = _script("fp8_parity", ["--model_name", "d4", "--modes", "baseline", "--seeds", "1", "--num_iterations", "2",
+                               "--seq_len", "32", "--batch_size", "2", "--vocab_size", "320", "--eval_tokens", "512",
+                               "--device", "cpu", "--dataset_path", paths["corpus"], "--init_from", paths["run"],
+                               "--out_dir", str(tmp_path / "parity")], tmp_path)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 1 and len(errors) == 1 and r.stderr.rstrip().endswith(errors[0]), r.stderr[-3000:]
+    assert "1 of 1 runs failed: seed 1 baseline" in errors[0] and "holds a d2 model" in errors[0]
+    assert "parity.json" in errors[0] and "targets: NOT all met" in r.stdout
+
+
+def test_parity_refuses_a_missing_init_from_before_any_run(paths, tmp_path):
+    """Checked once before the sweep (it was an error per run, and exit status 0)."""
+    r = _script("fp8_parity", ["--quick", "--modes", "baseline", "--seeds", "1", "--init_from", paths["missing"],
+                               "--dataset_path", paths["corpus"], "--out_dir", str(tmp_path / "parity")], tmp_path)
+    last = r.stderr.rstrip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith(f"error: --init_from {paths['missing']}: no run there"), r.stderr
+    assert "the --run_dir of a finished base_train run" in last and not (tmp_path / "parity" / "seed-1").exists()
+
+
+@pytest.mark.parametrize("script, flags", [
+    ("eval", ["--dataset_path", "--run_dir", "--model_name", "--debug"]),
+    ("bench_memory", ["--preset", "--plan_only"]),
+    ("bench_fp8_linear", ["--modes", "--steps"]),
+])
+def test_help_still_prints_the_flags(tmp_path, script, flags):
+    r = _script(script, ["--help"], tmp_path)
+    assert r.returncode == 0 and "usage:" in r.stdout and r.stderr == "", r.stderr
+    for flag in flags:
+        assert flag in r.stdout, flag
+
+
+@pytest.mark.parametrize("error, code", [
+    (FileNotFoundError("tokenizer directory t does not exist; make one with: python scripts/tok_train.py"), 2),
+    (FileNotFoundError(2, "No such file or directory", "data.txt"), 2),
+    (OSError("a device error without errno"), 1),
+])
+def test_os_errors_with_a_message_of_their_own_keep_it(error, code):
+    """A library's FileNotFoundError raised with its own message (no errno) is bad input, exit 2
+    (it was 1), and its message is printed as written."""
+    got_code, message = describe_error(error)
+    want = str(error) if error.strerror is None else "data.txt: No such file or directory; check the path"
+    assert got_code == code and message.startswith(want), message
