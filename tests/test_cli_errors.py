@@ -69,11 +69,11 @@ CASES = [
     ("bench_optim", ["--preset", "d3"], 2, ["--preset 'd3' is not a size preset", "d2, d4"]),
     ("bench_memory", ["--seq_len", "0", "--plan_only"], 2, ["--seq_len must be >= 1"]),
     ("bench_fp8_linear", ["--steps", "0"], 2, ["--steps must be >= 1"]),
-    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env bf16 fp8"]),
+    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env tests shapes train"]),
     ("gpu_check", ["--budget_s", "nan", "--dry_run"], 2, ["--budget_s must be a positive number"]),
     # what only a run can look at
     ("eval", [*DATA, "--run_dir", "{missing}"], 2,
-     ["--run_dir {missing}", "no such directory", "a training run"]),
+     ["--run_dir {missing}", "no such directory", "point --run_dir at"]),
     ("eval", [*DATA, "--run_dir", "{empty}"], 2, ["--run_dir {empty} holds no checkpoint", "point --run_dir at"]),
     ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ is missing", "restore it"]),
     ("eval", [*DATA, "--run_dir", "{mismatched}", "--device", "cpu"], 2,
