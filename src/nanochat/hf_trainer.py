@@ -226,8 +226,7 @@ class FP8Trainer(Trainer):
 
     def _checkpoint_note(self) -> str:
         last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-        return (f"The newest checkpoint, {last}, holds finite weights (skipped steps do not update them)"
-                if last else f"No checkpoint was saved in {self.args.output_dir}")
+        return f"The newest checkpoint is {last}" if last else f"No checkpoint was saved in {self.args.output_dir}"
 
     def _end_step(self) -> None:
         """After optimizer.step(): FP8Training.end_step, unless the step was skipped."""
