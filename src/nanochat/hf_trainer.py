@@ -1,0 +1,316 @@
+"""FP8Trainer: nanochat's FP8 training inside the Hugging Face `transformers.Trainer`.
+
+    trainer = FP8Trainer(model=model, args=TrainingArguments(...), train_dataset=data,
+                         fp8_config=FP8Config(mode="auto", opt_level=2), master_weights="bf16_sr")
+    trainer.train()                      # or train(resume_from_checkpoint=True)
+    print(trainer.fp8.summary_text(trainer.fp8.summary(), "end of training"))
+
+It is the Trainer, with one FP8Training (nanochat.fp8) called at the Trainer's own points:
+`__init__` casts bf16 master weights and converts the model before the Trainer wraps or compiles
+it; `create_optimizer` wraps the optimizer the Trainer built in FP8Optim (the same param_groups, so
+the scheduler built on it drives both); `training_step` opens the FP8 step at an optimizer step's
+first micro-batch and closes it after the last backward, running calibration and statistics
+steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate compiled, whole
+model or regions); a callback's `on_optimizer_step` ends the step; `log()` carries FP8 health to
+every `report_to` tracker; checkpoints hold `fp8_state.json`, restored before the optimizer state
+and before compiling; evaluation runs in high precision.
+
+A step whose loss or gradient norm is not finite is skipped before the Trainer clips: its
+gradients are dropped (the optimizer step updates nothing), the layer where it began is named,
+and `max_overflows` such steps in a row stop training. The Trainer still counts the step and
+advances the schedule, so the learning rate stays a function of the step number. docs/hf.md
+compares this with accelerate's torchao FP8 path. This module imports transformers;
+nanochat.fp8 does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from nanochat.common import host_read, logger, warn_once
+from nanochat.fp8 import FP8Config, FP8Training
+from nanochat.fp8.config import ROLES
+from nanochat.fp8.master import MASTER_WEIGHTS, MasterWeights, param_dtype
+
+FP8_STATE_NAME = "fp8_state.json"
+"""FP8Training.state_dict() (counters, auto's choices) and the FP8 settings, in each checkpoint."""
+
+RESUME_FIELDS = ("enabled", "mode", "recipe", "layers", "opt_level", "skip_fqns", "min_dim")
+"""FP8Config fields a resumed run must share with the checkpoint: they decide which layers are FP8,
+in which formats, and how the optimizer state is stored (`emulate` may differ: a run can move
+between an emulating CPU and a GPU with FP8 kernels)."""
+
+HEALTH = ("underflow_pct", "saturation_pct", "sqnr_db")
+"""The per-layer figures logged (fp8.stats: share of non-zero values flushed to zero, share of
+values clamped at the format's maximum, signal-to-quantization-noise ratio in dB)."""
+
+SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)  # what FP8Optim wraps
+
+
+def fp8_health(stats: dict[str, dict[str, dict]], *, layers: bool) -> dict[str, float]:
+    """Scalars for the trackers from one statistics sample (`FP8Training.last_stats`).
+
+    Per role, over the layers: `fp8/<figure>/<role>/max` and `/mean` for underflow and saturation,
+    `fp8/sqnr_db/<role>/min` (the worst). With `layers`, every layer's figures as
+    `fp8_layers/<figure>/<layer>/<role>`: a separate top-level group, so a tracker's `fp8` section
+    stays a short dashboard. An exact cast's SQNR (infinite) is left out."""
+    out: dict[str, float] = {}
+    by_role: dict[str, list[dict]] = defaultdict(list)
+    for layer, roles in stats.items():
+        for role, s in roles.items():
+            by_role[role].append(s)
+            if layers:
+                out.update({f"fp8_layers/{k}/{layer}/{role}": s[k] for k in HEALTH if math.isfinite(s[k])})
+    for role, figures in by_role.items():
+        for k in ("underflow_pct", "saturation_pct"):
+            values = [s[k] for s in figures]
+            out[f"fp8/{k}/{role}/max"] = max(values)
+            out[f"fp8/{k}/{role}/mean"] = sum(values) / len(values)
+        sqnr = [s["sqnr_db"] for s in figures if math.isfinite(s["sqnr_db"])]
+        if sqnr:
+            out[f"fp8/sqnr_db/{role}/min"] = min(sqnr)
+    return out
+
+
+class _EndStep(TrainerCallback):
+    """FP8Training.end_step right after the optimizer step (before the scheduler and zero_grad)."""
+
+    def __init__(self, trainer: "FP8Trainer"):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._end_step()
+
+
+class FP8Trainer(Trainer):
+    """A transformers.Trainer that trains in FP8 (see the module docstring).
+
+    Args beyond the Trainer's (all keyword-only):
+        fp8_config: what FP8Training does (formats, `auto`, moments, statistics); FP8Config() if None.
+        master_weights: "fp32" (the parameters are the masters), or "bf16" / "bf16_sr" /
+            "bf16_split": the parameters are cast to bf16 here and FP8Optim writes each update
+            into them (docs/master_weights.md). TrainingArguments.seed seeds bf16_sr.
+        log_layers_every: per-layer FP8 figures on every N-th statistics sample (0: never); the
+            per-role worst and mean come with every sample. A Llama-3-8B has 224 FP8 layers, so
+            2,016 per-layer scalars a sample, which the progress bar prints, every tracker stores
+            and trainer_state.json keeps in each checkpoint: 5 (every 1000 steps at the default
+            `stats_every` 200) keeps that small.
+    """
+
+    def __init__(self, *args, fp8_config: FP8Config | None = None, master_weights: MasterWeights = "fp32",
+                 log_layers_every: int = 5, **kwargs):
+        config = fp8_config if fp8_config is not None else FP8Config()
+        if not isinstance(config, FP8Config):
+            raise TypeError(f"fp8_config must be a nanochat.fp8.FP8Config, got {type(config).__name__}")
+        if master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, got {master_weights!r}")
+        if log_layers_every < 0:
+            raise ValueError(f"log_layers_every must be >= 0 (0: per-role figures only), got {log_layers_every}")
+        super().__init__(*args, **kwargs)
+        self._check_setup(config, master_weights)
+        self.master_weights = master_weights
+        self.log_layers_every = log_layers_every
+        if master_weights != "fp32":  # parameters only: buffers (rotary tables) keep their dtype
+            for p in self.model.parameters():
+                p.data = p.data.to(param_dtype(master_weights))
+        self.fp8 = FP8Training(self.model, config)
+        """FP8's side of training: the conversion report, counters, auto's choices, statistics."""
+        if self.fp8.report is not None:
+            logger.info("%s", self.fp8.report.summary())
+        self._step = None  # the FP8 step open across an optimizer step's micro-batches
+        self._step_loss: torch.Tensor | None = None
+        self._skipped = False
+        self._samples = 0
+        self._pending_logs: dict[str, float] = {}
+        self.add_callback(_EndStep(self))
+
+    def _check_setup(self, config: FP8Config, master_weights: str) -> None:
+        """Refuse, before the model is touched, what this trainer cannot run as asked."""
+        args = self.args
+        if self.model_init is not None:
+            raise ValueError("FP8Trainer converts the model it is given once; model_init (a new model per "
+                             "train() or trial) is not supported: pass model=")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("FP8Trainer runs in one process or under DDP; DeepSpeed and FSDP wrap the model and "
+                             "optimizer in ways it does not follow: drop them from TrainingArguments")
+        if config.enabled and self.accelerator.mixed_precision == "fp8":
+            raise ValueError("accelerate's own FP8 (ACCELERATE_MIXED_PRECISION=fp8 or `accelerate launch "
+                             "--mixed_precision fp8`) would convert the model a second time: unset it, "
+                             "FP8Trainer converts the model itself")
+        if config.enabled and args.fp16:
+            raise ValueError("FP8 layers support bf16 autocast only (fp16 outputs overflow at 65504 with no "
+                             "loss scaling): use bf16=True on CUDA or leave both off")
+        if config.enabled and args.bf16 and args.device.type != "cuda":
+            raise ValueError(f"bf16=True on {args.device.type}: torchao's FP8 layers handle CUDA autocast only; "
+                             "train in fp32 (bf16=False), or use master_weights='bf16_sr' for bf16 parameters")
+        if config.enabled or master_weights != "fp32":
+            kind = self._optimizer_class()
+            if kind not in SUPPORTED_OPTIMIZERS:
+                raise ValueError(f"FP8Optim (FP8 moments, bf16 master weights) wraps torch.optim.AdamW, Adam or "
+                                 f"SGD; this Trainer would build {kind.__module__}.{kind.__qualname__}: use "
+                                 "TrainingArguments(optim='adamw_torch') or 'adamw_torch_fused'")
+
+    def _optimizer_class(self) -> type:
+        if self.optimizer is not None:
+            return type(self.optimizer)
+        if self.optimizer_cls_and_kwargs is not None:
+            return self.optimizer_cls_and_kwargs[0]
+        return self.get_optimizer_cls_and_kwargs(self.args, self.model)[0]
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer, wrapped once in FP8Optim (FP8 moments at `opt_level` 1-2, bf16
+        master weights); the scheduler the Trainer builds next drives the shared param_groups."""
+        optimizer = super().create_optimizer(model)
+        if self.fp8.optimizer is None:  # FP8Optim logs its layout (and fp32 moments) at its first step
+            self.optimizer = self.fp8.wrap_optimizer(optimizer, master_weights=self.master_weights,
+                                                     seed=self.args.seed)
+        return self.optimizer
+
+    # ----------------------------------------------------------------------- step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-batch; the FP8 step spans all micro-batches of an optimizer step."""
+        if self._step is None:  # the first micro-batch of this optimizer step
+            self._step = self.fp8.begin_step(self.state.global_step)
+            self._step_loss = None
+        step = self._step
+        try:  # calibration and statistics hooks need the uncompiled code (hooks would recompile it)
+            with step, (torch.compiler.set_stance("force_eager") if step.eager else contextlib.nullcontext()):
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException:
+            self._step = None
+            raise
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        if self.accelerator.sync_gradients:  # the last micro-batch: the gradients are complete
+            self._step = None
+            record = step.record()  # the sampled statistics (every rank takes part)
+            if "fp8_stats" in record:
+                self._samples += 1
+                layers = bool(self.log_layers_every) and self._samples % self.log_layers_every == 0
+                self._add_logs(fp8_health(record["fp8_stats"], layers=layers))
+            self._skipped = self._check_step(inputs, sampled="fp8_stats" in record)
+        return loss
+
+    def _check_step(self, inputs, *, sampled: bool) -> bool:
+        """The step guard, before the Trainer clips: True when the step's loss or gradient norm
+        (the norm the Trainer computes; both in one device read) is not finite and the update
+        must be skipped (FP8Training.check_step has dropped the gradients and named the layer).
+        Also counts a clip against `max_grad_norm`."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        loss, grad_norm = host_read(torch.stack([self._step_loss.float(), norm.float().to(self._step_loss.device)]))
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
+
+        def rerun() -> None:  # the last micro-batch's forward again, eagerly, to name where inf began
+            with torch.compiler.set_stance("force_eager"):
+                self.model(**self._prepare_inputs(inputs))
+
+        skipped = bool(self.fp8.check_step(self.state.global_step, loss, grad_norm, max_norm=max_norm,
+                                           rerun=rerun, note=self._checkpoint_note).get("skipped"))
+        if skipped:  # the Trainer would log the norm of the dropped gradients: 0
+            self._add_logs({"grad_norm": grad_norm})
+        if skipped or sampled:
+            self._add_logs({"fp8/skipped_steps": self.fp8.counters["skipped_steps"],
+                            "fp8/clip_events": self.fp8.counters["clip_events"]})
+        return skipped
+
+    def _checkpoint_note(self) -> str:
+        last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        return f"The newest checkpoint is {last}" if last else f"No checkpoint was saved in {self.args.output_dir}"
+
+    def _end_step(self) -> None:
+        """After optimizer.step(): FP8Training.end_step, unless the step was skipped."""
+        if self._skipped:
+            return
+        self.fp8.end_step(self.state.global_step)
+        for event in self.fp8.pop_events():
+            if event["event"] == "fp8_auto_choices":
+                chosen = [r for roles in event["choices"].values() for r, d in roles.items() if d == "e5m2"]
+                self._add_logs({f"fp8/auto_e5m2_layers/{r}": chosen.count(r) for r in ROLES})
+            else:  # a re-check switched a role
+                self._add_logs({"fp8/auto_switches": len(self.fp8.switches)})
+
+    # -------------------------------------------------------------------- logging
+    def _add_logs(self, scalars: dict[str, float]) -> None:
+        """Carried by the next log(); the step that produced them is logged (should_log)."""
+        if self.args.logging_strategy == "no":
+            return
+        self._pending_logs.update(scalars)
+        self.control.should_log = True
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log, with the FP8 figures of this step when there are any."""
+        if self._pending_logs:
+            logs = {**logs, **self._pending_logs}
+            self._pending_logs = {}
+        super().log(logs, start_time)
+
+    def train(self, *args, **kwargs):
+        """The Trainer's train(); a calibration left unfinished is recorded, and every fallback
+        taken (FP8 conversion, FP8Optim) is added to the returned metrics as `fp8_fallbacks`."""
+        output = super().train(*args, **kwargs)
+        self.fp8.finish()
+        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + list(getattr(self.fp8.optimizer, "fallbacks", []))
+        return output
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Evaluation (and predict) in high precision: the model's quality, not FP8's inference noise."""
+        with self.fp8.high_precision():
+            return super().evaluation_loop(*args, **kwargs)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _fp8_state(self) -> dict[str, Any]:
+        return {"fp8_config": json.loads(json.dumps(dataclasses.asdict(self.fp8.config))),
+                "master_weights": self.master_weights, **self.fp8.state_dict()}
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint plus fp8_state.json (written first, atomically)."""
+        if self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, FP8_STATE_NAME)
+            with open(path + ".tmp", "w") as f:
+                json.dump(self._fp8_state(), f, indent=1)
+            os.replace(path + ".tmp", path)
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The Trainer's weights, then the FP8 state: auto's formats are applied here, before the
+        optimizer is built and its state loaded, and before the model is compiled."""
+        path = os.path.join(resume_from_checkpoint, FP8_STATE_NAME)
+        state = None
+        if os.path.isfile(path):
+            with open(path) as f:
+                state = json.load(f)
+            self._check_resume(state, resume_from_checkpoint)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if state is not None:
+            self.fp8.load_state_dict(state)
+        elif self.fp8.config.enabled:
+            message = (f"{resume_from_checkpoint} has no {FP8_STATE_NAME} (not saved by FP8Trainer): FP8 counters "
+                       "start from 0" + (" and `mode` auto calibrates again" if self.fp8.config.mode == "auto" else ""))
+            warn_once(f"fp8-resume:{resume_from_checkpoint}", message)
+            self.fp8.fallbacks.append(message)
+
+    def _check_resume(self, state: dict[str, Any], checkpoint: str) -> None:
+        saved, now = state.get("fp8_config") or {}, self._fp8_state()["fp8_config"]
+        differ = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_FIELDS if saved.get(k) != now[k]]
+        if state.get("master_weights") != self.master_weights:
+            differ.append(f"master_weights {state.get('master_weights')!r} -> {self.master_weights!r}")
+        if differ:
+            raise ValueError(f"{checkpoint} was trained with other FP8 settings ({'; '.join(differ)}): resume "
+                             "with the checkpoint's settings, or start a new run from its weights")
+
+
+__all__ = ["FP8Trainer", "fp8_health"]
