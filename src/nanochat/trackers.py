@@ -101,7 +101,7 @@ def _table(header: tuple[str, ...], rows: Iterable[Iterable[Any]]) -> str:
     return "\n".join(lines)
 
 
-def fp8_scalars(fp8_stats: Mapping[str, Any]) -> dict[str, float]:
+def _fp8_scalars(fp8_stats: Mapping[str, Any]) -> dict[str, float]:
     """A statistics step's `fp8_stats` ({layer: {role: {stat: value}}}) as tracker scalars: one
     per layer, role and statistic, and per role and statistic the worst and the mean over layers."""
     out: dict[str, float] = {}
@@ -135,7 +135,7 @@ def translate(rec: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]
         if key in ("step", "event"):
             continue
         if key == "fp8_stats" and isinstance(value, Mapping):
-            scalars.update(fp8_scalars(value))
+            scalars.update(_fp8_scalars(value))
             continue
         v = _number(value)
         if v is None:
@@ -179,7 +179,7 @@ def _event_text(ev: Mapping[str, Any]) -> str:
     return "```\n" + json.dumps(dict(ev), indent=1) + "\n```"
 
 
-def result_scalars(result: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+def _result_scalars(result: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
     """result.json's figures: every number as final/<field>, the memory in GiB as memory/...,
     and the fallbacks as a text."""
     scalars: dict[str, float] = {}
@@ -319,7 +319,7 @@ class Trackers:
         """The run's final figures (result.json's numbers) as the run's summary."""
         if not self._active:
             return
-        scalars, texts = result_scalars(result)
+        scalars, texts = _result_scalars(result)
         for tracker in list(self._active):
             self._guarded(tracker, "logging the result", lambda t: t.summarize(self._step, scalars, texts))
 
@@ -348,4 +348,4 @@ class Trackers:
             pass
 
 
-__all__ = ["LOG_CHOICES", "LogChoice", "Trackers", "check_trackers", "fp8_scalars", "result_scalars", "translate"]
+__all__ = ["LOG_CHOICES", "LogChoice", "Trackers", "check_trackers", "translate"]
