@@ -118,7 +118,7 @@ def test_parity_sweep_with_a_failed_run_exits_1(paths, tmp_path):
 
 
 def test_parity_refuses_a_missing_init_from_before_any_run(paths, tmp_path):
-    """Checked once before the sweep (it was an error per run, and exit status 0)."""
+    """Checked once before the sweep, exit status 2 (not an error per run with exit status 0)."""
     r = _script("fp8_parity", ["--quick", "--modes", "baseline", "--seeds", "1", "--init_from", paths["missing"],
                                "--dataset_path", paths["corpus"], "--out_dir", str(tmp_path / "parity")], tmp_path)
     last = r.stderr.rstrip().splitlines()[-1]
@@ -145,7 +145,7 @@ def test_help_still_prints_the_flags(tmp_path, script, flags):
 ])
 def test_os_errors_with_a_message_of_their_own_keep_it(error, code):
     """A library's FileNotFoundError raised with its own message (no errno) is bad input, exit 2
-    (it was 1), and its message is printed as written."""
+    (not 1, a failed run), and its message is printed as written."""
     got_code, message = describe_error(error)
     want = str(error) if error.strerror is None else "data.txt: No such file or directory; check the path"
     assert got_code == code and message.startswith(want), message

@@ -464,7 +464,7 @@ def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys)
 # ------------------------------------------------------- what nanochat cannot prove it wrote
 def test_a_checkpoint_without_its_manifest_is_never_deleted(small_corpus, tmp_path, capsys):
     """A copied-in .pt without its manifest: a fresh start and --overwrite are refused, naming it;
-    its bytes stay (old nanochat deleted it as "left by an interrupted save")."""
+    its bytes stay (it is not deleted as "left by an interrupted save")."""
     src = tmp_path / "src"
     NanoChatTrainer(**_kw(small_corpus, src, num_iterations=6)).train()
     d = tmp_path / "d"
@@ -495,7 +495,7 @@ def test_resume_refuses_a_newest_checkpoint_without_manifest(small_corpus, tmp_p
 
 def test_a_planted_checkpoint_is_refused_and_nothing_rotated(small_corpus, tmp_path, capsys):
     """checkpoint-000010.pt (+ manifest) holding step 2: --resume refuses it, one line, and the
-    real checkpoints survive (old nanochat resumed at step 2 and rotated steps 6 and 8 away)."""
+    real checkpoints survive (resuming at step 2 would rotate steps 6 and 8 away)."""
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir, keep_checkpoints=3)
     NanoChatTrainer(**kw).train()
@@ -534,7 +534,7 @@ def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_co
 
 def test_resuming_a_finished_run_or_below_its_step_is_refused(small_corpus, tmp_path, capsys):
     """Both would train nothing: refused before any work, result.json and metrics.jsonl unchanged
-    (old nanochat rewrote result.json with a nan train loss and nan tokens/s)."""
+    (not rewritten with a nan train loss and nan tokens/s)."""
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir)
     NanoChatTrainer(**kw).train()

@@ -157,8 +157,8 @@ def _adam_step(p, g, m_codes, m_scale, m32, v32, v_codes, v_scale, lo, step, lr,
     if m_fp8:
         # `+ 0 * scale`: makes the parameter write depend on the per-block absmax, so inductor
         # fuses it into the same loop as the code writes (one pass) instead of a third pass over
-        # p through a full-size temporary (measured on 16M params, loaded 2-core box: 768 -> 576
-        # ms a step)
+        # p through a full-size temporary (16M params on 2 loaded CPU cores: 768 -> 576 ms a step,
+        # BENCHMARKS.md section 3)
         tie = 0.0 * _requantize(m, m_codes, m_scale, floor=False, ok=ok)[:, None]
     else:
         m32.copy_(m if ok is None else torch.where(ok, m, m32))
