@@ -186,4 +186,4 @@ def test_fp8_summaries_are_logged_under_their_own_label(small_corpus, tmp_path):
     labels = [r["label"] for r in _records(tmp_path / "lab") if r.get("event") == "fp8_summary"]
     assert labels == ["epoch 1", "end of training"]
     summaries = [r for r in _records(tmp_path / "lab") if r.get("event") == "fp8_summary"]
-    assert all(s["layers"] for s in summaries)  # with layers listed, the label is still the epoch's
+    assert all(s["layers"] for s in summaries)  # the case under test: summaries that list layers
