@@ -59,7 +59,9 @@ from nanochat.config import TrainConfig, flag_text
 from nanochat import instruct
 from nanochat.fp8 import FP8Training
 from nanochat.fp8.master import param_dtype
-from nanochat.fp8.optim import optimizer_state_bytes
+from nanochat.fp8.optim import FP8Optim, optimizer_state_bytes, wrap_optimizer
+from nanochat.fp8.tensor import FP8Tensor
+from nanochat.guard import StepGuard
 from nanochat.data import (
     TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches,
 )
@@ -469,6 +471,7 @@ class NanoChatTrainer:
             self.fp8_all_gather_problem = distributed.fp8_all_gather_problem(self.model, fp8_config, fsdp=True)
             fp8_config = dataclasses.replace(fp8_config, fsdp_float8_all_gather=self.fp8_all_gather_problem is None)
         self.fp8 = FP8Training(self.model, fp8_config)
+        self.guard = StepGuard(self.model, max_overflows=cfg.fp8_max_overflows, counters=self.fp8.counters)
         if self.device.type == "cuda" and self.fp8.report is not None and self.fp8.report.shapes_measured:
             torch.cuda.reset_peak_memory_stats(self.device)  # the timing buffers are gone: not the run's peak
 
@@ -504,9 +507,9 @@ class NanoChatTrainer:
         )
         for group in adamw.param_groups:
             group["initial_lr"] = cfg.lr
-        self.optimizer = self.fp8.wrap_optimizer(adamw, master_weights=cfg.master_weights, seed=cfg.seed,
-                                                 own_step=cfg.optimizer_in_backward,
-                                                 emulate_master=cfg.master_weights_emulate)
+        self.optimizer = wrap_optimizer(adamw, opt_level=cfg.fp8_opt_level if cfg.fp8 else 0,
+                                        master_weights=cfg.master_weights, seed=cfg.seed,
+                                        emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward)
         if cfg.optimizer_in_backward:
             if self.dist.is_distributed:
                 raise UsageError(f"--optimizer_in_backward under torchrun ({self.parallel}): DDP and FSDP reduce "
@@ -844,7 +847,10 @@ class NanoChatTrainer:
         One flag per tensor, stacked and reduced once: a single device-to-host read for the whole
         model (the per-tensor names are looked up only when something is wrong)."""
         def finite(t: torch.Tensor) -> torch.Tensor | None:
-            return FP8Training.all_finite(t.to_local() if isinstance(t, distributed.DTensor) else t)
+            t = t.to_local() if isinstance(t, distributed.DTensor) else t
+            if isinstance(t, FP8Tensor):
+                return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
+            return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
 
         named = [(f"parameter {n}", finite(p.detach())) for n, p in self.model.named_parameters()]
         for i, st in enumerate(self.optimizer.state_dict()["state"].values()):
@@ -1048,26 +1054,19 @@ class NanoChatTrainer:
         loss_mean = distributed.all_reduce_mean(loss_sum) / cfg.grad_accum_steps
         if cfg.optimizer_in_backward:  # the backward was the update
             return self._in_backward_record(step, lr, loss_mean, fp8_step)
-        # The norm first, clipping after: a non-finite norm must leave the gradients as they
-        # are (clip_grad_norm_ would scale all of them by nan) so the culprit can be named.
-        total_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        if isinstance(total_norm, distributed.DTensor):  # FSDP: the norm over every rank's shard
-            total_norm = total_norm.full_tensor()
-        loss_value, grad_norm = host_read(torch.stack([loss_mean.float(), total_norm.float()]))
-
-        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
-        record.update(fp8_step.record())  # every rank: the global batch's statistics
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
 
         def rerun() -> None:  # the forward again, eagerly, to find where a non-finite loss began
             with self._eager():
                 self.model(x, y)
 
-        record.update(self.fp8.check_step(step, loss_value, grad_norm, max_norm=max_norm, rerun=rerun,
-                                          note=self._good_checkpoint_note))
-        if record.get("skipped"):  # non-finite: the gradients were dropped, the weights stay
+        verdict = self.guard.check(step, loss_mean, self.params, max_norm=max_norm, rerun=rerun,
+                                   note=self._good_checkpoint_note)
+        record: dict[str, Any] = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm}
+        record.update(fp8_step.record())  # every rank: the global batch's statistics
+        record.update(verdict.flags)
+        if verdict.skipped:  # non-finite: the gradients were dropped, the weights stay
             return record
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, total_norm)
         gradient_bytes = sum(distributed.local_numel(p.grad) * p.grad.element_size()
                              for p in self.params if p.grad is not None) if not self.state_bytes else 0
         self.optimizer.step()
@@ -1100,8 +1099,8 @@ class NanoChatTrainer:
                 logger.warning("step %d: non-finite gradient of %s; left unchanged, the other parameters updated",
                                step + 1, ", ".join(record["skipped_param_names"]))
         # a finite norm resets the count of skipped steps in a row
-        record.update(self.fp8.check_step(step, loss_value, math.nan if nothing_updated else grad_norm,
-                                          note=self._good_checkpoint_note))
+        record.update(self.guard.decide(step, loss_value, math.nan if nothing_updated else grad_norm,
+                                        note=self._good_checkpoint_note))
         self._measure_state(self.optimizer.max_live_grad_bytes)
         self._after_optimizer_step(step)
         return record
@@ -1271,8 +1270,8 @@ class NanoChatTrainer:
             steps=self.total_steps,
             epochs=self.loader.epoch,
             compile_time_s=self.compile_time_s,
-            fallbacks=(self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks]
-                       + list(getattr(self.optimizer, "fallbacks", []))),
+            fallbacks=(self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks + (
+                self.optimizer.fp32_state_notes() + self.optimizer.fallbacks if isinstance(self.optimizer, FP8Optim) else [])]),
             optimizer_state_bytes=self.optimizer_state_bytes,
             num_params=self.model.num_params(),
             fp8_backend=report.backend if report is not None else "off",

@@ -880,6 +880,13 @@ class FP8Optim(torch.optim.Optimizer):
                     kept[reason][1] += p.numel()
         return {reason: (n, numel) for reason, (n, numel) in kept.items()}
 
+    def fp32_state_notes(self) -> list[str]:
+        """fp32_states() as fallback lines for a run's results (none at opt_level 0)."""
+        if not self.opt_level:
+            return []
+        return [f"`opt_level` {self.opt_level}: {n} tensors / {numel:,} params keep fp32 moments ({reason})"
+                for reason, (n, numel) in self.fp32_states().items()]
+
     def summary(self) -> str:
         kind = type(self.optimizer).__name__
         n_fp8 = b_fp8 = 0
@@ -908,6 +915,17 @@ def _moments(optimizer: torch.optim.Optimizer, group: dict) -> int:
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if group["momentum"] else 0
     return 2
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, master_weights: str = "fp32",
+                   seed: int = 0, emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
+    """`optimizer` as it is when nothing asks for more (fp32 moments and masters, stepped after
+    the backward), else FP8Optim around it: `opt_level` FP8 moments, bf16 `master_weights`
+    (`emulate`: bf16 numerics on fp32 tensors; `seed` seeds bf16_sr), or `in_backward`, the step
+    inside the backward that only FP8Optim runs (the caller then calls step_in_backward())."""
+    if opt_level == 0 and master_weights == "fp32" and not in_backward:
+        return optimizer
+    return FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
