@@ -46,12 +46,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from nanochat import runlock
-from nanochat.checkpoint import DCP_DIRNAME, file_problem, file_sha256
-from nanochat.common import DistEnv, NanoChatError, dist_env, fsync_path, write_atomic
+from nanochat.common import DistEnv, NanoChatError, dist_env, file_problem, file_sha256, fsync_path, write_atomic
 
 if TYPE_CHECKING:
     from nanochat.fp8.config import FP8Config
 
+DCP_DIRNAME = "checkpoint_dcp"
+"""Where distributed runs keep their DCP checkpoints, inside the run directory."""
 LATEST = "LATEST"
 META_NAME = "trainer.json"
 MANIFEST_NAME = "manifest.json"

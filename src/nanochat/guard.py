@@ -81,6 +81,33 @@ class StepGuard:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return Verdict(loss_value, grad_norm, flags)
 
+    def check_in_backward(self, step: int, loss: torch.Tensor, optimizer: Any, *,
+                          note: Callable[[], str] | None = None) -> Verdict:
+        """A step whose update ran inside the backward (FP8Optim.step_in_backward, which left any
+        parameter with a non-finite gradient unchanged), in one device read: the loss, the norm
+        of the finite gradients and, when some were not finite, `skipped_params` (how many
+        parameters kept their values) and `skipped_param_names`. The step counts as skipped
+        (`decide`: the counters, the stop after `max_overflows`) only when nothing was updated:
+        the loss was not finite, or every parameter with a gradient kept its value."""
+        stats = optimizer.backward_stats(per_param=True)
+        stats = torch.zeros(3, device=loss.device) if stats is None else stats
+        values = host_read(torch.cat([loss.float().view(1), stats.to(loss.device)]))
+        loss_value, grad_norm, skipped, with_grad = values[:4]
+        nothing_updated = not math.isfinite(loss_value) or (skipped and skipped == with_grad)
+        flags: dict[str, Any] = {}
+        if skipped:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            hooked = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+            flags["skipped_params"] = int(skipped)
+            flags["skipped_param_names"] = [names.get(id(p), f"#{i}") for i, (p, bad) in
+                                            enumerate(zip(hooked, values[4:])) if bad]
+            if not nothing_updated:
+                logger.warning("step %d: non-finite gradient of %s; left unchanged, the other parameters updated",
+                               step + 1, ", ".join(flags["skipped_param_names"]))
+        # a finite norm ends a run of skipped steps
+        flags.update(self.decide(step, loss_value, math.nan if nothing_updated else grad_norm, note=note))
+        return Verdict(loss_value, grad_norm, flags)
+
     def decide(self, step: int, loss: float, grad_norm: float, *, max_norm: float = math.inf,
                rerun: Callable[[], object] | None = None, note: Callable[[], str] | None = None) -> dict[str, Any]:
         """The verdict on host values (for a loop that reads them itself): what to add to the
