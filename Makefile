@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make train` and `make test`. Both set themselves up.
-#   make install TORCH=torch          # e.g. on a CUDA box: let pip choose a CUDA build of torch
+#   make install TORCH=torch          # e.g. on a CUDA machine: let pip choose a CUDA build of torch
 #   make install TORCH=torch==2.11.0  # any pip requirement works
 PYTHON ?= python3
 TORCH ?= torch==2.13.0

@@ -1,6 +1,7 @@
 """FP8 in your own training loop: a Hugging Face LlamaForCausalLM (not a nanochat model) trained
 by hand with FP8 matmuls (formats chosen per layer by measurement), FP8 Adam moments and
-torch.compile. FP8Training calls the shots at fixed points of each step; the loop stays yours.
+torch.compile. FP8Training calls the shots at fixed points of each step, a StepGuard skips a step
+whose loss or gradients are not finite and clips the others; the loop stays yours.
 
     python examples/custom_loop.py             # native FP8 on sm_89+ GPUs
     python examples/custom_loop.py --emulate   # anywhere: FP8 numerics simulated (slow)
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from nanochat.fp8 import FP8Config, FP8Training  # first: it imports torchao with its log noise muted
+from nanochat.guard import StepGuard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> float:
     # layer in bf16; this example shows FP8's numerics and calibration, not its speed
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2, emulate=args.emulate, auto_steps=3, stats_every=10,
                                        layers="all"), torch.optim.AdamW(model.parameters(), lr=3e-3))
+    guard = StepGuard(model, counters=fp8.counters)  # its counts appear in fp8's summary
     print(fp8.report.summary())
     optimizer, params = fp8.optimizer, [p for p in model.parameters() if p.requires_grad]
     compiled = None  # compiled once auto's formats are fixed (calibration runs eagerly)
@@ -42,18 +45,16 @@ def main(argv: list[str] | None = None) -> float:
             module = model if fp8_step.eager or compiled is None else compiled
             loss = module(input_ids=batch, labels=batch).loss
             loss.backward()
-        record = fp8_step.record()
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        record |= fp8.check_step(step, loss.item(), norm.item(), max_norm=1.0)  # non-finite: skip
-        if not record.get("skipped"):
-            torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm)
+        verdict = guard.check(step, loss.detach(), params, max_norm=1.0)  # non-finite: skipped; else clipped
+        record = fp8_step.record() | verdict.flags
+        if not verdict.skipped:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             fp8.end_step(step)  # True once auto's formats are fixed: the moment to compile
             if not fp8.calibrating and compiled is None and not args.no_compile:
                 compiled = torch.compile(model)
         if step % 5 == 4 or step == args.steps - 1:
-            print(f"step {step + 1}: loss {loss.item():.3f}" + (" (calibrating)" if "calibrating" in record else ""))
+            print(f"step {step + 1}: loss {verdict.loss:.3f}" + (" (calibrating)" if "calibrating" in record else ""))
     print(fp8.summary_text(fp8.summary(), "end of training"))
     with torch.no_grad(), fp8.high_precision():  # evaluation in high precision
         final = model(input_ids=data[:65][None], labels=data[:65][None]).loss.item()

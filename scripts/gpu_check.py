@@ -286,11 +286,11 @@ def profile_step(trainer, device: torch.device) -> dict:
 
     reads = DeviceReads()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    trainer._train_step(trainer.total_steps - 1)  # a steady-state step first (no recompiles below)
+    trainer.train_step(trainer.total_steps - 1)  # a steady-state step first (no recompiles below)
     with reads:
-        trainer._train_step(trainer.total_steps - 1)
+        trainer.train_step(trainer.total_steps - 1)
     with profile(activities=activities) as prof:
-        trainer._train_step(trainer.total_steps - 1)
+        trainer.train_step(trainer.total_steps - 1)
         if device.type == "cuda":
             torch.cuda.synchronize()
     kernels: dict[str, int] = {}
@@ -306,7 +306,7 @@ def timed_step(trainer, step: int, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    trainer._train_step(step)
+    trainer.train_step(step)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - t0

@@ -59,9 +59,8 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
               run_dir=str(run_dir_of(cfg, seed, mode)),
               save_every=0, num_samples=0, dtype=cfg.dtype,  # one checkpoint at the end, no sampling
               init_from=cfg.init_from)
-    if cfg.fp8_opt_level and mode not in (*FIXED_MODES, *AUTO_MODES):
-        # FP8 optimizer states without FP8 matmuls: the same optimizer in every mode
-        kw.update(fp8=True, fp8_skip=("*",), fp8_opt_level=cfg.fp8_opt_level, fp8_emulate=emulate)
+    if cfg.fp8_opt_level:  # FP8 moments in every mode (they need no FP8 layers): the same optimizer
+        kw.update(fp8_opt_level=cfg.fp8_opt_level)
     if mode in MASTER_MODES:
         kw.update(master_weights=mode, master_weights_emulate=cfg.master_weights_emulate)
     elif mode != "baseline":
@@ -69,8 +68,6 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
         # the default (faster) would keep in bf16 depends on speed, not on what is compared here
         kw.update(fp8=True, fp8_mode="auto" if mode in AUTO_MODES else mode, fp8_recipe=cfg.recipe,
                   fp8_emulate=emulate, fp8_layers="all")
-    if mode in (*FIXED_MODES, *AUTO_MODES) and cfg.fp8_opt_level:
-        kw.update(fp8_opt_level=cfg.fp8_opt_level)
     if mode == "auto-recheck":
         kw.update(fp8_auto_recheck_every=cfg.recheck_every)
     return kw

@@ -12,7 +12,7 @@ import dataclasses
 import sys
 import time
 
-from nanochat.config import FP8Flags, TokTrainConfig, parse_cli
+from nanochat.config import FP8Fields, TokTrainConfig, parse_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def train(cfg: TokTrainConfig) -> int:
 
     setup_logging()
     check_tokenizer_dir(cfg.tokenizer_dir, overwrite=cfg.overwrite)
-    changed = [f.name for f in dataclasses.fields(FP8Flags) if getattr(cfg, f.name) != getattr(FP8Flags(), f.name)]
+    changed = [f.name for f in dataclasses.fields(FP8Fields) if getattr(cfg, f.name) != getattr(FP8Fields(), f.name)]
     if changed:
         print(f"note: {', '.join('--' + n for n in changed)} do not apply to tokenizer training "
               "(it has no matmuls); ignored")

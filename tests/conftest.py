@@ -7,8 +7,8 @@ import sysconfig
 from pathlib import Path
 
 # One intra-op thread for the whole suite, subprocesses included: the tests use tiny shapes that
-# gain nothing from a second thread, and on a loaded 2-core machine OpenMP's spin-waiting made a
-# d2 emulated-FP8 step 20x slower with 2 threads than with 1 (measured 17:24, load average 10).
+# gain nothing from a second thread, and on 2 busy cores (load average 10) OpenMP's spin-waiting
+# made a d2 emulated-FP8 step 20x slower with 2 threads than with 1.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402

@@ -28,7 +28,7 @@ from nanochat.checkpoint import (
     clean_interrupted, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state, save_checkpoint,
     set_rng_state,
 )
-from nanochat.common import NanoChatError, UsageError
+from nanochat.common import NanoChatError, UsageError, file_sha256
 from nanochat.runlock import LOCK_NAME
 
 
@@ -170,7 +170,7 @@ def test_pickle_payload_and_missing_keys_are_one_line(tmp_path):
     assert "\n" not in str(e.value)
     path = tmp_path / "checkpoint-000002.pt"
     torch.save({"format_version": 1, "step": 2, "model": _Payload()}, path)
-    sha, size = checkpoint.file_sha256(path)  # a manifest that verifies: the bytes are what they are
+    sha, size = file_sha256(path)  # a manifest that verifies: the bytes are what they are
     path.with_suffix(".json").write_text(json.dumps({"file": path.name, "sha256": sha, "bytes": size, "step": 2}))
     with pytest.raises(NanoChatError) as e:
         load_checkpoint(tmp_path)

@@ -6,8 +6,10 @@ run) and the whole output, which for an error found before any work is exactly o
 The cases cover each kind of rejection once per script that owns it: tyro's own parse errors
 (not a choice, not a number, a missing value, an unknown flag), the config dataclasses' checks,
 and the inputs only a run can look at (a run directory without a checkpoint or a tokenizer, a
-tokenizer that is not the checkpoint's, an unknown model, an unknown device). They fail before
-any model is built, a few seconds each. `--help` is checked to still print the flags.
+tokenizer that is not the checkpoint's, a checkpoint without weights, an unknown model, an unknown
+device; base_train's input paths, checked at start-up before the corpus is read: a missing
+--init_from or --tokenizer_dir, --chat_template with a preset model). They fail before any model
+is built, a few seconds each. `--help` is checked to still print the flags.
 """
 
 import os
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanochat.checkpoint import load_checkpoint, save_checkpoint
 from nanochat.common import describe_error
 from nanochat.tokenizer import Tokenizer
 from nanochat.trainer import NanoChatTrainer
@@ -36,7 +39,7 @@ def _script(name: str, argv: list[str], cwd: Path) -> subprocess.CompletedProces
 @pytest.fixture(scope="module")
 def paths(small_corpus, tmp_path_factory) -> dict[str, str]:
     """A finished one-step run, a copy whose tokenizer/ is another tokenizer, a copy without one,
-    an empty directory and a path that does not exist."""
+    a copy whose checkpoint holds no weights, an empty directory and a path that does not exist."""
     root = tmp_path_factory.mktemp("cli_errors")
     run = root / "run"
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, run, num_iterations=1, num_samples=0)).train()
@@ -46,9 +49,15 @@ def paths(small_corpus, tmp_path_factory) -> dict[str, str]:
         shutil.rmtree(copy / "tokenizer")
     text = [p.read_text() for p in sorted(small_corpus.iterdir())]
     Tokenizer.train(text, 300, progress=False).save(mismatched / "tokenizer")
+    no_weights = root / "no_weights"
+    shutil.copytree(run / "tokenizer", no_weights / "tokenizer")
+    payload = load_checkpoint(run)
+    del payload["model"], payload["format_version"]
+    save_checkpoint(no_weights, payload)  # its manifest verifies: only the key is missing
     (root / "empty").mkdir()
     return dict(root=str(root), corpus=str(small_corpus), run=str(run), mismatched=str(mismatched),
-                no_tokenizer=str(no_tokenizer), empty=str(root / "empty"), missing=str(root / "missing"))
+                no_tokenizer=str(no_tokenizer), no_weights=str(no_weights), empty=str(root / "empty"),
+                missing=str(root / "missing"))
 
 
 DATA = ["--dataset_path", "{corpus}"]
@@ -78,9 +87,17 @@ CASES = [
     ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ is missing", "restore it"]),
     ("eval", [*DATA, "--run_dir", "{mismatched}", "--device", "cpu"], 2,
      ["{mismatched}/tokenizer is not the tokenizer its checkpoint was trained with", "restore the run's own"]),
+    ("eval", [*DATA, "--run_dir", "{no_weights}", "--device", "cpu"], 1,
+     ["checkpoint-000001.pt is not usable", "it lacks 'model'"]),
     ("eval", [*DATA, "--model_name", "no-such-org/no-such-model"], 2, ["'no-such-org/no-such-model' not found"]),
     ("eval", [*DATA, "--model_name", "d4"], 2, ["'d4' is a nanochat preset", "--run_dir"]),
     ("eval", [*DATA, "--run_dir", "{run}", "--device", "tpu9"], 2, ["--device 'tpu9'", "use cpu, cuda"]),
+    ("base_train", [*DATA, "--device", "cpu", "--init_from", "{missing}"], 2,
+     ["--init_from {missing}: no such directory", "give the --run_dir of a finished run"]),
+    ("base_train", [*DATA, "--device", "cpu", "--tokenizer_dir", "{missing}"], 2,
+     ["--tokenizer_dir {missing}: no such directory", "scripts/tok_train.py --tokenizer_dir {missing}"]),
+    ("base_train", [*DATA, "--device", "cpu", "--model_name", "d2", "--chat_template", "chatml"], 2,
+     ["--chat_template chatml: nanochat's own tokenizer", "applies to Hugging Face models", "Drop the flag"]),
     ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{missing}"], 2,
      ["--run_dir {missing}", "no such directory"]),
     ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
@@ -118,7 +135,7 @@ def test_parity_sweep_with_a_failed_run_exits_1(paths, tmp_path):
 
 
 def test_parity_refuses_a_missing_init_from_before_any_run(paths, tmp_path):
-    """Checked once before the sweep (it was an error per run, and exit status 0)."""
+    """Checked once before the sweep, exit status 2 (not an error per run with exit status 0)."""
     r = _script("fp8_parity", ["--quick", "--modes", "baseline", "--seeds", "1", "--init_from", paths["missing"],
                                "--dataset_path", paths["corpus"], "--out_dir", str(tmp_path / "parity")], tmp_path)
     last = r.stderr.rstrip().splitlines()[-1]
@@ -145,7 +162,7 @@ def test_help_still_prints_the_flags(tmp_path, script, flags):
 ])
 def test_os_errors_with_a_message_of_their_own_keep_it(error, code):
     """A library's FileNotFoundError raised with its own message (no errno) is bad input, exit 2
-    (it was 1), and its message is printed as written."""
+    (not 1, a failed run), and its message is printed as written."""
     got_code, message = describe_error(error)
     want = str(error) if error.strerror is None else "data.txt: No such file or directory; check the path"
     assert got_code == code and message.startswith(want), message

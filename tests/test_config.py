@@ -3,9 +3,10 @@
 What a user relies on: both spellings of every flag (`--fp8_mode` and `--fp8-mode`), `-f` for
 `--fp8` and `--no-fp8` to turn it off, and exit status 2 with one `error:` line naming the flag
 and the fix for a bad value, whether tyro finds it (not a choice, not a number, an unknown
-flag) or the config does (`--fp8_opt_level` without `--fp8`); `--help` is tyro's, unchanged.
-The Python API gets the same checks at construction: wrong types, non-finite or out-of-range
-hyperparameters.
+flag) or the config does (`--fp8_mode` without `--fp8`); `--fp8_opt_level` alone is accepted
+(FP8 moments need no FP8 layers). `--help` is tyro's, unchanged, each flag's help once, as
+written in its field group. The Python API gets the same checks at construction: wrong types,
+non-finite or out-of-range hyperparameters.
 """
 
 import dataclasses
@@ -44,7 +45,7 @@ def test_both_spellings_and_aliases():
     (["--warp_drive", "1"], ["unknown flag --warp_drive", "--help lists the flags"]),  # tyro: unknown flag
     (["--model-nam", "d2"], ["unknown flag --model-nam (did you mean --model_name?)"]),
     (["d2"], ["unexpected argument d2", "every value follows its --flag"]),
-    (["--fp8_opt_level", "1"], ["needs --fp8"]),                                      # __post_init__
+    (["--fp8_mode", "e5m2"], ["--fp8_mode 'e5m2' describes FP8 layers", "turn on --fp8"]),  # __post_init__
     (["--batch_size", "0"], ["--batch_size must be positive, got 0"]),
     (["--num_iterations", "0"], ["--num_iterations must be -1", "or positive"]),
     (["--lr", "nan"], ["--lr must be a finite number, got nan"]),
@@ -98,10 +99,28 @@ def test_help_is_tyros_own(capsys, monkeypatch):
     assert e.value.code == 0 and capsys.readouterr().out == want and "--keep_checkpoints" in want
 
 
-def test_opt_level_without_fp8_message_names_the_fix():
-    with pytest.raises(ValueError, match="needs --fp8"):
-        TrainConfig(fp8_opt_level=2)
-    assert TrainConfig(fp8=True, fp8_opt_level=2).fp8_opt_level == 2
+def test_opt_level_needs_no_fp8_and_the_layer_flags_do():
+    """--fp8_opt_level configures the optimizer, not FP8 layers: accepted without --fp8; every flag
+    that describes FP8 layers is refused without it, naming the fix (the --fp8 run accepts it)."""
+    assert TrainConfig(fp8_opt_level=2).fp8_config().opt_level == 2
+    assert parse_cli(TrainConfig, ["--fp8_opt_level", "2"]).fp8 is False
+    for flag, value in (("fp8_mode", "auto"), ("fp8_recipe", "rowwise"), ("fp8_layers", "all"), ("fp8_emulate", True),
+                        ("fp8_skip", ("*",)), ("fp8_min_dim", 64), ("fp8_auto_steps", 2), ("fp8_stats_every", 0)):
+        with pytest.raises(ValueError, match=f"--{flag} .* describes FP8 layers.*turn on --fp8, or drop --{flag}"):
+            TrainConfig(**{flag: value})
+        TrainConfig(fp8=True, **{flag: value})
+    assert TrainConfig(fp8_max_overflows=3).fp8_max_overflows == 3  # the step guard's, FP8 or not
+
+
+def test_help_shows_each_shared_flag_once_with_its_group_doc():
+    """The field groups (tyro reads docstrings through inheritance): base_train, fp8_parity and
+    eval show --seq_len and --device with the one docstring written for them."""
+    for script in ("base_train", "fp8_parity", "eval"):
+        out = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--help"], capture_output=True,
+                             text=True, check=True, env={"COLUMNS": "400", "PATH": "", "PYTHONPATH": str(ROOT / "src")}
+                             ).stdout
+        assert out.count("--seq_len INT") == 1 and out.count("Tokens per sequence: the training context") == 1, out
+        assert out.count("--device STR") == 1 and out.count("cuda, cpu, mps, or auto (cuda if available)") == 1, out
 
 
 def test_help_shows_underscore_flags():

@@ -40,6 +40,7 @@ import torch
 from nanochat import checkpoint
 from nanochat.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nanochat.common import NanoChatError, UsageError
+from nanochat.evaluation import Evaluator
 from nanochat.runlock import LOCK_NAME
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
@@ -128,8 +129,6 @@ def counting_save(*a, **k):
     saves["n"] += 1
     return real_save(*a, **k)
 checkpoint.save_checkpoint = counting_save
-import nanochat.trainer as trainer_module
-trainer_module.save_checkpoint = counting_save
 if point == "write":      # the n-th write of torch.save in save number save_no
     real_write, calls = checkpoint._HashingWriter.write, {"n": 0}
     def write(self, data):
@@ -149,12 +148,13 @@ elif point == "rename":   # before the n-th rename (1: the .pt, 2: its manifest)
         return real_replace(src, dst)
     checkpoint.os.replace = replace
 elif point == "step":     # after step n's update, before it is logged
-    real_log = NanoChatTrainer._log
+    from nanochat.metrics import MetricsLog
+    real_log = MetricsLog.log
     def log(self, record):
         if record.get("step") == n and "loss" in record:
             die()
         return real_log(self, record)
-    NanoChatTrainer._log = log
+    MetricsLog.log = log
 NanoChatTrainer(**kw).train()
 """
 
@@ -376,7 +376,7 @@ def test_errors_before_work_are_one_line(small_corpus, tmp_path, capsys, monkeyp
     assert code == 2 and "is not writable (Permission denied)" in errors[0], errors
     monkeypatch.undo()
 
-    monkeypatch.setattr("nanochat.trainer.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
+    monkeypatch.setattr("nanochat.preflight.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
     code, errors = _cli(capsys, kw)
     assert code == 1 and "1000 B free" in errors[0] and "one checkpoint needs" in errors[0], errors
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
@@ -441,15 +441,14 @@ def test_config_rejects_bad_types_and_values_at_construction():
         raise UsageError("a UsageError is a ValueError")  # callers that catch ValueError keep working
 
 
-class FailingEvaluation(NanoChatTrainer):
-    def evaluate(self):
+def test_final_checkpoint_is_saved_before_the_final_evaluation(small_corpus, tmp_path, monkeypatch):
+    def failing_evaluation(self):
         raise NanoChatError("evaluation failed")
 
-
-def test_final_checkpoint_is_saved_before_the_final_evaluation(small_corpus, tmp_path):
+    monkeypatch.setattr(Evaluator, "loss", failing_evaluation)
     run_dir = tmp_path / "r"
     with pytest.raises(NanoChatError, match="evaluation failed"):
-        FailingEvaluation(**_kw(small_corpus, run_dir, save_every=0, eval_every=0)).train()
+        NanoChatTrainer(**_kw(small_corpus, run_dir, save_every=0, eval_every=0)).train()
     assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]  # the trained weights survive
 
 
@@ -464,7 +463,7 @@ def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys)
 # ------------------------------------------------------- what nanochat cannot prove it wrote
 def test_a_checkpoint_without_its_manifest_is_never_deleted(small_corpus, tmp_path, capsys):
     """A copied-in .pt without its manifest: a fresh start and --overwrite are refused, naming it;
-    its bytes stay (old nanochat deleted it as "left by an interrupted save")."""
+    its bytes stay (it is not deleted as "left by an interrupted save")."""
     src = tmp_path / "src"
     NanoChatTrainer(**_kw(small_corpus, src, num_iterations=6)).train()
     d = tmp_path / "d"
@@ -495,7 +494,7 @@ def test_resume_refuses_a_newest_checkpoint_without_manifest(small_corpus, tmp_p
 
 def test_a_planted_checkpoint_is_refused_and_nothing_rotated(small_corpus, tmp_path, capsys):
     """checkpoint-000010.pt (+ manifest) holding step 2: --resume refuses it, one line, and the
-    real checkpoints survive (old nanochat resumed at step 2 and rotated steps 6 and 8 away)."""
+    real checkpoints survive (resuming at step 2 would rotate steps 6 and 8 away)."""
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir, keep_checkpoints=3)
     NanoChatTrainer(**kw).train()
@@ -534,7 +533,7 @@ def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_co
 
 def test_resuming_a_finished_run_or_below_its_step_is_refused(small_corpus, tmp_path, capsys):
     """Both would train nothing: refused before any work, result.json and metrics.jsonl unchanged
-    (old nanochat rewrote result.json with a nan train loss and nan tokens/s)."""
+    (not rewritten with a nan train loss and nan tokens/s)."""
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir)
     NanoChatTrainer(**kw).train()

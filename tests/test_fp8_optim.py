@@ -295,13 +295,13 @@ def test_kernel_isa_variants_agree(tmp_path):
     import shutil
     import subprocess
 
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
     src = tmp_path / "k.c"
-    src.write_text(optim_mod.KERNEL_SOURCE.read_text())
+    src.write_text(kernel.KERNEL_SOURCE.read_text())
     libs = []
     builds = [("portable", "-march=x86-64"), ("native", "-march=native")]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":  # native is the AVX-512 version here
@@ -312,7 +312,7 @@ def test_kernel_isa_variants_agree(tmp_path):
                             "-fPIC", "-o", str(so), str(src), "-lm"], capture_output=True, text=True)
         if r.returncode:
             pytest.skip(f"cannot build with {arch}: {r.stderr[-200:]}")
-        libs.append(optim_mod._bind(ctypes.CDLL(str(so)), so))
+        libs.append(kernel.bind(ctypes.CDLL(str(so)), so))
     n, B = 64, 256
     g = torch.Generator().manual_seed(0)
     start = dict(p=torch.randn(n, B, generator=g), grad=torch.randn(n, B, generator=g) * 1e-2,
@@ -326,8 +326,7 @@ def test_kernel_isa_variants_agree(tmp_path):
         t = {k: v.clone() for k, v in start.items()}
         t["grad"] = last_bits(t["grad"]) if i else t["grad"]
         for _ in range(3):
-            optim_mod._native_adam([(t["p"], t["grad"], t["mc"], t["ms"], None, t["vc"], t["vs"])], h, B, True, True,
-                                   lib=lib)
+            kernel.adam([(t["p"], t["grad"], t["mc"], t["ms"], None, t["vc"], t["vs"])], h, B, True, True, lib=lib)
         outs.append(t)
     a = outs[0]
     assert not torch.equal(a["p"], start["p"])  # the step moved the weights
@@ -522,9 +521,9 @@ def test_bench_optim_quick_dry_run(tmp_path):
 def test_kernel_fallback_is_recorded(monkeypatch):
     """Without the native kernel (no C compiler), the step falls back to torch.compile/eager,
     still matches the reference, and the fallback is recorded with its reason (TrainResult)."""
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
-    monkeypatch.setattr(optim_mod, "_native_lib", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler (test)")))
+    monkeypatch.setattr(kernel, "load", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler (test)")))
     p = _params(shapes=((64, 128),))
     ref = [torch.nn.Parameter(x.detach().clone()) for x in p]
     opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2)  # CPU fp32 AdamW: native is tried first
@@ -654,15 +653,15 @@ def test_native_kernel_can_be_turned_off(monkeypatch):
 def test_kernel_cache_is_keyed_on_the_cpu(tmp_path, monkeypatch):
     """A cache directory shared by two machines: a CPU with other features gets its own build
     (the kernel is compiled with -march=native), the same CPU reuses its own."""
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     builds = []
     for cpu in ("flags : sse2 avx2 f16c", "flags : sse2 avx2 f16c avx512f", "flags : sse2 avx2 f16c"):
-        monkeypatch.setattr(optim_mod, "_native", {})
-        monkeypatch.setattr(optim_mod, "_cpu_identity", lambda cpu=cpu: cpu)
+        monkeypatch.setattr(kernel, "_loaded", {})
+        monkeypatch.setattr(kernel, "_cpu_identity", lambda cpu=cpu: cpu)
         try:
-            optim_mod._native_lib()
+            kernel.load()
         except RuntimeError as e:
             pytest.skip(f"the kernel does not build here: {e}")
         builds.append(sorted(p.name for p in (tmp_path / "nanochat").glob("*.so")))
@@ -712,12 +711,12 @@ def test_kernel_threads_are_torchs_own():
     """Where torch's intra-op threads are OpenMP, the kernel is built with OpenMP and runs on
     torch's pool: one OpenMP runtime in the process (two would each start their own threads and
     oversubscribe the cores)."""
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
     if "OpenMP" not in torch.__config__.parallel_info() or not pathlib.Path("/proc/self/maps").exists():
         pytest.skip("torch without OpenMP, or no /proc to list the loaded libraries")
     try:
-        lib = optim_mod._native_lib()
+        lib = kernel.load()
     except RuntimeError as e:
         pytest.skip(f"the kernel does not build here: {e}")
     assert hasattr(lib, "adam_parallel")
@@ -793,18 +792,18 @@ def test_loaded_state_that_does_not_fit_is_refused_before_anything_changes(case)
 KERNEL_SIZE_CHECK = r'''
 import ctypes
 import torch
-from nanochat.fp8 import optim as o
+from nanochat.fp8 import kernel, optim as o
 
-lib = o._native_lib()
-B, NB, W = 256, 4, len(o.KernelRow._fields)
-FIELDS = o.KernelRow._fields
+lib = kernel.load()
+B, NB, W = 256, 4, len(kernel.KernelRow._fields)
+FIELDS = kernel.KernelRow._fields
 
 
 def row(mode, vfp8, nb=NB):
     """Consistent buffers for nb blocks; g random so that a step would change everything."""
     wide = torch.float32 if mode == 0 else torch.bfloat16
     r = dict(p=torch.randn(nb, B).to(wide), g=torch.randn(nb, B).to(wide), m_codes=torch.zeros(nb, B, dtype=torch.uint8),
-             m_scale=torch.ones(nb), ok=torch.tensor(True), h=o._adam_table([torch.tensor(1.0)], [dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+             m_scale=torch.ones(nb), ok=torch.tensor(True), h=kernel.adam_table([torch.tensor(1.0)], [dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
                                                                                weight_decay=0.0)])[0])
     if vfp8:
         r.update(v_codes=torch.zeros(nb, B, dtype=torch.uint8), v_scale=torch.ones(nb))
@@ -821,7 +820,7 @@ def call(r, mode, vfp8, nb=NB, B=B, sizes=None):
     """adam_dynamic on one tensor: the sizes each buffer's allocation holds, unless given."""
     xs = [r.get(f) for f in FIELDS]
     ptrs = (ctypes.c_void_p * W)(*[None if x is None else x.data_ptr() for x in xs])
-    size = (ctypes.c_int64 * W)(*(sizes or [o._extent(x) for x in xs]))
+    size = (ctypes.c_int64 * W)(*(sizes or [kernel._extent(x) for x in xs]))
     return lib.adam_dynamic(1, ptrs, size, (ctypes.c_int64 * 1)(nb), nb, 128, ctypes.byref(ctypes.c_int64(0)), B,
                             1, int(vfp8), mode)
 
@@ -845,7 +844,7 @@ for mode in range(4):
         # the same buffers, declared one byte smaller than the tensors' blocks need
         for i, k in enumerate(FIELDS):
             if k in used:
-                sizes = [o._extent(r.get(f)) for f in FIELDS]
+                sizes = [kernel._extent(r.get(f)) for f in FIELDS]
                 sizes[i] = {"h": 44}.get(k, r[k].numel() * r[k].element_size()) - 1
                 assert call(r, mode, vfp8, sizes=sizes) == 2 + i, (mode, k)
         ref = {f: v.clone() for f, v in r.items()}
@@ -858,8 +857,8 @@ assert call(r, 0, True, B=12) == 1 and call(r, 0, True, B=2048) == 1 and call(r,
 r = row(0, True)
 p0 = r["p"].clone()
 try:
-    o._native_adam([(r["p"], r["g"], r["m_codes"][:2].clone(), r["m_scale"], None, r["v_codes"], r["v_scale"])],
-                   r["h"].view(1, -1).clone(), B, True, True)
+    kernel.adam([(r["p"], r["g"], r["m_codes"][:2].clone(), r["m_scale"], None, r["v_codes"], r["v_scale"])],
+                r["h"].view(1, -1).clone(), B, True, True)
     raise AssertionError("not refused")
 except ValueError as e:
     assert "m_codes buffer of tensor 0 holds 512 bytes, too few for its 4 blocks of 256" in str(e), e
@@ -896,15 +895,15 @@ def test_kernel_checks_every_buffer_size_it_is_given(tmp_path):
     import subprocess
     import sys
 
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
     try:
-        optim_mod._native_lib()
+        kernel.load()
     except RuntimeError as e:
         pytest.skip(f"the native kernel does not build here: {e}")
     script = tmp_path / "check.py"
     script.write_text(KERNEL_SIZE_CHECK)
-    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(optim_mod.__file__).parents[2]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(kernel.__file__).parents[2]), OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "refused cleanly" in r.stdout
@@ -919,24 +918,24 @@ def test_kernel_built_for_another_abi_is_refused_and_the_step_falls_back(tmp_pat
     import shutil
     import subprocess
 
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    source = optim_mod.KERNEL_SOURCE.read_text()
-    assert f"#define ABI_VERSION {optim_mod.KERNEL_ABI[2]}\n" in source
+    source = kernel.KERNEL_SOURCE.read_text()
+    assert f"#define ABI_VERSION {kernel.KERNEL_ABI[2]}\n" in source
     src = tmp_path / "k.c"
-    src.write_text(source.replace(f"#define ABI_VERSION {optim_mod.KERNEL_ABI[2]}\n", "#define ABI_VERSION 99\n"))
+    src.write_text(source.replace(f"#define ABI_VERSION {kernel.KERNEL_ABI[2]}\n", "#define ABI_VERSION 99\n"))
     so = tmp_path / "k.so"
     subprocess.run([cc, "-O1", "-fopenmp-simd", "-shared", "-fPIC", "-o", str(so), str(src), "-lm"], check=True)
     with pytest.raises(RuntimeError, match=rf"kernel {so} was built for ABI v99 with 11 buffers and 11 hyper"
                                            rf"parameters per tensor; this nanochat expects v2 .*delete {so} to rebuild"):
-        optim_mod._bind(ctypes.CDLL(str(so)), so)
+        kernel.bind(ctypes.CDLL(str(so)), so)
 
-    nargs, width, version = optim_mod.KERNEL_ABI
-    monkeypatch.setattr(optim_mod, "KERNEL_ABI", (nargs + 1, width, version))
-    monkeypatch.setattr(optim_mod, "_native", {})
+    nargs, width, version = kernel.KERNEL_ABI
+    monkeypatch.setattr(kernel, "KERNEL_ABI", (nargs + 1, width, version))
+    monkeypatch.setattr(kernel, "_loaded", {})
     p = _params(shapes=((64, 128),))
     opt = FP8Optim(torch.optim.AdamW(p, lr=1e-3), opt_level=2)
     _run(opt, p, 2)
@@ -951,9 +950,9 @@ def test_fallback_from_the_kernel_keeps_the_in_backward_guard(monkeypatch):
     FP8-state weights get a NaN gradient: the fallback steps them compiled with their guard, so
     they, their moments and their step counts stay as they were (the fresh state), while the
     parameters with finite gradients move and stay finite."""
-    from nanochat.fp8 import optim as optim_mod
+    from nanochat.fp8 import kernel
 
-    monkeypatch.setattr(optim_mod, "_native_lib", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler (test)")))
+    monkeypatch.setattr(kernel, "load", lambda: (_ for _ in ()).throw(RuntimeError("no C compiler (test)")))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 64))
     opt = FP8Optim(torch.optim.AdamW(model.parameters(), lr=1e-2), opt_level=2)

@@ -1,4 +1,4 @@
-"""The native Adam kernel (nanochat.fp8.optim_kernel.c through `_native_adam`) with bf16 master
+"""The native Adam kernel (nanochat.fp8.optim_kernel.c through `kernel.adam`) with bf16 master
 weights (nanochat.fp8.master) and its per-tensor guard flag.
 - bf16, bf16_sr, bf16_split, each with v in FP8 (level 2) or fp32 (level 1), Adam and AdamW, 4
   steps on 4 tensors of 2-3 blocks: equal to the eager Python step (`_adam_step`) on the fp32
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat.fp8 import optim as optim_mod
+from nanochat.fp8 import kernel
 from nanochat.fp8.master import join, read_master, sr_bits, write_master
-from nanochat.fp8.optim import _adam_step, _adam_table, _host_scalar, _native_adam
+from nanochat.fp8.optim import _adam_step, _host_scalar
 from tests.conftest import assert_close_but_few, last_bits
 
 B = 256
@@ -33,7 +33,7 @@ SALTS = [0x9E3779B9, 7, 0xFFFFFFFF, 123456789]
 @pytest.fixture(scope="module", autouse=True)
 def _lib():
     try:
-        optim_mod._native_lib()
+        kernel.load()
     except RuntimeError as e:
         pytest.skip(f"the native kernel does not build here: {e}")
 
@@ -75,8 +75,8 @@ def _native_step(states, grads, mode, decoupled, v_fp8, *, salts=SALTS, oks=None
         st["step"] += 1  # counted first, as FP8Optim does
     tensors = [(st["p"], g, st["mc"], st["ms"], st.get("v"), st.get("vc"), st.get("vs"), st.get("lo"))
                for st, g in zip(states, grads)]
-    h = _adam_table([st["step"] for st in states], [GROUP] * len(states))
-    _native_adam(tensors, h, B, decoupled, v_fp8, master=mode, salts=salts[:len(states)], oks=oks)
+    h = kernel.adam_table([st["step"] for st in states], [GROUP] * len(states))
+    kernel.adam(tensors, h, B, decoupled, v_fp8, master=mode, salts=salts[:len(states)], oks=oks)
 
 
 def _reference_step(states, grads, mode, decoupled, v_fp8, salts=SALTS):
@@ -236,11 +236,11 @@ def test_bf16_rounds_ties_to_even():
     p = (p * torch.where(torch.arange(B) % 4 < 2, 1.0, -1.0)).to(torch.bfloat16).view(1, B)
     st["p"] = p.clone()
     st["step"] += 1
-    h = _adam_table([st["step"]], [GROUP])
+    h = kernel.adam_table([st["step"]], [GROUP])
     h[:, 5] = 0.0  # step size
     h[:, 9] = 1.0 + 2.0**-8  # decoupled weight decay factor
     g = torch.zeros(1, B, dtype=torch.bfloat16)
-    _native_adam([(st["p"], g, st["mc"], st["ms"], None, st["vc"], st["vs"], None)], h, B, True, True, master="bf16")
+    kernel.adam([(st["p"], g, st["mc"], st["ms"], None, st["vc"], st["vs"], None)], h, B, True, True, master="bf16")
     expect = (p.float() * (1.0 + 2.0**-8)).to(torch.bfloat16)
     assert torch.equal(st["p"], expect)
     assert torch.equal(st["p"][0, ::2], p[0, ::2])  # the ties stayed at the even neighbour

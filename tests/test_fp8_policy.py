@@ -15,7 +15,10 @@ a function of the shape returning chosen FP8 and bf16 seconds) and a fake clock;
 * d12 emulated with the default converts exactly its 12 `mlp.c_fc`, `all` converts 72;
 * a caller's module_filter_fn replaces the size rules; LayerPolicy works as torchao's filter;
 * under torch.distributed (2 gloo processes) every rank converts what rank 0 measured;
-* resuming a checkpoint saved before `--fp8_layers` existed (it converted `all`).
+* resuming a checkpoint saved before `--fp8_layers` existed (it converted `all`);
+* a resumed run converts the layers its checkpoint converted, though its own timer (and no
+  timing cache) would decide otherwise: nothing is timed, and the losses equal the
+  uninterrupted run's bit for bit (the same code on the same layers, eager).
 The timing path itself runs on a GPU only (`-m gpu`): its figures are positive and its decision
 follows them (no figure is asserted: timings are the machine's).
 """
@@ -326,6 +329,43 @@ def test_resume_of_a_checkpoint_saved_before_fp8_layers(small_corpus, tmp_path):
     plain = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "plain", num_iterations=3, resume=True,
                                                 num_samples=0)).train()
     assert plain.steps == 3
+
+
+def test_a_resume_converts_the_layers_its_checkpoint_converted(small_corpus, tmp_path, cache, monkeypatch):
+    def timed_by(speedups: dict) -> FakeTimer:
+        timer = _timed(monkeypatch, speedups)
+
+        class TimedPolicy(LayerPolicy):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **{**kwargs, "measure": timer})
+
+        monkeypatch.setattr(linear, "LayerPolicy", TimedPolicy)
+        return timer
+
+    def losses(run: Path) -> list[float]:
+        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    kw = dict(num_iterations=6, save_every=3, num_samples=0, fp8=True, fp8_emulate=True)
+    timed_by({(128, 128): 0.7, (128, 512): 1.2, (512, 128): 0.95})  # the MLPs' c_fc: 1.2x, converted
+    full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    c_fc = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
+    assert full.fp8_converted == c_fc
+    real_save = NanoChatTrainer._save
+
+    def crash_after_first_save(self, step, *a, **k):
+        real_save(self, step, *a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(NanoChatTrainer, "_save", crash_after_first_save)
+    with pytest.raises(KeyboardInterrupt):
+        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw)).train()
+    monkeypatch.setattr(NanoChatTrainer, "_save", real_save)
+    cache.unlink()  # another GPU, or a cleared cache: the timings are taken again ...
+    timer = timed_by({(128, 128): 1.5, (128, 512): 0.5, (512, 128): 0.5})  # ... and would pick the others
+    resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
+    assert resumed.fp8_converted == c_fc and timer.calls == [] and resumed.fp8_measure_time_s == 0
+    assert resumed.fp8_decisions["transformer.h.0.mlp.c_fc"] == "`converted_layers` (the run this one continues): converted"
+    assert losses(tmp_path / "cut") == losses(tmp_path / "full")
 
 
 # ------------------------------------------------------------------------------ distributed

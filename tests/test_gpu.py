@@ -1,6 +1,6 @@
 """GPU-only checks of nanochat's FP8 path on a CUDA device with FP8 tensor cores (sm_89+).
 
-Run by scripts/gpu_check.py on the lent GPU machine (`pytest -m gpu tests/test_gpu.py`); marked
+Run by scripts/gpu_check.py on a CUDA machine (`pytest -m gpu tests/test_gpu.py`); marked
 `gpu` (deselected by `make test`) and skipped without such a device. Their CPU twins run
 everywhere: tests/test_fp8_linear.py (emulation, the CPU `_scaled_mm` reference kernel, compile),
 tests/test_fp8_optim.py (FP8Optim against torch's optimizers).

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from nanochat import distributed
-from nanochat.checkpoint import file_sha256, latest_checkpoint, load_checkpoint, save_checkpoint
+from nanochat.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nanochat.common import file_sha256
 from nanochat.common import NanoChatError, UsageError
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs

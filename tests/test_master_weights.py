@@ -302,10 +302,9 @@ class NonFiniteGradients(NanoChatTrainer):
                             or (step["n"] == ONE_GRADIENT_NAN and name == POISONED) else g)
         self.weights = [{n: p.detach().clone() for n, p in self.model.named_parameters()}]
 
-    def _in_backward_record(self, *args):
-        record = super()._in_backward_record(*args)
+    def _after_optimizer_step(self, step):  # after each step (with --optimizer_in_backward, skipped ones too)
+        super()._after_optimizer_step(step)
         self.weights.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
-        return record
 
 
 def test_in_backward_step_with_some_nonfinite_gradients_is_not_a_skipped_step(small_corpus, tmp_path):

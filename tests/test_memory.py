@@ -171,12 +171,12 @@ def test_plan_that_does_not_fit_names_the_remedies():
     tight = plan.replan(free_bytes=plan.total - 1)
     assert plan.replan(free_bytes=plan.total).fits and not tight.fits
     with pytest.raises(ValueError, match="does not fit") as e:
-        tight.check(fp8=True)
+        tight.check()
     msg = str(e.value)
     for remedy in ("--fp8_opt_level 2:", "--activation_checkpointing:", "--batch_size 63", "FSDP over 2 GPUs"):
         assert remedy in msg, msg
-    # without --fp8 the FP8 optimizer states come with --fp8
-    assert "--fp8 --fp8_opt_level 2" in "; ".join(tight.remedies(fp8=False))
+    # FP8 optimizer states need no FP8 layers: --fp8_opt_level alone, never with --fp8
+    assert "--fp8 " not in "; ".join(tight.remedies())
 
 
 def test_remedies_name_master_weights_and_optimizer_in_backward():
@@ -187,27 +187,27 @@ def test_remedies_name_master_weights_and_optimizer_in_backward():
     both = base.replan(master_weights="bf16_sr", optimizer_in_backward=True)
     assert both.total < sr.total < split.total < base.total and both.total < inb.total < base.total
     tight = base.replan(free_bytes=split.total)  # bf16_split alone would fit
-    msg = "; ".join(tight.remedies(fp8=True))
+    msg = "; ".join(tight.remedies())
     assert "--master_weights bf16_split: " in msg and "--master_weights bf16_sr: " in msg, msg
     assert "--optimizer_in_backward (needs --grad_accum_steps 1 and --grad_clip 0): " in msg, msg
     assert "--fp8_opt_level" not in msg and "--activation_checkpointing" not in msg, msg
     # only all of them together fits: the singles say so, the combination does not
     tight = base.replan(free_bytes=both.total)
-    lines = tight.remedies(fp8=True)
+    lines = tight.remedies()
     combo = [x for x in lines if x.startswith("--master_weights bf16_sr --optimizer_in_backward")]
     assert len(combo) == 1 and "still too much" not in combo[0], lines
     assert all("still too much" in x for x in lines if x.startswith("--") and x not in combo), lines
     # from fp32 level 0 without checkpointing: every single flag, then all together with bf16_sr
     plain = memory.plan_training(LLAMA_TINY, batch_size=64, seq_len=64, opt_level=0)
-    lines = plain.replan(free_bytes=1).remedies(fp8=False)
-    assert lines[5].startswith("--fp8 --fp8_opt_level 2 --activation_checkpointing --master_weights bf16_sr "
+    lines = plain.replan(free_bytes=1).remedies()
+    assert lines[5].startswith("--fp8_opt_level 2 --activation_checkpointing --master_weights bf16_sr "
                                "--optimizer_in_backward (needs"), lines
     # what is already on is not suggested again
     on = base.replan(master_weights="bf16", optimizer_in_backward=True, free_bytes=1)
-    msg = "; ".join(on.remedies(fp8=True))
+    msg = "; ".join(on.remedies())
     assert "--master_weights" not in msg and "--optimizer_in_backward" not in msg, msg
     assert "--master_weights bf16_sr:" in "; ".join(base.replan(master_weights="bf16_split",
-                                                                 free_bytes=1).remedies(fp8=True))
+                                                                 free_bytes=1).remedies())
 
 
 def test_trainer_refuses_before_building_the_model(small_corpus, tmp_path, monkeypatch):

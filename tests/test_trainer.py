@@ -207,7 +207,7 @@ def test_a_failing_compile_falls_back_to_eager_once(small_corpus, tmp_path, monk
 def count_reads_per_step(trainer: NanoChatTrainer) -> list[int]:
     """Run `trainer.train()` with every step's device reads counted; one entry per step."""
     per_step: list[int] = []
-    step_fn = trainer._train_step
+    step_fn = trainer.train_step
 
     def counted(step):
         with DeviceReads() as reads:
@@ -215,7 +215,7 @@ def count_reads_per_step(trainer: NanoChatTrainer) -> list[int]:
         per_step.append(reads.count)
         return out
 
-    trainer._train_step = counted
+    trainer.train_step = counted
     trainer.train()
     return per_step
 

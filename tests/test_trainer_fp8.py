@@ -9,7 +9,12 @@
 - --fp8_auto_recheck_every switches a role after two disagreeing re-checks (here a doctored measurement:
   e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
   with the pending count, and a resumed run switches at the same step, losses bitwise equal;
-- on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains.
+- on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains;
+- --fp8_opt_level 2 without --fp8: no FP8 layer, FP8Tensor moments where the blocks fit, the
+  training state per parameter its tensors' bytes exactly (fp32 weights and gradients 4 + 4,
+  moments 2 x (1 + 4/256) or fp32's 8), and the same losses, bit for bit, as a run that stores
+  the moments the same way with FP8 "on" but no layer converted (--fp8 --fp8_skip '*'): the very
+  same computation.
 The emulated runs pass --fp8_layers all: a d2 model is too small for FP8 to be faster, so the
 default would keep every layer in bf16 (that default is tests/test_fp8_policy.py's).
 """
@@ -20,6 +25,7 @@ import pytest
 import torch
 
 from nanochat.checkpoint import load_checkpoint
+from nanochat.fp8 import FP8Tensor
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
@@ -179,11 +185,32 @@ def test_fp8_summaries_are_logged_under_their_own_label(small_corpus, tmp_path):
                            fp8_stats_every=1, num_samples=0)
     steps_per_epoch = NanoChatTrainer(**kw)
     steps_per_epoch._setup()
-    n = steps_per_epoch.steps_per_epoch
+    n = steps_per_epoch.data.steps_per_epoch
     assert 1 <= n <= 20, n
     kw.update(num_iterations=n + 2, overwrite=True)
     NanoChatTrainer(**kw).train()
     labels = [r["label"] for r in _records(tmp_path / "lab") if r.get("event") == "fp8_summary"]
     assert labels == ["epoch 1", "end of training"]
     summaries = [r for r in _records(tmp_path / "lab") if r.get("event") == "fp8_summary"]
-    assert all(s["layers"] for s in summaries)  # the case that used to log "most saturation"
+    assert all(s["layers"] for s in summaries)  # the case under test: summaries that list layers
+
+
+def test_fp8_moments_without_fp8_layers(small_corpus, tmp_path):
+    kw = dict(num_iterations=4, num_samples=0, fp8_opt_level=2)
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "moments", **kw))
+    result = trainer.train()
+    assert result.fp8_backend == "off" and result.fp8_converted == []
+    assert result.fallbacks == []  # no FP8 hardware needed, and every d2 tensor fits whole blocks
+    params = list(trainer.model.parameters())
+    fp8 = {p: p.numel() >= 4096 and p.numel() % 256 == 0 for p in params}  # FP8Optim's rule
+    assert all(isinstance(trainer.optimizer.state[p]["exp_avg_sq_sqrt" if fp8[p] else "exp_avg_sq"], FP8Tensor)
+               == fp8[p] for p in params)
+    n = sum(p.numel() for p in params)
+    expected = sum(p.numel() * (4 + 4 + (2 * (1 + 4 / 256) if fp8[p] else 8)) for p in params) / n
+    assert result.state_bytes_per_param == pytest.approx(expected, rel=1e-12) and expected == 4 + 4 + 2 * (1 + 4 / 256)
+
+    reference = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "skip_all", fp8=True, fp8_emulate=True,
+                                                    fp8_skip=("*",), **kw)).train()
+    assert reference.fp8_converted == []
+    losses = [[r["loss"] for r in _records(tmp_path / run) if "loss" in r] for run in ("moments", "skip_all")]
+    assert len(losses[0]) == 4 and losses[0] == losses[1]

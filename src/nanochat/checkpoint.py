@@ -1,23 +1,24 @@
-"""Verified, atomic checkpoints that load without unpickling code.
+"""A training run's directory and its checkpoints: verified, atomic, loaded without unpickling.
 
 A checkpoint of step N is two files in the run directory: `checkpoint-0000NN.pt`, plain data
-only (model and optimizer state dicts, the config as a dict, the step, RNG states as tensors, the
-data position as ints; FP8 optimizer states are `FP8Tensor`s, registered as safe globals), read
-with `torch.load(weights_only=True)` so a checkpoint from someone else cannot run code; and
-`checkpoint-0000NN.json`, its manifest: the file's name, step, size and sha256. The hash is
-computed while the bytes stream to disk (no second copy in memory) and covers everything
-torch.save wrote; loading re-hashes the file and refuses a mismatch, naming the file and the
-newest older checkpoint that does verify. A manifest that names another file or step (a renamed
-or planted checkpoint) is refused the same way.
-
-A save writes both files under temporary names of its own (`.checkpoint-0000NN.pt.tmp-<pid>-<hex>`
-and the manifest's likewise), fsync'ed, then renames the .pt and last the manifest into place: the
-manifest's rename is the commit, and a kill at any instant leaves the previous checkpoints whole. Nothing is deleted that
-this code cannot prove it wrote: at the next start, under the run lock (runlock.py says why that
-is a proof), `clean_interrupted` removes temporaries of this naming and completes a save killed
-between its two renames; a .pt without a manifest, or anything else, is reported and left.
-Rotation keeps the newest `keep` checkpoints and deletes older ones only when their manifest
+only (state dicts, the config as a dict, RNG states as tensors, the data position as ints; FP8
+moments are `FP8Tensor`s, registered as safe globals), read with `torch.load(weights_only=True)`
+so a checkpoint from someone else cannot run code; and `checkpoint-0000NN.json`, its manifest:
+the file's name, step, size and sha256, hashed while the bytes stream to disk. Loading re-hashes
+the file and refuses a mismatch, or a manifest naming another file or step, naming the newest
+older checkpoint that does verify. A save writes both under temporary names, fsync'ed, then
+renames the .pt and last the manifest (the commit): a kill at any instant leaves the previous
+checkpoints whole. Nothing is deleted that this code cannot prove it wrote: under the run lock
+(runlock.py says why that is a proof) `clean_interrupted` removes its own temporaries and
+completes a save killed between its renames; rotation deletes only checkpoints whose manifest
 describes them. A failed write (e.g. ENOSPC) raises a `NanoChatError` naming the file.
+
+`Checkpointer` is this for NanoChatTrainer: it claims --run_dir (one process per run; a run
+there is continued with --resume or replaced with --overwrite, never clobbered), saves and keeps
+checkpoints (a .pt in one process, DCP steps under torchrun: distributed.py), reads a --resume
+checkpoint before the model is built (its settings must match, RESUME_MUST_MATCH; its FP8 layer
+set decides the conversion) and restores it once the model and optimizer exist, and reads the
+run an --init_from starts from. Inf/nan is never saved, and never resumed.
 """
 
 from __future__ import annotations
@@ -34,19 +35,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn as nn
 
-from nanochat import runlock
-from nanochat.common import NanoChatError, UsageError, format_bytes, fsync_path, warn_once
+from nanochat import distributed, runlock
+from nanochat.common import (
+    DistEnv, NanoChatError, UsageError, file_problem, format_bytes, fsync_path, logger, warn_once,
+)
+from nanochat.config import RESUME_MUST_MATCH, TrainConfig, flag_text
+from nanochat.distributed import DCP_DIRNAME
+from nanochat.gpt import PRESETS
+from nanochat.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"checkpoint-(\d+)\.pt")
 # a save's temporaries: .checkpoint-000006.pt.tmp-<pid>-<hex> and .checkpoint-000006.json.tmp-...
 _OWN_TEMP = re.compile(r"\.(checkpoint-\d+\.(?:pt|json))\.tmp-\d+-[0-9a-f]+")
-_HASH_CHUNK = 1 << 24  # 16 MiB reads when verifying
 
-DCP_DIRNAME = "checkpoint_dcp"
-"""Where distributed runs keep their DCP checkpoints (distributed.py); named here so that
-`run_contents` sees them."""
 RUN_FILES = ("metrics.jsonl", "result.json", "checkpoint.pt")
 """Files that make a directory a run's (checkpoint.pt: the single checkpoint file of earlier
 nanochat versions), besides its checkpoints."""
@@ -325,31 +329,6 @@ def verify_checkpoint(c: CheckpointFile) -> str | None:
     return file_problem(c.path, m["sha256"], int(m["bytes"]))
 
 
-def file_sha256(path: str | os.PathLike) -> tuple[str, int]:
-    """(sha256 hex digest, size in bytes) of a file, read in 16 MiB chunks (never whole in memory)."""
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return sha.hexdigest(), size
-
-
-def file_problem(path: str | os.PathLike, sha256: str, size: int) -> str | None:
-    """None when the file at `path` has this sha256 and size, else what is wrong with it."""
-    try:
-        got_sha, got = file_sha256(path)
-    except FileNotFoundError:
-        return "it is missing"
-    except OSError as e:
-        return f"it cannot be read ({e})"
-    if got != size:
-        return f"it has {got:,} bytes, its manifest says {size:,} (truncated or appended to)"
-    if got_sha != sha256:
-        return f"its sha256 {got_sha[:16]}... differs from the manifest's {sha256[:16]}... (corrupted)"
-    return None
-
-
 def last_good_checkpoint(run_dir: str | os.PathLike, before: int | None = None, *,
                          finite: bool = False) -> CheckpointFile | None:
     """The newest checkpoint (older than step `before`, if given) whose bytes verify and, with
@@ -445,17 +424,11 @@ def _unusable_fix(c: CheckpointFile, flag: str = "--resume") -> str:
 
 def nonfinite_tensors(payload: dict[str, Any]) -> list[str]:
     """The names of a loaded checkpoint's weights and optimizer states that hold inf/nan."""
-    from nanochat.fp8.tensor import FP8Tensor
-
-    def finite(t: torch.Tensor) -> bool:
-        if isinstance(t, FP8Tensor):  # its codes (a transient fp32 copy) and scales
-            return bool(torch.isfinite(t.codes.float()).all() and torch.isfinite(t.scale).all())
-        return not t.is_floating_point() or bool(torch.isfinite(t).all())
-
     named = list((payload.get("model") or {}).items())
     for i, state in ((payload.get("optimizer") or {}).get("state") or {}).items():
         named += [(f"optimizer state {i}.{k}", v) for k, v in state.items()]
-    return [name for name, t in named if isinstance(t, torch.Tensor) and not finite(t)]
+    flags = [(name, all_finite(t)) for name, t in named if isinstance(t, torch.Tensor)]
+    return [name for name, ok in flags if ok is not None and not bool(ok)]
 
 
 def rng_state() -> dict[str, Any]:
@@ -470,3 +443,400 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+# ------------------------------------------------------------------------- a training run's
+RESUME_DEFAULTS = {"master_weights": "fp32", "master_weights_emulate": False, "init_from": None, "fp8_layers": "all"}
+"""What a checkpoint written before a field existed trained with (before --fp8_layers, FP8
+converted every eligible layer)."""
+_RESUME_KEYS = ("config.batch_size", "step", "data", "tokenizer_fingerprint")
+"""What a checkpoint must hold to be resumed (dotted: nested), besides the tensors: a .pt's
+"model", "optimizer" and "rng", which a DCP step holds outside its trainer.json."""
+_INIT_KEYS = ("config.model_name", "step", "tokenizer_fingerprint")
+"""What a checkpoint must hold to start another run from (--init_from), besides "model"."""
+_TENSORS = ("model", "optimizer", "rng")
+
+
+@dataclass
+class Saved:
+    """A checkpoint found and verified for --resume or --init_from."""
+
+    kind: str
+    """"pt" (checkpoint-<step>.pt) or "dcp" (a step directory of a distributed run)."""
+    path: Path
+    step: int
+    meta: dict[str, Any]
+    """Everything it holds but the tensors (a DCP step's trainer.json)."""
+    tokenizer: Any = None
+    """--init_from: the source run's tokenizer, checked against the checkpoint."""
+    weights: dict[str, torch.Tensor] | None = None
+    """--init_from of a .pt: its model state, memory-mapped until loaded."""
+
+
+class Checkpointer:
+    """A training run's directory and checkpoints: claim it (one process per run directory; a run
+    already there is continued with --resume or replaced with --overwrite, never clobbered), save
+    verified checkpoints and keep the newest --keep_checkpoints (a .pt in one process, DCP steps
+    under torchrun), resume one, or start from another run's (--init_from)."""
+
+    def __init__(self, config: TrainConfig, dist: DistEnv):
+        self.config, self.dist = config, dist
+        self.run_dir = Path(config.run_dir)
+        self._locked = False
+
+    # ---------------------------------------------------------------- the directory
+    def claim(self) -> None:
+        """Before any work: lock a --run_dir that exists (rank 0; the lock also lets it finish or
+        remove what a killed save left there) and refuse to clobber a run in it. One that does not
+        exist yet is created and locked by `prepare`, so an error before the first step leaves
+        nothing behind."""
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UsageError(f"--run_dir {self.run_dir} exists and is not a directory; give a directory path")
+        if self.run_dir.is_dir():
+            self._lock()
+        distributed.barrier()  # the other ranks look at what rank 0 finished or removed
+        self._refuse_clobbering()
+
+    def prepare(self) -> None:
+        """Just before the first step: create --run_dir and prove it writable (every rank probes,
+        since each writes there); rank 0 locks a directory created just now and looks at it again
+        (another process may have started there meanwhile), and makes room for --overwrite: the
+        previous run's checkpoints that their manifests describe, and its metrics, are deleted
+        (anything else was refused), with no barrier: the other ranks only write there later."""
+        d = self.run_dir
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".write-probe-{os.getpid()}-{self.dist.rank}"
+            probe.write_bytes(b"nanochat")
+            probe.unlink()
+        except OSError as e:
+            raise UsageError(f"--run_dir {d} is not writable ({e.strerror or e}); fix its permissions or "
+                             "choose another --run_dir") from None
+        if self.dist.rank != 0:
+            return
+        if not self._locked:
+            self._lock()
+            self._refuse_clobbering()
+        if self.config.overwrite and run_contents(d):
+            logger.info("--overwrite: deleting the previous run's checkpoints and metrics in %s", d)
+            remove_checkpoints(d)
+            distributed.remove_dcp(d)
+            for name in RUN_FILES:
+                (d / name).unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self._locked:
+            runlock.release(self.run_dir)
+            self._locked = False
+
+    def _lock(self) -> None:
+        """Rank 0: take --run_dir's lock, held until `release`, then finish or remove what a killed
+        save left there and report what is not provably nanochat's (runlock.py: why that is a proof)."""
+        if self.dist.rank != 0:
+            return
+        try:
+            runlock.acquire(self.run_dir)
+        except OSError as e:
+            raise UsageError(f"--run_dir {self.run_dir} is not writable ({e.strerror or e}); fix its permissions or "
+                             "choose another --run_dir") from None
+        self._locked = True
+        for note in clean_interrupted(self.run_dir) + distributed.clean_interrupted_dcp(self.run_dir):
+            logger.info("%s", note)
+
+    def _refuse_clobbering(self) -> None:
+        """--resume needs a checkpoint; a fresh start needs a directory without a run, or
+        --overwrite and only checkpoints nanochat can tell it wrote (the only ones it deletes)."""
+        d, existing = self.run_dir, run_contents(self.run_dir)
+        if self.config.resume:
+            if self.find(d, "--resume") is None:
+                legacy = (" Its checkpoint.pt was written by an earlier nanochat, without the checksum --resume "
+                          "verifies: it still loads with torch.load(weights_only=True), but cannot be resumed."
+                          if (d / "checkpoint.pt").is_file() else "")
+                raise UsageError(
+                    f"--resume: no checkpoint in {d} (no checkpoint-<step>.pt with its .json manifest, no "
+                    f"{DCP_DIRNAME}/).{legacy} Start a fresh run without --resume, or point --run_dir at the "
+                    "directory of the run you want to continue.")
+        elif existing and not self.config.overwrite:
+            raise UsageError(
+                f"--run_dir {d} already holds a run ({', '.join(existing[:4])}); continue it with --resume, "
+                "replace it with --overwrite (deletes its checkpoints and metrics), or choose a new --run_dir")
+        elif existing:
+            foreign = foreign_checkpoints(d) + distributed.foreign_dcp(d)
+            if foreign:
+                raise UsageError(
+                    f"--overwrite: {d} holds checkpoints nanochat cannot tell it wrote ({'; '.join(foreign[:3])}), "
+                    "and it deletes only its own; move them out of the directory and run again")
+
+    # ------------------------------------------------------------------- reading
+    def find(self, run_dir: Path, flag: str) -> tuple[str, Path, int] | None:
+        """("pt", file, step) or ("dcp", step directory, step): the newest checkpoint of run_dir, or
+        None. Both formats exist only after a crash between writing one and deleting the other;
+        the later step wins. A checkpoint without a manifest that is newer is refused: falling
+        back to an older one would silently lose its steps."""
+        dcp_dir, pt = distributed.latest_dcp(run_dir), latest_checkpoint(run_dir)
+        found = ([("dcp", dcp_dir, distributed.dcp_step(dcp_dir))] if dcp_dir else []) + (
+            [("pt", pt.path, pt.step)] if pt else [])
+        newest = max(found, key=lambda f: f[2], default=None)  # a tie: the first, DCP
+        loose = ([(c.path, c.step) for c in uncommitted(run_dir)]
+                 + [(p, distributed.dcp_step(p)) for p in distributed.uncommitted_dcp(run_dir)])
+        newest_loose = max(loose, key=lambda f: f[1], default=None)
+        if newest_loose is not None and (newest is None or newest_loose[1] > newest[2]):
+            older, older_step = newest[1:] if newest else (None, None)
+            raise UsageError(unmanifested_message(newest_loose[0], flag, older, older_step))
+        return newest
+
+    def _read(self, kind: str, path: Path, flag: str, keys: tuple[str, ...]) -> dict[str, Any]:
+        """The checkpoint at `path`, verified: a .pt's payload memory-mapped on the CPU (its
+        tensors read only where used), a DCP step's trainer.json; a NanoChatError naming what is
+        wrong. A DCP step for --resume is verified by rank 0 for every rank (collective)."""
+        if kind == "pt":
+            tensors = _TENSORS if flag == "--resume" else ("model",)
+            return load_checkpoint(path, map_location="cpu", keys=keys + tensors, mmap=True, flag=flag)
+        if flag == "--resume":
+            distributed.verify_dcp(path)
+        else:
+            problem = distributed.dcp_problem(path)
+            if problem is not None:
+                raise NanoChatError(f"{flag} {path.parent.parent}: its newest checkpoint {path} is not usable "
+                                    f"({problem}); restore it, or move it away to start from the run's previous "
+                                    "checkpoint")
+        try:
+            meta = distributed.read_dcp_meta(path)
+        except (OSError, ValueError) as e:
+            meta, problem = None, f"its {distributed.META_NAME} does not read ({e})"
+        else:
+            missing = missing_keys(meta, keys) if isinstance(meta, dict) else list(keys)
+            problem = (f"its {distributed.META_NAME} lacks {', '.join(map(repr, missing))}" if missing else
+                       None if meta["step"] == distributed.dcp_step(path) else
+                       f"it holds step {meta['step']} under the name of step {distributed.dcp_step(path)}")
+        if problem is not None:
+            raise NanoChatError(f"{flag}: DCP checkpoint {path} is not usable: {problem}; move it out of "
+                                f"{path.parent} to use the previous step")
+        return meta
+
+    def read_resume(self, total_steps: int, tokenizer: Any) -> Saved:
+        """--resume, before the model is built: the newest checkpoint, verified, whose settings and
+        tokenizer this run shares. Refused before any work: a checkpoint at or past the last step
+        (it would train nothing; one whose run died before its result.json does resume, to finish)."""
+        cfg, d = self.config, self.run_dir
+        kind, path, step = self.find(d, "--resume")
+        more = f"pass a larger --num_iterations (more than {step}) to train on"
+        if step > total_steps:
+            budget = (f"--num_iterations {cfg.num_iterations}" if cfg.num_iterations > 0
+                      else f"--num_epochs {cfg.num_epochs} ({total_steps} steps)")
+            raise UsageError(f"--resume: {d} is already at step {step} ({path.name}); {budget} would train "
+                             f"nothing: {more}")
+        if step == total_steps and _finished(d, step):
+            raise UsageError(f"--resume: the run in {d} already finished at step {step} (its result.json); "
+                             f"{more}, or start it over with --overwrite")
+        payload = self._read(kind, path, "--resume", _RESUME_KEYS)
+        meta = {k: v for k, v in payload.items() if k not in _TENSORS}  # the tensors are read by `restore`
+        del payload
+        self._check_settings(meta)
+        if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
+            raise UsageError("--resume: the tokenizer differs from the one the checkpoint was trained "
+                             "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
+        return Saved(kind, path, int(meta["step"]), meta)
+
+    def _check_settings(self, meta: dict[str, Any]) -> None:
+        """The flags that change the model, the data stream or the optimizer's meaning
+        (config.RESUME_MUST_MATCH) as the checkpoint has them; the others (--num_iterations,
+        --eval_every, ...) may differ, so a run can be extended. The batch is compared globally
+        (batch_size x ranks): 2 ranks of 8 sequences resume in 1 process of 16 or 4 of 4."""
+        saved, now = meta["config"], self.config.to_dict()
+        saved_paths, paths_now = meta.get("resolved_paths") or {}, resolved_paths(self.config)
+
+        def same(k: str) -> bool:
+            if saved.get(k, RESUME_DEFAULTS.get(k)) == now[k]:
+                return True
+            if k == "fp8_layers" and not (saved.get("fp8") or now["fp8"]):
+                return True  # which layers FP8 converts is moot in a run without FP8
+            return k in paths_now and saved_paths.get(k, saved.get(k)) == paths_now[k]
+
+        diff = {k: (saved.get(k, RESUME_DEFAULTS.get(k)), now[k]) for k in RESUME_MUST_MATCH if not same(k)}
+        saved_ranks, ranks = meta.get("world_size", 1), self.dist.world_size
+        if saved["batch_size"] * saved_ranks != now["batch_size"] * ranks:
+            diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks", f"{now['batch_size']} x {ranks} ranks")
+        if diff:
+            lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            raise UsageError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
+                             "use the checkpoint's values or a new --run_dir")
+
+    def read_init_source(self) -> Saved:
+        """--init_from: the source run's newest checkpoint (.pt or DCP), verified, and its tokenizer,
+        checked against this run before any weight is read: a preset of the same name, the same
+        tokenizer it trained with. A .pt checkpoint is memory-mapped: only the weights are read."""
+        cfg = self.config
+        src = Path(cfg.init_from)
+        found = self.find(src, "--init_from")
+        if found is None:
+            raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
+                             f"manifest, no {DCP_DIRNAME}/); give the --run_dir of a run that saved one")
+        kind, path, _ = found
+        meta = self._read(kind, path, "--init_from", _INIT_KEYS)
+        name = meta["config"]["model_name"]
+        if name not in PRESETS:
+            raise UsageError(f"--init_from {src} trained the Hugging Face model {name}: continue from its export "
+                             f"(python scripts/export_hf.py --run_dir {src} --out_dir <dir>, then --model_name <dir>)")
+        if name != cfg.model_name:
+            raise UsageError(f"--init_from {src} holds a {name} model, --model_name is {cfg.model_name}: "
+                             f"pass --model_name {name}")
+        if not (src / "tokenizer").is_dir():
+            raise UsageError(f"--init_from {src}: its tokenizer/ directory is missing, and the weights only mean "
+                             "something with the tokenizer they were trained with; restore it from the run")
+        tokenizer = Tokenizer.load(src / "tokenizer")
+        if tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
+            raise UsageError(f"--init_from {src}: {src / 'tokenizer'} is not the tokenizer its checkpoint was "
+                             "trained with (fingerprints differ); restore the run's own tokenizer/")
+        return Saved(kind, path, int(meta["step"]), {k: v for k, v in meta.items() if k != "model"},
+                     tokenizer=tokenizer, weights=meta["model"] if kind == "pt" else None)
+
+    # ------------------------------------------------------------------- loading
+    def restore(self, saved: Saved, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, fp8: Any,
+                device: torch.device) -> int:
+        """The checkpoint `read_resume` found, into the built parts: the weights and optimizer
+        states (checked finite), the RNG states, the data `loader`'s position and `fp8`'s state
+        (FP8Training: counters, auto's formats). Returns its step."""
+        if saved.kind == "dcp":
+            tensors = {"rng_cpu": torch.get_rng_state()}
+            distributed.load_dcp(saved.path, model, optimizer, tensors=tensors, verify=False)
+            rng = {"cpu": tensors["rng_cpu"]}
+        else:  # verified by read_resume; read again onto the device, tensors only
+            payload, problem = _load(CheckpointFile(saved.step, saved.path, saved.path.with_suffix(".json")),
+                                     device, keys=_TENSORS)
+            if problem is not None:
+                raise NanoChatError(f"--resume: checkpoint {saved.path} is not usable: {problem}")
+            if self.dist.is_distributed and self.config.fsdp:
+                distributed.load_full_state_dicts(model, optimizer, payload["model"], payload["optimizer"])
+            else:
+                model.load_state_dict(payload["model"])
+                optimizer.load_state_dict(payload["optimizer"])
+            rng = payload["rng"]
+        bad = nonfinite_state(model, optimizer)
+        if bad:
+            raise NanoChatError(f"--resume: checkpoint {saved.path} holds inf/nan ({bad}), so training cannot "
+                                f"continue from it; move it out of {saved.path.parent} to resume from the previous "
+                                "checkpoint")
+        loader.load_state_dict(saved.meta["data"])
+        set_rng_state(rng)
+        try:
+            fp8.load_state_dict(saved.meta)
+        except ValueError as e:  # FP8 choices that do not fit this model: say it in flags
+            raise ValueError(flag_text(str(e))) from None
+        logger.info("resumed from %s at step %d", saved.path, saved.step)
+        return saved.step
+
+    @torch.no_grad()
+    def load_init_weights(self, source: Saved, model: nn.Module) -> None:
+        """The --init_from source's weights into the freshly built model (before the master-weight
+        cast and FP8 conversion, which then treat them as any initial weights)."""
+        try:
+            if source.kind == "dcp":
+                distributed.load_dcp_model(source.path, model)
+            else:
+                model.load_state_dict(source.weights)
+        except (RuntimeError, KeyError) as e:
+            raise UsageError(f"--init_from {self.config.init_from}: its weights do not fit this {self.config.model_name} "
+                             f"model ({str(e).splitlines()[0]}); it was saved by another version of the model") from None
+        source.weights = None  # the memory-mapped checkpoint is closed with its last reference
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise NanoChatError(f"--init_from {self.config.init_from}: its checkpoint {source.path} holds inf/nan in "
+                                f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}; start from one of its earlier "
+                                "checkpoints (move this one away)")
+        logger.info("initialized from %s (step %d of that run)", source.path, source.step)
+
+    # ------------------------------------------------------------------- writing
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A checkpoint of `step`: the weights, the optimizer, RNG states, the config and `state`
+        (the loop's: data position, tokenizer fingerprint, FP8 state, the step's record). In one
+        process a .pt (this module), distributed a DCP directory (every rank); both verified, the
+        newest --keep_checkpoints kept, the format not written deleted afterwards so a resume
+        finds one. A model or optimizer state holding inf/nan is never written: the run stops,
+        naming the last checkpoint that is good."""
+        bad = nonfinite_state(model, optimizer)
+        if bad:
+            raise NanoChatError(
+                f"step {step}: not saving, {bad} hold inf/nan. Step {step}'s loss and gradients were "
+                f"finite, so its update made them so (or an earlier update, in weights no batch since "
+                f"used). {self.good_checkpoint_note()}: lower --lr, check the data, or try "
+                "--fp8_mode e5m2 / auto")
+        meta = {"config": self.config.to_dict(), "resolved_paths": resolved_paths(self.config), "step": step,
+                "world_size": self.dist.world_size, **state}
+        keep = self.config.keep_checkpoints
+        if self.dist.is_distributed:
+            rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
+            distributed.save_dcp(self.run_dir, model, optimizer, step=step, meta=meta, tensors=rng, keep=keep)
+            if self.dist.rank == 0:
+                remove_checkpoints(self.run_dir)
+            return
+        save_checkpoint(self.run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                       "rng": rng_state(), **meta}, step=step, keep=keep)
+        distributed.remove_dcp(self.run_dir)
+
+    def good_checkpoint_note(self) -> str:
+        """Which checkpoint a resume would start from, checked now: its checksums, and its weights
+        and optimizer states loaded and found finite (DCP: by rank 0 only, without communication:
+        this runs on error paths, where ranks may diverge)."""
+        if self.dist.is_distributed:
+            if self.dist.rank == 0:
+                dcp, checked = distributed.last_good_dcp(self.run_dir, finite=True), "verified, finite"
+            else:
+                dcp, checked = distributed.latest_dcp(self.run_dir), "rank 0 checks it"
+            return (f"The last good checkpoint is {dcp} (step {distributed.dcp_step(dcp)}, {checked})" if dcp
+                    else f"No good checkpoint of this run is in {self.run_dir}")
+        good = last_good_checkpoint(self.run_dir, finite=True)
+        if good is None:
+            return f"No good checkpoint of this run is in {self.run_dir}"
+        return f"The last good checkpoint is {good.path} (step {good.step}, verified, finite)"
+
+
+def _finished(run_dir: Path, step: int) -> bool:
+    """Whether the run's result.json says it finished at `step`."""
+    try:
+        return json.loads((run_dir / "result.json").read_text()).get("steps") == step
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def resolved_paths(config: TrainConfig) -> dict[str, str | None]:
+    """The path-valued fields as absolute, symlink-free paths: what resume compares (so `tok/`
+    and `tok`, relative and absolute, name the same directory)."""
+    out = {}
+    for k in ("model_name", "dataset_path", "tokenizer_dir", "init_from"):
+        v = getattr(config, k)
+        out[k] = None if v is None else (os.path.realpath(v) if os.path.exists(v) else v)
+    return out
+
+
+def all_finite(t: torch.Tensor) -> torch.Tensor | None:
+    """A 0-dim bool on the device (no sync) saying `t` holds no inf/nan; None for a tensor without
+    floats. An FP8Tensor (FP8 moments): its codes (a transient fp32 copy) and scales."""
+    from nanochat.fp8.tensor import FP8Tensor
+
+    if isinstance(t, FP8Tensor):
+        return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
+    return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
+
+
+def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """'' when every parameter and optimizer state is finite, else which tensors are not. One flag
+    per tensor, stacked and reduced once: a single device-to-host read for the whole model (the
+    names are looked up only when something is wrong); every rank decides alike."""
+    def finite(t: torch.Tensor) -> torch.Tensor | None:
+        return all_finite(t.to_local() if isinstance(t, distributed.DTensor) else t)
+
+    named = [(f"parameter {n}", finite(p.detach())) for n, p in model.named_parameters()]
+    for i, st in enumerate(optimizer.state_dict()["state"].values()):
+        named += [(f"optimizer state {i}.{k}", finite(v)) for k, v in st.items()
+                  if isinstance(v, torch.Tensor) and v.ndim]
+    named = [(n, f) for n, f in named if f is not None]
+    if not named:
+        return ""
+    flags = torch.stack([f for _, f in named])
+    bad = distributed.all_reduce_sum((~flags).sum().float().reshape(1))
+    if bad.item() == 0:
+        return ""
+    names = [n for (n, _), ok in zip(named, flags.tolist()) if not ok]
+    return (f"{len(names)} of {len(named)} tensors on this rank ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''})" if names else "tensors on another rank")

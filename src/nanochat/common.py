@@ -14,6 +14,7 @@ line; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import random
@@ -318,3 +319,31 @@ def fsync_path(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+HASH_CHUNK = 1 << 24  # 16 MiB reads when hashing a file
+
+
+def file_sha256(path: str | os.PathLike) -> tuple[str, int]:
+    """(sha256 hex digest, size in bytes) of a file, read in 16 MiB chunks (never whole in memory)."""
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return sha.hexdigest(), size
+
+
+def file_problem(path: str | os.PathLike, sha256: str, size: int) -> str | None:
+    """None when the file at `path` has this sha256 and size, else what is wrong with it."""
+    try:
+        got_sha, got = file_sha256(path)
+    except FileNotFoundError:
+        return "it is missing"
+    except OSError as e:
+        return f"it cannot be read ({e})"
+    if got != size:
+        return f"it has {got:,} bytes, its manifest says {size:,} (truncated or appended to)"
+    if got_sha != sha256:
+        return f"its sha256 {got_sha[:16]}... differs from the manifest's {sha256[:16]}... (corrupted)"
+    return None

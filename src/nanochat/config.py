@@ -9,8 +9,14 @@ Flags are shown with underscores (`--fp8_mode`); tyro also accepts the hyphenate
 (`--fp8-mode`). `parse_cli` turns every rejected command line, tyro's parse errors and the
 `__post_init__` checks alike, into one `error:` line naming the flag and the fix, exit status 2.
 
-The FP8 flags are not written here: they are generated from `nanochat.fp8.FP8Config` (field,
-type, help text and checks), each named by `FP8_FLAGS`, so FP8 has one definition.
+A flag two entrypoints share is declared once, in a field group (a frozen dataclass mixin:
+ModelFields, DataFields, BatchFields, ScheduleFields, DeviceFields, FP8Fields) that the configs
+inherit, so the flags keep their flat names and tyro reads each field's docstring from the group.
+Each group checks its own values (`__post_init__`, chained through `super()`); what a value
+means for the machine or the files (a device, a path) is checked at start-up (nanochat.preflight).
+The FP8 flags are generated from `nanochat.fp8.FP8Config` (field, type, help text and checks),
+each named by `FP8_FLAGS`, so FP8 has one definition. `RESUME_MUST_MATCH` (what a --resume must
+share with its checkpoint) is read off the fields marked `_kept`.
 """
 
 from __future__ import annotations
@@ -63,8 +69,34 @@ def _attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _fp8_flags() -> type:
-    """The FP8 flags as a dataclass that TrainConfig and TokTrainConfig inherit."""
+class _Checked:
+    """The root of every config's checks: `__post_init__` runs the groups' checks through
+    `super()`, and here, first, turns pathlib.Path values (API callers) into the str the field
+    holds and lists into tuples (configs stay JSON and hashable), then checks every type."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, f.name, os.fspath(value))
+            elif isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+        _check_types(self)
+
+
+_RESUME = {"resume": "must match"}
+
+
+def _kept(default):
+    """A field a --resume must share with its checkpoint: it changes the model, the data stream or
+    the optimizer's meaning (RESUME_MUST_MATCH)."""
+    return dataclasses.field(default=default, metadata=_RESUME)
+
+
+def _fp8_fields() -> type:
+    """The FP8 flags as a field group, generated from FP8Config; RESUME_FIELDS are kept on resume."""
+    from nanochat.fp8.config import RESUME_FIELDS
+
     hints, docs = typing.get_type_hints(FP8Config), _attribute_docs(FP8Config)
     fields = []
     for f in dataclasses.fields(FP8Config):
@@ -72,7 +104,8 @@ def _fp8_flags() -> type:
             continue
         arg = tyro.conf.arg(help=flag_text(docs[f.name]), aliases=("-f",) if f.name == "enabled" else None)
         default = False if f.name == "enabled" else f.default
-        fields.append((FP8_FLAGS[f.name], Annotated[hints[f.name], arg], dataclasses.field(default=default)))
+        field = dataclasses.field(default=default, metadata=_RESUME if f.name in RESUME_FIELDS else {})
+        fields.append((FP8_FLAGS[f.name], Annotated[hints[f.name], arg], field))
 
     def fp8_config(self) -> FP8Config:
         """The FP8Config these flags describe (raises ValueError naming the flags)."""
@@ -82,45 +115,75 @@ def _fp8_flags() -> type:
             raise ValueError(flag_text(str(e))) from None
 
     return dataclasses.make_dataclass(
-        "FP8Flags", fields, namespace={"fp8_config": fp8_config, "__module__": __name__,
-                                       "__doc__": "The FP8 flags, generated from nanochat.fp8.FP8Config."},
+        "FP8Fields", fields, bases=(_Checked,), namespace={
+            "fp8_config": fp8_config, "__module__": __name__,
+            "__doc__": "The FP8 flags, generated from nanochat.fp8.FP8Config (base_train, tok_train)."},
         frozen=True, kw_only=True)
 
 
-FP8Flags = _fp8_flags()
+FP8Fields = _fp8_fields()
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
-    """Train (or continue training) a GPT on a corpus. `scripts/base_train.py`."""
+class ModelFields(_Checked):
+    """Which model trains, and from which weights (base_train, fp8_parity)."""
 
-    model_name: str = "d4"
+    model_name: str = _kept("d4")
     """Model: a size preset (d2, d4, d6, d8, d12, d20, d26: depth d, width 64*d), a local
     Hugging Face directory, or a hub id found in the local Hugging Face cache."""
 
-    dataset_path: str | None = None
+    init_from: str | None = _kept(None)
+    """Start from the weights of another run of a preset model: the newest verified checkpoint in
+    that run directory (fine-tuning a model pretrained with nanochat, e.g. at a lower --lr on other data).
+    Its model and tokenizer are used (--model_name must name the same preset; the run's tokenizer
+    replaces --tokenizer_dir and --vocab_size); the optimizer, step count, learning-rate schedule
+    and data order start fresh. A run of a Hugging Face model is continued from its export
+    (scripts/export_hf.py, then --model_name <that directory>)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataFields(_Checked):
+    """The corpus and the tokenizer trained on it (base_train, fp8_parity)."""
+
+    dataset_path: str | None = _kept(None)
     """A text file or a directory of .txt, .md, .py, .jsonl or .parquet files. Records with a
     "text" field are plain text; records with prompt/completion, chat "messages", or ARC-style
     question/choices/answerKey are instruction data, formatted with the model's chat template and
     scored on the answer tokens only. Default: this Python's own standard-library sources."""
 
-    tokenizer_dir: str | None = None
-    """A tokenizer saved by scripts/tok_train.py. Default: train one on the corpus (cached)."""
-
-    vocab_size: int = 4096
+    vocab_size: int = _kept(4096)
     """Vocabulary size of a tokenizer trained on the fly (ignored with --tokenizer_dir)."""
 
-    seq_len: int = 256
-    """Tokens per training sequence (the model's context length for presets)."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_vocab_size(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchFields(_Checked):
+    """How tokens are cut into sequences and batches, in training and evaluation (base_train,
+    fp8_parity, eval)."""
+
+    seq_len: int = _kept(256)
+    """Tokens per sequence: the training context (a preset's context length), and the window
+    evaluation scores (a longer multiple-choice prompt keeps its last seq_len tokens)."""
 
     batch_size: int = 16
     """Sequences per forward pass on each device."""
 
-    grad_accum_steps: int = 1
-    """Forward/backward passes per optimizer step (effective batch = batch_size * this * ranks)."""
+    eval_tokens: int = 32768
+    """Validation tokens per evaluation (the loss; the multiple-choice accuracy scores the records
+    within as many prompt tokens, at least one)."""
 
-    num_epochs: int = 1
-    """Full passes over the training tokens (ignored when --num_iterations is set)."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive(self, "seq_len", "batch_size", "eval_tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleFields(_Checked):
+    """How long a run trains, at which learning rate, and how often it evaluates (base_train,
+    fp8_parity)."""
 
     num_iterations: int = -1
     """Optimizer steps to run; -1 means as many as --num_epochs needs."""
@@ -129,7 +192,47 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Peak learning rate of AdamW."""
 
     warmup_steps: int = 20
-    """Linear warmup steps from 0 to --lr."""
+    """Linear warmup steps from 0 to --lr (then cosine decay)."""
+
+    eval_every: int = 100
+    """Measure validation loss and bits per byte every N steps (and at the end); 0: only at the end."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _finite(self, "lr")
+        if self.num_iterations == 0 or self.num_iterations < -1:
+            raise ValueError(f"--num_iterations must be -1 (use --num_epochs) or positive, got {self.num_iterations}")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+        _non_negative(self, "warmup_steps", "eval_every")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceFields(_Checked):
+    """Where and in which precision the model computes (base_train, fp8_parity, eval)."""
+
+    device: str = "auto"
+    """cuda, cpu, mps, or auto (cuda if available)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto is bfloat16 autocast on CUDA and float32 elsewhere."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields, FP8Fields):  # type: ignore[misc]
+    """Train (or continue training) a GPT on a corpus. `scripts/base_train.py`."""
+
+    # --help lists the groups' flags last base first (FP8, model, data, batches, schedule,
+    # device), then these
+
+    tokenizer_dir: str | None = _kept(None)
+    """A tokenizer saved by scripts/tok_train.py. Default: train one on the corpus (cached)."""
+
+    grad_accum_steps: int = _kept(1)
+    """Forward/backward passes per optimizer step (effective batch = batch_size * this * ranks)."""
+
+    num_epochs: int = 1
+    """Full passes over the training tokens (ignored when --num_iterations is set)."""
 
     final_lr_frac: float = 0.1
     """The learning rate decays (cosine) from --lr to this fraction of it at the last step."""
@@ -146,12 +249,6 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
 
-    eval_every: int = 100
-    """Measure validation bits per byte every N steps (and at the end); 0: only at the end."""
-
-    eval_tokens: int = 32768
-    """Validation tokens per evaluation."""
-
     save_every: int = 200
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
 
@@ -165,14 +262,6 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go. A directory that
     already holds a run is never reused silently: continue it with --resume or replace it with
     --overwrite."""
-
-    init_from: str | None = None
-    """Start from the weights of another run of a preset model: the newest verified checkpoint in
-    that run directory (fine-tuning a model pretrained here, e.g. at a lower --lr on other data).
-    Its model and tokenizer are used (--model_name must name the same preset; the run's tokenizer
-    replaces --tokenizer_dir and --vocab_size); the optimizer, step count, learning-rate schedule
-    and data order start fresh. A run of a Hugging Face model is continued from its export
-    (scripts/export_hf.py, then --model_name <that directory>)."""
 
     resume: bool = False
     """Continue from the newest checkpoint in --run_dir (model, optimizer, step, RNG, data
@@ -189,7 +278,7 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Keep the newest N checkpoints (DCP step directories in distributed runs; older ones are
     deleted after each save), so a damaged newest checkpoint still leaves one to resume from."""
 
-    seed: int = 1337
+    seed: int = _kept(1337)
     """Seed for weights, data order and sampling."""
 
     compile: bool = True
@@ -203,12 +292,6 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     graph that every block reuses: compile time stops growing with depth). Measured on an H200
     at d12 (BENCHMARKS.md): per block halves compile time but costs 13% of bf16 tokens/s (the
     embedding, head and loss run eagerly) and, with FP8, recompiles per block; hence model."""
-
-    device: str = "auto"
-    """cuda, cpu, mps, or auto (cuda if available)."""
-
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype: auto is bfloat16 on CUDA and float32 elsewhere."""
 
     fsdp: bool = False
     """Under torchrun: shard parameters with FSDP2 (fully_shard) instead of DDP."""
@@ -235,14 +318,14 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     them (torch.utils.checkpoint per block): activation memory drops to one block input per
     layer, at the cost of a second forward pass through every block."""
 
-    master_weights: Literal["fp32", "bf16", "bf16_sr", "bf16_split"] = "fp32"
+    master_weights: Literal["fp32", "bf16", "bf16_sr", "bf16_split"] = _kept("fp32")
     """How parameters are stored and updated: fp32 (4 bytes a parameter, gradients 4); or in
     bf16 (2 + 2) with the fp32 update written by round to nearest (bf16: small updates are
     lost), stochastic rounding (bf16_sr: seeded by --seed, unbiased) or kept exactly with a
     16-bit remainder in the optimizer state (bf16_split: 2 more bytes). With --fp8_opt_level 2:
     ~6 bytes a parameter of training state (bf16_split ~8) instead of ~10. docs/master_weights.md."""
 
-    master_weights_emulate: bool = False
+    master_weights_emulate: bool = _kept(False)
     """With a bf16 --master_weights: keep the parameters as fp32 tensors holding bf16 values and
     round gradients to bf16 in the update, so the model computes in fp32 with bf16 master-weight
     numerics. For CPUs without fast bf16 matmuls (parity studies); saves no memory."""
@@ -257,9 +340,8 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
-        _normalize_paths(self, "model_name", "dataset_path", "tokenizer_dir", "run_dir", "init_from")
-        _check_types(self)
-        _finite(self, "lr", "final_lr_frac", "weight_decay", "beta1", "beta2", "grad_clip", "temperature")
+        super().__post_init__()  # the groups' checks
+        _finite(self, "final_lr_frac", "weight_decay", "beta1", "beta2", "grad_clip", "temperature")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --run_dir, --overwrite deletes it: give one")
         if self.init_from is not None:
@@ -277,18 +359,16 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
         if not self.run_dir.strip():
             raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
         self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
-        _positive(self, "seq_len", "batch_size", "grad_accum_steps", "eval_tokens")
-        _non_negative(self, "warmup_steps", "eval_every", "save_every", "grad_clip",
-                      "num_samples", "sample_tokens", "top_k", "weight_decay", "temperature")
-        if self.num_iterations == 0 or self.num_iterations < -1:
-            raise ValueError(f"--num_iterations must be -1 (use --num_epochs) or positive, got {self.num_iterations}")
+        _positive(self, "grad_accum_steps")
+        _non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
+                      "temperature")
         if self.num_iterations == -1 and self.num_epochs < 1:
             raise ValueError(f"--num_epochs must be >= 1, got {self.num_epochs}")
-        if not 0 < self.lr < 1:
-            raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
         if not 0 <= self.final_lr_frac <= 1:
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
-        _check_vocab_size(self)
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
         if self.master_weights_emulate and self.master_weights == "fp32":
             raise ValueError("--master_weights_emulate emulates bf16 master weights: give --master_weights bf16, "
                              "bf16_sr or bf16_split with it")
@@ -314,14 +394,18 @@ class TrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"config has fields this version does not know: {unknown}")
-        d = dict(d)
-        if "fp8_skip" in d:
-            d["fp8_skip"] = tuple(d["fp8_skip"])
         return cls(**d)
 
 
+RESUME_MUST_MATCH = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata == _RESUME)
+"""The flags a --resume must share with its checkpoint (the fields marked `_kept`): they change
+the model, the data stream or the optimizer's meaning. Everything else (--num_iterations,
+--eval_every, ...) may differ, so a run can be extended. --batch_size is compared as the global
+batch (batch_size x ranks) instead (nanochat.checkpoint)."""
+
+
 @dataclass(frozen=True, kw_only=True)
-class TokTrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
+class TokTrainConfig(FP8Fields):  # type: ignore[misc, valid-type]
     """Train a BPE tokenizer on a corpus and save it. `scripts/tok_train.py`.
 
     The FP8 flags are accepted so one command line works for both scripts; they do not apply here
@@ -349,14 +433,13 @@ class TokTrainConfig(FP8Flags):  # type: ignore[misc, valid-type]
     """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
-        _normalize_paths(self, "dataset_path", "tokenizer_dir")
-        _check_types(self)
+        super().__post_init__()
         _check_vocab_size(self)
         _positive(self, "max_chars")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExportConfig:
+class ExportConfig(_Checked):
     """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
 
     out_dir: str
@@ -377,14 +460,13 @@ class ExportConfig:
     """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
-        _normalize_paths(self, "out_dir", "run_dir", "model_name")
-        _check_types(self)
+        super().__post_init__()
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(DeviceFields, BatchFields):
     """Evaluate a model on a dataset without training: validation loss and, for multiple-choice
     records, accuracy. `scripts/eval.py`."""
 
@@ -402,34 +484,17 @@ class EvalConfig:
     """As base_train's --chat_template. Default: the run's saved template, or the model's own, or
     plain when it has none."""
 
-    seq_len: int = 256
-    """Longest prompt scored; longer prompts keep their last seq_len tokens."""
-
-    batch_size: int = 16
-    """Sequences per forward pass."""
-
-    eval_tokens: int = 32768
-    """Validation tokens for the loss, and prompt tokens for the accuracy (at least one record)."""
-
-    device: str = "auto"
-    """cuda, cpu, mps, or auto (cuda if available)."""
-
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype: auto is bfloat16 on CUDA and float32 elsewhere."""
-
     debug: bool = False
     """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
-        _normalize_paths(self, "dataset_path", "run_dir", "model_name", "chat_template")
-        _check_types(self)
+        super().__post_init__()
         if (self.run_dir is None) == (self.model_name is None):
             raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
-        _positive(self, "seq_len", "batch_size", "eval_tokens")
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlotConfig:
+class PlotConfig(_Checked):
     """Draw a training run: loss and validation bpb against tokens, tokens/s, MFU and the FP8
     health map (underflow and saturation per layer and statistics step). `scripts/plot_run.py`."""
 
@@ -449,8 +514,7 @@ class PlotConfig:
     """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
-        _normalize_paths(self, "run_dir", "out")
-        _check_types(self)
+        super().__post_init__()
         _positive(self, "max_rows")
 
 
@@ -458,36 +522,24 @@ ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck", "bf16",
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParityConfig:
+class ParityConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields):
     """Train one model per FP8 mode and seed (same weights and data within a seed); compare
-    final val losses. `scripts/fp8_parity.py` (the harness: scripts/parity.py)."""
+    final val losses. `scripts/fp8_parity.py` (the harness: scripts/parity.py).
 
-    model_name: str = "d4"
-    """Model size preset (d2, d4, ...; see base_train --model_name). FP8 needs width >= 128."""
+    The model, data, batch, schedule and device flags are base_train's, given to every run; the
+    defaults below make a d4 sweep of minutes a run on CPU (FP8 needs width >= 128, d2 or more;
+    it runs natively where the device supports the recipe, emulated elsewhere). Every mode
+    evaluates the same validation tokens at the same steps: the curve points of the plot. With
+    --init_from every run starts from that run's weights: parity of fine-tuning, where updates
+    are small against the weights (what bf16 round-to-nearest master weights lose)."""
 
     num_iterations: int = 300
-    """Optimizer steps per mode."""
+    """Optimizer steps per mode (parity has no --num_epochs)."""
 
-    eval_every: int = 25
-    """Validation loss every N steps (and at the end); the curve points of the plot."""
-
+    eval_every: int = 25  # parity's own defaults; the flags' help is base_train's
     eval_tokens: int = 4096
-    """Validation tokens per evaluation (the same tokens in every mode)."""
-
     seq_len: int = 128
-    """Tokens per training sequence."""
-
     batch_size: int = 4
-    """Sequences per step."""
-
-    vocab_size: int = 4096
-    """Vocabulary of the tokenizer trained (once, cached) on the corpus."""
-
-    warmup_steps: int = 20
-    """Linear learning-rate warmup steps (then cosine decay, as in base_train)."""
-
-    lr: float = 3e-3
-    """Peak AdamW learning rate."""
 
     modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto", "auto-recheck")
     """Modes to train, in this order: baseline (no FP8, fp32 master weights), e4m3, e5m2, auto
@@ -518,9 +570,6 @@ class ParityConfig:
     and switch a role after 2 disagreeing re-checks in a row. 25 = every evaluation point of the
     default run (the e4m3 gradient underflow it is for showed by step 50)."""
 
-    dataset_path: str | None = None
-    """Corpus (as base_train --dataset_path). Default: the Python standard-library sources."""
-
     out_dir: str = "runs/fp8_parity"
     """Where the per-mode runs, parity.json and parity.png go."""
 
@@ -536,32 +585,20 @@ class ParityConfig:
     """Smoke run in seconds (d2, 8 steps, seq_len 32, tiny eval): replaces the size and schedule
     flags above with QUICK's values. Its figures check the harness, not FP8."""
 
-    device: str = "auto"
-    """cuda, cpu, mps or auto. FP8 runs natively where the device supports the recipe, emulated
-    elsewhere."""
-
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """Compute dtype of every run (base_train --dtype): auto is bf16 autocast on CUDA, fp32
-    elsewhere."""
-
     master_weights_emulate: bool = False
     """The master-weight modes with --master_weights_emulate: bf16 numerics, fp32 compute (for
     CPUs whose bf16 matmuls are slow; the baseline computes in fp32 then, with --dtype float32)."""
 
-    init_from: str | None = None
-    """Every run starts from this run's weights (base_train --init_from): parity of fine-tuning a
-    model pretrained here, where updates are small against the weights (what bf16 round-to-nearest
-    master weights lose). --model_name must name the preset that run trained."""
-
     fp8_opt_level: Literal[0, 1, 2] = 0
-    """--fp8_opt_level of the FP8 modes and, with FP8 off, of the master-weight modes' and the
-    baseline's FP8 optimizer states (needs no FP8 matmuls). 0: fp32 moments."""
+    """--fp8_opt_level of every run: the baseline's, the FP8 modes' and the master-weight modes'
+    Adam moments in FP8 (it needs no FP8 matmuls), so that only the mode differs. 0: fp32 moments."""
 
     debug: bool = False
     """Show the full traceback of an error of the sweep itself instead of the one-line message
     (a failed run's traceback is always printed)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the groups' checks
         if not self.modes:
             raise ValueError("--modes is empty; give at least: --modes baseline e4m3")
         if len(set(self.modes)) != len(self.modes):
@@ -571,8 +608,8 @@ class ParityConfig:
                              f"(e.g. --modes baseline {' '.join(self.modes)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds needs distinct seeds, at least one, got {' '.join(map(str, self.seeds)) or 'none'}")
-        _positive(self, "num_iterations", "eval_tokens", "seq_len", "batch_size", "jobs", "recheck_every")
-        _non_negative(self, "eval_every", "warmup_steps", "gap_target_pct", "auto_tolerance_pct")
+        _positive(self, "num_iterations", "jobs", "recheck_every")
+        _non_negative(self, "gap_target_pct", "auto_tolerance_pct")
 
 
 QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
@@ -584,16 +621,6 @@ auto-recheck re-checks at steps 6 and 8."""
 
 def resolved(cfg: ParityConfig) -> ParityConfig:
     return dataclasses.replace(cfg, **QUICK) if cfg.quick else cfg
-
-
-def _normalize_paths(cfg, *names: str) -> None:
-    """pathlib.Path values (API callers) become the str the field holds, so configs stay JSON;
-    a list of --fp8_skip patterns becomes the tuple that keeps the config hashable."""
-    for n in names:
-        if isinstance(getattr(cfg, n), os.PathLike):
-            object.__setattr__(cfg, n, os.fspath(getattr(cfg, n)))
-    if isinstance(getattr(cfg, "fp8_skip", None), list):
-        object.__setattr__(cfg, "fp8_skip", tuple(cfg.fp8_skip))
 
 
 def _matches(value, hint) -> bool:

@@ -153,18 +153,7 @@ def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
                     skipped[f"other extension ({p.suffix.lower() or 'none'})"] += 1
             split_files = _split_files(root, files, skipped)
             if split_files is not None:
-                train_files, val_files = split_files
-                train = list(_read_files(root, train_files, skipped))
-                val = list(_read_files(root, val_files, skipped))
-                _check_one_kind(source, train + val)
-                if not train:
-                    raise DataError(f"--dataset_path {source}: the train split files hold no documents or records")
-                if not val:  # no validation file: held out from the train split by hash, as usual
-                    corpus = _split(name, source, train, dict(sorted(skipped.items())))
-                    return dataclasses.replace(corpus, split_note=f"train split files only, {corpus.split_note}")
-                note = (f"split files: train {len(train_files)} file(s), validation {len(val_files)} file(s)"
-                        + (f"; {skipped[_TEST_SPLIT]} test file(s) never read" if skipped.get(_TEST_SPLIT) else ""))
-                return _corpus(name, source, train, val, note, dict(sorted(skipped.items())))
+                return _from_split_files(name, source, root, *split_files, skipped)
         docs = list(_read_files(root, files, skipped))
     unreadable = {why: n for why, n in skipped.items() if why != _EMPTY and not why.startswith("other")}
     if unreadable:  # empty files and other extensions are expected; only these deserve a warning
@@ -191,6 +180,22 @@ _SPLIT_NAME = re.compile(r"^(train|validation|valid|val|dev|test)(?=$|[-_.])", r
 _TEST_SPLIT = "test split (never trained on)"
 _NOT_SPLIT = "not a split file (train*, validation*, test*)"
 
+
+
+def _from_split_files(name: str, source: str, root: Path, train_files: list[Path], val_files: list[Path],
+                      skipped: Counter[str]) -> Corpus:
+    """The corpus of a directory with train/validation split files (_split_files)."""
+    train = list(_read_files(root, train_files, skipped))
+    val = list(_read_files(root, val_files, skipped))
+    _check_one_kind(source, train + val)
+    if not train:
+        raise DataError(f"--dataset_path {source}: the train split files hold no documents or records")
+    if not val:  # no validation file: held out from the train split by hash, as usual
+        corpus = _split(name, source, train, dict(sorted(skipped.items())))
+        return dataclasses.replace(corpus, split_note=f"train split files only, {corpus.split_note}")
+    note = (f"split files: train {len(train_files)} file(s), validation {len(val_files)} file(s)"
+            + (f"; {skipped[_TEST_SPLIT]} test file(s) never read" if skipped.get(_TEST_SPLIT) else ""))
+    return _corpus(name, source, train, val, note, dict(sorted(skipped.items())))
 
 def _split_files(root: Path, files: list[Path], skipped: Counter) -> tuple[list[Path], list[Path]] | None:
     """(train files, validation files) when the directory is laid out in splits, as the hub's

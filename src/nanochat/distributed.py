@@ -46,12 +46,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from nanochat import runlock
-from nanochat.checkpoint import DCP_DIRNAME, file_problem, file_sha256
-from nanochat.common import DistEnv, NanoChatError, dist_env, fsync_path, write_atomic
+from nanochat.common import DistEnv, NanoChatError, dist_env, file_problem, file_sha256, fsync_path, write_atomic
 
 if TYPE_CHECKING:
     from nanochat.fp8.config import FP8Config
 
+DCP_DIRNAME = "checkpoint_dcp"
+"""Where distributed runs keep their DCP checkpoints, inside the run directory."""
 LATEST = "LATEST"
 META_NAME = "trainer.json"
 MANIFEST_NAME = "manifest.json"
@@ -457,19 +458,7 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
 
     root = dcp_root(run_dir)
     rank0 = dist_env().rank == 0
-    box: list[Any] = [None, None, None]  # rank 0's verdict: error or None, step directory, temporary one
-    if rank0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            runlock.acquire(run_dir)
-        except (OSError, NanoChatError) as e:
-            box[0] = f"cannot save the DCP checkpoint of step {step} in {root}: {e}"
-        else:
-            name, n = f"step-{step:06d}", 1
-            while (root / name).exists():  # this step saved before (a resumed run): never overwrite it
-                n += 1
-                name = f"step-{step:06d}-{n}"
-            box[1:] = [name, f".tmp-{name}-{os.getpid()}-{secrets.token_hex(4)}"]
+    box: list[Any] = _claim_step_name(run_dir, root, step) if rank0 else [None, None, None]
     if is_distributed():
         dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
@@ -485,18 +474,7 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
             dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
         barrier()  # every rank's shards are written before rank 0 hashes and commits them
         if rank0:
-            (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
-            _fsync_tree(tmp)
-            _write_manifest(tmp, step)
-            fsync_path(tmp)
-            os.rename(tmp, final)  # the commit (DCP's index names its files relative to the directory)
-            fsync_path(root)
-            write_atomic(root / LATEST, json.dumps({"dir": final.name, "step": step}), fsync=True)
-            fsync_path(root)
-            ours = [p for p in list_dcp(run_dir) if _dcp_manifest_problem(p) is None]  # counted, deletable
-            for old in ours[:-keep] if keep > 0 else []:
-                (old / MANIFEST_NAME).unlink()  # uncommit first: a kill midway leaves no half step
-                shutil.rmtree(old)
+            _commit_dcp(run_dir, tmp, final, step=step, meta=meta, keep=keep)
         barrier()
     except BaseException:
         if rank0:
@@ -506,6 +484,40 @@ def save_dcp(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.opti
         if rank0:
             runlock.release(run_dir)
     return final
+
+
+def _claim_step_name(run_dir: str | os.PathLike, root: Path, step: int) -> list[Any]:
+    """Rank 0, before a DCP save: take the run lock and name the step directory and its temporary;
+    [error or None, step directory name, temporary name], what save_dcp broadcasts."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        runlock.acquire(run_dir)
+    except (OSError, NanoChatError) as e:
+        return [f"cannot save the DCP checkpoint of step {step} in {root}: {e}", None, None]
+    name, n = f"step-{step:06d}", 1
+    while (root / name).exists():  # this step saved before (a resumed run): never overwrite it
+        n += 1
+        name = f"step-{step:06d}-{n}"
+    return [None, name, f".tmp-{name}-{os.getpid()}-{secrets.token_hex(4)}"]
+
+
+def _commit_dcp(run_dir: str | os.PathLike, tmp: Path, final: Path, *, step: int, meta: dict[str, Any],
+                keep: int) -> None:
+    """Rank 0, once every shard is written: meta and manifest, the rename that commits, LATEST,
+    then the rotation to the newest `keep` steps this code can tell it wrote."""
+    root = final.parent
+    (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
+    _fsync_tree(tmp)
+    _write_manifest(tmp, step)
+    fsync_path(tmp)
+    os.rename(tmp, final)  # the commit (DCP's index names its files relative to the directory)
+    fsync_path(root)
+    write_atomic(root / LATEST, json.dumps({"dir": final.name, "step": step}), fsync=True)
+    fsync_path(root)
+    ours = [p for p in list_dcp(run_dir) if _dcp_manifest_problem(p) is None]  # counted, deletable
+    for old in ours[:-keep] if keep > 0 else []:
+        (old / MANIFEST_NAME).unlink()  # uncommit first: a kill midway leaves no half step
+        shutil.rmtree(old)
 
 
 def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,

@@ -1,21 +1,20 @@
-"""Multiple-choice accuracy, and evaluating a saved model on a dataset without training.
+"""Evaluation: validation loss and bits per byte, multiple-choice accuracy, samples, and
+evaluating a saved model on a dataset without training.
 
-Each option is scored by the log-likelihood of its answer tokens after the shared prompt
-(`nanochat.instruct.choice_items`), the sum of log p(token | everything before it), and the
-prediction is the best option (lm-evaluation-harness's convention). A letter may take more than
-one token (` A` one, ` D` two in a vocabulary trained on a small corpus), so the letters' logits
-at one position are not enough in general. Every option's first token is read at the end of the
-prompt, so its normalizer (log of the softmax's denominator there) is the same for all options
-and is left out: the ranking is the log-likelihood's, and with one token per option it is the
-comparison of the letters' logits (karpathy/nanochat's categorical evaluation) bit for bit.
-Only the options compete, not the vocabulary: a model that would rather say "The" than a
-letter still has a preference between A and D. Deterministic; no sampling.
+`Evaluator` is what a training run measures with, in high precision on the uncompiled model (the
+figure is the model's quality, not FP8's inference noise): loss and bits per byte over the
+validation windows, accuracy over the multiple-choice items, and a few continuations of
+validation prompts. Under torchrun every rank scores its share and the sums are all-reduced.
 
-A row is the prompt plus an option's tokens but its last; options equal but for their last
-token share a row (one row per question when every option is one token). Rows are right-padded;
-the model is causal, so padding cannot change the logits read before it. A row longer than the
-context keeps its last `seq_len` tokens (the options and `Answer:` are at the end). The long
-form: docs/instruct.md.
+Multiple choice: each option is scored by the log-likelihood of its answer tokens after the shared
+prompt (`instruct.choice_items`) and the best option is the prediction (lm-evaluation-harness's
+convention); a letter may take more than one token, so the letters' logits at one position are
+not enough in general. Every option's first token is read at the prompt's end, where the softmax
+normalizer is the same for all and is left out: with one token per option this is the letters'
+logits compared (karpathy/nanochat's categorical evaluation) bit for bit. A row is the prompt
+plus an option's tokens but its last (shared by options equal but for their last token),
+right-padded (the model is causal); a row longer than the context keeps its last `seq_len`
+tokens. Deterministic. The long form: docs/instruct.md.
 
 `evaluate_saved` is `scripts/eval.py`: a run's checkpoint (or a Hugging Face directory as
 loaded), a dataset's validation split, its loss and its accuracy.
@@ -28,12 +27,108 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nanochat import instruct
-from nanochat.common import UsageError, logger
+from nanochat import distributed, engine, instruct
+from nanochat.common import DistEnv, UsageError, logger
+from nanochat.data import val_batches
+
+if TYPE_CHECKING:
+    from nanochat.config import TrainConfig
+    from nanochat.fp8 import FP8Training
+    from nanochat.run_data import RunData
+
+
+class Evaluator:
+    """A training run's measurements of `model` on `data` (see the module docstring). `eager`
+    is the context that runs compiled code eagerly (blocks compiled in place)."""
+
+    def __init__(self, model: torch.nn.Module, data: RunData, cfg: TrainConfig, *, dist: DistEnv,
+                 device: torch.device, autocast: Any, fp8: FP8Training, eager: Callable[[], Any]):
+        self.model, self.data, self.cfg = model, data, cfg
+        self.dist, self.device, self.autocast = dist, device, autocast
+        self.fp8, self.eager = fp8, eager
+
+    def all(self) -> tuple[float, float, float | None]:
+        """Validation loss, bits per byte and multiple-choice accuracy (None without items)."""
+        val_loss, val_bpb = self.loss()
+        return val_loss, val_bpb, self.accuracy()
+
+    @torch.no_grad()
+    def loss(self) -> tuple[float, float]:
+        """Validation loss (nats/token) and bits per byte over --eval_tokens."""
+        cfg, data = self.cfg, self.data
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # [nats, scored tokens, bytes]
+        with self._model() as model, self.autocast:
+            for x, y in val_batches(data.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
+                                    rank=self.dist.rank, world_size=self.dist.world_size, loss_mask=data.val_mask):
+                x, y = x.to(self.device), y.to(self.device)
+                loss = model(x, y, reduction="none").view(-1).double()
+                y = y.view(-1)
+                scored = y >= 0  # -1: a position the loss mask excludes (instruction prompts)
+                nbytes = data.token_bytes[y.clamp(min=0)] * scored
+                # text: special tokens (BOS) carry no bytes and are not scored; records: every scored
+                # target counts, the closing <|end|>/eos included (stopping is part of the answer)
+                counted = scored if data.val_mask is not None else nbytes > 0
+                totals[0] += torch.where(counted, loss, 0.0).sum()
+                totals[1] += counted.sum()
+                totals[2] += nbytes.sum()
+        total_nats, total_tokens, total_bytes = distributed.all_reduce_sum(totals).tolist()
+        if total_tokens == 0:
+            raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
+        return total_nats / total_tokens, total_nats / (math.log(2) * total_bytes)
+
+    @torch.no_grad()
+    def accuracy(self) -> float | None:
+        """Multiple-choice accuracy on the validation records; None without multiple-choice items."""
+        if not self.data.num_choice_items:
+            return None
+        with self._model() as model:
+            correct, total = choice_counts(model, self.data.choice_items, batch_size=self.cfg.batch_size,
+                                           seq_len=self.cfg.seq_len, device=self.device, autocast=self.autocast)
+        counts = distributed.all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=self.device))
+        correct, total = counts.tolist()
+        return correct / total
+
+    def samples(self, num_samples: int) -> list[str]:
+        """Continue the first tokens of a few validation documents (or the conversations up to
+        their last answer); on rank 0 only (the other ranks return [])."""
+        cfg, corpus, tok = self.cfg, self.data.corpus, self.data.tokenizer
+        if corpus.kind == "instruct":
+            prompts = [instruct.generation_prompt(tok, r) for r in corpus.val_records[:num_samples]]
+        else:
+            prompts = [tok.encode(d, prepend_bos=True)[:16] for d in corpus.val_docs if d.strip()][:num_samples]
+        out = []
+        with self._model() as model, self.autocast:
+            for i, ids in enumerate(prompts if self.dist.rank == 0 else []):
+                gen = engine.generate(model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
+                                      top_k=cfg.top_k, seed=cfg.seed + i)
+                # generate() returns only the new tokens; show the prompt with its continuation
+                out.append(tok.decode([t for t in ids + gen if t != tok.bos_id]))
+        return out
+
+    @contextlib.contextmanager
+    def _model(self):
+        """The model in eval mode and high precision. One process and DDP: the model itself
+        (unwrapped, so no collectives) with its FP8 layers in high precision. FSDP: a plain,
+        unsharded copy gathered from the shards (collective: every rank enters; distributed.py)."""
+        if self.dist.is_distributed and self.cfg.fsdp:
+            from nanochat.gpt import GPT
+
+            with torch.device("meta"):
+                plain = GPT(self.model.config)
+            plain = distributed.full_copy(self.model, plain.materialize(self.device))
+            yield plain.eval()
+            return
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.fp8.high_precision(), self.eager():
+                yield self.model
+        finally:
+            self.model.train(was_training)
 
 
 @torch.no_grad()
@@ -139,7 +234,7 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
         import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
     except ImportError:
         pass
-    ckpt = load_checkpoint(run_dir)
+    ckpt = load_checkpoint(run_dir, keys=("config.model_name", "config.seq_len", "model"))
     name, tok_dir = ckpt["config"]["model_name"], Path(run_dir) / "tokenizer"
     if not tok_dir.is_dir():
         raise UsageError(f"--run_dir {run_dir}: its tokenizer/ is missing, and the weights mean something only "
@@ -164,7 +259,7 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
 def evaluate_saved(cfg) -> EvalResult:
     """`scripts/eval.py` with an `EvalConfig`: the validation split's loss and accuracy."""
     from nanochat.common import resolve_device, resolve_dtype
-    from nanochat.data import load_corpus, pack_records, tokenize_docs, tokenize_records, val_batches
+    from nanochat.data import load_corpus, pack_records, tokenize_docs, tokenize_records
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)

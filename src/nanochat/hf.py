@@ -202,16 +202,7 @@ def gpt_config_from_hf(hf: dict, *, seq_len: int | None = None) -> GPTConfig:
         # Sliced matmuls in some Llama 2 configs; transformers computes the same result either way.
         logger.info("hf: ignoring pretraining_tp=%s (a matmul slicing detail, same result)", hf["pretraining_tp"])
     rope = _rope_params(hf)
-    rope_kw: dict = {}
-    if rope["rope_type"] == "linear":
-        rope_kw = dict(rope_scaling="linear", rope_factor=float(rope["factor"]))
-    elif rope["rope_type"] == "llama3":
-        rope_kw = dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
-                       rope_low_freq_factor=float(rope["low_freq_factor"]),
-                       rope_high_freq_factor=float(rope["high_freq_factor"]),
-                       rope_original_max_pos=int(rope["original_max_position_embeddings"]))
-    elif rope["rope_type"] != "default":
-        unsupported.append(f"rope_type={rope['rope_type']!r} (supported: default, linear, llama3)")
+    rope_kw = _rope_kwargs(rope, unsupported)
     if unsupported:
         raise ValueError(f"{model_type} checkpoint uses options nanochat does not implement: "
                          f"{'; '.join(unsupported)}")
@@ -243,6 +234,21 @@ def gpt_config_from_hf(hf: dict, *, seq_len: int | None = None) -> GPTConfig:
         qkv_bias=qkv_bias, attn_out_bias=out_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
+
+
+def _rope_kwargs(rope: dict, unsupported: list[str]) -> dict:
+    """GPTConfig's rope_* fields for a checkpoint's RoPE parameters (_rope_params); an unsupported
+    rope_type is appended to `unsupported`."""
+    if rope["rope_type"] == "linear":
+        return dict(rope_scaling="linear", rope_factor=float(rope["factor"]))
+    if rope["rope_type"] == "llama3":
+        return dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                    rope_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_high_freq_factor=float(rope["high_freq_factor"]),
+                    rope_original_max_pos=int(rope["original_max_position_embeddings"]))
+    if rope["rope_type"] != "default":
+        unsupported.append(f"rope_type={rope['rope_type']!r} (supported: default, linear, llama3)")
+    return {}
 
 
 def hf_config_from_gpt(cfg: GPTConfig) -> dict:

@@ -5,11 +5,12 @@
     trainer.train()                      # or train(resume_from_checkpoint=True)
     print(trainer.fp8.summary_text(trainer.fp8.summary(), "end of training"))
 
-It is the Trainer, with one FP8Training (nanochat.fp8) called at the Trainer's own points:
-`__init__` casts bf16 master weights and converts the model before the Trainer wraps or compiles
-it; `create_optimizer` wraps the optimizer the Trainer built in FP8Optim (the same param_groups, so
-the scheduler built on it drives both); `training_step` opens the FP8 step at an optimizer step's
-first micro-batch and closes it after the last backward, running calibration and statistics
+It is the Trainer, with one FP8Training (nanochat.fp8) and one StepGuard (nanochat.guard) called
+at the Trainer's own points: `__init__` casts bf16 master weights and converts the model before
+the Trainer wraps or compiles it; `create_optimizer` wraps the optimizer the Trainer built in
+FP8Optim (the same param_groups, so the scheduler built on it drives both); `training_step` opens
+the FP8 step at an optimizer step's first micro-batch and closes it after the last backward
+(where the guard checks the step), running calibration and statistics
 steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate compiled, whole
 model or regions); a callback's `on_optimizer_step` ends the step; `log()` carries FP8 health to
 every `report_to` tracker; checkpoints hold `fp8_state.json`, restored before the optimizer state
@@ -37,18 +38,15 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from nanochat.common import host_read, logger, warn_once
+from nanochat.common import logger, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.fp8.config import ROLES
+from nanochat.fp8.config import RESUME_FIELDS, ROLES
 from nanochat.fp8.master import MASTER_WEIGHTS, MasterWeights, param_dtype
+from nanochat.fp8.optim import FP8Optim, wrap_optimizer
+from nanochat.guard import StepGuard
 
 FP8_STATE_NAME = "fp8_state.json"
 """FP8Training.state_dict() (counters, auto's choices) and the FP8 settings, in each checkpoint."""
-
-RESUME_FIELDS = ("enabled", "mode", "recipe", "layers", "opt_level", "skip_fqns", "min_dim")
-"""FP8Config fields a resumed run must share with the checkpoint: they decide which layers are FP8,
-in which formats, and how the optimizer state is stored (`emulate` may differ: a run can move
-between an emulating CPU and a GPU with FP8 kernels)."""
 
 HEALTH = ("underflow_pct", "saturation_pct", "sqnr_db")
 """The per-layer figures logged (fp8.stats: share of non-zero values flushed to zero, share of
@@ -125,6 +123,10 @@ class FP8Trainer(Trainer):
                 p.data = p.data.to(param_dtype(master_weights))
         self.fp8 = FP8Training(self.model, config)
         """FP8's side of training: the conversion report, counters, auto's choices, statistics."""
+        self.guard = StepGuard(self.model, max_overflows=config.max_overflows, counters=self.fp8.counters)
+        """Skips a step whose loss or gradient norm is not finite; counts into fp8.counters."""
+        self.fp8_optimizer: torch.optim.Optimizer | None = None
+        """The Trainer's optimizer as create_optimizer wrapped it (FP8Optim, or itself)."""
         if self.fp8.report is not None:
             logger.info("%s", self.fp8.report.summary())
         self._step = None  # the FP8 step open across an optimizer step's micro-batches
@@ -172,9 +174,9 @@ class FP8Trainer(Trainer):
         """The Trainer's optimizer, wrapped once in FP8Optim (FP8 moments at `opt_level` 1-2, bf16
         master weights); the scheduler the Trainer builds next drives the shared param_groups."""
         optimizer = super().create_optimizer(model)
-        if self.fp8.optimizer is None:  # FP8Optim logs its layout (and fp32 moments) at its first step
-            self.optimizer = self.fp8.wrap_optimizer(optimizer, master_weights=self.master_weights,
-                                                     seed=self.args.seed)
+        if self.fp8_optimizer is None:  # FP8Optim logs its layout (and fp32 moments) at its first step
+            self.optimizer = self.fp8_optimizer = wrap_optimizer(
+                optimizer, opt_level=self.fp8.config.opt_level, master_weights=self.master_weights, seed=self.args.seed)
         return self.optimizer
 
     # ----------------------------------------------------------------------- step
@@ -204,25 +206,22 @@ class FP8Trainer(Trainer):
     def _check_step(self, inputs, *, sampled: bool) -> bool:
         """The step guard, before the Trainer clips: True when the step's loss or gradient norm
         (the norm the Trainer computes; both in one device read) is not finite and the update
-        must be skipped (FP8Training.check_step has dropped the gradients and named the layer).
-        Also counts a clip against `max_grad_norm`."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads)
-        loss, grad_norm = host_read(torch.stack([self._step_loss.float(), norm.float().to(self._step_loss.device)]))
+        must be skipped (StepGuard has dropped the gradients and named the layer). Also counts
+        a clip against `max_grad_norm`; the Trainer itself clips."""
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm > 0 else math.inf
 
         def rerun() -> None:  # the last micro-batch's forward again, eagerly, to name where inf began
             with torch.compiler.set_stance("force_eager"):
                 self.model(**self._prepare_inputs(inputs))
 
-        skipped = bool(self.fp8.check_step(self.state.global_step, loss, grad_norm, max_norm=max_norm,
-                                           rerun=rerun, note=self._checkpoint_note).get("skipped"))
-        if skipped:  # the Trainer would log the norm of the dropped gradients: 0
-            self._add_logs({"grad_norm": grad_norm})
-        if skipped or sampled:
+        verdict = self.guard.check(self.state.global_step, self._step_loss, self.model.parameters(),
+                                   max_norm=max_norm, clip=False, rerun=rerun, note=self._checkpoint_note)
+        if verdict.skipped:  # the Trainer would log the norm of the dropped gradients: 0
+            self._add_logs({"grad_norm": verdict.grad_norm})
+        if verdict.skipped or sampled:
             self._add_logs({"fp8/skipped_steps": self.fp8.counters["skipped_steps"],
                             "fp8/clip_events": self.fp8.counters["clip_events"]})
-        return skipped
+        return verdict.skipped
 
     def _checkpoint_note(self) -> str:
         last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
@@ -260,7 +259,9 @@ class FP8Trainer(Trainer):
         taken (FP8 conversion, FP8Optim) is added to the returned metrics as `fp8_fallbacks`."""
         output = super().train(*args, **kwargs)
         self.fp8.finish()
-        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + list(getattr(self.fp8.optimizer, "fallbacks", []))
+        optimizer = self.fp8_optimizer
+        notes = optimizer.fp32_state_notes() + optimizer.fallbacks if isinstance(optimizer, FP8Optim) else []
+        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + notes
         return output
 
     def evaluation_loop(self, *args, **kwargs):

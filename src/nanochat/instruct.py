@@ -317,15 +317,20 @@ def choose_chat_template(tokenizer: Any, chat_template: str | None, *, records: 
     """
     if not hasattr(tokenizer, "render_chat"):
         if chat_template is not None:
-            raise ValueError(f"--chat_template {chat_template}: nanochat's own tokenizer renders records "
-                             "with its special tokens (<|user_start|>...), not a template; --chat_template "
-                             "applies to Hugging Face models. Drop the flag")
+            raise ValueError(own_tokenizer_template_problem(chat_template))
         return tokenizer, None
     if chat_template is None:
         if not records or tokenizer.chat_template is not None:
             return tokenizer, None
         return _with_template(tokenizer, "plain"), PLAIN_FALLBACK
     return _with_template(tokenizer, chat_template), None
+
+
+def own_tokenizer_template_problem(chat_template: str) -> str:
+    """Why --chat_template does not apply to nanochat's own tokenizer (a preset model's)."""
+    return (f"--chat_template {chat_template}: nanochat's own tokenizer renders records with its special "
+            "tokens (<|user_start|>...), not a template; --chat_template applies to Hugging Face models. "
+            "Drop the flag")
 
 
 def _with_template(tokenizer: Any, chat_template: str) -> Any:

@@ -1,7 +1,7 @@
 """Will it fit: the memory a training run needs, planned before any weight is allocated.
 
     plan = plan_training(gpt_config, batch_size=16, seq_len=256, opt_level=2, free_bytes=free_bytes(dev))
-    print(plan.table()); plan.check(fp8=True)   # ValueError naming what would make it fit
+    print(plan.table()); plan.check()   # ValueError naming what would make it fit
 
 Four parts, per device:
 - weights: parameters x `weight_bytes`, set by `master_weights` (`nanochat.fp8.master`): fp32
@@ -173,17 +173,16 @@ class MemoryPlan:
         kw.update(changes)
         return plan_training(self.config, **kw)
 
-    def remedies(self, *, fp8: bool) -> list[str]:
+    def remedies(self) -> list[str]:
         """What would make it fit, each with its planned total; empty when it fits.
 
         The single changes not already on, then (when there are two or more) all of them at once:
         the strongest the flags alone can do. Then a smaller batch and FSDP, each alone."""
         if self.fits:
             return []
-        level2 = "--fp8_opt_level 2" if fp8 else "--fp8 --fp8_opt_level 2"
         candidates: list[tuple[str, dict]] = []
-        if self.opt_level < 2:
-            candidates.append((level2, dict(opt_level=2)))
+        if self.opt_level < 2:  # FP8 moments need no FP8 layers (--fp8)
+            candidates.append(("--fp8_opt_level 2", dict(opt_level=2)))
         if not self.activation_checkpointing:
             candidates.append(("--activation_checkpointing", dict(activation_checkpointing=True)))
         # bf16_split first: it keeps the fp32 master bit for bit (6 bytes of state instead of 8);
@@ -220,7 +219,7 @@ class MemoryPlan:
                        f"{format_bytes(self.replan(shards=gpus).total)} per GPU")
         return out
 
-    def check(self, *, fp8: bool) -> None:
+    def check(self) -> None:
         """ValueError, before anything is allocated, when the plan exceeds the free memory."""
         if self.fits:
             return
@@ -229,7 +228,7 @@ class MemoryPlan:
             f"(weights {format_bytes(self.weights)}, gradients {format_bytes(self.gradients)}, optimizer "
             f"{format_bytes(self.optimizer)}, activations ~{format_bytes(self.activations)}) but "
             f"{format_bytes(self.free_bytes)} is free. What would make it fit (planned totals): "
-            + "; ".join(self.remedies(fp8=fp8)))
+            + "; ".join(self.remedies()))
 
 
 def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level: int = 0,

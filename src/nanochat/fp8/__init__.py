@@ -3,7 +3,8 @@
     from nanochat.fp8 import FP8Config, FP8Training
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # before torch.compile
     optimizer = fp8.optimizer                      # FP8Optim: Adam moments in FP8
-    ...each step: fp8.begin_step / fp8.check_step / fp8.end_step (examples/custom_loop.py)...
+    ...each step: fp8.begin_step / fp8.end_step (examples/custom_loop.py; its step guard:
+       nanochat.guard.StepGuard, which is not FP8's)...
     with fp8.high_precision():                     # evaluation / generation in high precision
         ...
 
@@ -15,7 +16,8 @@ GPU, cached on disk), auto.py (mode
 auto: formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
 saturation, SQNR per layer and role; the first non-finite layer), tensor.py (FP8Tensor),
 optim.py (FP8Optim: Adam moments in FP8; bf16 master weights and the step inside the backward),
-master.py (how an fp32 update is written into a bf16 weight).
+kernel.py (FP8Optim's C kernel on CPU: build, binding, call), master.py (how an fp32 update is
+written into a bf16 weight).
 
 Names are imported on first use, so `from nanochat.fp8.config import FP8Config` (the CLI's
 flags) loads neither torch nor torchao. This package imports torch, torchao and

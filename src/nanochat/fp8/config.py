@@ -7,7 +7,7 @@ imports nothing heavy: parsing flags (and `--help`) does not load torch or torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal, get_args
 
 ROLES = ("input", "weight", "grad_output")
@@ -28,7 +28,9 @@ class FP8Config:
 
     enabled: bool = True
     """Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
-    FP8 kernels; elsewhere it warns once and trains in high precision unless `emulate`)."""
+    FP8 kernels; elsewhere it warns once and trains in high precision unless `emulate`). `mode`,
+    `recipe`, `layers`, `emulate`, `skip_fqns`, `min_dim`, `auto_*` and `stats_every` describe those
+    layers and need it; `opt_level` and `max_overflows` do not."""
 
     mode: FP8Mode = "e4m3"
     """FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
@@ -55,7 +57,9 @@ class FP8Config:
 
     opt_level: Literal[0, 1, 2] = 0
     """Adam moments in FP8: 0 keeps both in fp32; 1 stores the first moment (momentum) in FP8;
-    2 stores both moments in FP8. Works on any device (it is only storage); needs `enabled`."""
+    2 stores both moments in FP8. Only storage (uint8 codes and fp32 block scales), so it works on
+    any device and with or without FP8 layers (`enabled`): an A100 or a CPU saves the same 6 bytes
+    a parameter at level 2."""
 
     skip_fqns: tuple[str, ...] = ("lm_head",)
     """Module-name patterns (fnmatch, matched against the full name) never converted to FP8.
@@ -83,7 +87,8 @@ class FP8Config:
 
     max_overflows: int = 10
     """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
-    such step is skipped); the last good checkpoint stays intact."""
+    such step is skipped); the last good checkpoint stays intact. The step guard's limit
+    (nanochat.guard), with or without FP8 layers."""
 
     fsdp_float8_all_gather: bool = False
     """Under FSDP2, all-gather each converted weight already in FP8 (torchao's
@@ -97,6 +102,13 @@ class FP8Config:
     """Tokens per forward pass (batch size x sequence length: the M of every Linear's GEMMs), at
     which `layers` faster times the layers. Not a command-line flag: nanochat's trainer sets it.
     Without it a GPU run decides by torchao's rule and records why."""
+
+    converted_layers: tuple[str, ...] | None = None
+    """Exactly which layers convert, replacing the `layers` rule (and its timing): a resumed run
+    converts the layers the run it continues converted, whatever the timings say now (`layers`
+    faster depends on the GPU and the timing cache). The other rules still apply. Not a
+    command-line flag: nanochat's trainer sets it from the checkpoint (FP8Training.state_dict's
+    `fp8_converted`); None: the rules decide."""
 
     def __post_init__(self) -> None:
         # Messages name fields as `field`: the CLI shows them as its flags (nanochat.config).
@@ -113,15 +125,12 @@ class FP8Config:
                              f"got {self.micro_batch_tokens}")
         if self.opt_level not in (0, 1, 2) or isinstance(self.opt_level, bool):
             raise ValueError(f"`opt_level` must be one of 0, 1, 2, got {self.opt_level!r}")
-        if self.opt_level and not self.enabled:
-            raise ValueError(
-                f"`opt_level` {self.opt_level} needs `enabled`: FP8 optimizer states are part of FP8 "
-                "training. Turn on `enabled` (on hardware without FP8 matmuls it still stores the moments "
-                "in FP8), or use `opt_level` 0.")
         if isinstance(self.skip_fqns, str):
             raise ValueError(f"skip_fqns must be a sequence of patterns, got the string {self.skip_fqns!r}; "
                              f"write skip_fqns=({self.skip_fqns!r},)")
         object.__setattr__(self, "skip_fqns", tuple(self.skip_fqns))
+        if self.converted_layers is not None:
+            object.__setattr__(self, "converted_layers", tuple(self.converted_layers))
         if self.min_dim < 16:
             raise ValueError(f"`min_dim` must be >= 16 (FP8 GEMM dimensions are multiples of 16), got {self.min_dim}")
         if self.auto_recheck_every and self.mode != "auto":
@@ -137,6 +146,13 @@ class FP8Config:
             if getattr(self, name) < least:
                 raise ValueError(f"`{name}` must be >= {least}{' (0: off)' if least == 0 else ''}, "
                                  f"got {getattr(self, name)}")
+        if not self.enabled:
+            defaults = {f.name: f.default for f in fields(FP8Config)}
+            for name in LAYER_FIELDS:
+                if getattr(self, name) != defaults[name]:
+                    raise ValueError(f"`{name}` {getattr(self, name)!r} describes FP8 layers, and without "
+                                     f"`enabled` there are none: turn on `enabled`, or drop `{name}` "
+                                     "(`opt_level` alone needs no FP8 layers)")
 
     @classmethod
     def from_flags(cls, flags: object) -> "FP8Config":
@@ -148,3 +164,13 @@ class FP8Config:
         if self.mode == "auto":
             return dict(HYBRID)
         return {role: self.mode for role in ROLES}
+
+
+LAYER_FIELDS = ("mode", "recipe", "layers", "emulate", "skip_fqns", "min_dim", "auto_steps", "auto_recheck_every",
+                "stats_every")
+"""FP8Config fields that describe FP8 layers: set to anything but their default, they need `enabled`."""
+
+RESUME_FIELDS = ("enabled", "mode", "recipe", "layers", "opt_level", "skip_fqns", "min_dim")
+"""FP8Config fields a resumed run must share with its checkpoint: they decide which layers are FP8,
+in which formats, and how the optimizer state is stored (`emulate` may differ: a run can move
+between an emulating CPU and a GPU with FP8 kernels)."""

@@ -287,29 +287,7 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
     dtypes, lin_config, fallback = _lin_config(config, hw)
     policy = LayerPolicy(config, hw, lin_config, device=device, measure=measure, module_filter_fn=module_filter_fn)
 
-    layers, replacements = [], {}
-    for name, module in model.named_modules():
-        if isinstance(module, Float8Linear):
-            reason = ", ".join(f"{r} {d}" for r, d in layer_dtypes(module).items())
-            layers.append(LayerReport(name, module.in_features, module.out_features, "already FP8", reason))
-            continue
-        if not isinstance(module, nn.Linear):
-            continue
-        decision = policy.decide(name, module)
-        why = decision.reason if decision.final_rule else ""
-        if not decision.convert:
-            layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", decision.reason, why))
-            continue
-        new = FP8Linear.from_float(module, config=lin_config)
-        # the same Parameters, except a weight torchao wrapped for FSDP2's FP8 all-gather (a new
-        # Parameter around the same tensor)
-        assert new.bias is module.bias and (new.weight is module.weight or config.fsdp_float8_all_gather)
-        new.fp8_name = name
-        new.train(module.training)
-        replacements[id(module)] = new
-        layers.append(LayerReport(name, module.in_features, module.out_features, "converted",
-                                  _format_dtypes(dtypes, lin_config), why))
-
+    layers, replacements = _decide_layers(model, policy, lin_config, dtypes)
     if replacements:
         # torchao applies this inside convert_to_float8_training, which we do not call (we swap
         # in our subclass ourselves): it reverts inductor's Triton min/max codegen that trips a
@@ -328,6 +306,36 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
                               kept)
     model._nanochat_fp8_report = report
     return report
+
+
+def _decide_layers(model: nn.Module, policy: LayerPolicy, lin_config, dtypes: dict[str, str]
+                   ) -> tuple[list[LayerReport], dict[int, nn.Module]]:
+    """Each nn.Linear's report line, and the FP8Linear that replaces each converted one (by id)."""
+    layers: list[LayerReport] = []
+    replacements: dict[int, nn.Module] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Float8Linear):
+            reason = ", ".join(f"{r} {d}" for r, d in layer_dtypes(module).items())
+            layers.append(LayerReport(name, module.in_features, module.out_features, "already FP8", reason))
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        decision = policy.decide(name, module)
+        why = decision.reason if decision.final_rule else ""
+        if not decision.convert:
+            layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", decision.reason, why))
+            continue
+        new = FP8Linear.from_float(module, config=lin_config)
+        # the same Parameters, except a weight torchao wrapped for FSDP2's FP8 all-gather (a new
+        # Parameter around the same tensor)
+        assert new.bias is module.bias and (new.weight is module.weight or policy.config.fsdp_float8_all_gather)
+        new.fp8_name = name
+        new.train(module.training)
+        replacements[id(module)] = new
+        layers.append(LayerReport(name, module.in_features, module.out_features, "converted",
+                                  _format_dtypes(dtypes, lin_config), why))
+
+    return layers, replacements
 
 
 def _resolve_config(config: FP8Config | object | None, overrides: dict) -> FP8Config:

@@ -37,9 +37,9 @@ the same gradient streams, two gradient distributions and two beta2.
 
 The step: decode the codes -> fp32 math -> write p, the new codes and scales in place, with no
 full-size temporaries, for all FP8-state parameters at once. Three implementations:
-- native (default for fp32 Adam/AdamW parameters on CPU): the C kernel in optim_kernel.c, built
-  on first use and called through ctypes, once per step for every tensor (blocks split across
-  threads). ~5x faster on CPU than the compiled version (BENCHMARKS.md 3(b)).
+- native (default for fp32 Adam/AdamW parameters on CPU): the C kernel in optim_kernel.c, built on
+  first use (kernel.py), once per step for every tensor (blocks split across threads). ~5x faster
+  on CPU than the compiled version (BENCHMARKS.md 3(b)).
 - compile: `torch.compile(fullgraph=True, dynamic=False)` of `_adam_multi`/`_sgd_multi` over the
   list of same-shape tensors: one compiled call per (shape, dtype, device), not per parameter
   (used on GPU, for SGD, for bf16 parameters, or if the C build fails).
@@ -71,22 +71,16 @@ fp32 state (on every rank: the rule reads the global shape) and the summary says
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from nanochat.common import format_bytes, logger, warn_once
 
+from . import kernel
+from .kernel import KernelRow
 from .master import MASTER_WEIGHTS, bytes_per_param, read_master, round_rne, sr_bits, sr_salt, write_master
 from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, decode, encode, fp8_max
 
@@ -157,8 +151,8 @@ def _adam_step(p, g, m_codes, m_scale, m32, v32, v_codes, v_scale, lo, step, lr,
     if m_fp8:
         # `+ 0 * scale`: makes the parameter write depend on the per-block absmax, so inductor
         # fuses it into the same loop as the code writes (one pass) instead of a third pass over
-        # p through a full-size temporary (measured on 16M params, loaded 2-core box: 768 -> 576
-        # ms a step)
+        # p through a full-size temporary (16M params on 2 loaded CPU cores: 768 -> 576 ms a step,
+        # BENCHMARKS.md section 3)
         tie = 0.0 * _requantize(m, m_codes, m_scale, floor=False, ok=ok)[:, None]
     else:
         m32.copy_(m if ok is None else torch.where(ok, m, m32))
@@ -282,245 +276,6 @@ def fp8_size_problem(numel: int, block_size: int = DEFAULT_BLOCK_SIZE, min_numel
     if numel % block_size:
         return f"numel % {block_size} != 0"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Native CPU kernel (optim_kernel.c, shipped with the package). Inductor's code for the step
-# above runs ~10x fused AdamW on CPU: it loads and stores the 1-byte codes 8 at a time through
-# `Vectorized<uint8_t>::loadu(ptr, 8)`, which goes through a stack buffer and memcpy (ATen
-# vec256_int.h), and it sweeps each tensor twice. The same math as plain C loops, one
-# 256-element block at a time (the block stays in L1), is auto-vectorized by the C compiler
-# (BENCHMARKS.md 3(b)). It is built on first use with the system C compiler into
-# ~/.cache/nanochat and called through ctypes (no torch headers: builds in < 1 s). Because it is
-# built with -march=native, the cache key holds the source, the flags, the compiler's identity
-# and this CPU's model and feature flags: a home directory shared by different machines never
-# loads another CPU's build. One call steps every tensor of a step: its threads (torch's OpenMP
-# pool, torch.get_num_threads() of them; ctypes releases the GIL) take chunks of blocks from a
-# shared counter.
-# NANOCHAT_NATIVE_OPTIM=0 turns it off (the step then runs compiled; a recorded fallback).
-#
-# Memory safety: the kernel writes through raw pointers, so nothing it is given may be smaller
-# than it believes. Each buffer goes with the bytes its allocation holds from that pointer on,
-# and the C side checks every one against the tensor's block count before stepping anything
-# (optim_kernel.c: check); loaded optimizer state is checked against its parameter before it
-# can reach a kernel (FP8Optim.load_state_dict). The library reports the layout it was built
-# for, checked on load (KERNEL_ABI); a mismatch makes it unavailable like a failed build: the
-# step falls back to the compiled one (same update, slower), recorded with the reason.
-# ---------------------------------------------------------------------------------------------
-
-KERNEL_SOURCE = pathlib.Path(__file__).with_name("optim_kernel.c")
-KERNEL_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC")
-# Threads: OpenMP when torch's intra-op threads are OpenMP (the kernel then runs on torch's own
-# thread pool, see adam_parallel); without it, or if that build fails, -fopenmp-simd and a
-# Python thread pool.
-_THREADING = (("-fopenmp",), ("-fopenmp-simd",)) if "OpenMP" in torch.__config__.parallel_info() \
-    else (("-fopenmp-simd",),)
-_native: dict[str, Any] = {}
-
-
-def _cpu_identity() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [l.strip() for l in f if l.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "\n".join(dict.fromkeys(lines))  # the same lines repeat per core
-    except OSError:
-        return f"{platform.processor()} {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
-
-
-class KernelRow(NamedTuple):
-    """One tensor's buffers in the order of its row in the native kernel's table (optim_kernel.c:
-    the enum P..SALT); unused ones None. FP8 codes as uint8 [n_blocks, B] views, scales
-    [n_blocks] fp32."""
-    p: torch.Tensor
-    g: torch.Tensor
-    m_codes: torch.Tensor
-    m_scale: torch.Tensor
-    v: torch.Tensor | None  # fp32 second moment (level 1) ...
-    v_codes: torch.Tensor | None  # ... or sqrt(v) in FP8 (level 2)
-    v_scale: torch.Tensor | None
-    lo: torch.Tensor | None = None  # bf16_split's int16 low halves
-    ok: torch.Tensor | None = None  # guard: a one-byte CPU tensor, False leaves the tensor as it was
-    h: torch.Tensor | None = None  # its row of _adam_table
-    salt: torch.Tensor | None = None  # its bf16_sr salt, a 0-dim uint32
-
-
-TABLE_COLUMNS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt",
-                 "1 - beta1", "1 - beta2", "1 - lr * weight_decay", "step")
-"""The native kernel's hyperparameters of a tensor, in its order (optim_kernel.c: h, NH)."""
-KERNEL_ABI = (len(KernelRow._fields), len(TABLE_COLUMNS), 2)
-"""(buffers per tensor, hyperparameters per tensor, version) this module calls the kernel with;
-the compiled library must report the same (optim_kernel.c: nanochat_optim_abi)."""
-
-
-def _bind(lib: ctypes.CDLL, path: pathlib.Path) -> ctypes.CDLL:
-    """`lib` with its entry points' argument types declared, after checking that it was built
-    for KERNEL_ABI; RuntimeError naming the file otherwise (a stale or foreign build)."""
-    got = (ctypes.c_int(), ctypes.c_int(), ctypes.c_int())  # stays (0, 0, 0) without the function
-    if hasattr(lib, "nanochat_optim_abi"):
-        lib.nanochat_optim_abi(*(ctypes.byref(x) for x in got))
-    nargs, width, version = (x.value for x in got)
-    if (nargs, width, version) != KERNEL_ABI:
-        raise RuntimeError(
-            f"the compiled FP8Optim kernel {path} was built for ABI v{version} with {nargs} buffers and {width} "
-            f"hyperparameters per tensor; this nanochat expects v{KERNEL_ABI[2]} with {KERNEL_ABI[0]} and "
-            f"{KERNEL_ABI[1]}; delete {path} to rebuild it")
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    table = [i64, ctypes.POINTER(ptr), ctypes.POINTER(i64), ctypes.POINTER(i64), i64, i64]  # n .. chunk
-    lib.adam_dynamic.argtypes = [*table, ctypes.POINTER(i64), i64, i32, i32, i32]
-    lib.adam_dynamic.restype = i64
-    if hasattr(lib, "adam_parallel"):
-        lib.adam_parallel.argtypes = [*table, i64, i32, i32, i32, i32]
-        lib.adam_parallel.restype = i64
-    return lib
-
-
-def _native_lib():
-    """The compiled kernel (ctypes.CDLL), or raise with the reason it is unavailable."""
-    if os.environ.get("NANOCHAT_NATIVE_OPTIM", "1") == "0":
-        raise RuntimeError("turned off by NANOCHAT_NATIVE_OPTIM=0")
-    if "lib" in _native:
-        return _native["lib"]
-    if "error" in _native:
-        raise RuntimeError(_native["error"])
-    try:
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if cc is None:
-            raise RuntimeError("no C compiler (cc/gcc) on PATH")
-        source = KERNEL_SOURCE.read_text()
-        compiler = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "nanochat"
-        cache.mkdir(parents=True, exist_ok=True)
-        for threading in _THREADING:
-            flags = (*KERNEL_FLAGS, *threading)
-            key = hashlib.sha256("\0".join([source, " ".join(flags), cc, compiler, _cpu_identity(),
-                                            platform.machine()]).encode()).hexdigest()[:16]
-            so = cache / f"fp8optim-{key}.so"
-            try:
-                if not so.exists():
-                    # Build next to the target and os.replace it there: the rename is atomic only
-                    # on one filesystem, and concurrent processes (torchrun ranks) may dlopen it.
-                    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                        out = pathlib.Path(tmp) / so.name
-                        subprocess.run([cc, *flags, "-o", str(out), str(KERNEL_SOURCE), "-lm"], check=True,
-                                       capture_output=True, text=True, timeout=120)
-                        os.replace(out, so)
-                lib = ctypes.CDLL(str(so))
-                break
-            except (subprocess.CalledProcessError, OSError):
-                if threading is _THREADING[-1]:
-                    raise  # else e.g. no libgomp to link: the build without OpenMP
-        lib = _bind(lib, so)
-    except Exception as e:  # noqa: BLE001 - any build/load failure means "not available"
-        detail = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) and e.stderr else e
-        _native["error"] = f"{type(e).__name__}: {detail}"
-        raise RuntimeError(_native["error"]) from None
-    _native["lib"] = lib
-    return lib
-
-
-_pool: list = []
-
-
-_MASTER_MODES = {"fp32": 0, "bf16": 1, "bf16_sr": 2, "bf16_split": 3}  # optim_kernel.c: M_*
-
-
-def _extent(x: torch.Tensor | None) -> int:
-    """Bytes from x's first element to the end of its allocation: all the kernel may touch
-    through x's pointer (0 for None)."""
-    if x is None:
-        return 0
-    return x.untyped_storage().nbytes() - x.storage_offset() * x.element_size()
-
-
-def _native_adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool, v_fp8: bool, *,
-                 master: str = "fp32", salts: list[int] | None = None,
-                 oks: list[torch.Tensor | None] | None = None, lib: ctypes.CDLL | None = None) -> None:
-    """Step every tensor in one kernel call per thread. tensors[t]: KernelRow's first fields
-    (p, g, m codes, m scales, v fp32, v codes, v scales[, lo]) of tensor t, contiguous, the
-    unused ones None; h is _adam_table's [n_tensors, len(TABLE_COLUMNS)] fp32.
-
-    master (master.py): "fp32" wants p and g fp32; the others bf16 p and g, the fp32 update
-    written back rounded to nearest even ("bf16"), stochastically with master.py's sr_bits of
-    salts[t] (a uint32 per tensor) and the step in h ("bf16_sr"), or split into p and the int16
-    remainder lo ("bf16_split", p joined with lo being the fp32 master it reads).
-    oks[t]: None, or a 0-dim bool CPU tensor read by the kernel (no host sync): False leaves
-    tensor t entirely unchanged (p, lo and the moments), e.g. after a non-finite gradient.
-    lib: the loaded library (default: _native_lib()).
-
-    RuntimeError when the kernel cannot do this block size (a caller may fall back); ValueError,
-    with nothing stepped, when a buffer does not hold its tensor's blocks."""
-    lib = lib or _native_lib()
-    mode = _MASTER_MODES[master]
-    dtype = torch.float32 if mode == 0 else torch.bfloat16
-    n, width = len(tensors), len(KernelRow._fields)
-    if h.dtype != torch.float32 or tuple(h.shape) != (n, len(TABLE_COLUMNS)) or not h.is_contiguous():
-        raise ValueError(f"the hyperparameter table must be contiguous float32 [{n}, {len(TABLE_COLUMNS)}], "
-                         f"got {h.dtype} {tuple(h.shape)}")
-    salt = None
-    if mode == 2:
-        if salts is None or len(salts) != n:
-            raise ValueError("bf16_sr needs one salt per tensor")
-        salt = torch.tensor([s & 0xFFFFFFFF for s in salts], dtype=torch.uint32)
-    ptrs = (ctypes.c_void_p * (width * n))()
-    sizes = (ctypes.c_int64 * (width * n))()
-    nb = (ctypes.c_int64 * n)()
-    for t, ts in enumerate(tensors):
-        row = KernelRow(*ts)._replace(ok=None if oks is None else oks[t], h=h[t], salt=None if salt is None else salt[t])
-        # the sizes are checked in C; a wrong dtype or layout would step the wrong values
-        if row.p.dtype != dtype or row.g.dtype != dtype:
-            raise TypeError(f"master={master!r} steps {dtype} parameters and gradients, "
-                            f"got {row.p.dtype} and {row.g.dtype}")
-        if (mode == 3) != (row.lo is not None) or (row.lo is not None and row.lo.dtype != torch.int16):
-            raise TypeError("bf16_split (and only it) needs the int16 remainder lo of each tensor")
-        if row.ok is not None and (row.ok.device.type != "cpu" or row.ok.element_size() != 1):
-            raise TypeError(f"the guard flag must be a one-byte CPU tensor, got {row.ok.dtype} on {row.ok.device}")
-        if not all(x is None or x.is_contiguous() for x in row):
-            raise ValueError(f"tensor {t}: the native kernel reads contiguous buffers only")
-        ptrs[width * t:width * (t + 1)] = [None if x is None else x.data_ptr() for x in row]
-        sizes[width * t:width * (t + 1)] = [_extent(x) for x in row]
-        nb[t] = row.p.numel() // block_size
-    total = sum(nb)
-    threads = min(torch.get_num_threads(), max(1, total // 512))  # >= 128K elements per thread
-    # 128 blocks (32K elements) a take: ~0.1 ms of work, so a late thread delays the step by
-    # at most that much, and the shared counter is touched ~500 times for 16M parameters
-    if hasattr(lib, "adam_parallel"):  # on torch's OpenMP threads
-        bad = lib.adam_parallel(n, ptrs, sizes, nb, total, 128, block_size, int(decoupled), int(v_fp8), mode,
-                                threads)
-    else:
-        next_block = ctypes.c_int64(0)
-        args = (n, ptrs, sizes, nb, total, 128, ctypes.byref(next_block), block_size, int(decoupled),
-                int(v_fp8), mode)
-        jobs = []
-        if threads > 1:  # the calling thread works too
-            if not _pool or _pool[0]._max_workers < threads - 1:
-                from concurrent.futures import ThreadPoolExecutor
-                _pool[:] = [ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="fp8optim")]
-            jobs = [_pool[0].submit(lib.adam_dynamic, *args) for _ in range(threads - 1)]
-        bad = lib.adam_dynamic(*args)
-        bad = bad or max([job.result() for job in jobs], default=0)  # all end before the tensors may be freed
-    if bad == 1:
-        raise RuntimeError(f"FP8Optim native kernel refused block size {block_size} (a multiple of 8, at most 1024)")
-    if bad:  # optim_kernel.c: 2 + NP t + k for buffer k of tensor t
-        t, k = divmod(bad - 2, width)
-        raise ValueError(f"FP8Optim native kernel: the {KernelRow._fields[k]} buffer of tensor {t} holds "
-                         f"{sizes[width * t + k]} bytes, too few for its {nb[t]} blocks of {block_size}; "
-                         "nothing was stepped")
-
-
-def _adam_table(steps: list[torch.Tensor], groups: list[dict]) -> torch.Tensor:
-    """The native kernel's hyperparameters, [n_tensors, len(TABLE_COLUMNS)] fp32, computed on the
-    host from the (CPU) step counts without reading them into Python; bias corrections and
-    1 - beta in float64, as torch computes them. The step count itself (exact in fp32 below 2^24
-    steps) keys bf16_sr's random bits."""
-    s = torch.stack(steps).to(torch.float64)
-    lr, b1, b2, eps, wd = (torch.tensor(col, dtype=torch.float64) for col in zip(*(
-        (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
-        for g in groups)))
-    cols = {"lr": lr, "beta1": b1, "beta2": b2, "eps": eps, "weight_decay": wd, "step_size": lr / (1 - b1**s),
-            "bias_correction2_sqrt": (1 - b2**s).sqrt(), "1 - beta1": 1 - b1, "1 - beta2": 1 - b2,
-            "1 - lr * weight_decay": 1 - lr * wd, "step": s}
-    return torch.stack([cols[c] for c in TABLE_COLUMNS], dim=1).float().contiguous()
 
 
 @dataclass(kw_only=True)
@@ -888,9 +643,10 @@ class FP8Optim(torch.optim.Optimizer):
         """One native kernel call for `items`; if the kernel is unavailable, the compiled step
         (recorded fallback), each tensor re-keyed as it would have been without the kernel."""
         try:
-            _native_adam([t.kernel_row() for t in items], _adam_table([t.step for t in items], [t.group for t in items]),
-                         self.block_size, items[0].decoupled, items[0].v_fp8, master=self.master_weights,
-                         salts=[t.salt for t in items], oks=[t.ok for t in items])
+            kernel.adam([t.kernel_row() for t in items], kernel.adam_table([t.step for t in items],
+                                                                           [t.group for t in items]),
+                        self.block_size, items[0].decoupled, items[0].v_fp8, master=self.master_weights,
+                        salts=[t.salt for t in items], oks=[t.ok for t in items])
             self._count("native", len(items))
             return
         except RuntimeError as e:
@@ -1124,6 +880,13 @@ class FP8Optim(torch.optim.Optimizer):
                     kept[reason][1] += p.numel()
         return {reason: (n, numel) for reason, (n, numel) in kept.items()}
 
+    def fp32_state_notes(self) -> list[str]:
+        """fp32_states() as fallback lines for a run's results (none at opt_level 0)."""
+        if not self.opt_level:
+            return []
+        return [f"`opt_level` {self.opt_level}: {n} tensors / {numel:,} params keep fp32 moments ({reason})"
+                for reason, (n, numel) in self.fp32_states().items()]
+
     def summary(self) -> str:
         kind = type(self.optimizer).__name__
         n_fp8 = b_fp8 = 0
@@ -1152,6 +915,17 @@ def _moments(optimizer: torch.optim.Optimizer, group: dict) -> int:
     if isinstance(optimizer, torch.optim.SGD):
         return 1 if group["momentum"] else 0
     return 2
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, master_weights: str = "fp32",
+                   seed: int = 0, emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
+    """`optimizer` as it is when nothing asks for more (fp32 moments and masters, stepped after
+    the backward), else FP8Optim around it: `opt_level` FP8 moments, bf16 `master_weights`
+    (`emulate`: bf16 numerics on fp32 tensors; `seed` seeds bf16_sr), or `in_backward`, the step
+    inside the backward that only FP8Optim runs (the caller then calls step_in_backward())."""
+    if opt_level == 0 and master_weights == "fp32" and not in_backward:
+        return optimizer
+    return FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

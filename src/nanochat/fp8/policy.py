@@ -7,7 +7,8 @@ The first rule that applies is the layer's reason in the conversion report:
   3. a dimension is not a multiple of 16 (`torch._scaled_mm` requires it);
   4. min(in, out) < `min_dim`;
   5. the device has no FP8 (fallback);
-  6. `layers`: all converts the rest; faster converts a layer only where FP8 is faster than
+  6. `converted_layers` when given (a resumed run converts what the run it continues did), else
+     `layers`: all converts the rest; faster converts a layer only where FP8 is faster than
      bf16 at this run's shapes. With native FP8 kernels that is measured (speed.py: timed once
      per shape, cached on disk) and FP8 must be at least MARGIN faster. Elsewhere (emulated,
      `micro_batch_tokens` unknown, a measurement that failed) torchao's `_auto_filter_for_recipe`
@@ -103,6 +104,9 @@ class LayerPolicy:
                                    "FP8 saves", False)
         if self.hw.backend == "fallback":
             return Decision(False, f"no FP8 hardware: {self.hw.device_name} (see `emulate`)", False)
+        if c.converted_layers is not None:  # the layer set of the run this one continues
+            convert = name in c.converted_layers
+            return Decision(convert, f"`converted_layers` (the run this one continues): {_verdict(convert)}", True)
         if own_filter is not None:
             convert = bool(own_filter(module, name))
             return Decision(convert, f"module_filter_fn returned {convert}", True)

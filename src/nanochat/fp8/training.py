@@ -2,34 +2,31 @@
 
 A loop that trains in FP8 must do things in an order: convert before torch.compile, calibrate
 `mode="auto"` eagerly and compile only once the formats are fixed, sample statistics on some
-steps (eagerly: their hooks would make a compiled model recompile), re-check auto's choices,
-skip a step whose loss or gradients are not finite and name the layer where that began, count
-skips and clips, and keep the auto choices in checkpoints. This object holds that order:
+steps (eagerly: their hooks would make a compiled model recompile), re-check auto's choices, and
+keep the auto choices and the converted layers in checkpoints. This object holds that order:
 
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # converts now
     optimizer = fp8.optimizer                     # FP8Optim around yours (opt_level: FP8 moments)
+    guard = StepGuard(model, counters=fp8.counters)   # nanochat.guard: skips non-finite steps
     for step in range(steps):
         with fp8.begin_step(step) as s:           # s.eager: run the uncompiled model this step
             loss = (model if s.eager or compiled is None else compiled)(x, y); loss.backward()
-        record = s.record()                       # its statistics, merged over ranks
-        norm = torch.nn.utils.get_total_norm(grads)
-        record |= fp8.check_step(step, loss.item(), norm.item(), max_norm=1.0)
-        if record.get("skipped"): continue        # non-finite: gradients already zeroed
-        torch.nn.utils.clip_grads_with_norm_(params, 1.0, norm); optimizer.step(); optimizer.zero_grad()
+        record = s.record() | guard.check(step, loss, params, max_norm=1.0).flags  # clips too
+        if record.get("skipped"): continue        # non-finite: gradients already dropped
+        optimizer.step(); optimizer.zero_grad()
         fp8.end_step(step)                        # True when auto's formats were just fixed
         if compiled is None and not fp8.calibrating: compiled = torch.compile(model)
     summary = fp8.summary()
 
 `examples/custom_loop.py` runs it on a transformers model. With `FP8Config(enabled=False)` it
-converts nothing and still guards against non-finite steps and counts clips, so a loop can
-keep one code path. It never reads the device except where its docstrings say so.
+converts nothing; `opt_level` still stores the moments in FP8. It never reads the device except
+where its docstrings say so.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,13 +34,12 @@ import torch.nn as nn
 from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-from nanochat.common import NanoChatError, format_table, logger, print0
+from nanochat.common import format_table, logger, print0
 from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration
 from nanochat.fp8.config import FP8Config
 from nanochat.fp8.linear import convert, fp8_disabled, is_fp8_model
-from nanochat.fp8.optim import FP8Optim
-from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats, first_nonfinite_layer
-from nanochat.fp8.tensor import FP8Tensor
+from nanochat.fp8.optim import FP8Optim, wrap_optimizer
+from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats
 
 
 class FP8Step:
@@ -89,10 +85,12 @@ class FP8Training:
         self.report = convert(model, config) if config.enabled else None
         self.fallbacks: list[str] = ([f for f in (self.report.fallback, self.report.layers_fallback) if f]
                                      if self.report else [])
-        """Every fallback taken, with its reason (no FP8 hardware, fp32 moments, short calibration).
-        Fields are named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
+        """Every fallback taken, with its reason (no FP8 hardware, short calibration). Fields are
+        named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
         self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
                                          "stats_samples": 0, "min_clip_factor": None}
+        """stats_samples, and the step guard's counts when a nanochat.guard.StepGuard counts here
+        (`counters=fp8.counters`): the summary and the checkpoint state carry them all."""
         self.choices: dict[str, dict[str, str]] | None = None
         """mode auto: layer -> role -> 'e4m3' | 'e5m2', once calibrated (or restored)."""
         self.switches: list[dict[str, Any]] = []
@@ -102,7 +100,6 @@ class FP8Training:
         """Metrics records (auto's choices, re-check switches) for the caller's log; `pop_events`."""
         self._calibration = None
         self._started = False
-        self._consecutive_bad, self._bad_since = 0, 0
         self._step: FP8Step | None = None
         self.optimizer = self.wrap_optimizer(optimizer) if optimizer is not None else None
 
@@ -114,35 +111,18 @@ class FP8Training:
     def calibrating(self) -> bool:
         return self._calibration is not None
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, *, master_weights: str = "fp32", seed: int = 0,
-                       own_step: bool = False, emulate_master: bool = False) -> torch.optim.Optimizer:
-        """FP8Optim around `optimizer` (Adam moments in FP8 at `opt_level` 1-2); the optimizer
-        itself when FP8 is off, unless the parameters are bf16 master weights (`master_weights`,
-        see master.py; `seed` seeds bf16_sr) or `own_step` (FP8Optim.step_in_backward will be
-        used): then FP8Optim steps them, with fp32 moments where FP8 is off. Build it on the
-        parameters the loop trains (after FSDP wraps)."""
-        if not self.config.enabled and master_weights == "fp32" and not own_step:
-            self.optimizer = optimizer
-            return optimizer
-        self.optimizer = FP8Optim(optimizer, opt_level=self.config.opt_level if self.config.enabled else 0,
-                                  master_weights=master_weights, seed=seed, emulate=emulate_master)
-        if self.config.enabled and self.config.opt_level:  # tensors too small or of a size the blocks do not fit
-            for reason, (n, numel) in self.optimizer.fp32_states().items():
-                self.fallbacks.append(f"`opt_level` {self.config.opt_level}: {n} tensors / {numel:,} "
-                                      f"params keep fp32 moments ({reason})")
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` with its moments stored as `opt_level` says: FP8Optim around it at level 1
+        or 2, the optimizer itself at 0. Build it on the parameters the loop trains (after FSDP
+        wraps). Becomes `self.optimizer`; bf16 master weights: nanochat.fp8.optim.wrap_optimizer."""
+        self.optimizer = wrap_optimizer(optimizer, opt_level=self.config.opt_level)
+        if isinstance(self.optimizer, FP8Optim):  # tensors too small or of a size the blocks do not fit
+            self.fallbacks += self.optimizer.fp32_state_notes()
         return self.optimizer
 
     def high_precision(self):
         """Context: the FP8 layers run F.linear in high precision (evaluation, generation)."""
         return fp8_disabled(self.model) if is_fp8_model(self.model) else contextlib.nullcontext()
-
-    @staticmethod
-    def all_finite(t: torch.Tensor) -> torch.Tensor | None:
-        """A 0-dim bool on the device (no sync) saying `t` holds no inf/nan; None for a tensor
-        without floats. FP8 optimizer moments: their codes (a transient fp32 copy) and scales."""
-        if isinstance(t, FP8Tensor):
-            return torch.isfinite(t.codes.float()).all() & torch.isfinite(t.scale).all()
-        return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
 
     # ----------------------------------------------------------------- each step
     def begin_step(self, step: int) -> FP8Step:
@@ -159,43 +139,6 @@ class FP8Training:
         self._step = FP8Step(calibrating=self.calibrating, recheck=recheck, owner=self,
                              sampler=collect_fp8_stats(self.model, both_formats=recheck) if sample else None)
         return self._step
-
-    def check_step(self, step: int, loss: float, grad_norm: float, *, max_norm: float = math.inf,
-                   rerun: Callable[[], object] | None = None, note: Callable[[], str] | None = None) -> dict[str, Any]:
-        """After the backward pass, with the loss and the gradient norm on the host: returns what
-        to add to the step's metrics. A non-finite loss or norm: the gradients are zeroed (the
-        update must be skipped), the first non-finite layer is named (`rerun` re-runs the forward
-        when the loss itself is not finite), and after `max_overflows` such steps in a row a
-        NanoChatError stops the run (`note()`: which checkpoint is good). Otherwise counts a clip."""
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            return self._nonfinite(step, loss_finite=math.isfinite(loss), rerun=rerun, note=note)
-        self._consecutive_bad = 0
-        if grad_norm <= max_norm:
-            return {}
-        factor = max_norm / grad_norm
-        prev = self.counters["min_clip_factor"]
-        self.counters["clip_events"] += 1
-        self.counters["min_clip_factor"] = factor if prev is None else min(prev, factor)
-        return {"clip_factor": factor}
-
-    def _nonfinite(self, step: int, *, loss_finite: bool, rerun, note) -> dict[str, Any]:
-        where = first_nonfinite_layer(self.model, run=None if loss_finite else rerun)
-        where = where or "unknown (no module output or gradient is non-finite on a re-run)"
-        self.counters["overflow_events"] += 1
-        self.counters["skipped_steps"] += 1
-        self._consecutive_bad += 1
-        self._bad_since = step + 1 if self._consecutive_bad == 1 else self._bad_since
-        logger.warning("step %d: non-finite %s, first at %s; update skipped (%d in a row)",
-                       step + 1, "gradient" if loss_finite else "loss", where, self._consecutive_bad)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        if self._consecutive_bad >= self.config.max_overflows:
-            raise NanoChatError(
-                f"{self._consecutive_bad} consecutive steps with non-finite loss or gradients, steps "
-                f"{self._bad_since}-{step + 1} (last first seen at {where}); stopping at step {step + 1}. "
-                f"{note() if note else 'No checkpoint was named'}: lower the learning rate, check the data, "
-                "or try FP8 mode e5m2 / auto (more range for gradients)")
-        return {"skipped": True, "nonfinite_at": where}
 
     def end_step(self, step: int) -> bool:
         """After the optimizer step: count a calibration step, apply a re-check, precompute FSDP's
@@ -284,9 +227,13 @@ class FP8Training:
     # --------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-safe), keys prefixed so they can sit beside a loop's own in one
-        checkpoint dict: the counters, auto's choices, re-check switches and pending counts."""
+        checkpoint dict: the counters, auto's choices, re-check switches and pending counts, and
+        the converted layers (None without FP8 layers). A resumed run converts exactly those:
+        read `fp8_converted` before building this object and pass it as
+        `FP8Config.converted_layers`; load_state_dict restores the rest."""
         return {"counters": dict(self.counters), "fp8_choices": self.choices,
-                "fp8_auto_switches": list(self.switches), "fp8_auto_pending": dict(self.pending)}
+                "fp8_auto_switches": list(self.switches), "fp8_auto_pending": dict(self.pending),
+                "fp8_converted": list(self.report.converted) if self.report is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and auto's choices (applied to the model: no recalibration). Other

@@ -1,0 +1,200 @@
+"""What a training run records: metrics.jsonl, one JSON object per line, and TrainResult.
+
+Every record a run logs goes through `MetricsLog.log`, the one place to hook another sink (a
+tracker) into: the step records ({"step", "loss", "lr", "grad_norm", "tokens_per_sec", ...},
+with `val_loss`/`val_bpb`/`val_accuracy` on evaluation steps, `fp8_stats` on sampled steps,
+`skipped`/`nonfinite_at` on a skipped step), the step-0 evaluation of a fine-tune, and events
+({"event": "fp8_auto_choices" | "fp8_auto_switch" | "fp8_summary", ...}). Only rank 0 writes.
+
+The files are strict JSON (a non-finite float is written as null, the field kept) so any JSON
+reader takes them. A resumed run first cuts metrics.jsonl back to its checkpoint's step: the
+steps it repeats were logged by the interrupted run, and each step must appear once.
+`TrainResult` is what `NanoChatTrainer.train()` returns and `<run_dir>/result.json` holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nanochat.common import write_atomic
+
+
+def jsonable(x: Any) -> Any:
+    """`x` with every non-finite float as None: json.dumps would write NaN, which only Python's
+    parser reads; the field names stay."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def json_line(record: dict[str, Any]) -> str:
+    return json.dumps(jsonable(record), allow_nan=False) + "\n"
+
+
+class MetricsLog:
+    """`<run_dir>/metrics.jsonl`, appended to by rank 0 (the other ranks' calls do nothing)."""
+
+    def __init__(self, run_dir: Path, *, rank: int):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.writes = rank == 0
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one record (see the module docstring for the kinds)."""
+        if self.writes:
+            with open(self.path, "a") as f:
+                f.write(json_line(record))
+
+    def cut_to(self, step: int, record: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """Before a resumed run's first step (rank 0): drop the lines from the first record after
+        `step` on, and append `record`, the checkpoint's own line for `step`, when the interrupted
+        run died before logging it. Returns the records kept: the run's history up to `step`."""
+        lines = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
+        kept = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by the kill
+                break
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+                break
+            kept.append(rec)
+        logged = any(isinstance(r, dict) and "loss" in r and r.get("step") == step for r in kept)
+        tail = [json_line(record)] if record is not None and not logged else []
+        if len(kept) < len(lines) or tail:
+            write_atomic(self.path, "".join(lines[:len(kept)] + tail))
+        return [r for r in kept if isinstance(r, dict)] + ([jsonable(record)] if tail else [])
+
+
+class Throughput:
+    """What the loop times: tokens/s over the steady-state steps, the time of the steps that
+    compiled, and the last 20 losses (train_loss). A resumed run reports what the uninterrupted
+    one would: `history` (metrics.jsonl's records before this call) seeds the losses and, with
+    no step left to time, gives the throughput last logged."""
+
+    def __init__(self, tokens_per_step: int, history: list[dict[str, Any]]):
+        logged = [r for r in history if isinstance(r.get("loss"), float) and not r.get("skipped")]
+        self.losses: list[float] = [r["loss"] for r in logged][-20:]
+        self.logged_tokens_per_sec = next((r["tokens_per_sec"] for r in reversed(logged)
+                                           if isinstance(r.get("tokens_per_sec"), float)), math.nan)
+        self.tokens_per_step = tokens_per_step
+        self.timed_tokens, self.timed_seconds = 0, 0.0
+        self.compile_time_s = 0.0
+
+    def add(self, record: dict[str, Any], seconds: float, *, compiled: bool) -> float:
+        """A step that updated the weights and took `seconds`: the compiling step's time is compile
+        time, auto's eager calibration steps are left out, the others are the steady state. Sets
+        and returns record["tokens_per_sec"] (the steady state's so far, else this step's)."""
+        if compiled:
+            self.compile_time_s += seconds
+        elif not record.get("calibrating"):
+            self.timed_tokens += self.tokens_per_step
+            self.timed_seconds += seconds
+        self.losses = (self.losses + [record["loss"]])[-20:]
+        record["tokens_per_sec"] = (self.timed_tokens / self.timed_seconds if self.timed_seconds
+                                    else self.tokens_per_step / seconds)
+        return record["tokens_per_sec"]
+
+    @property
+    def train_loss(self) -> float:
+        return sum(self.losses) / len(self.losses) if self.losses else math.nan
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.timed_tokens / self.timed_seconds if self.timed_seconds else self.logged_tokens_per_sec
+
+
+@dataclass
+class TrainResult:
+    """What a run produced; also written to `<run_dir>/result.json`."""
+
+    train_loss: float
+    """Mean training loss over the last logged steps (nats per token)."""
+    val_loss: float
+    """Validation loss at the end (nats per token, high precision)."""
+    val_bpb: float
+    """Validation bits per byte at the end: comparable across tokenizers (8 = uniform bytes)."""
+    tokens_per_sec: float
+    """Training throughput over the steady-state steps: the steps that compiled (see
+    compile_time_s) and auto's eager calibration steps are excluded."""
+    steps: int
+    """Optimizer steps completed (including those done before a --resume)."""
+    epochs: float
+    """Passes over the training tokens completed."""
+    wall_time_s: float
+    """Seconds this call of train() took, setup included."""
+    compile_time_s: float = 0.0
+    """Wall time of the steps that compiled the model (the first step, and the first after auto's
+    calibration): tracing and code generation plus that step's own work. 0 without --compile."""
+    fallbacks: list[str] = field(default_factory=list)
+    """Every fallback the run took, with its reason (e.g. no FP8 hardware)."""
+    optimizer_state_bytes: int = 0
+    """Bytes of optimizer state (Adam moments and FP8 block scales)."""
+    num_params: int = 0
+    fp8_backend: str = "off"
+    """off, native, emulated or fallback."""
+    fp8_converted: list[str] = field(default_factory=list)
+    fp8_skipped: dict[str, str] = field(default_factory=dict)
+    fp8_decisions: dict[str, str] = field(default_factory=dict)
+    """--fp8_layers: layer -> why it was converted or kept in bf16 (the measured fwd+bwd ratio,
+    or the rule that decided)."""
+    fp8_measure_time_s: float = 0.0
+    """--fp8_layers faster: seconds spent timing layer shapes on the GPU before training (0 when
+    every shape came from the cache); part of wall_time_s, not of compile_time_s."""
+    fp8_choices: dict[str, dict[str, str]] | None = None
+    """--fp8_mode auto: layer -> role -> chosen dtype name."""
+    fp8_stats: dict[str, Any] | None = None
+    samples: list[str] = field(default_factory=list)
+    run_dir: str = ""
+    parallel: str = "none"
+    """How the run was spread over processes: none, or ddp/fsdp x world size (backend), with FP8
+    all-gather on/off and why."""
+    val_accuracy: float | None = None
+    """Multiple-choice accuracy on the validation records at the end: the prediction is the option
+    whose answer tokens have the highest log-likelihood (nanochat.evaluation); None when there are
+    no multiple-choice records."""
+    accuracy_scoring: str | None = None
+    """How val_accuracy scored the options: "option log-likelihood (1 token per option)", which is
+    the letters' logits compared, or e.g. "(1-2 tokens per option)" where some letter takes two
+    tokens. None without multiple-choice records."""
+    state_bytes_per_param: float = 0.0
+    """Training state per parameter, measured from the live tensors after the first optimizer
+    step: weights + gradients (all of them before the step; the largest one alive at a time with
+    --optimizer_in_backward) + optimizer states (moments, FP8 scales, bf16_split's remainders),
+    divided by the parameters (this rank's under FSDP). Breakdown in state_bytes."""
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """The bytes behind state_bytes_per_param: weights, gradients, optimizer."""
+    planned_memory_bytes: int = 0
+    """The memory plan's total per device (an estimate, printed before the weights were loaded)."""
+    peak_memory_bytes: int | None = None
+    """Measured peak of allocated memory on CUDA (torch.cuda.max_memory_allocated); None elsewhere."""
+    flops_per_token: int = 0
+    """Model FLOPs per trained token: GPT.flops_per_token at --seq_len (nanochat.mfu)."""
+    peak_tflops: float | None = None
+    """The dense bf16 peak per GPU that `mfu` divides by, from the device's datasheet
+    (nanochat.mfu.PEAKS); None without a listed peak (CPU, MPS, an unlisted GPU)."""
+    mfu: float | None = None
+    """Model FLOPs utilization against the dense bf16 peak: tokens_per_sec x flops_per_token /
+    (GPUs x peak_tflops). One denominator for bf16 and FP8 runs, so MFUs compare as tokens/s
+    do. None where the peak is unknown."""
+    mfu_fp8: float | None = None
+    """The same against the dense FP8 peak, for runs with native FP8 layers (a lower bound on
+    the FP8 tensor cores' use: the head and attention stay in bf16); None otherwise."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def write(self, run_dir: Path) -> None:
+        """`<run_dir>/result.json`, strict JSON, replaced atomically."""
+        write_atomic(Path(run_dir) / "result.json", json.dumps(jsonable(self.to_dict()), indent=2, allow_nan=False))
+
+
+__all__ = ["MetricsLog", "Throughput", "TrainResult", "json_line", "jsonable"]

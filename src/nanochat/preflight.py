@@ -1,0 +1,66 @@
+"""Before a run does any work: the machine and the files it needs, checked in one place.
+
+The config classes (nanochat.config) check values on their own: a batch size is positive, an FP8
+mode exists, --resume and --overwrite exclude each other. What they cannot know is the world the
+run lands in: which device this is and what it can do, how many processes torchrun started, which
+paths exist, what a model name names, how much disk is free. `check_environment` asks all of
+that before the corpus is read or a tokenizer trained (the run directory is claimed just before,
+nanochat.checkpoint), so each mistake is one `error:` line and the only output (a NanoChatError;
+UsageError, exit 2, for what the command line can fix).
+`check_disk` runs once the run directory exists (with --overwrite, emptied) and a checkpoint's
+size is known, before the first step. What only the data or a checkpoint can tell (a corpus too
+small for one step, a checkpoint of another model) is refused where it is read, also before it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from nanochat.common import DistEnv, NanoChatError, UsageError, format_bytes
+from nanochat.config import TrainConfig
+from nanochat.distributed import backend_name
+from nanochat.hf import ResolvedModel, resolve_model
+from nanochat.instruct import own_tokenizer_template_problem
+
+
+def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype) -> ResolvedModel:
+    """Every check of the device, the process layout and the input paths; returns what
+    --model_name names (a preset or a Hugging Face directory)."""
+    if cfg.fp8 and dtype != torch.float32 and device.type != "cuda":
+        raise UsageError(
+            f"--fp8 with --dtype {cfg.dtype} on {device.type}: torchao's FP8 layers only support bf16 "
+            "autocast on CUDA (elsewhere they would round outputs to the wrong dtype). Use --dtype float32 "
+            "(the default off CUDA) with --fp8; --fp8_opt_level alone works with any dtype.")
+    if cfg.optimizer_in_backward and dist.is_distributed:
+        layout = f"{'fsdp' if cfg.fsdp else 'ddp'} x{dist.world_size} ({backend_name()})"
+        raise UsageError(f"--optimizer_in_backward under torchrun ({layout}): DDP and FSDP reduce gradients "
+                         "after the per-parameter steps would have run; train in one process or drop "
+                         "--optimizer_in_backward")
+    resolved = resolve_model(cfg.model_name)
+    if resolved.kind == "hf" and cfg.tokenizer_dir:
+        raise UsageError(f"--tokenizer_dir cannot be combined with the Hugging Face model {cfg.model_name!r}: "
+                         "its own tokenizer (in the checkpoint directory) is the one its embeddings know")
+    if resolved.kind == "preset" and cfg.chat_template is not None:  # nanochat's tokenizer, never a template
+        raise UsageError(own_tokenizer_template_problem(cfg.chat_template))
+    if cfg.tokenizer_dir and not Path(cfg.tokenizer_dir).is_dir():
+        raise UsageError(f"--tokenizer_dir {cfg.tokenizer_dir}: no such directory; make one with: python "
+                         f"scripts/tok_train.py --tokenizer_dir {cfg.tokenizer_dir}")
+    if cfg.init_from is not None and not cfg.resume and not Path(cfg.init_from).is_dir():
+        raise UsageError(f"--init_from {cfg.init_from}: no such directory; give the --run_dir of a finished run")
+    return resolved
+
+
+def check_disk(run_dir: str | os.PathLike, need: int) -> None:
+    """Room on --run_dir's disk for one more checkpoint of `need` bytes (the new one is complete
+    before older ones are deleted)."""
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise NanoChatError(f"--run_dir {run_dir}: {format_bytes(free)} free on its disk, one checkpoint needs about "
+                            f"{format_bytes(need)}; free space or choose a --run_dir on another disk")
+
+
+__all__ = ["check_disk", "check_environment"]

@@ -1,0 +1,75 @@
+"""StepGuard, the check between a step's backward and its update, on a small MLP on CPU (no FP8).
+
+Checked against hand counts, the model's own gradients and torch: a non-finite gradient or loss
+skips the step, names the layer where it began, drops every gradient and is counted, and
+`max_overflows` in a row stop the run naming the steps; a finite step ends such a run; a clip is
+counted with its factor and the gradients equal torch.nn.utils.clip_grad_norm_'s (the same norm
+and the same scaling kernel: bit for bit); `check` reads the device once (loss and norm
+together); counts land in a shared counters dict (FP8Training.counters).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from nanochat.common import DeviceReads, NanoChatError
+from nanochat.fp8 import FP8Config, FP8Training
+from nanochat.guard import StepGuard
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+
+
+def _backward(model: nn.Module) -> torch.Tensor:
+    loss = model(torch.randn(4, 128)).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def test_nonfinite_steps_are_skipped_named_counted_and_stop_the_run():
+    model = _mlp()
+    guard = StepGuard(model, max_overflows=2)
+    _backward(model)
+    model[2].weight.grad[0, 0] = math.inf
+    record = guard.decide(0, 1.0, math.inf)
+    assert record["skipped"] is True and record["nonfinite_at"].startswith("2.weight grad has 1 inf")
+    assert all(p.grad is None for p in model.parameters())  # dropped: the update is skipped
+    assert guard.decide(1, 1.0, 2.0, max_norm=1.0) == {"clip_factor": 0.5}
+    assert guard.counters["overflow_events"] == 1 and guard.counters["clip_events"] == 1
+    guard.decide(2, math.nan, 1.0)
+    with pytest.raises(NanoChatError, match="2 consecutive steps .* steps 3-4"):
+        guard.decide(3, math.nan, 1.0, note=lambda: "no checkpoint")
+    assert guard.counters["skipped_steps"] == 3
+
+
+def test_check_reads_once_clips_as_torch_and_skips_without_touching_the_weights():
+    model, reference = _mlp(), _mlp()
+    loss = _backward(model)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        q.grad = p.grad.clone()
+    guard = StepGuard(model)
+    with DeviceReads() as reads:
+        verdict = guard.check(0, loss, model.parameters(), max_norm=0.5)
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+    assert reads.count == 1 and not verdict.skipped and verdict.loss == loss.item()
+    assert verdict.grad_norm == norm.item() and verdict.flags == {"clip_factor": 0.5 / norm.item()}
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+    before = [p.detach().clone() for p in model.parameters()]
+    verdict = guard.check(1, torch.tensor(math.nan), model.parameters(), max_norm=0.5, rerun=lambda: model(
+        torch.full((1, 128), math.nan)))
+    assert verdict.skipped and verdict.flags["nonfinite_at"].startswith("0: output has 0 inf, 256 nan")
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_counts_go_to_fp8_trainings_counters_with_fp8_off():
+    model = _mlp()
+    fp8 = FP8Training(model, FP8Config(enabled=False))
+    guard = StepGuard(model, counters=fp8.counters)
+    assert guard.decide(0, math.inf, 1.0)["skipped"] is True
+    assert fp8.summary()["skipped_steps"] == 1 and fp8.state_dict()["counters"]["overflow_events"] == 1
