@@ -64,6 +64,7 @@ DATA = ["--dataset_path", "{corpus}"]
 CASES = [
     # tyro's parse errors, reworded by parse_cli (each kind for TrainConfig: tests/test_config.py)
     ("base_train", ["--fp8_mode", "e4m5"], 2, ["--fp8_mode: 'e4m5' is not one of e4m3, e5m2, auto", "give one"]),
+    ("base_train", ["--log", "jsonl", "csv"], 2, ["--log", "'csv' is not one of jsonl, tensorboard, wandb"]),
     ("base_train", ["--fp8-mod", "e4m3"], 2, ["unknown flag --fp8-mod", "did you mean --fp8_mode?", "--help"]),
     ("eval", [], 2, ["--dataset_path is required", "give --dataset_path followed by a str"]),
     ("bench_memory", ["--preset", "llama9"], 2, ["--preset: 'llama9' is not one of llama3-8b, llama3-1b"]),

@@ -264,3 +264,25 @@ def test_errors_are_one_line_and_exit_2(fp8_run, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "new.png").exists()
     with pytest.raises(UsageError, match="matplotlib"):
         plot_run(fp8_run, tmp_path / "new.png")
+
+
+def test_a_training_run_with_plot_draws_its_picture_and_refuses_a_foreign_one_first(small_corpus, tmp_path):
+    """--plot: the run ends with <run_dir>/run.png, plot_run's picture of it (the same bytes as
+    plot_run draws from the run's files afterwards). A run.png plot_run did not draw is refused
+    before any work: the run directory is left as it was, the file untouched."""
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=4, eval_every=2, num_samples=0, plot=True)
+    result = NanoChatTrainer(**kw).train()
+    png = tmp_path / "run" / "run.png"
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.text["Software"] == SOFTWARE
+    assert not any("--plot" in f for f in result.fallbacks)
+    drawn = png.read_bytes()
+    assert plot_run(tmp_path / "run", tokens_per_step=8 * 32).read_bytes() == drawn
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "run.png").write_bytes(b"someone's picture")
+    with pytest.raises(UsageError, match=r"run.png exists and plot_run did not draw it; move it away, or drop --plot"):
+        NanoChatTrainer(**{**kw, "run_dir": str(foreign)}).train()
+    assert sorted(p.name for p in foreign.iterdir() if not p.name.startswith(".")) == ["run.png"]
+    assert (foreign / "run.png").read_bytes() == b"someone's picture"

@@ -38,6 +38,7 @@ from nanochat.common import NanoChatError, UsageError
 from nanochat.fp8.training import describe_switch
 from nanochat.plot import read_metrics
 from nanochat.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, Trackers, check_trackers, translate
+from nanochat.metrics import MetricsLog
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
@@ -59,10 +60,9 @@ CONFIG = {"model_name": "d2", "lr": 0.01, "fp8": True, "fp8_skip": ["lm_head"], 
 class OneNaNStep(NanoChatTrainer):
     """The loss of step 6 is NaN: the step is skipped and the run goes on."""
 
-    def _forward(self, module, x, y, *, compiled):
-        loss = super()._forward(module, x, y, compiled=compiled)
-        self._forwards = getattr(self, "_forwards", 0) + 1
-        return loss * float("nan") if self._forwards == 6 else loss
+    def forward_backward(self, step):
+        loss, fp8_step, batch = super().forward_backward(step)
+        return (loss * float("nan") if step == 5 else loss), fp8_step, batch
 
 
 @pytest.fixture(scope="module")
@@ -265,37 +265,25 @@ def test_resume_continues_the_tensorboard_run_without_duplicate_steps(records, t
     assert got["val/bpb"] == val and len(val) == 2  # steps 3 and 9 (step 6 was skipped)
 
 
-class Tracked(NanoChatTrainer):
-    """A trainer wired as the trainer is meant to be: Trackers built before the first record,
-    fed every record of metrics.jsonl; `crash_at`: the process dies right after logging that step."""
+def test_a_real_run_killed_after_its_checkpoint_and_resumed_logs_each_step_once(small_corpus, tmp_path, monkeypatch):
+    """`--log tensorboard wandb` on a run that dies right after logging step 6 (checkpoint at 4)
+    and is resumed: TensorBoard shows each step once, with metrics.jsonl's values; W&B continues
+    the same run id."""
+    kw = tiny_train_kwargs(small_corpus, tmp_path, num_iterations=8, save_every=4, eval_every=4, num_samples=0,
+                           log=("jsonl", "tensorboard", "wandb"))
+    real_log = MetricsLog.log
 
-    crash_at = None
+    def dies_after_step_6(self, record):
+        real_log(self, record)
+        if record.get("step") == 6:
+            raise KeyboardInterrupt  # steps 5 and 6 are logged again by the resumed run
 
-    def _resume(self):
-        self.start_step = super()._resume()
-        return self.start_step
-
-    def _log(self, record):
-        super()._log(record)
-        if not hasattr(self, "trackers"):
-            self.trackers = Trackers(("tensorboard", "wandb"), self.run_dir, self.config.to_dict(),
-                                     rank=self.dist.rank, start_step=getattr(self, "start_step", 0))
-        self.trackers.record(record)
-        if record.get("step") == self.crash_at:
-            raise KeyboardInterrupt
-
-
-def test_a_real_run_killed_after_its_checkpoint_and_resumed_logs_each_step_once(small_corpus, tmp_path):
-    kw = tiny_train_kwargs(small_corpus, tmp_path, num_iterations=8, save_every=4, eval_every=4, num_samples=0)
-    cut = Tracked(**kw)
-    cut.crash_at = 6  # steps 5 and 6 are logged again by the resumed run
+    monkeypatch.setattr(MetricsLog, "log", dies_after_step_6)
     with pytest.raises(KeyboardInterrupt):
-        cut.train()
-    cut.trackers.close()  # what a kill leaves on disk at worst: every event written
+        NanoChatTrainer(**kw).train()  # train() closes the trackers on its way out: every event written
+    monkeypatch.setattr(MetricsLog, "log", real_log)
     _next_second()
-    resumed = Tracked(**{**kw, "resume": True})
-    resumed.train()
-    resumed.trackers.close()
+    NanoChatTrainer(**{**kw, "resume": True}).train()
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]  # each step once (trainer's)
     assert [r["step"] for r in steps] == list(range(1, 9))
     assert _tb_scalars(tmp_path)["train/loss"] == [(r["step"], _f32(r["loss"])) for r in steps]
@@ -455,6 +443,15 @@ def test_a_tracker_that_is_not_installed_is_one_line_with_the_install_command(mo
     with pytest.raises(UsageError, match="--log 'csv' is not a tracker nanochat knows; give any of jsonl, "
                                          "tensorboard, wandb"):
         check_trackers(("csv",))
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb"])
+def test_a_run_asking_for_a_tracker_that_is_not_installed_stops_before_any_work(small_corpus, tmp_path, monkeypatch,
+                                                                               name):
+    monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(UsageError, match=rf"pip install -e '\.\[{name}\]'"):
+        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", log=("jsonl", name))).train()
+    assert not (tmp_path / "run").exists()  # refused before the run directory is made
 
 
 def test_ranks_other_than_0_write_nothing(records, tmp_path):

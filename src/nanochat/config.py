@@ -41,6 +41,7 @@ import tyro
 
 from nanochat.fp8.config import FP8Config, FP8Recipe
 from nanochat.plot import MAX_ROWS
+from nanochat.trackers import LogChoice
 
 FP8_FLAGS = {
     "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "layers": "fp8_layers", "emulate": "fp8_emulate",
@@ -258,6 +259,16 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     cannot be resumed, continued with --init_from or exported; metrics.jsonl, result.json and
     the tokenizer are still written."""
 
+    log: tuple[LogChoice, ...] = ("jsonl",)
+    """Where the run's metrics go. metrics.jsonl is always written (resume and plot_run read it);
+    `tensorboard` adds <run_dir>/tensorboard/ (pip install -e '.[tensorboard]'), `wandb` a W&B run
+    that follows W&B's own settings: WANDB_MODE, WANDB_PROJECT (default nanochat), ... (pip install
+    -e '.[wandb]'). A resume continues both. docs/trackers.md"""
+
+    plot: bool = False
+    """At the end of the run, draw <run_dir>/run.png: loss and validation bpb against tokens,
+    tokens/s, MFU and the FP8 health map (what scripts/plot_run.py draws; pip install -e '.[plots]')."""
+
     run_dir: str = "runs/default"
     """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go. A directory that
     already holds a run is never reused silently: continue it with --resume or replace it with
@@ -384,7 +395,7 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     def to_dict(self) -> dict:
         """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""
         d = dataclasses.asdict(self)
-        d["fp8_skip"] = list(self.fp8_skip)
+        d["fp8_skip"], d["log"] = list(self.fp8_skip), list(self.log)
         return d
 
     @classmethod

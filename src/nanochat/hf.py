@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nanochat.common import UsageError, logger, read_json_object, warn_once
+from nanochat.common import UsageError, logger, read_json_object, warn_once, write_atomic
 from nanochat.gpt import GPT, PRESETS, GPTConfig
 from nanochat.tokenizer import panics_as_errors, probe
 
@@ -498,11 +498,19 @@ class HFTokenizer:
         except UsageError as e:
             raise UsageError(f"{d}/{e}") from None  # the message starts with the file's name
 
-    def save(self, directory: str | os.PathLike) -> Path:
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the tokenizer's files into `directory` (created), each replaced atomically. A
+        directory already holding exactly these files is left as it is; one holding another
+        tokenizer is refused unless `overwrite`, and always when it is a run's (check_tokenizer_dir)."""
+        from nanochat.tokenizer import META_FILE, RANKS_FILE, check_tokenizer_dir
+
         d = Path(directory)
+        if all((d / n).is_file() and (d / n).read_bytes() == data for n, data in self._files.items()):
+            return d
+        check_tokenizer_dir(d, overwrite=overwrite, names=(*self._files, META_FILE, RANKS_FILE))
         d.mkdir(parents=True, exist_ok=True)
         for name, data in self._files.items():
-            (d / name).write_bytes(data)
+            write_atomic(d / name, data)
         return d
 
     def with_chat_template(self, source: str, origin: str = "with_chat_template") -> "HFTokenizer":

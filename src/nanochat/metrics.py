@@ -5,6 +5,7 @@ tracker) into: the step records ({"step", "loss", "lr", "grad_norm", "tokens_per
 with `val_loss`/`val_bpb`/`val_accuracy` on evaluation steps, `fp8_stats` on sampled steps,
 `skipped`/`nonfinite_at` on a skipped step), the step-0 evaluation of a fine-tune, and events
 ({"event": "fp8_auto_choices" | "fp8_auto_switch" | "fp8_summary", ...}). Only rank 0 writes.
+The trackers of --log (nanochat.trackers: TensorBoard, W&B) get every record logged after them.
 
 The files are strict JSON (a non-finite float is written as null, the field kept) so any JSON
 reader takes them. A resumed run first cuts metrics.jsonl back to its checkpoint's step: the
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nanochat.common import write_atomic
+from nanochat.trackers import Trackers
 
 
 def jsonable(x: Any) -> Any:
@@ -46,17 +48,37 @@ class MetricsLog:
     def __init__(self, run_dir: Path, *, rank: int):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.writes = rank == 0
+        self.trackers: Trackers | None = None
+        """--log's TensorBoard / W&B, started by `start_trackers` before the first step."""
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one record (see the module docstring for the kinds)."""
+        """Append one record (see the module docstring for the kinds), then hand it to the trackers."""
         if self.writes:
             with open(self.path, "a") as f:
                 f.write(json_line(record))
+        if self.trackers is not None:
+            self.trackers.record(record)
 
-    def cut_to(self, step: int, record: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def start_trackers(self, log: tuple[str, ...], config: dict[str, Any], *, rank: int, start_step: int,
+                       resumed_record: dict[str, Any] | None = None) -> None:
+        """Start --log's trackers; on a resume, first give them the checkpoint's own step record
+        when `cut_to` had to append it (the interrupted run died before logging it)."""
+        self.trackers = Trackers(log, self.path.parent, config, rank=rank, start_step=start_step)
+        if resumed_record is not None:
+            self.trackers.record(resumed_record)
+
+    def close(self, *, failed: bool) -> list[str]:
+        """Close the trackers; returns what failed in them mid-run (TrainResult.fallbacks)."""
+        if self.trackers is None:
+            return []
+        self.trackers.close(failed=failed)
+        return list(self.trackers.fallbacks)
+
+    def cut_to(self, step: int, record: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """Before a resumed run's first step (rank 0): drop the lines from the first record after
         `step` on, and append `record`, the checkpoint's own line for `step`, when the interrupted
-        run died before logging it. Returns the records kept: the run's history up to `step`."""
+        run died before logging it. Returns the records kept (the run's history up to `step`) and
+        the record appended, if one was."""
         lines = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
         kept = []
         for line in lines:
@@ -71,7 +93,8 @@ class MetricsLog:
         tail = [json_line(record)] if record is not None and not logged else []
         if len(kept) < len(lines) or tail:
             write_atomic(self.path, "".join(lines[:len(kept)] + tail))
-        return [r for r in kept if isinstance(r, dict)] + ([jsonable(record)] if tail else [])
+        appended = jsonable(record) if tail else None
+        return [r for r in kept if isinstance(r, dict)] + ([appended] if tail else []), appended
 
 
 class Throughput:

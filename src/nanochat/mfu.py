@@ -19,6 +19,7 @@ no MFU: None, never a guess.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -77,3 +78,23 @@ def device_peak(device: torch.device) -> Peak | None:
 def utilization(tokens_per_sec: float, flops_per_token: float, peak_tflops: float, devices: int = 1) -> float:
     """MFU: model FLOP/s over `devices` GPUs' peak (tokens_per_sec is the whole run's)."""
     return tokens_per_sec * flops_per_token / (devices * peak_tflops * 1e12)
+
+
+def run_mfu(tokens_per_sec: float, flops_per_token: float, peak: Peak | None, devices: int = 1, *,
+            fp8: bool = False, native_fp8: bool = False) -> float | None:
+    """A run's MFU against `peak`'s dense bf16 rate, or with `fp8` its FP8 rate (only for runs
+    with native FP8 layers, `native_fp8`); None where that peak is unknown or nothing was timed."""
+    rate = None if peak is None or (fp8 and not native_fp8) else peak.fp8_tflops if fp8 else peak.bf16_tflops
+    if rate is None or not math.isfinite(tokens_per_sec):
+        return None
+    return utilization(tokens_per_sec, flops_per_token, rate, devices)
+
+
+def describe(peak: Peak | None, device: torch.device, flops_per_token: float) -> str:
+    """A run header's line: the model's FLOPs per token and the peak its MFU is against."""
+    if peak is not None:
+        against = f"the {peak.part}'s dense bf16 peak, {peak.bf16_tflops:g} TFLOP/s ({peak.source})"
+    else:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        against = f"no listed peak for {name}: MFU not reported"
+    return f"{flops_per_token / 1e9:.3g} GFLOP per token, against {against}"

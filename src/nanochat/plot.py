@@ -384,6 +384,38 @@ def _drawn_by_plot_run(path: str | os.PathLike) -> bool:
         return False
 
 
+def check_can_draw(run_dir: Path, out: str | os.PathLike | None = None, *, overwrite: bool = False,
+                   flag: str = "--out") -> Path:
+    """Where the picture goes (default <run_dir>/run.png), once matplotlib imports and `out` is
+    not someone else's file; a UsageError otherwise. `flag` names the option in the message."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"plotting needs matplotlib, which is not installed: {INSTALL}") from None
+    out = Path(run_dir) / "run.png" if out is None else Path(out)
+    if out.is_dir():
+        raise UsageError(f"{flag} {out} is a directory; give a file name, e.g. {out / 'run.png'}")
+    # A picture plot_run drew is redrawn from the run's files, which is what running it again is
+    # for; anything else at `out` may be someone's file, so replacing it takes --overwrite.
+    if out.exists() and not overwrite and not _drawn_by_plot_run(out):
+        fix = ("pass --overwrite to replace it, or choose another --out" if flag == "--out"
+               else f"move it away, or drop {flag}")
+        raise UsageError(f"{out} exists and plot_run did not draw it; {fix}")
+    return out
+
+
+def plot_after_run(run_dir: Path, tokens_per_step: int) -> str | None:
+    """A training run's --plot: draw <run_dir>/run.png once the run is complete (checkpoint,
+    result.json). Returns None, or why it could not be drawn, for the run to record as a fallback:
+    the run's results stand whatever matplotlib or the disk do now."""
+    try:
+        print(f"plot: {plot_run(run_dir, tokens_per_step=tokens_per_step)}")
+        return None
+    except Exception as e:  # noqa: BLE001 -- matplotlib's or the disk's
+        return (f"--plot: drawing {Path(run_dir) / 'run.png'} failed ({type(e).__name__}: {e}); draw it later "
+                f"with: python scripts/plot_run.py {run_dir}")
+
+
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *, overwrite: bool = False,
              tokens_per_step: int | None = None, max_rows: int = MAX_ROWS) -> Path:
     """Draw `run_dir` (see the module docstring) into the PNG `out`, default <run_dir>/run.png;
@@ -398,18 +430,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, *
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageError(f"{run_dir} has no metrics.jsonl: not a training run directory, or its run has not "
                          "logged a step yet; give the directory a training run wrote (base_train's --run_dir)")
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError(f"plotting needs matplotlib, which is not installed: {INSTALL}") from None
-    out = run_dir / "run.png" if out is None else Path(out)
-    if out.is_dir():
-        raise UsageError(f"--out {out} is a directory; give a file name, e.g. {out / 'run.png'}")
-    # A picture plot_run drew is redrawn from the run's files, which is what running it again is
-    # for; anything else at `out` may be someone's file, so replacing it takes --overwrite.
-    if out.exists() and not overwrite and not _drawn_by_plot_run(out):
-        raise UsageError(f"{out} exists and plot_run did not draw it; pass --overwrite to replace it, or "
-                         "choose another --out")
+    out = check_can_draw(run_dir, out, overwrite=overwrite)
     fig = draw(read_run(run_dir, tokens_per_step=tokens_per_step, max_rows=max_rows))
     write_atomic(out, lambda f: fig.savefig(f, format="png", dpi=100, metadata={"Software": SOFTWARE}))
     return out

@@ -3,7 +3,8 @@
 The config classes (nanochat.config) check values on their own: a batch size is positive, an FP8
 mode exists, --resume and --overwrite exclude each other. What they cannot know is the world the
 run lands in: which device this is and what it can do, how many processes torchrun started, which
-paths exist, what a model name names, how much disk is free. `check_environment` asks all of
+paths exist, what a model name names, which trackers (--log) and plotting (--plot) import, how
+much disk is free. `check_environment` asks all of
 that before the corpus is read or a tokenizer trained (the run directory is claimed just before,
 nanochat.checkpoint), so each mistake is one `error:` line and the only output (a NanoChatError;
 UsageError, exit 2, for what the command line can fix).
@@ -25,6 +26,8 @@ from nanochat.config import TrainConfig
 from nanochat.distributed import backend_name
 from nanochat.hf import ResolvedModel, resolve_model
 from nanochat.instruct import own_tokenizer_template_problem
+from nanochat.plot import check_can_draw
+from nanochat.trackers import check_trackers
 
 
 def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype) -> ResolvedModel:
@@ -51,6 +54,9 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
                          f"scripts/tok_train.py --tokenizer_dir {cfg.tokenizer_dir}")
     if cfg.init_from is not None and not cfg.resume and not Path(cfg.init_from).is_dir():
         raise UsageError(f"--init_from {cfg.init_from}: no such directory; give the --run_dir of a finished run")
+    check_trackers(cfg.log)
+    if cfg.plot:  # matplotlib, and no foreign run.png in the way: known now, not after training
+        check_can_draw(Path(cfg.run_dir), flag="--plot")
     return resolved
 
 

@@ -341,19 +341,22 @@ def _saved_fingerprint(directory: Path) -> str | None:
         return None
 
 
-def check_tokenizer_dir(directory: str | os.PathLike, *, overwrite: bool) -> None:
-    """Raise a UsageError, before a tokenizer is trained, when writing one into `directory` would
-    replace a tokenizer: one it holds, unless `overwrite`; a run's (`<run_dir>/tokenizer`, next to
-    checkpoints or metrics), always: its checkpoints only mean something with that tokenizer."""
+def check_tokenizer_dir(directory: str | os.PathLike, *, overwrite: bool,
+                        names: tuple[str, ...] = (META_FILE, RANKS_FILE)) -> None:
+    """Raise a UsageError, before a tokenizer is trained or written, when writing one into
+    `directory` would replace a tokenizer (one of the files `names` is there): one it holds, unless
+    `overwrite`; a run's (`<run_dir>/tokenizer`, next to checkpoints or metrics), always: its
+    checkpoints only mean something with that tokenizer."""
     from nanochat.checkpoint import run_contents
 
     d = Path(directory)
-    if not any((d / name).exists() for name in (META_FILE, RANKS_FILE)):
+    if not any((d / name).exists() for name in names):
         return
     run = run_contents(d.parent) if d.name == "tokenizer" else []
     if run:
         raise UsageError(f"{d} is the tokenizer of the run in {d.parent} ({', '.join(run[:3])}), whose "
                          "checkpoints were trained with it; it is never replaced: choose another directory")
     if not overwrite:
-        raise UsageError(f"{d} already holds a tokenizer (fingerprint {_saved_fingerprint(d)}); pass --overwrite "
-                         "to replace it, or choose another directory")
+        fingerprint = _saved_fingerprint(d)
+        raise UsageError(f"{d} already holds a tokenizer" + (f" (fingerprint {fingerprint})" if fingerprint else "")
+                         + "; pass --overwrite to replace it, or choose another directory")

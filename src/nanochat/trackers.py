@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from nanochat.common import NanoChatError, UsageError, logger, write_atomic
-from nanochat.fp8.training import describe_switch
 
 LogChoice = Literal["jsonl", "tensorboard", "wandb"]
 """A `--log` choice. The field, on TrainConfig and so on NanoChatTrainer:
@@ -168,6 +167,8 @@ def _event_text(ev: Mapping[str, Any]) -> str:
             ("layer", *roles), ([name, *(r.get(role, "-") for role in roles)]
                                 for name, r in ev["choices"].items() if isinstance(r, Mapping)))
     if kind == "fp8_auto_switch":
+        from nanochat.fp8.training import describe_switch  # FP8's own wording; torchao only when needed
+
         return f"step {ev.get('step')}: {describe_switch(ev)}"
     if kind == "fp8_summary":
         counts = ", ".join(f"{ev[k]} {k.replace('_', ' ')}" for k in ("overflow_events", "skipped_steps",

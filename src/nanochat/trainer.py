@@ -13,7 +13,7 @@ parts in the order that makes errors come early, each attribute once:
   the model                     after the memory plan; fp32 (or bf16) master weights; FP8
                                 conversion by fp8.FP8Training, before compile; DDP or FSDP
   the optimizer                 AdamW, in FP8Optim for FP8 moments or bf16 masters (fp8.optim)
-  Compiled                      torch.compile's state: what a compiled step calls, whether the
+  compiled.Compiled             torch.compile's state: what a compiled step calls, whether the
                                 next step compiles, whether compiling failed
   guard.StepGuard               non-finite steps skipped and named; clipping
   evaluation.Evaluator          loss, bits per byte, accuracy, samples, in high precision
@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 from nanochat import distributed, memory, mfu, preflight
+from nanochat.compiled import Compiled
 from nanochat.checkpoint import Checkpointer, Saved
 from nanochat.common import (
     format_bytes, format_table, logger, print0, resolve_device, resolve_dtype, seed_everything, setup_logging,
@@ -54,8 +55,8 @@ from nanochat.gpt import GPT, preset_config
 from nanochat.guard import StepGuard
 from nanochat.hf import ResolvedModel, gpt_config_from_hf, load_hf_model
 from nanochat.metrics import MetricsLog, Throughput, TrainResult
+from nanochat.plot import plot_after_run
 from nanochat.run_data import RunData
-from nanochat.tokenizer import Tokenizer
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
@@ -65,66 +66,6 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac:
     decay_steps = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     return final_lr_frac + (1 - final_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _is_compile_failure(e: BaseException) -> bool:
-    """An exception raised by torch.compile's machinery (dynamo, inductor, a C++ or Triton
-    toolchain), as opposed to an error of the model or the data that eager would raise too."""
-    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
-
-    if isinstance(e, (BackendCompilerFailed, TorchDynamoException)):
-        return True
-    mod = type(e).__module__ or ""
-    return mod.startswith(("torch._dynamo", "torch._inductor", "triton"))
-
-
-class Compiled:
-    """torch.compile's state for one run. `module` is what a compiled step calls: the training
-    module compiled whole (--compile_scope model), or the module itself with each transformer
-    block compiled in place (blocks: one graph every block reuses). Compiling happens in the first
-    step that runs compiled code (`pending`); if it fails the run trains eagerly from then on
-    (`failed`, a recorded fallback). Eager steps (FP8 statistics, calibration) and evaluation run
-    blocks compiled in place under `eager()`."""
-
-    def __init__(self, module: torch.nn.Module, blocks: torch.nn.ModuleList, *, enabled: bool, scope: str):
-        self.eager_module = module
-        self.in_place = enabled and scope == "blocks"
-        if self.in_place:
-            for block in blocks:
-                block.compile()
-        self.module = torch.compile(module) if enabled and not self.in_place else module
-        self.enabled = enabled
-        self.pending = enabled
-        """The next step that runs compiled code traces and compiles it."""
-        self.failed = False
-
-    def eager(self):
-        """Context: compiled code runs eagerly (blocks compiled in place; the whole-model graph is
-        simply not called)."""
-        return torch.compiler.set_stance("force_eager") if self.in_place else contextlib.nullcontext()
-
-    def recompile(self) -> None:
-        """The model changed in a way its graphs do not guard on (auto's formats were fixed)."""
-        self.pending = self.enabled and not self.failed
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor, *, eager: bool, autocast, fallback) -> torch.Tensor:
-        """The training forward, eager or compiled; the step that compiles falls back to eager if
-        compiling fails (`fallback(message)` records why)."""
-        if eager or self.failed:
-            with autocast, self.eager():
-                return self.eager_module(x, y)
-        try:
-            with autocast:
-                return self.module(x, y)
-        except Exception as e:  # noqa: BLE001 -- any compiler failure; training goes on eagerly
-            if not (self.pending and _is_compile_failure(e)):
-                raise
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            fallback(f"compile: torch.compile failed ({type(e).__name__}: {first[:240]}); training eagerly. "
-                     "Install a C++ compiler (CPU builds) or pass --no_compile to skip the attempt")
-            self.module, self.pending, self.failed = self.eager_module, False, True
-            with autocast, self.eager():
-                return self.eager_module(x, y)
 
 
 class NanoChatTrainer:
@@ -164,9 +105,13 @@ class NanoChatTrainer:
         self.config = config
 
     def train(self) -> TrainResult:
+        finished = False
         try:
-            return self._train()
+            result, finished = self._train(), True
+            return result
         finally:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.close(failed=not finished)  # --log's trackers (W&B marks a failed run)
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.release()  # the run lock
             distributed.destroy_distributed()  # only a process group init_distributed created
@@ -445,19 +390,25 @@ class NanoChatTrainer:
         result = self._result(meter, *final, wall_time_s=time.perf_counter() - t_start)
         if rank0:
             result.write(self.run_dir)
+            self.metrics.trackers.record_result(result.to_dict())
+            if cfg.plot and (problem := plot_after_run(self.run_dir, meter.tokens_per_step)):
+                self._fallback(problem)  # the run's results stand: recorded, not raised
+                result.fallbacks.append(problem)
+                result.write(self.run_dir)
         return result
 
     def _start_files(self, start_step: int) -> list[dict[str, Any]]:
         """Rank 0, before the first step: on --resume, metrics.jsonl cut back to the checkpoint's
-        step (the records kept are returned: the run's history); a fresh run saves its tokenizer."""
+        step (the records kept are returned: the run's history); a fresh run saves its tokenizer;
+        --log's trackers start."""
         if self.dist.rank != 0:
             return []
-        if self.config.resume:
-            return self.metrics.cut_to(start_step, self.resumed.meta.get("record"))
-        tokenizer = self.data.tokenizer  # nanochat's may replace a tokenizer of its own (--overwrite)
-        tokenizer.save(self.run_dir / "tokenizer", **({"overwrite": self.config.overwrite}
-                                                       if isinstance(tokenizer, Tokenizer) else {}))
-        return []
+        cfg = self.config
+        history, appended = self.metrics.cut_to(start_step, self.resumed.meta.get("record")) if cfg.resume else ([], None)
+        if not cfg.resume:  # a fresh run replaces a tokenizer of its own only with --overwrite
+            self.data.tokenizer.save(self.run_dir / "tokenizer", overwrite=cfg.overwrite)
+        self.metrics.start_trackers(cfg.log, cfg.to_dict(), rank=0, start_step=start_step, resumed_record=appended)
+        return history
 
     def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
         """A checkpoint of `step` (checkpoint.Checkpointer.save) holding this loop's state too:
@@ -520,12 +471,7 @@ class NanoChatTrainer:
             rows.append(["checkpoints", "none (--no_save_checkpoints): this run cannot be resumed or exported"])
         if self.fp8.report is not None:
             rows.append(["fp8", flag_text(self.fp8.report.summary())])
-        if self.peak is not None:
-            against = f"the {self.peak.part}'s dense bf16 peak, {self.peak.bf16_tflops:g} TFLOP/s ({self.peak.source})"
-        else:
-            name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type
-            against = f"no listed peak for {name}: MFU not reported"
-        rows.append(["mfu", f"{self.flops_per_token / 1e9:.3g} GFLOP per token, against {against}"])
+        rows.append(["mfu", mfu.describe(self.peak, self.device, self.flops_per_token)])
         print0(format_table(["run", ""], rows))
         if self.fp8.report is not None:
             print0(self.fp8.report.table(flag_text))
@@ -537,13 +483,10 @@ class NanoChatTrainer:
                       else "fp8_disabled)"))
 
     def _mfu(self, tokens_per_sec: float, *, fp8: bool = False) -> float | None:
-        """MFU against the dense bf16 peak, or with `fp8` the FP8 peak (only for native FP8
-        layers); None where that peak is unknown or nothing was timed."""
-        native = self.fp8.report is not None and self.fp8.report.backend == "native" and self.fp8.report.converted
-        peak = None if self.peak is None or (fp8 and not native) else self.peak.fp8_tflops if fp8 else self.peak.bf16_tflops
-        if peak is None or not math.isfinite(tokens_per_sec):
-            return None
-        return mfu.utilization(tokens_per_sec, self.flops_per_token, peak, self.dist.world_size)
+        """MFU against the dense bf16 peak, or with `fp8` the FP8 peak (native FP8 layers only)."""
+        native = self.fp8.report is not None and self.fp8.report.backend == "native" and bool(self.fp8.report.converted)
+        return mfu.run_mfu(tokens_per_sec, self.flops_per_token, self.peak, self.dist.world_size, fp8=fp8,
+                           native_fp8=native)
 
     def _result(self, meter: Throughput, val_loss: float, val_bpb: float, val_accuracy: float | None, *,
                 wall_time_s: float) -> TrainResult:
@@ -557,7 +500,8 @@ class NanoChatTrainer:
             train_loss=meter.train_loss, val_loss=val_loss, val_bpb=val_bpb, val_accuracy=val_accuracy,
             tokens_per_sec=meter.tokens_per_sec, wall_time_s=wall_time_s, steps=self.total_steps,
             epochs=self.data.loader.epoch, compile_time_s=meter.compile_time_s,
-            fallbacks=self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks + optimizer_notes],
+            fallbacks=(self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks + optimizer_notes]
+                       + (self.metrics.trackers.fallbacks if self.metrics.trackers is not None else [])),
             optimizer_state_bytes=self.optimizer_state_bytes, num_params=self.model.num_params(),
             fp8_backend=report.backend if report is not None else "off",
             fp8_converted=list(report.converted) if report is not None else [],
@@ -576,4 +520,4 @@ class NanoChatTrainer:
         )
 
 
-__all__ = ["Compiled", "NanoChatTrainer", "TrainResult", "lr_multiplier"]
+__all__ = ["NanoChatTrainer", "TrainResult", "lr_multiplier"]
