@@ -46,6 +46,23 @@ def tiny_train_kwargs(corpus: Path, run_dir: Path, **over) -> dict:
     return kw
 
 
+def train_until_first_save(kwargs: dict, monkeypatch) -> None:
+    """NanoChatTrainer(**kwargs) as a process that dies (KeyboardInterrupt) right after writing
+    its first checkpoint: what a --resume continues."""
+    from nanochat.trainer import NanoChatTrainer
+
+    real_save = NanoChatTrainer._save
+
+    def crash_after_first_save(self, step, *args, **kw):
+        real_save(self, step, *args, **kw)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(NanoChatTrainer, "_save", crash_after_first_save)
+        with pytest.raises(KeyboardInterrupt):
+            NanoChatTrainer(**kwargs).train()
+
+
 # ---------------------------------------------------------------- the perturbation pass
 # A test that compares two different computations (a batch split, a kernel, compiled vs eager,
 # another process layout) is marked `two_computations`. Its tolerance must hold for any order of

@@ -52,7 +52,7 @@ from nanochat.fp8.policy import MARGIN, LayerPolicy
 from nanochat.fp8.speed import CACHE_FORMAT, LinearShape, Timing, default_cache_path
 from nanochat.gpt import GPT, preset_config
 from nanochat.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import tiny_train_kwargs, train_until_first_save
 
 M = 4096
 ROOT = Path(__file__).resolve().parents[1]
@@ -350,16 +350,7 @@ def test_a_resume_converts_the_layers_its_checkpoint_converted(small_corpus, tmp
     full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
     c_fc = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
     assert full.fp8_converted == c_fc
-    real_save = NanoChatTrainer._save
-
-    def crash_after_first_save(self, step, *a, **k):
-        real_save(self, step, *a, **k)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(NanoChatTrainer, "_save", crash_after_first_save)
-    with pytest.raises(KeyboardInterrupt):
-        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw)).train()
-    monkeypatch.setattr(NanoChatTrainer, "_save", real_save)
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)
     cache.unlink()  # another GPU, or a cleared cache: the timings are taken again ...
     timer = timed_by({(128, 128): 1.5, (128, 512): 0.5, (512, 128): 0.5})  # ... and would pick the others
     resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()

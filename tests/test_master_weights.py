@@ -23,7 +23,7 @@ from nanochat.config import TrainConfig
 from nanochat.fp8 import master as M
 from nanochat.fp8.optim import FP8Optim
 from nanochat.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import tiny_train_kwargs, train_until_first_save
 from tests.test_trainer import _losses, count_reads_per_step
 
 MODES = ("bf16", "bf16_sr", "bf16_split")
@@ -261,16 +261,7 @@ def test_resume_is_bitwise_identical(small_corpus, tmp_path, monkeypatch, extra)
     bits derive from --seed and the step) resumes exactly: eager, the same code twice."""
     kw = dict(num_iterations=6, save_every=3, num_samples=0, **extra)
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
-    real_save = NanoChatTrainer._save
-
-    def crash_after_first_save(self, step, *a, **k):
-        real_save(self, step, *a, **k)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(NanoChatTrainer, "_save", crash_after_first_save)
-    with pytest.raises(KeyboardInterrupt):
-        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw)).train()
-    monkeypatch.setattr(NanoChatTrainer, "_save", real_save)
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
     assert _losses(tmp_path / "cut") == _losses(tmp_path / "full")
     full = torch.load(tmp_path / "full" / "checkpoint-000006.pt", weights_only=True)["model"]

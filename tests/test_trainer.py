@@ -21,7 +21,7 @@ from nanochat.checkpoint import latest_checkpoint
 from nanochat.common import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.trainer import NanoChatTrainer, lr_multiplier
-from tests.conftest import perturbed_init, tiny_train_kwargs
+from tests.conftest import perturbed_init, tiny_train_kwargs, train_until_first_save
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,16 +51,7 @@ def test_resume_is_bitwise_identical(small_corpus, tmp_path, monkeypatch):
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
     reference = _losses(tmp_path / "full")
 
-    real_save = NanoChatTrainer._save
-
-    def crash_after_first_save(self, step):
-        real_save(self, step)
-        raise KeyboardInterrupt  # the process dies right after checkpointing step 4
-
-    monkeypatch.setattr(NanoChatTrainer, "_save", crash_after_first_save)
-    with pytest.raises(KeyboardInterrupt):
-        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw)).train()
-    monkeypatch.setattr(NanoChatTrainer, "_save", real_save)
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)  # dies at step 4
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
     resumed = _losses(tmp_path / "cut")
     for step in range(1, 9):

@@ -27,7 +27,7 @@ import torch
 from nanochat.checkpoint import load_checkpoint
 from nanochat.fp8 import FP8Tensor
 from nanochat.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import tiny_train_kwargs, train_until_first_save
 
 POISONED = "transformer.h.1.mlp.c_fc"
 
@@ -77,20 +77,6 @@ def test_consecutive_overflows_stop_and_keep_the_checkpoint(small_corpus, tmp_pa
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
 
 
-def _train_until_first_save(corpus, run_dir, kw, monkeypatch):
-    """A run interrupted (KeyboardInterrupt) right after its first checkpoint."""
-    real_save = NanoChatTrainer._save
-
-    def crash_after_first_save(self, step):
-        real_save(self, step)
-        raise KeyboardInterrupt
-
-    with monkeypatch.context() as m:
-        m.setattr(NanoChatTrainer, "_save", crash_after_first_save)
-        with pytest.raises(KeyboardInterrupt):
-            NanoChatTrainer(**tiny_train_kwargs(corpus, run_dir, **kw)).train()
-
-
 def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch):
     kw = dict(num_iterations=6, save_every=3, fp8=True, fp8_emulate=True, fp8_layers="all", fp8_mode="auto",
               fp8_auto_steps=2, fp8_stats_every=2, num_samples=0)
@@ -98,7 +84,7 @@ def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch
     assert full.fp8_choices and set(full.fp8_choices) == set(full.fp8_converted)
     assert all(set(roles) == {"input", "weight", "grad_output"} for roles in full.fp8_choices.values())
 
-    _train_until_first_save(small_corpus, tmp_path / "cut", kw, monkeypatch)
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)
     assert load_checkpoint(tmp_path / "cut")["fp8_choices"] == full.fp8_choices
     resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
     assert resumed.fp8_choices == full.fp8_choices
@@ -142,7 +128,7 @@ def test_auto_recheck_switches_reports_and_resumes_bitwise(small_corpus, tmp_pat
     logged = [r for r in _records(tmp_path / "full") if r.get("event") == "fp8_auto_switch"]
     assert len(logged) == len(switches)
 
-    _train_until_first_save(small_corpus, tmp_path / "cut", kw, monkeypatch)
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)
     ckpt = load_checkpoint(tmp_path / "cut")
     assert ckpt["step"] == 5 and ckpt["fp8_auto_switches"] == []
     assert set(ckpt["fp8_auto_pending"].values()) == {1}  # one disagreement (step 4) so far

@@ -450,22 +450,14 @@ class TokTrainConfig(FP8Fields):  # type: ignore[misc, valid-type]
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExportConfig(_Checked):
-    """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
-
-    out_dir: str
-    """Directory to write config.json, model.safetensors and the tokenizer files to. It must be
-    new or empty, unless --overwrite."""
-
-    overwrite: bool = False
-    """Replace a non-empty --out_dir whole, once the export is complete (never the model or run
-    the export reads from)."""
+class SourceFields(_Checked):
+    """The model a script reads: a training run's checkpoint, or a model as loaded (exactly one)."""
 
     run_dir: str | None = None
-    """A training run directory (its newest checkpoint and tokenizer/) to export."""
+    """A training run directory: its newest checkpoint and its saved tokenizer (and chat template)."""
 
     model_name: str | None = None
-    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, exported as loaded."""
+    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, as loaded."""
 
     debug: bool = False
     """Show the full traceback of an error instead of the one-line message."""
@@ -477,7 +469,20 @@ class ExportConfig(_Checked):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig(DeviceFields, BatchFields):
+class ExportConfig(SourceFields):
+    """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
+
+    out_dir: str
+    """Directory to write config.json, model.safetensors and the tokenizer files to. It must be
+    new or empty, unless --overwrite."""
+
+    overwrite: bool = False
+    """Replace a non-empty --out_dir whole, once the export is complete (never the model or run
+    the export reads from)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig(SourceFields, DeviceFields, BatchFields):
     """Evaluate a model on a dataset without training: validation loss and, for multiple-choice
     records, accuracy. `scripts/eval.py`."""
 
@@ -485,23 +490,9 @@ class EvalConfig(DeviceFields, BatchFields):
     """The dataset (as base_train's --dataset_path); its validation split is evaluated (split
     files: the validation files; otherwise the same hash split as training)."""
 
-    run_dir: str | None = None
-    """A training run directory: its checkpoint and its saved tokenizer (and chat template)."""
-
-    model_name: str | None = None
-    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, as loaded."""
-
     chat_template: str | None = None
     """As base_train's --chat_template. Default: the run's saved template, or the model's own, or
     plain when it has none."""
-
-    debug: bool = False
-    """Show the full traceback of an error instead of the one-line message."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if (self.run_dir is None) == (self.model_name is None):
-            raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")
 
 
 @dataclass(frozen=True, kw_only=True)
