@@ -13,7 +13,7 @@ cost of *simulating* FP8, useful for planning tests and numerics studies, not FP
 (the head excluded: it stays in high precision), at each `--shape_tokens` rows, forward and
 backward compiled as the trainer runs them (fp32 master weights, bf16 autocast): bf16 against
 torchao's FP8 e4m3 tensorwise and rowwise. Each shape compiles once per variant with the row
-count dynamic, so one compile serves every row count (compiling dominates a session's time;
+count dynamic, so one compile serves every row count (compiling dominates the benchmark's time;
 the trainer compiles its one row count statically). scripts/gpu_check.py runs it within a budget.
 """
 
