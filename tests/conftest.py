@@ -3,6 +3,9 @@
 import contextlib
 import math
 import os
+import secrets
+import signal
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -61,6 +64,42 @@ def train_until_first_save(kwargs: dict, monkeypatch) -> None:
         m.setattr(NanoChatTrainer, "_save", crash_after_first_save)
         with pytest.raises(KeyboardInterrupt):
             NanoChatTrainer(**kwargs).train()
+
+
+def run_launch(cmd: list[str], *, env: dict[str, str], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
+    """Run `cmd` (torchrun, or any command that starts processes) to its end and return its
+    output. On timeout every process it started is killed, found by a marker in its environment,
+    and the test fails: torchrun starts each rank in a session of its own, so killing the
+    launcher's process group alone would leave a hung rank running past the suite."""
+    marker = secrets.token_hex(8)
+    proc = subprocess.Popen(cmd, env={**env, "NANOCHAT_TEST_LAUNCH": marker}, cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        killed = kill_marked(marker)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd[:3])} ... did not end within {timeout:.0f} s; killed pids {killed}\n"
+                             f"{out[-3000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL every process whose environment holds NANOCHAT_TEST_LAUNCH=`marker`; their pids."""
+    needle = f"NANOCHAT_TEST_LAUNCH={marker}".encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+        except (OSError, ProcessLookupError):  # gone meanwhile, or not ours to read
+            continue
+    return killed
 
 
 # ---------------------------------------------------------------- the perturbation pass

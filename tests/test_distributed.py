@@ -38,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -46,7 +45,7 @@ import pytest
 import torch
 
 from nanochat.checkpoint import latest_checkpoint
-from tests.conftest import perturbed_init, tiny_train_kwargs
+from tests.conftest import perturbed_init, run_launch, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -94,7 +93,7 @@ def _torchrun(nproc: int, runs: list[dict], cache: Path, timeout: int = 600) -> 
     env = dict(os.environ, OMP_NUM_THREADS="1", NANOCHAT_CACHE=str(cache), PYTHONPATH=path)
     # --standalone: a local rendezvous on a port torchrun picks itself (free, no race)
     cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(Path(__file__)), json.dumps(runs)]
-    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    r = run_launch(cmd, env=env, cwd=ROOT, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
@@ -214,6 +213,51 @@ def test_fsdp_bf16_split_matches_one_process_with_sharded_remainders(two_ranks, 
         for name, s in states.items():
             assert s["master_lo"] == "DTensor(Tensor)", (name, s)
             assert s["local_rows"] * 2 == s["global_rows"], (name, s)
+
+
+# What a rank runs for the exit test: base_train itself, with the process group's destruction
+# watched. The hang it guards against is a race (a gloo thread that needs the GIL to free its last
+# collective's tensors, joined by a main thread that holds it), so one run that exits proves
+# little; what decides it is deterministic: whether a DDP Reducer still owns the group when the
+# group is destroyed (then the Reducer is its last owner, and lets go with the GIL held).
+_EXIT_DRIVER = """
+import gc, json, runpy, sys
+from pathlib import Path
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+out, script, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+real_destroy = dist.destroy_process_group
+
+def watched_destroy(group=None):
+    gc.collect()
+    held = sum(1 for o in gc.get_objects() if isinstance(o, DDP) and "reducer" in vars(o))
+    (out / f"destroy-rank{dist.get_rank()}.json").write_text(json.dumps({"ddp_reducers_alive": held}))
+    real_destroy(group)
+
+dist.destroy_process_group = watched_destroy
+sys.argv = [script, *argv]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def test_a_two_rank_run_destroys_its_process_group_after_ddp_lets_go(small_corpus, tmp_path, cache):
+    """base_train under torchrun (2 gloo ranks, DDP, the process group its own) exits with rc 0
+    after printing its results, and when it destroys the process group no DDP Reducer holds the
+    group any more on either rank, so gloo's threads are joined without the GIL held."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(_EXIT_DRIVER)
+    kw = _kwargs(small_corpus, tmp_path / "run", num_iterations=3, num_samples=0)
+    argv = ["--no_compile"] + [a for k, v in kw.items() if k != "compile" for a in (f"--{k}", str(v))]
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, OMP_NUM_THREADS="1", NANOCHAT_CACHE=str(cache), PYTHONPATH=path)
+    r = run_launch([str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(driver), str(tmp_path),
+                    str(ROOT / "scripts" / "base_train.py"), *argv], env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "results:" in r.stdout, r.stdout[-3000:]
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"destroy-rank{rank}.json").read_text())
+        assert record == {"ddp_reducers_alive": 0}, (rank, record)
 
 
 def test_optimizer_in_backward_is_refused_under_torchrun(two_ranks):

@@ -90,8 +90,28 @@ def init_distributed(device: torch.device) -> tuple[DistEnv, torch.device]:
     return env, device
 
 
+def release_wrapper(module: nn.Module) -> None:
+    """Let a DDP wrapper go of the process group: its Reducer and Logger are dropped now, while the
+    group is still registered. Call it when training is over, before the group is destroyed; the
+    wrapper cannot run a step afterwards. FSDP and a bare module hold nothing to release.
+
+    Why: gloo's process group joins its worker threads when its last owner lets go of it, and a
+    worker may need the GIL to free the tensors of the collective it just ran. Python's handle on
+    the group lets go with the GIL released; a Reducer (a C++ owner freed from Python) lets go
+    with the GIL held, so if it is the last owner the join waits on a thread that waits on the
+    GIL, forever. Dropping the Reducer first leaves the registry's handle as the last owner.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(module, DDP):
+        for name in ("reducer", "logger"):  # the Logger holds the Reducer too
+            if name in vars(module):
+                delattr(module, name)
+
+
 def destroy_distributed() -> None:
-    """Destroy the process group if `init_distributed` created it."""
+    """Destroy the process group if `init_distributed` created it (after `release_wrapper` of any
+    DDP wrapper built on it)."""
     global _owns_process_group
     if _owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -666,7 +686,7 @@ def _fsync_tree(root: Path) -> None:
 
 
 __all__ = [
-    "init_distributed", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
+    "init_distributed", "release_wrapper", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
     "fp8_all_gather_problem", "full_copy",
     "dcp_root", "dcp_step", "list_dcp", "latest_dcp", "uncommitted_dcp", "clean_interrupted_dcp", "foreign_dcp",

@@ -114,6 +114,9 @@ class NanoChatTrainer:
                 self.metrics.close(failed=not finished)  # --log's trackers (W&B marks a failed run)
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.release()  # the run lock
+            if getattr(self, "dist_model", None) is not None:  # whoever owns the process group
+                distributed.release_wrapper(self.dist_model)
+                self.dist_model = self.model
             distributed.destroy_distributed()  # only a process group init_distributed created
 
     # ------------------------------------------------------------------ setup
