@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> float:
     # layer in bf16; this example shows FP8's numerics and calibration, not its speed
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2, emulate=args.emulate, auto_steps=3, stats_every=10,
                                        layers="all"), torch.optim.AdamW(model.parameters(), lr=3e-3))
-    guard = StepGuard(model, counters=fp8.counters)  # its counts appear in fp8's summary
+    guard = StepGuard(model)  # not FP8's: it keeps its own counts (guard.summary_text, guard.state_dict)
     print(fp8.report.summary())
     optimizer, params = fp8.optimizer, [p for p in model.parameters() if p.requires_grad]
     compiled = None  # compiled once auto's formats are fixed (calibration runs eagerly)
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> float:
                 compiled = torch.compile(model)
         if step % 5 == 4 or step == args.steps - 1:
             print(f"step {step + 1}: loss {verdict.loss:.3f}" + (" (calibrating)" if "calibrating" in record else ""))
+    print(guard.summary_text("end of training"))
     print(fp8.summary_text(fp8.summary(), "end of training"))
     with torch.no_grad(), fp8.high_precision():  # evaluation in high precision
         final = model(input_ids=data[:65][None], labels=data[:65][None]).loss.item()

@@ -6,10 +6,13 @@ and the fix for a bad value, whether tyro finds it (not a choice, not a number, 
 flag) or the config does (`--fp8_mode` without `--fp8`); `--fp8_opt_level` alone is accepted
 (FP8 moments need no FP8 layers). `--help` is tyro's, unchanged, each flag's help once, as
 written in its field group. The Python API gets the same checks at construction: wrong types,
-non-finite or out-of-range hyperparameters.
+non-finite or out-of-range hyperparameters. The step guard's limit is --max_bad_steps; its former
+name --fp8_max_overflows sets it too and says so in one warning per process, and the two
+disagreeing is an error.
 """
 
 import dataclasses
+import logging
 import math
 import subprocess
 import sys
@@ -19,6 +22,7 @@ from typing import Annotated
 import pytest
 import tyro
 
+import nanochat.config as config_module
 from nanochat.config import TokTrainConfig, TrainConfig, parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +151,22 @@ def test_config_dict_round_trip():
         TrainConfig.from_dict({**cfg.to_dict(), "warp_drive": 1})
 
 
+def test_max_bad_steps_and_its_former_name(caplog, capsys, monkeypatch):
+    monkeypatch.setattr(config_module, "_said", set())
+    assert TrainConfig().max_bad_steps == 10 and TrainConfig(max_bad_steps=3).max_bad_steps == 3
+    with caplog.at_level(logging.WARNING, logger="nanochat"):
+        assert parse_cli(TrainConfig, ["--max_bad_steps", "4"]).max_bad_steps == 4
+        assert not caplog.records
+        assert parse_cli(TrainConfig, ["--fp8_max_overflows", "2"]).max_bad_steps == 2
+        assert TrainConfig(fp8_max_overflows=5, max_bad_steps=5).max_bad_steps == 5
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "--fp8_max_overflows is the former name of --max_bad_steps" in said[0], said
+    with pytest.raises(SystemExit) as e:
+        parse_cli(TrainConfig, ["--fp8_max_overflows", "2", "--max_bad_steps", "3"])
+    assert e.value.code == 2
+    assert "error: --fp8_max_overflows 2 is the former name of --max_bad_steps 3" in capsys.readouterr().err
+
+
 def test_tok_train_config_shares_fp8_flags():
     names = {f.name for f in dataclasses.fields(TokTrainConfig)}
     assert {"fp8", "fp8_mode", "fp8_opt_level", "fp8_recipe", "fp8_emulate"} <= names
@@ -163,6 +183,7 @@ def test_tok_train_config_shares_fp8_flags():
     (dict(beta1=1.0), r"--beta1 must be in \[0, 1\)"),
     (dict(temperature=-1.0), "--temperature must be >= 0"),
     (dict(keep_checkpoints=0), "--keep_checkpoints must be >= 1"),
+    (dict(max_bad_steps=0), "--max_bad_steps must be >= 1"),
     (dict(resume=True, overwrite=True), "give one"),
     (dict(run_dir=""), "--run_dir is empty"),
 ])

@@ -291,7 +291,7 @@ def test_overflow_stop_names_the_bad_steps_and_a_good_checkpoint(small_corpus, t
     NaNWriter.at = 5  # after the step-4 save: every later loss is NaN, steps 6.. are skipped
     run_dir = tmp_path / "r"
     with pytest.raises(NanoChatError, match=r"steps 6-8.*stopping at step 8.*checkpoint-000004\.pt \(step 4, verified"):
-        NaNWriter(**_kw(small_corpus, run_dir, fp8_max_overflows=3, num_iterations=20)).train()
+        NaNWriter(**_kw(small_corpus, run_dir, max_bad_steps=3, num_iterations=20)).train()
     assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
 
 
@@ -565,7 +565,7 @@ class PlantedNaN(NaNWriter):
 def test_the_stop_names_a_checkpoint_that_is_finite_and_resume_refuses_nan(small_corpus, tmp_path, capsys):
     PlantedNaN.at = 5
     run_dir = tmp_path / "r"
-    kw = _kw(small_corpus, run_dir, fp8_max_overflows=3, num_iterations=20)
+    kw = _kw(small_corpus, run_dir, max_bad_steps=3, num_iterations=20)
     with pytest.raises(NanoChatError, match=r"stopping at step 8.*checkpoint-000002\.pt \(step 2, verified, finite\)"):
         PlantedNaN(**kw).train()
     # metrics.jsonl is strict JSON: the skipped steps' non-finite losses are null, the field kept

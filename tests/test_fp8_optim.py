@@ -236,7 +236,7 @@ def test_compiled_step_equals_eager_and_lr_changes_do_not_recompile():
             opt.param_groups[0]["lr"] = 1e-2 / (step + 1)  # a schedule
             p[0].grad = last_bits(grad) if opt is comp else grad.clone()
             opt.step()
-    assert comp._compile, "the compiled path fell back to eager"
+    assert comp.backends.compile, "the compiled path fell back to eager"
     assert counters["stats"]["unique_graphs"] == 1
     assert_same_step(p_comp[0], p_eager[0], [1e-2 / (step + 1) for step in range(4)])
     for key in ("exp_avg", "exp_avg_sq_sqrt"):  # one e4m3 quantum apart at most (2^-3 relative)
@@ -254,7 +254,7 @@ def test_native_cpu_kernel_equals_eager(kind, level):
     native = FP8Optim(_make(kind, p_nat), opt_level=level, backend="native")
     _run(eager, p_eager, 5)
     _run(native, p_nat, 5, perturb=(0,))
-    assert native._native, "the native kernel did not build (see the logged warning)"
+    assert native.backends.native, "the native kernel did not build (see the logged warning)"
     # same formulas; the C compiler contracts a*b+c into FMAs: fp32 rounding, and a code sitting on
     # a rounding boundary may land one step away (assert_same_step)
     assert_same_step(p_nat[0], p_eager[0], [1e-2] * 5)
@@ -586,7 +586,7 @@ def test_compiled_step_is_one_call_per_shape(kind, monkeypatch):
         comp.step()
         per_step.append(len(calls))
         eager.step()
-    assert comp._compile and not comp.fallbacks
+    assert comp.backends.compile and not comp.fallbacks
     assert per_step == [2, 2, 2]
     assert comp.step_backends() == {"compile": (2, 6)}
     lrs = [1e-2 / (step + 1) * (4 if kind == "sgd" else 1) for step in range(3)]
@@ -646,7 +646,7 @@ def test_native_kernel_can_be_turned_off(monkeypatch):
     _run(opt, p, 2, perturb=(0,))
     _run(ref_opt, ref, 2)
     assert len(opt.fallbacks) == 1 and "NANOCHAT_NATIVE_OPTIM=0" in opt.fallbacks[0]
-    assert not opt._native and opt._compile
+    assert not opt.backends.native and opt.backends.compile
     assert_same_step(p[0], ref[0], [1e-3] * 2)
 
 

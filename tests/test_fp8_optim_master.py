@@ -1,8 +1,9 @@
 """The native Adam kernel (nanochat.fp8.optim_kernel.c through `kernel.adam`) with bf16 master
-weights (nanochat.fp8.master) and its per-tensor guard flag.
+weights (nanochat.optim.master) and its per-tensor guard flag.
 - bf16, bf16_sr, bf16_split, each with v in FP8 (level 2) or fp32 (level 1), Adam and AdamW, 4
-  steps on 4 tensors of 2-3 blocks: equal to the eager Python step (`_adam_step`) on the fp32
-  master followed by master.py's `write_master` (its `sr_bits` for bf16_sr). The fp32 math
+  steps on 4 tensors of 2-3 blocks: equal to the eager Python step (nanochat.optim.step's
+  `adam_step` with the FP8 format, E4M3Blocks) on the fp32 master followed by master.py's
+  `write_master` (its `sr_bits` for bf16_sr). The fp32 math
   differs by FMA contraction, so >= 99% of the bf16 weights are equal and none is more than one
   bf16 ulp away; moments as the fp32 kernel's test (codes on a rounding tie one step away).
 - bf16_split keeps the fp32 master: join(p, lo) equals the fp32 kernel's step on an fp32 copy
@@ -19,8 +20,9 @@ import pytest
 import torch
 
 from nanochat.fp8 import kernel
-from nanochat.fp8.master import join, read_master, sr_bits, write_master
-from nanochat.fp8.optim import _adam_step, _host_scalar
+from nanochat.fp8.optim import E4M3Blocks
+from nanochat.optim.master import join, read_master, sr_bits, write_master
+from nanochat.optim.step import FP32, adam_step, host_scalar
 from tests.conftest import assert_close_but_few, last_bits
 
 B = 256
@@ -80,12 +82,13 @@ def _native_step(states, grads, mode, decoupled, v_fp8, *, salts=SALTS, oks=None
 
 
 def _reference_step(states, grads, mode, decoupled, v_fp8, salts=SALTS):
-    hypers = [_host_scalar(x) for x in (GROUP["lr"], *GROUP["betas"], GROUP["eps"], GROUP["weight_decay"])]
+    hypers = [host_scalar(x) for x in (GROUP["lr"], *GROUP["betas"], GROUP["eps"], GROUP["weight_decay"])]
     for st, g, salt in zip(states, grads, salts):
         st["step"] += 1
         x = read_master(st["p"], st.get("lo")).clone()  # the fp32 master
-        _adam_step(x, g.float(), st["mc"], st["ms"], None, st.get("v"), st.get("vc"), st.get("vs"), None,
-                   st["step"], *hypers, None, None, decoupled=decoupled, m_fp8=True, v_fp8=v_fp8, master="fp32")
+        v = (st["vc"], st["vs"]) if v_fp8 else (st["v"],)
+        adam_step(x, g.float(), (st["mc"], st["ms"]), v, None, st["step"], *hypers, None, None, decoupled=decoupled,
+                  master="fp32", m_format=E4M3Blocks, v_format=E4M3Blocks if v_fp8 else FP32)
         write_master(st["p"], x, mode, lo=st.get("lo"), bits16=sr_bits(salt, st["step"], x.shape))
 
 

@@ -224,7 +224,7 @@ def test_fp8optim_first_step_math_on_cuda(level):
     opt = FP8Optim(torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1), opt_level=level)
     _steps(ref, ref_p, 1)
     _steps(opt, p, 1)
-    assert opt._compile, "FP8Optim's compiled CUDA step fell back to eager"
+    assert opt.backends.compile, "FP8Optim's compiled CUDA step fell back to eager"
     for a, b in zip(ref_p, p):
         # the compiled step computes p * (1 - lr wd) - update in one fused expression, torch in two
         # in-place ops: the results may differ in the last bit (measured on CPU: <= 1 ulp of the

@@ -2,12 +2,15 @@
 
 Checked against hand counts, the model's own gradients and torch: a non-finite gradient or loss
 skips the step, names the layer where it began, drops every gradient and is counted, and
-`max_overflows` in a row stop the run naming the steps; a finite step ends such a run; a clip is
+`max_bad_steps` in a row stop the run naming the steps; a finite step ends such a run; a clip is
 counted with its factor and the gradients equal torch.nn.utils.clip_grad_norm_'s (the same norm
 and the same scaling kernel: bit for bit); `check` reads the device once (loss and norm
-together); counts land in a shared counters dict (FP8Training.counters).
+together). The guard owns its counts and their checkpointed state: FP8Training's summary and
+state hold none of them, a saved state (through JSON) restores them, and so does a checkpoint of
+nanochat 0.1.0, which kept them among FP8Training's `counters`.
 """
 
+import json
 import math
 
 import pytest
@@ -32,7 +35,7 @@ def _backward(model: nn.Module) -> torch.Tensor:
 
 def test_nonfinite_steps_are_skipped_named_counted_and_stop_the_run():
     model = _mlp()
-    guard = StepGuard(model, max_overflows=2)
+    guard = StepGuard(model, max_bad_steps=2)
     _backward(model)
     model[2].weight.grad[0, 0] = math.inf
     record = guard.decide(0, 1.0, math.inf)
@@ -67,9 +70,28 @@ def test_check_reads_once_clips_as_torch_and_skips_without_touching_the_weights(
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
-def test_counts_go_to_fp8_trainings_counters_with_fp8_off():
+def test_the_guard_owns_its_counts_and_their_checkpoint_state():
     model = _mlp()
     fp8 = FP8Training(model, FP8Config(enabled=False))
-    guard = StepGuard(model, counters=fp8.counters)
+    guard = StepGuard(model)
     assert guard.decide(0, math.inf, 1.0)["skipped"] is True
-    assert fp8.summary()["skipped_steps"] == 1 and fp8.state_dict()["counters"]["overflow_events"] == 1
+    assert guard.decide(1, 1.0, 4.0, max_norm=1.0) == {"clip_factor": 0.25}
+    counts = {"overflow_events": 1, "skipped_steps": 1, "clip_events": 1, "min_clip_factor": 0.25}
+    assert guard.summary() == counts
+    assert guard.summary_text("end").startswith("step guard (end): 1 skipped steps")
+    guard_keys = set(counts)
+    assert not guard_keys & set(fp8.summary()) and fp8.state_dict()["counters"] == {"stats_samples": 0}
+    checkpoint = json.loads(json.dumps({**fp8.state_dict(), **guard.state_dict()}))  # as trainer.json holds it
+    resumed = StepGuard(_mlp())
+    resumed.load_state_dict(checkpoint)
+    assert resumed.counters == counts
+
+
+def test_a_checkpoint_with_the_counts_in_fp8s_counters_still_resumes():
+    old = {"counters": {"overflow_events": 2, "skipped_steps": 2, "clip_events": 7, "stats_samples": 3,
+                        "min_clip_factor": 0.5}, "fp8_choices": None, "fp8_converted": None}
+    guard, fp8 = StepGuard(_mlp()), FP8Training(_mlp(), FP8Config(enabled=False))
+    guard.load_state_dict(old)
+    fp8.load_state_dict(old)
+    assert guard.counters == {"overflow_events": 2, "skipped_steps": 2, "clip_events": 7, "min_clip_factor": 0.5}
+    assert fp8.counters == {"stats_samples": 3}

@@ -141,9 +141,9 @@ def test_fp8_health_reaches_the_trainers_log(eager_run):
         per_layer = [v for k, v in log.items() if k.startswith("fp8_layers/underflow_pct/") and k.endswith(f"/{role}")]
         assert log[f"fp8/underflow_pct/{role}/max"] == max(per_layer)
     # the last sample (step 9) is what FP8Training kept
-    counters = ("fp8/skipped_steps", "fp8/clip_events")
-    health = {k: v for k, v in fp8_logs[9].items() if k.startswith("fp8/") and k not in counters}
+    health = {k: v for k, v in fp8_logs[9].items() if k.startswith("fp8/")}
     assert health == fp8_health(trainer.fp8.last_stats, layers=False)
+    assert fp8_logs[9]["guard/skipped_steps"] == 0 and fp8_logs[9]["guard/clip_events"] == 9  # the guard's, not FP8's
 
 
 def test_gradient_accumulation_is_one_fp8_step_per_optimizer_step(tmp_path):
@@ -159,13 +159,14 @@ def test_gradient_accumulation_is_one_fp8_step_per_optimizer_step(tmp_path):
     assert {(n, r): s["numel"] for n, roles in split.fp8.last_stats.items() for r, s in roles.items()} == {
         (n, r): v * (2 if r == "weight" else 1) for (n, r), v in numel.items()}
     # one check per optimizer step, not per micro-batch: each of the 3 clips (norms ~4-6 > max_grad_norm 1)
-    assert split.fp8.counters["clip_events"] == 3
+    assert split.guard.counters["clip_events"] == 3
 
 
 @pytest.mark.parametrize("master_weights", ["fp32", "bf16_sr"])
 def test_resume_from_checkpoint_is_exact(tmp_path, master_weights):
     """6 steps saving at step 3, against a fresh trainer resumed from that checkpoint: the same
-    losses, weights, FP8 moments, auto formats (restored, not recalibrated) and FP8 counters."""
+    losses, weights, FP8 moments, auto formats (restored, not recalibrated), FP8's and the step
+    guard's counts."""
     kw = dict(steps=6, save_strategy="steps", save_steps=3, warmup_steps=2,
               trainer_kw={"master_weights": master_weights})
     full, full_record = _train(tmp_path / "full", **kw)
@@ -177,6 +178,7 @@ def test_resume_from_checkpoint_is_exact(tmp_path, master_weights):
     assert full_record.losses()[6] < 0.9 * full_record.losses()[1]  # measured 4.44 / 5.56
     assert not any("fp8/auto_e5m2_layers/input" in r for r in resumed_record.logs)  # no recalibration
     assert resumed.fp8.choices == full.fp8.choices and resumed.fp8.counters == full.fp8.counters
+    assert resumed.guard.counters == full.guard.counters and full.guard.counters["clip_events"] > 0
     want = torch.float32 if master_weights == "fp32" else torch.bfloat16
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert a.dtype == want and torch.equal(a, b)
@@ -235,18 +237,18 @@ def test_a_nonfinite_step_is_skipped_named_and_the_schedule_moves_on(tmp_path, c
     assert steps == {5}  # 6 optimizer steps, one skipped: Adam's bias correction saw 5
     assert record.calibrating == {1: True, 2: True, 3: False, 4: False, 5: False, 6: False}  # a skip doesn't count
     logs = {r["step"]: r for r in record.logs if "loss" in r}
-    assert logs[2]["fp8/skipped_steps"] == 1 and not math.isfinite(logs[2]["grad_norm"])
-    assert all(math.isfinite(logs[s]["loss"]) for s in (3, 4, 5, 6)) and trainer.fp8.counters["skipped_steps"] == 1
+    assert logs[2]["guard/skipped_steps"] == 1 and not math.isfinite(logs[2]["grad_norm"])
+    assert all(math.isfinite(logs[s]["loss"]) for s in (3, 4, 5, 6)) and trainer.guard.counters["skipped_steps"] == 1
     # the learning rate stays a function of the step number: the skipped step used up its own
     reference = get_linear_schedule_with_warmup(torch.optim.SGD([torch.zeros(1)], lr=3e-3), 0, 6)
     lrs = [3e-3 * reference.lr_lambdas[0](k) for k in range(6)]
     assert [logs[s]["learning_rate"] for s in range(1, 7)] == pytest.approx(lrs, rel=1e-12)
 
 
-def test_max_overflows_nonfinite_steps_in_a_row_stop_training(tmp_path):
-    config = FP8Config(emulate=True, layers="all", stats_every=0, max_overflows=2)
+def test_max_bad_steps_nonfinite_steps_in_a_row_stop_training(tmp_path):
+    config = FP8Config(emulate=True, layers="all", stats_every=0)
     with pytest.raises(NanoChatError, match="2 consecutive steps with non-finite loss or gradients, steps 3-4"):
-        _train_with_inf(tmp_path, {2, 3}, fp8_config=config)
+        _train_with_inf(tmp_path, {2, 3}, fp8_config=config, trainer_kw={"max_bad_steps": 2})
 
 
 @pytest.mark.two_computations

@@ -10,7 +10,8 @@
   uninterrupted one bit for bit, the in-backward step reads the device once; a step in which one
   parameter's gradient is NaN moves every other parameter, names that one and is not a skipped
   step, a step in which every gradient is NaN moves nothing and is (only those count toward
-  --fp8_max_overflows, and a step that updated weights ends a run of them).
+  --max_bad_steps, and a step that updated weights ends a run of them); the counts are the step
+  guard's (TrainResult.guard_stats), none in fp8_stats without FP8.
 The C kernel against the Python step per mode: tests/test_fp8_optim_master.py.
 """
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from nanochat.config import TrainConfig
-from nanochat.fp8 import master as M
+from nanochat.optim import master as M
 from nanochat.fp8.optim import FP8Optim
 from nanochat.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs, train_until_first_save
@@ -299,13 +300,13 @@ class NonFiniteGradients(NanoChatTrainer):
 
 
 def test_in_backward_step_with_some_nonfinite_gradients_is_not_a_skipped_step(small_corpus, tmp_path):
-    """--optimizer_in_backward over 5 steps, --fp8_max_overflows 2. Step 3, one parameter's
+    """--optimizer_in_backward over 5 steps, --max_bad_steps 2. Step 3, one parameter's
     gradient NaN: that parameter keeps its value, every other one moves, the record names it
     (skipped_params 1, skipped_param_names) and the step is not a skipped step. Steps 1 and 4,
     every gradient NaN: nothing moves and each is a skipped step. Two skipped steps, never two
     in a row (steps 2 and 3 updated weights), so the run finishes."""
     t = NonFiniteGradients(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=5, num_samples=0,
-                                               optimizer_in_backward=True, grad_clip=0.0, fp8_max_overflows=2))
+                                               optimizer_in_backward=True, grad_clip=0.0, max_bad_steps=2))
     r = t.train()
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     records = {rec["step"]: rec for rec in map(json.loads, lines) if "loss" in rec and "step" in rec}
@@ -320,4 +321,5 @@ def test_in_backward_step_with_some_nonfinite_gradients_is_not_a_skipped_step(sm
         assert records[step]["skipped"] is True and records[step]["skipped_params"] == len(names)
         assert all(torch.equal(t.weights[step][n], t.weights[step - 1][n]) for n in names)
     assert all("skipped_params" not in records[s] for s in (2, 5))
-    assert r.steps == 5 and r.fp8_stats["skipped_steps"] == 2 and r.fp8_stats["overflow_events"] == 2
+    assert r.steps == 5 and r.guard_stats["skipped_steps"] == 2 and r.guard_stats["overflow_events"] == 2
+    assert r.fp8_stats is None  # no FP8 in this run: the guard's counts are not FP8's

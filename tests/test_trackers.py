@@ -80,7 +80,7 @@ def records(fp8_run) -> list[dict]:
     kinds = {r.get("event") for r in recs}
     # the run holds what the trackers must show: statistics, validation, a skipped step, events
     assert any("fp8_stats" in r for r in recs) and any("val_bpb" in r for r in recs), recs
-    assert any(r.get("skipped") for r in recs) and {"fp8_auto_choices", "fp8_summary"} <= kinds, kinds
+    assert any(r.get("skipped") for r in recs) and {"fp8_auto_choices", "fp8_summary", "guard_summary"} <= kinds, kinds
     return recs
 
 
@@ -172,10 +172,12 @@ def test_tensorboard_holds_every_scalar_of_a_real_fp8_run(fp8_run, records, tmp_
     last = max(r["step"] for r in records if "step" in r)
     for key in ("val_bpb", "val_loss", "train_loss", "tokens_per_sec", "steps", "num_params"):
         assert got[f"final/{key}"] == [(last, _f32(result[key]))], key
-    # the FP8 summary's counters, which survive a resume, as events
-    summary = [r for r in records if r.get("event") == "fp8_summary"][-1]
+    # the step guard's counters, which survive a resume, as events; FP8's summary has none of them
+    summary = [r for r in records if r.get("event") == "guard_summary"][-1]
     assert got["events/skipped_steps"][-1][1] == summary["skipped_steps"] == len(skipped)
     assert got["events/clip_events"][-1][1] == summary["clip_events"] == sum("clip_factor" in r for r in records)
+    fp8_summary = [r for r in records if r.get("event") == "fp8_summary"][-1]
+    assert got["events/stats_samples"][-1][1] == fp8_summary["stats_samples"] and "skipped_steps" not in fp8_summary
 
     texts = _tb_texts(tmp_path)
     (step, nonfinite), = texts["events/nonfinite"]
@@ -184,8 +186,10 @@ def test_tensorboard_holds_every_scalar_of_a_real_fp8_run(fp8_run, records, tmp_
     table = texts["events/fp8_auto_choices"][0][1]
     for layer, roles in choices.items():
         assert f"| {layer} | {roles['input']} | {roles['weight']} | {roles['grad_output']} |" in table
+    assert texts["events/guard_summary"][-1][1].startswith(f"step guard (end of training): "
+                                                            f"{summary['overflow_events']} overflow events")
     assert texts["events/fp8_summary"][-1][1].startswith(f"fp8 summary (end of training): "
-                                                          f"{summary['overflow_events']} overflow events")
+                                                          f"{fp8_summary['stats_samples']} stats samples")
     assert "| fp8_skip | [\"lm_head\"] |" in texts["config"][0][1] and texts["config"][0][0] == 0
     # the config in the HPARAMS tab, read with the plugin's own schema
     from tensorboard.plugins.hparams import plugin_data_pb2

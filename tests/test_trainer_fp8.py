@@ -1,7 +1,8 @@
 """FP8 in the training loop (CPU, emulated FP8), checked against an uninterrupted run or hand counts:
 
-- an inf injected into one layer's gradient skips exactly that step, is counted, and the run
-  names the layer; M such steps in a row stop the run and leave the last checkpoint loadable;
+- an inf injected into one layer's gradient skips exactly that step, is counted by the step guard
+  (TrainResult.guard_stats, not fp8_stats), and the run names the layer; M such steps in a row
+  stop the run and leave the last checkpoint loadable;
 - `--fp8_mode auto` fixes formats after --fp8_auto_steps, stores them in the checkpoint, and a
   resumed run reuses them (no recalibration) and logs bitwise the same losses as a run that was
   never interrupted;
@@ -62,14 +63,15 @@ def test_injected_inf_skips_the_step_and_names_the_layer(small_corpus, tmp_path)
     skipped = [r for r in recs if r.get("skipped")]
     assert [r["step"] for r in skipped] == [3]
     assert POISONED in skipped[0]["nonfinite_at"]
-    assert result.fp8_stats["overflow_events"] == 1 and result.fp8_stats["skipped_steps"] == 1
+    assert result.guard_stats["overflow_events"] == 1 and result.guard_stats["skipped_steps"] == 1
+    assert not {"overflow_events", "skipped_steps", "clip_events"} & set(result.fp8_stats)  # FP8's only
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in recs if not r.get("skipped"))
 
 
 def test_consecutive_overflows_stop_and_keep_the_checkpoint(small_corpus, tmp_path):
     PoisonedTrainer.bad_steps = set(range(5, 100))
     kw = tiny_train_kwargs(small_corpus, tmp_path / "stop", num_iterations=20, save_every=2, fp8=True,
-                           fp8_emulate=True, fp8_layers="all", fp8_max_overflows=3, num_samples=0)
+                           fp8_emulate=True, fp8_layers="all", max_bad_steps=3, num_samples=0)
     with pytest.raises(RuntimeError, match=f"3 consecutive.*{POISONED}.*checkpoint"):
         PoisonedTrainer(**kw).train()
     ckpt = load_checkpoint(tmp_path / "stop")

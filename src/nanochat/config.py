@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import math
 import os
 import re
@@ -47,7 +48,7 @@ FP8_FLAGS = {
     "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "layers": "fp8_layers", "emulate": "fp8_emulate",
     "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
     "auto_steps": "fp8_auto_steps", "auto_recheck_every": "fp8_auto_recheck_every",
-    "stats_every": "fp8_stats_every", "max_overflows": "fp8_max_overflows",
+    "stats_every": "fp8_stats_every",
 }
 """FP8Config field -> the flag that sets it. The flags are generated from FP8Config (type, help
 text, validation); only their names, `-f` and `--fp8`'s default (off) are the CLI's own. A field
@@ -57,6 +58,17 @@ without a flag (`fsdp_float8_all_gather`) is decided by the trainer, not the use
 def flag_text(text: str) -> str:
     """An FP8Config message or help text as the CLI shows it: `mode` becomes --fp8_mode."""
     return re.sub(r"`(\w+)`", lambda m: "--" + FP8_FLAGS[m[1]] if m[1] in FP8_FLAGS else m[0], text)
+
+
+_said: set[str] = set()
+
+
+def _say_once(key: str, message: str) -> None:
+    """A warning the first time `key` is seen in this process (nanochat.common.warn_once's
+    wording; this module stays free of torch so that --help is fast)."""
+    if key not in _said:
+        _said.add(key)
+        logging.getLogger("nanochat").warning("WARNING: %s", message)
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:
@@ -250,6 +262,14 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off."""
 
+    max_bad_steps: int = 10
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
+    such step is skipped, its layer named); the last good checkpoint stays intact. The step
+    guard's limit (nanochat.guard), with or without FP8."""
+
+    fp8_max_overflows: int | None = None
+    """The former name of --max_bad_steps (the guard is not FP8's): sets it, and says so once."""
+
     save_every: int = 200
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
 
@@ -370,6 +390,15 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
         if not self.run_dir.strip():
             raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
         self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
+        if self.fp8_max_overflows is not None:
+            if self.max_bad_steps not in (TrainConfig.max_bad_steps, self.fp8_max_overflows):
+                raise ValueError(f"--fp8_max_overflows {self.fp8_max_overflows} is the former name of --max_bad_steps "
+                                 f"{self.max_bad_steps}: give --max_bad_steps only")
+            object.__setattr__(self, "max_bad_steps", self.fp8_max_overflows)
+            _say_once("fp8_max_overflows", "--fp8_max_overflows is the former name of --max_bad_steps (the step "
+                      "guard runs in every run, FP8 or not): use --max_bad_steps")
+        if self.max_bad_steps < 1:
+            raise ValueError(f"--max_bad_steps must be >= 1, got {self.max_bad_steps}")
         _positive(self, "grad_accum_steps")
         _non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
                       "temperature")

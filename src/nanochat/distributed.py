@@ -47,6 +47,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from nanochat import runlock
 from nanochat.common import DistEnv, NanoChatError, dist_env, file_problem, file_sha256, fsync_path, write_atomic
+from nanochat.optim import OptimWrapper, QuantizedState, dense
 
 if TYPE_CHECKING:
     from nanochat.fp8.config import FP8Config
@@ -557,7 +558,8 @@ def load_dcp(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.O
         verify_dcp(path)
     state = _state_dicts(model, optimizer)
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    full = _fp32_templates(state["optimizer"]["state"], saved, model, getattr(optimizer, "block_size", None))
+    block_size = optimizer.block_size if isinstance(optimizer, OptimWrapper) else None
+    full = _fp32_templates(state["optimizer"]["state"], saved, model, block_size)
     state["extra"] = dict(tensors or {})
     with _single_process_quiet():
         dcp.load(state, checkpoint_id=path, no_dist=not is_distributed())
@@ -588,16 +590,15 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
     """Adjust the optimizer template, in place, where the checkpoint's moments cannot load as the
     optimizer holds them; returns the (state, key, param) entries given full fp32 templates.
 
-    FP8 moments are whole 256-element blocks, and FP8Tensor slices only on block boundaries. So a
-    moment loads into a full, unsharded fp32 template (DCP then reads whole saved chunks and
-    dequantizes them), and is resharded and requantized by FP8Optim afterwards, when
-    - the checkpoint names it differently (FP8Optim calls v `exp_avg_sq` in fp32 and
-      `exp_avg_sq_sqrt` in FP8: a tensor whose shards were not whole blocks kept fp32 state), or
+    A quantized moment (nanochat.optim.QuantizedState, e.g. FP8) is whole `block_size`-element
+    blocks and slices only on block boundaries. So a moment loads into a full, unsharded fp32
+    template (DCP then reads whole saved chunks and dequantizes them), and is resharded and
+    requantized by the optimizer's load_state_dict afterwards, when
+    - the checkpoint holds it under a name this optimizer does not use now (a tensor whose
+      shards were not whole blocks kept fp32 state; nanochat.optim.state names the states), or
     - the saved chunks or this run's shards do not start and end on block boundaries.
-    Otherwise (the usual case) FP8 codes and scales load as they are, without requantization.
+    Otherwise (the usual case) quantized codes and scales load as they are, without requantization.
     """
-    from nanochat.fp8.tensor import FP8Tensor
-
     def whole_blocks(starts_ends: list[int], row: int) -> bool:
         return block_size is None or all((r * row) % block_size == 0 for r in starts_ends)
 
@@ -622,7 +623,7 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
             theirs = [b for c in saved[prefix + k].chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])]
             local = value.to_local() if isinstance(value, DTensor) else value
             if (value is None or not whole_blocks(mine, row)  # a saved FP8 chunk would be cut
-                    or (isinstance(local, FP8Tensor) and not whole_blocks(theirs, row))):
+                    or (isinstance(local, QuantizedState) and not whole_blocks(theirs, row))):
                 current[k] = torch.zeros(p.shape, device=p.device)
                 full.append((current, k, p))
     return full
@@ -649,21 +650,19 @@ def load_full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer,
     """Load a single process's state dicts (checkpoint-<step>.pt) into an FSDP-sharded model and its
     optimizer: every rank holds the full tensors and keeps its own rows.
 
-    FP8 moments are dequantized before slicing and requantized per shard by FP8Optim's
-    load_state_dict (a shard's blocks are the same elements as in the full tensor, so codes and
-    scales come back as they were up to the rounding of recomputing a scale). DCP checkpoints
-    need none of this: they reshard without dequantizing.
+    Quantized moments (FP8) are dequantized before slicing and requantized per shard by the
+    optimizer's load_state_dict (a shard's blocks are the same elements as in the full tensor, so
+    codes and scales come back as they were up to the rounding of recomputing a scale). DCP
+    checkpoints need none of this: they reshard without dequantizing.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from nanochat.fp8.tensor import FP8Tensor
 
     set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=True))
 
     def shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if not isinstance(p, DTensor) or full.dim() == 0:
             return full
-        full = full.dequantize() if isinstance(full, FP8Tensor) else full
+        full = dense(full)
         # src_data_rank=None: every rank slices its own rows, no communication
         return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
 

@@ -6,18 +6,19 @@ would write inf/nan into the weights (and Adam's moments keep it forever), so it
 dropped instead, the update is skipped, and the layer where the non-finite values began is named
 (nanochat.fp8.stats.first_nonfinite_layer: the first module in forward order whose output or
 gradient holds them; the forward is re-run eagerly when the loss itself is not finite).
-`max_overflows` such steps in a row stop the run: the learning rate or the data is wrong, and
+`max_bad_steps` such steps in a row stop the run: the learning rate or the data is wrong, and
 skipping more would only burn time. A finite step is clipped to `max_norm` and the clip counted.
 
-    guard = StepGuard(model, max_overflows=10)
+    guard = StepGuard(model, max_bad_steps=10)
     loss.backward()
     verdict = guard.check(step, loss, params, max_norm=1.0)   # loss and norm: one device read
     if not verdict.skipped:
         optimizer.step()
+    ...checkpoint = {..., **guard.state_dict()}; on resume guard.load_state_dict(checkpoint)
 
 Nothing here is FP8's: overflows are what low precision makes more likely, but a bf16 or fp32 run
-needs the same guard (nanochat's trainer runs it always). The counts go to `counters`; pass
-FP8Training.counters so that FP8's summary and checkpoints carry them.
+needs the same guard (nanochat's trainer runs it always). So the guard owns its counts
+(`counters`, `summary`), its checkpointed state and its limit; FP8's objects hold none of them.
 """
 
 from __future__ import annotations
@@ -53,14 +54,13 @@ class Verdict(NamedTuple):
 class StepGuard:
     """Skips non-finite steps (naming the layer), counts and applies clipping (module docstring)."""
 
-    def __init__(self, model: nn.Module, *, max_overflows: int = 10, counters: dict[str, Any] | None = None):
-        if max_overflows < 1:
-            raise ValueError(f"max_overflows must be >= 1, got {max_overflows}")
+    def __init__(self, model: nn.Module, *, max_bad_steps: int = 10):
+        if max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps must be >= 1, got {max_bad_steps}")
         self.model = model
-        self.max_overflows = max_overflows
-        self.counters = counters if counters is not None else {}
-        for key, start in COUNTERS.items():
-            self.counters.setdefault(key, start)
+        self.max_bad_steps = max_bad_steps
+        """Consecutive non-finite steps that stop the run (--max_bad_steps)."""
+        self.counters: dict[str, Any] = dict(COUNTERS)
         self._in_a_row, self._bad_since = 0, 0
 
     def check(self, step: int, loss: torch.Tensor, params: Iterable[torch.Tensor], *, max_norm: float = math.inf,
@@ -87,7 +87,7 @@ class StepGuard:
         parameter with a non-finite gradient unchanged), in one device read: the loss, the norm
         of the finite gradients and, when some were not finite, `skipped_params` (how many
         parameters kept their values) and `skipped_param_names`. The step counts as skipped
-        (`decide`: the counters, the stop after `max_overflows`) only when nothing was updated:
+        (`decide`: the counters, the stop after `max_bad_steps`) only when nothing was updated:
         the loss was not finite, or every parameter with a gradient kept its value."""
         stats = optimizer.backward_stats(per_param=True)
         stats = torch.zeros(3, device=loss.device) if stats is None else stats
@@ -113,7 +113,7 @@ class StepGuard:
         """The verdict on host values (for a loop that reads them itself): what to add to the
         step's metrics. A non-finite loss or norm: every gradient of the model is dropped (the
         update must be skipped), the first non-finite layer is named (`rerun` re-runs the forward
-        when the loss itself is not finite), and after `max_overflows` such steps in a row a
+        when the loss itself is not finite), and after `max_bad_steps` such steps in a row a
         NanoChatError stops the run (`note()`: which checkpoint is good). Otherwise a clip is
         counted when the norm exceeds `max_norm`; a finite step ends a run of skipped ones."""
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -138,13 +138,38 @@ class StepGuard:
                        step + 1, "gradient" if loss_finite else "loss", where, self._in_a_row)
         for p in self.model.parameters():
             p.grad = None
-        if self._in_a_row >= self.max_overflows:
+        if self._in_a_row >= self.max_bad_steps:
             raise NanoChatError(
                 f"{self._in_a_row} consecutive steps with non-finite loss or gradients, steps "
                 f"{self._bad_since}-{step + 1} (last first seen at {where}); stopping at step {step + 1}. "
                 f"{note() if note else 'No checkpoint was named'}: lower the learning rate, check the data, "
                 "or try FP8 mode e5m2 / auto (more range for gradients)")
         return {"skipped": True, "nonfinite_at": where}
+
+    # ------------------------------------------------------------------ reports and checkpoints
+    def summary(self) -> dict[str, Any]:
+        """The counts so far (plain, JSON-ready): TrainResult.guard_stats, the summary event."""
+        return dict(self.counters)
+
+    def summary_text(self, label: str) -> str:
+        """The counts as the line a run prints, headed by `label` (e.g. "end of training")."""
+        c = self.counters
+        clip = f", smallest clip factor {c['min_clip_factor']:.3f}" if c["min_clip_factor"] is not None else ""
+        return (f"step guard ({label}): {c['skipped_steps']} skipped steps (non-finite loss or gradients), "
+                f"{c['clip_events']} clipping events{clip}")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-safe) under one key, so it can sit beside a loop's own in one
+        checkpoint dict: {"guard": the counters}."""
+        return {"guard": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters from `state` (a whole checkpoint dict may be passed). A
+        checkpoint of nanochat 0.1.0 holds them among FP8Training's `counters` instead."""
+        saved = state.get("guard")
+        if saved is None:
+            saved = state.get("counters") or {}
+        self.counters.update({k: v for k, v in saved.items() if k in COUNTERS})
 
 
 __all__ = ["COUNTERS", "StepGuard", "Verdict"]

@@ -8,7 +8,8 @@
 It is the Trainer, with one FP8Training (nanochat.fp8) and one StepGuard (nanochat.guard) called
 at the Trainer's own points: `__init__` casts bf16 master weights and converts the model before
 the Trainer wraps or compiles it; `create_optimizer` wraps the optimizer the Trainer built in
-FP8Optim (the same param_groups, so the scheduler built on it drives both); `training_step` opens
+FP8Optim (or nanochat.optim's OptimWrapper for bf16 master weights alone: the same param_groups,
+so the scheduler built on it drives both); `training_step` opens
 the FP8 step at an optimizer step's first micro-batch and closes it after the last backward
 (where the guard checks the step), running calibration and statistics
 steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate compiled, whole
@@ -18,7 +19,7 @@ and before compiling; evaluation runs in high precision.
 
 A step whose loss or gradient norm is not finite is skipped before the Trainer clips: its
 gradients are dropped (the optimizer step updates nothing), the layer where it began is named,
-and `max_overflows` such steps in a row stop training. The Trainer still counts the step and
+and `max_bad_steps` such steps in a row stop training. The Trainer still counts the step and
 advances the schedule, so the learning rate stays a function of the step number. docs/hf.md
 compares this with accelerate's torchao FP8 path. This module imports transformers;
 nanochat.fp8 does not.
@@ -41,18 +42,19 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from nanochat.common import logger, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.config import RESUME_FIELDS, ROLES
-from nanochat.fp8.master import MASTER_WEIGHTS, MasterWeights, param_dtype
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
 from nanochat.guard import StepGuard
+from nanochat.optim import MASTER_WEIGHTS, MasterWeights, OptimWrapper, param_dtype
 
 FP8_STATE_NAME = "fp8_state.json"
-"""FP8Training.state_dict() (counters, auto's choices) and the FP8 settings, in each checkpoint."""
+"""FP8Training.state_dict() (statistics samples, auto's choices), the step guard's counts and the
+FP8 settings, in each checkpoint."""
 
 HEALTH = ("underflow_pct", "saturation_pct", "sqnr_db")
 """The per-layer figures logged (fp8.stats: share of non-zero values flushed to zero, share of
 values clamped at the format's maximum, signal-to-quantization-noise ratio in dB)."""
 
-SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)  # what FP8Optim wraps
+SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)  # what nanochat.optim wraps
 
 
 def fp8_health(stats: dict[str, dict[str, dict]], *, layers: bool) -> dict[str, float]:
@@ -96,8 +98,10 @@ class FP8Trainer(Trainer):
     Args beyond the Trainer's (all keyword-only):
         fp8_config: what FP8Training does (formats, `auto`, moments, statistics); FP8Config() if None.
         master_weights: "fp32" (the parameters are the masters), or "bf16" / "bf16_sr" /
-            "bf16_split": the parameters are cast to bf16 here and FP8Optim writes each update
-            into them (docs/master_weights.md). TrainingArguments.seed seeds bf16_sr.
+            "bf16_split": the parameters are cast to bf16 here and the optimizer wrapper writes
+            each update into them (docs/master_weights.md). TrainingArguments.seed seeds bf16_sr.
+        max_bad_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
+            that stop training (the step guard's limit, nanochat.guard).
         log_layers_every: per-layer FP8 figures on every N-th statistics sample (0: never); the
             per-role worst and mean come with every sample. A Llama-3-8B has 224 FP8 layers, so
             2,016 per-layer scalars a sample, which the progress bar prints, every tracker stores
@@ -106,7 +110,7 @@ class FP8Trainer(Trainer):
     """
 
     def __init__(self, *args, fp8_config: FP8Config | None = None, master_weights: MasterWeights = "fp32",
-                 log_layers_every: int = 5, **kwargs):
+                 log_layers_every: int = 5, max_bad_steps: int = 10, **kwargs):
         config = fp8_config if fp8_config is not None else FP8Config()
         if not isinstance(config, FP8Config):
             raise TypeError(f"fp8_config must be a nanochat.fp8.FP8Config, got {type(config).__name__}")
@@ -123,10 +127,10 @@ class FP8Trainer(Trainer):
                 p.data = p.data.to(param_dtype(master_weights))
         self.fp8 = FP8Training(self.model, config)
         """FP8's side of training: the conversion report, counters, auto's choices, statistics."""
-        self.guard = StepGuard(self.model, max_overflows=config.max_overflows, counters=self.fp8.counters)
-        """Skips a step whose loss or gradient norm is not finite; counts into fp8.counters."""
+        self.guard = StepGuard(self.model, max_bad_steps=max_bad_steps)
+        """Skips a step whose loss or gradient norm is not finite; counts it (and the clips)."""
         self.fp8_optimizer: torch.optim.Optimizer | None = None
-        """The Trainer's optimizer as create_optimizer wrapped it (FP8Optim, or itself)."""
+        """The Trainer's optimizer as create_optimizer wrapped it (FP8Optim, OptimWrapper, or itself)."""
         if self.fp8.report is not None:
             logger.info("%s", self.fp8.report.summary())
         self._step = None  # the FP8 step open across an optimizer step's micro-batches
@@ -158,7 +162,7 @@ class FP8Trainer(Trainer):
         if config.enabled or master_weights != "fp32":
             kind = self._optimizer_class()
             if kind not in SUPPORTED_OPTIMIZERS:
-                raise ValueError(f"FP8Optim (FP8 moments, bf16 master weights) wraps torch.optim.AdamW, Adam or "
+                raise ValueError(f"FP8 moments and bf16 master weights wrap torch.optim.AdamW, Adam or "
                                  f"SGD; this Trainer would build {kind.__module__}.{kind.__qualname__}: use "
                                  "TrainingArguments(optim='adamw_torch') or 'adamw_torch_fused'")
 
@@ -171,10 +175,11 @@ class FP8Trainer(Trainer):
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
-        """The Trainer's optimizer, wrapped once in FP8Optim (FP8 moments at `opt_level` 1-2, bf16
-        master weights); the scheduler the Trainer builds next drives the shared param_groups."""
+        """The Trainer's optimizer, wrapped once (wrap_optimizer: FP8Optim for FP8 moments at
+        `opt_level` 1-2, OptimWrapper for bf16 master weights alone); the scheduler the Trainer
+        builds next drives the shared param_groups."""
         optimizer = super().create_optimizer(model)
-        if self.fp8_optimizer is None:  # FP8Optim logs its layout (and fp32 moments) at its first step
+        if self.fp8_optimizer is None:  # a wrapper logs its layout (and fp32 moments) at its first step
             self.optimizer = self.fp8_optimizer = wrap_optimizer(
                 optimizer, opt_level=self.fp8.config.opt_level, master_weights=self.master_weights, seed=self.args.seed)
         return self.optimizer
@@ -219,8 +224,8 @@ class FP8Trainer(Trainer):
         if verdict.skipped:  # the Trainer would log the norm of the dropped gradients: 0
             self._add_logs({"grad_norm": verdict.grad_norm})
         if verdict.skipped or sampled:
-            self._add_logs({"fp8/skipped_steps": self.fp8.counters["skipped_steps"],
-                            "fp8/clip_events": self.fp8.counters["clip_events"]})
+            self._add_logs({"guard/skipped_steps": self.guard.counters["skipped_steps"],
+                            "guard/clip_events": self.guard.counters["clip_events"]})
         return verdict.skipped
 
     def _checkpoint_note(self) -> str:
@@ -260,7 +265,8 @@ class FP8Trainer(Trainer):
         output = super().train(*args, **kwargs)
         self.fp8.finish()
         optimizer = self.fp8_optimizer
-        notes = optimizer.fp32_state_notes() + optimizer.fallbacks if isinstance(optimizer, FP8Optim) else []
+        notes = ((optimizer.fp32_state_notes() if isinstance(optimizer, FP8Optim) else [])
+                 + (optimizer.fallbacks if isinstance(optimizer, OptimWrapper) else []))
         output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + notes
         return output
 
@@ -272,7 +278,7 @@ class FP8Trainer(Trainer):
     # ---------------------------------------------------------------- checkpoints
     def _fp8_state(self) -> dict[str, Any]:
         return {"fp8_config": json.loads(json.dumps(dataclasses.asdict(self.fp8.config))),
-                "master_weights": self.master_weights, **self.fp8.state_dict()}
+                "master_weights": self.master_weights, **self.fp8.state_dict(), **self.guard.state_dict()}
 
     def _save_checkpoint(self, model, trial) -> None:
         """The Trainer's checkpoint plus fp8_state.json (written first, atomically)."""
@@ -298,9 +304,11 @@ class FP8Trainer(Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if state is not None:
             self.fp8.load_state_dict(state)
+            self.guard.load_state_dict(state)
         elif self.fp8.config.enabled:
-            message = (f"{resume_from_checkpoint} has no {FP8_STATE_NAME} (not saved by FP8Trainer): FP8 counters "
-                       "start from 0" + (" and `mode` auto calibrates again" if self.fp8.config.mode == "auto" else ""))
+            message = (f"{resume_from_checkpoint} has no {FP8_STATE_NAME} (not saved by FP8Trainer): the step "
+                       "guard's and FP8's counts start from 0"
+                       + (" and `mode` auto calibrates again" if self.fp8.config.mode == "auto" else ""))
             warn_once(f"fp8-resume:{resume_from_checkpoint}", message)
             self.fp8.fallbacks.append(message)
 

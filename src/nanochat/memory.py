@@ -4,7 +4,7 @@
     print(plan.table()); plan.check()   # ValueError naming what would make it fit
 
 Four parts, per device:
-- weights: parameters x `weight_bytes`, set by `master_weights` (`nanochat.fp8.master`): fp32
+- weights: parameters x `weight_bytes`, set by `master_weights` (`nanochat.optim.master`): fp32
   masters 4 bytes; bf16, bf16_sr and bf16_split 2. FP8 training keeps these weights, torchao
   casts to FP8 only inside each matmul;
 - gradients: parameters x `grad_bytes` (gradients take the parameters' dtype: 4 or 2). With
@@ -42,8 +42,10 @@ from dataclasses import dataclass
 import torch
 
 from nanochat.common import format_bytes, format_table
-from nanochat.fp8.master import MASTER_WEIGHTS, bytes_per_param
-from nanochat.fp8.optim import fp8_size_problem, optimizer_bytes
+from nanochat.fp8.optim import fp8_size_problem
+from nanochat.fp8.tensor import DEFAULT_BLOCK_SIZE
+from nanochat.optim import optimizer_bytes
+from nanochat.optim.master import MASTER_WEIGHTS, bytes_per_param
 from nanochat.gpt import GPT, GPTConfig
 
 
@@ -105,7 +107,7 @@ class MemoryPlan:
     shards: int
     """Devices the weights, gradients and optimizer states are sharded over (FSDP); 1 otherwise."""
     master_weights: str
-    """`--master_weights`: fp32, bf16, bf16_sr or bf16_split (nanochat.fp8.master)."""
+    """`--master_weights`: fp32, bf16, bf16_sr or bf16_split (nanochat.optim.master)."""
     optimizer_in_backward: bool
     """The optimizer steps each parameter inside the backward and frees its gradient at once."""
     weight_bytes: float
@@ -244,7 +246,8 @@ def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level
     grad_numel = in_backward_grad_numel(config, numels) if optimizer_in_backward else n
     remainder = math.ceil(n * extra_bytes / shards)
     # AdamW's moments as FP8Optim lays them out (fp32 on tensors FP8 blocks do not fit)
-    moments = sum(optimizer_bytes(t, fp8_moments=0 if fp8_size_problem(t) else opt_level) for t in numels)
+    moments = sum(optimizer_bytes(t, quantized=0 if fp8_size_problem(t) else opt_level, block_size=DEFAULT_BLOCK_SIZE)
+                  for t in numels)
     return MemoryPlan(
         config=config, num_params=n, batch_size=batch_size, seq_len=seq_len, opt_level=opt_level,
         activation_checkpointing=activation_checkpointing, autocast=autocast, shards=shards,

@@ -4,7 +4,8 @@ Every record a run logs goes through `MetricsLog.log`, the one place to hook ano
 tracker) into: the step records ({"step", "loss", "lr", "grad_norm", "tokens_per_sec", ...},
 with `val_loss`/`val_bpb`/`val_accuracy` on evaluation steps, `fp8_stats` on sampled steps,
 `skipped`/`nonfinite_at` on a skipped step), the step-0 evaluation of a fine-tune, and events
-({"event": "fp8_auto_choices" | "fp8_auto_switch" | "fp8_summary", ...}). Only rank 0 writes.
+({"event": "fp8_auto_choices" | "fp8_auto_switch" | "fp8_summary" | "guard_summary", ...}). Only
+rank 0 writes.
 The trackers of --log (nanochat.trackers: TensorBoard, W&B) get every record logged after them.
 
 The files are strict JSON (a non-finite float is written as null, the field kept) so any JSON
@@ -175,6 +176,11 @@ class TrainResult:
     fp8_choices: dict[str, dict[str, str]] | None = None
     """--fp8_mode auto: layer -> role -> chosen dtype name."""
     fp8_stats: dict[str, Any] | None = None
+    """With --fp8: FP8's end-of-run summary (statistics samples, the layers with most underflow
+    and saturation, auto's choices and switches, the last sample); None without --fp8."""
+    guard_stats: dict[str, Any] = field(default_factory=dict)
+    """The step guard's counts (nanochat.guard), every run: overflow_events and skipped_steps
+    (non-finite steps skipped), clip_events and min_clip_factor."""
     samples: list[str] = field(default_factory=list)
     run_dir: str = ""
     parallel: str = "none"

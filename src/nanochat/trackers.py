@@ -170,6 +170,10 @@ def _event_text(ev: Mapping[str, Any]) -> str:
         from nanochat.fp8.training import describe_switch  # FP8's own wording; torchao only when needed
 
         return f"step {ev.get('step')}: {describe_switch(ev)}"
+    if kind == "guard_summary":
+        counts = ", ".join(f"{ev[k]} {k.replace('_', ' ')}" for k in ("overflow_events", "skipped_steps",
+                                                                       "clip_events") if k in ev)
+        return f"step guard ({ev.get('label', '')}): {counts}"
     if kind == "fp8_summary":
         counts = ", ".join(f"{ev[k]} {k.replace('_', ' ')}" for k in ("overflow_events", "skipped_steps",
                                                                        "clip_events", "stats_samples") if k in ev)

@@ -12,7 +12,8 @@ parts in the order that makes errors come early, each attribute once:
                                 before a model exists
   the model                     after the memory plan; fp32 (or bf16) master weights; FP8
                                 conversion by fp8.FP8Training, before compile; DDP or FSDP
-  the optimizer                 AdamW, in FP8Optim for FP8 moments or bf16 masters (fp8.optim)
+  the optimizer                 AdamW, in fp8.FP8Optim for FP8 moments, in optim.OptimWrapper
+                                for bf16 masters or the step inside the backward
   compiled.Compiled             torch.compile's state: what a compiled step calls, whether the
                                 next step compiles, whether compiling failed
   guard.StepGuard               non-finite steps skipped and named; clipping
@@ -48,13 +49,13 @@ from nanochat.common import (
 from nanochat.config import TrainConfig, flag_text
 from nanochat.evaluation import Evaluator
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.fp8.master import param_dtype
-from nanochat.fp8.optim import FP8Optim, optimizer_state_bytes, wrap_optimizer
+from nanochat.fp8.optim import FP8Optim, wrap_optimizer
 from nanochat.fp8.training import FP8Step
 from nanochat.gpt import GPT, preset_config
 from nanochat.guard import StepGuard
 from nanochat.hf import ResolvedModel, gpt_config_from_hf, load_hf_model
 from nanochat.metrics import MetricsLog, Throughput, TrainResult
+from nanochat.optim import OptimWrapper, optimizer_state_bytes, param_dtype
 from nanochat.plot import plot_after_run
 from nanochat.run_data import RunData
 
@@ -147,7 +148,7 @@ class NanoChatTrainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.compiled = Compiled(self.dist_model, self.model.transformer.h, enabled=cfg.compile,
                                  scope=cfg.compile_scope)
-        self.guard = StepGuard(self.model, max_overflows=cfg.fp8_max_overflows, counters=self.fp8.counters)
+        self.guard = StepGuard(self.model, max_bad_steps=cfg.max_bad_steps)
         self.autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
                          else contextlib.nullcontext())
         self.evaluator = Evaluator(self.model, self.data, cfg, dist=self.dist, device=self.device,
@@ -240,7 +241,8 @@ class NanoChatTrainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it for FP8
-        moments (--fp8_opt_level), bf16 --master_weights or --optimizer_in_backward."""
+        moments (--fp8_opt_level), OptimWrapper for bf16 --master_weights or
+        --optimizer_in_backward alone (nanochat.fp8.optim.wrap_optimizer)."""
         cfg = self.config
         adamw = torch.optim.AdamW(
             self.model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -259,8 +261,10 @@ class NanoChatTrainer:
 
     def _resume(self) -> int:
         """The checkpoint read at setup into the built parts; its step."""
-        return self.checkpoints.restore(self.resumed, self.model, self.optimizer, self.data.loader, self.fp8,
+        step = self.checkpoints.restore(self.resumed, self.model, self.optimizer, self.data.loader, self.fp8,
                                         self.device)
+        self.guard.load_state_dict(self.resumed.meta)
+        return step
 
     # ------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, Any]:
@@ -382,8 +386,8 @@ class NanoChatTrainer:
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
                 final = self._evaluate(record, bar)
             self.metrics.log(record)
-            if cfg.fp8 and int(self.data.loader.epoch) > epoch and not is_last:
-                self._fp8_summary(f"epoch {int(self.data.loader.epoch)}")
+            if int(self.data.loader.epoch) > epoch and not is_last:
+                self._summaries(f"epoch {int(self.data.loader.epoch)}")
             if cfg.save_checkpoints and cfg.save_every and done % cfg.save_every == 0 and not is_last:
                 self._save(done)
         bar.close()
@@ -415,14 +419,14 @@ class NanoChatTrainer:
 
     def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
         """A checkpoint of `step` (checkpoint.Checkpointer.save) holding this loop's state too:
-        the data position, the tokenizer's fingerprint, FP8's state and `record`, the step's
+        the data position, the tokenizer's fingerprint, FP8's and the guard's state and `record`, the step's
         metrics line when it is logged after the save (the last step's, which waits for the final
         evaluation), so that a resume can log it if the run died in between."""
         self.checkpoints.save(step, self.model, self.optimizer, {
             "data": self.data.loader.state_dict(), "tokenizer_fingerprint": self.data.tokenizer.fingerprint,
-            # counters, --fp8_mode auto's measured formats (a resumed run does not recalibrate) with
+            # --fp8_mode auto's measured formats (a resumed run does not recalibrate) with
             # --fp8_auto_recheck_every's switches and pending disagreements, the converted layers
-            **self.fp8.state_dict(), "record": record})
+            **self.fp8.state_dict(), **self.guard.state_dict(), "record": record})
 
     def _evaluate_start(self) -> None:
         val_loss, val_bpb, val_accuracy = self.evaluator.all()
@@ -442,12 +446,18 @@ class NanoChatTrainer:
                       + (f", val accuracy {val_accuracy:.4f}" if val_accuracy is not None else ""))
         return val_loss, val_bpb, val_accuracy
 
-    def _fp8_summary(self, label: str) -> dict[str, Any]:
-        """The per-epoch (and final) FP8 report: printed, logged to metrics.jsonl, returned."""
-        summary = self.fp8.summary()
-        print0(self.fp8.summary_text(summary, label))
-        self.metrics.log({"event": "fp8_summary", "label": label, **summary})
-        return summary
+    def _summaries(self, label: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The per-epoch (and final) reports, printed and logged to metrics.jsonl: the step
+        guard's, and FP8's with --fp8. Returns both (FP8's None without --fp8)."""
+        guard = self.guard.summary()
+        print0(self.guard.summary_text(label))
+        self.metrics.log({"event": "guard_summary", "label": label, **guard})
+        if not self.config.fp8:
+            return guard, None
+        fp8 = self.fp8.summary()
+        print0(self.fp8.summary_text(fp8, label))
+        self.metrics.log({"event": "fp8_summary", "label": label, **fp8})
+        return guard, fp8
 
     # ---------------------------------------------------------------- report
     def _print_header(self) -> None:
@@ -478,7 +488,7 @@ class NanoChatTrainer:
         print0(format_table(["run", ""], rows))
         if self.fp8.report is not None:
             print0(self.fp8.report.table(flag_text))
-        if isinstance(self.optimizer, FP8Optim) and cfg.fp8_opt_level:
+        if isinstance(self.optimizer, FP8Optim):
             print0(self.optimizer.summary())
         if self.fp8.report is not None:
             print0("fp8: evaluation and sampling run in high precision ("
@@ -493,12 +503,12 @@ class NanoChatTrainer:
 
     def _result(self, meter: Throughput, val_loss: float, val_bpb: float, val_accuracy: float | None, *,
                 wall_time_s: float) -> TrainResult:
-        """The run's TrainResult. Prints and logs the final FP8 summary and generates the
+        """The run's TrainResult. Prints and logs the final summaries and generates the
         samples first."""
         cfg, report = self.config, self.fp8.report
-        fp8_stats = self._fp8_summary("end of training") if cfg.fp8 else dict(self.fp8.counters)
-        optimizer_notes = (self.optimizer.fp32_state_notes() + self.optimizer.fallbacks
-                           if isinstance(self.optimizer, FP8Optim) else [])
+        guard_stats, fp8_stats = self._summaries("end of training")
+        optimizer_notes = ((self.optimizer.fp32_state_notes() if isinstance(self.optimizer, FP8Optim) else [])
+                           + (self.optimizer.fallbacks if isinstance(self.optimizer, OptimWrapper) else []))
         return TrainResult(
             train_loss=meter.train_loss, val_loss=val_loss, val_bpb=val_bpb, val_accuracy=val_accuracy,
             tokens_per_sec=meter.tokens_per_sec, wall_time_s=wall_time_s, steps=self.total_steps,
@@ -511,7 +521,8 @@ class NanoChatTrainer:
             fp8_skipped={n: flag_text(why) for n, why in report.skipped.items()} if report is not None else {},
             fp8_decisions={n: flag_text(why) for n, why in report.decisions.items()} if report is not None else {},
             fp8_measure_time_s=report.measure_time_s if report is not None else 0.0,
-            fp8_choices=self.fp8.choices, fp8_stats=fp8_stats, accuracy_scoring=self.data.accuracy_scoring,
+            fp8_choices=self.fp8.choices, fp8_stats=fp8_stats, guard_stats=guard_stats,
+            accuracy_scoring=self.data.accuracy_scoring,
             samples=self.evaluator.samples(cfg.num_samples) if cfg.num_samples else [],
             run_dir=str(self.run_dir), parallel=self.parallel,
             state_bytes_per_param=sum(self.state_bytes.values()) / max(1, sum(

@@ -15,12 +15,12 @@ the default filter, `layers` faster / all), speed.py (FP8 vs bf16 timed per laye
 GPU, cached on disk), auto.py (mode
 auto: formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
 saturation, SQNR per layer and role; the first non-finite layer), tensor.py (FP8Tensor),
-optim.py (FP8Optim: Adam moments in FP8; bf16 master weights and the step inside the backward),
-kernel.py (FP8Optim's C kernel on CPU: build, binding, call), master.py (how an fp32 update is
-written into a bf16 weight).
+optim.py (FP8Optim: Adam moments in FP8, the format filled into nanochat.optim's wrapper, which
+holds bf16 master weights and the step inside the backward; wrap_optimizer), kernel.py
+(FP8Optim's C kernel on CPU: build, binding, call).
 
 Names are imported on first use, so `from nanochat.fp8.config import FP8Config` (the CLI's
-flags) loads neither torch nor torchao. This package imports torch, torchao and
+flags) loads neither torch nor torchao. This package imports torch, torchao, nanochat.optim and
 nanochat.common only: never the trainer or the model.
 """
 

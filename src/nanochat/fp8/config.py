@@ -30,7 +30,7 @@ class FP8Config:
     """Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
     FP8 kernels; elsewhere it warns once and trains in high precision unless `emulate`). `mode`,
     `recipe`, `layers`, `emulate`, `skip_fqns`, `min_dim`, `auto_*` and `stats_every` describe those
-    layers and need it; `opt_level` and `max_overflows` do not."""
+    layers and need it; `opt_level` does not."""
 
     mode: FP8Mode = "e4m3"
     """FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
@@ -85,11 +85,6 @@ class FP8Config:
     them off. A sampled step runs the uncompiled model with hooks and costs ~2.8 more steps
     (measured on CPU; BENCHMARKS.md), so 200 keeps statistics under 2% of the run's time."""
 
-    max_overflows: int = 10
-    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
-    such step is skipped); the last good checkpoint stays intact. The step guard's limit
-    (nanochat.guard), with or without FP8 layers."""
-
     fsdp_float8_all_gather: bool = False
     """Under FSDP2, all-gather each converted weight already in FP8 (torchao's
     `enable_fsdp_float8_all_gather`): a quarter of fp32's bytes, the same numerics, since the scale
@@ -142,7 +137,7 @@ class FP8Config:
         if self.fsdp_float8_all_gather and self.mode == "auto":
             raise ValueError("`fsdp_float8_all_gather` needs one weight format for every layer; `mode` auto "
                              "may choose per layer: use `mode` e4m3 or e5m2, or leave it off")
-        for name, least in (("auto_steps", 1), ("auto_recheck_every", 0), ("stats_every", 0), ("max_overflows", 1)):
+        for name, least in (("auto_steps", 1), ("auto_recheck_every", 0), ("stats_every", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"`{name}` must be >= {least}{' (0: off)' if least == 0 else ''}, "
                                  f"got {getattr(self, name)}")

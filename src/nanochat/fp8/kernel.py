@@ -166,8 +166,8 @@ def adam(tensors: list[tuple], h: torch.Tensor, block_size: int, decoupled: bool
     (p, g, m codes, m scales, v fp32, v codes, v scales[, lo]) of tensor t, contiguous, the
     unused ones None; h is adam_table's [n_tensors, len(TABLE_COLUMNS)] fp32.
 
-    master (master.py): "fp32" wants p and g fp32; the others bf16 p and g, the fp32 update
-    written back rounded to nearest even ("bf16"), stochastically with master.py's sr_bits of
+    master (nanochat.optim.master): "fp32" wants p and g fp32; the others bf16 p and g, the fp32
+    update written back rounded to nearest even ("bf16"), stochastically with master's sr_bits of
     salts[t] (a uint32 per tensor) and the step in h ("bf16_sr"), or split into p and the int16
     remainder lo ("bf16_split", p joined with lo being the fp32 master it reads).
     oks[t]: None, or a 0-dim bool CPU tensor read by the kernel (no host sync): False leaves

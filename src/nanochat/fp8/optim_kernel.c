@@ -1,6 +1,7 @@
-/* FP8Optim's Adam(W) step on CPU (nanochat/fp8/optim.py builds it with the system C compiler,
-   -O3 -march=native, and calls it through ctypes). The formulas and bit tricks are those of
-   optim.py's _adam_step and tensor.py's encode/decode; results agree to fp32 rounding.
+/* FP8Optim's Adam(W) step on CPU (kernel.py builds it with the system C compiler, -O3
+   -march=native, and calls it through ctypes). The formulas and bit tricks are those of
+   nanochat/optim/step.py's adam_step with optim.py's E4M3Blocks, and of tensor.py's
+   encode/decode; results agree to fp32 rounding.
 
    One 256-element block at a time, so the block stays in L1: decode both moments, one loop
    updates p and the moments and collects the absmax, then encode. The loops are
@@ -9,10 +10,10 @@
    scalarizes a _Float16 conversion), and as portable loops elsewhere (tested against each
    other). No torch headers: it builds in under a second.
 
-   Parameters and gradients are fp32, or bf16 with a bf16 master-weight mode (master.py: round
-   to nearest even, stochastic rounding with its counter-based bits, or the fp32 master split
-   into the bf16 p and an int16 remainder): the fp32 master is read, stepped by the same fp32
-   code and written back per mode, so only the write differs. A per-tensor guard byte, read
+   Parameters and gradients are fp32, or bf16 with a bf16 master-weight mode
+   (nanochat/optim/master.py: round to nearest even, stochastic rounding with its counter-based
+   bits, or the fp32 master split into the bf16 p and an int16 remainder): the fp32 master is
+   read, stepped by the same fp32 code and written back per mode, so only the write differs. A per-tensor guard byte, read
    here at step time, can leave a tensor untouched (p, remainder, moments and scales). */
 
 #include <stdint.h>

@@ -7,7 +7,7 @@ keep the auto choices and the converted layers in checkpoints. This object holds
 
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # converts now
     optimizer = fp8.optimizer                     # FP8Optim around yours (opt_level: FP8 moments)
-    guard = StepGuard(model, counters=fp8.counters)   # nanochat.guard: skips non-finite steps
+    guard = StepGuard(model)                      # nanochat.guard: skips non-finite steps (not FP8's)
     for step in range(steps):
         with fp8.begin_step(step) as s:           # s.eager: run the uncompiled model this step
             loss = (model if s.eager or compiled is None else compiled)(x, y); loss.backward()
@@ -16,7 +16,7 @@ keep the auto choices and the converted layers in checkpoints. This object holds
         optimizer.step(); optimizer.zero_grad()
         fp8.end_step(step)                        # True when auto's formats were just fixed
         if compiled is None and not fp8.calibrating: compiled = torch.compile(model)
-    summary = fp8.summary()
+    summary = fp8.summary()                       # and guard.summary(): each its own counts
 
 `examples/custom_loop.py` runs it on a transformers model. With `FP8Config(enabled=False)` it
 converts nothing; `opt_level` still stores the moments in FP8. It never reads the device except
@@ -87,10 +87,8 @@ class FP8Training:
                                      if self.report else [])
         """Every fallback taken, with its reason (no FP8 hardware, short calibration). Fields are
         named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
-        self.counters: dict[str, Any] = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0,
-                                         "stats_samples": 0, "min_clip_factor": None}
-        """stats_samples, and the step guard's counts when a nanochat.guard.StepGuard counts here
-        (`counters=fp8.counters`): the summary and the checkpoint state carry them all."""
+        self.counters: dict[str, Any] = {"stats_samples": 0}
+        """Statistics steps sampled so far; the summary and the checkpoint state carry it."""
         self.choices: dict[str, dict[str, str]] | None = None
         """mode auto: layer -> role -> 'e4m3' | 'e5m2', once calibrated (or restored)."""
         self.switches: list[dict[str, Any]] = []
@@ -101,7 +99,7 @@ class FP8Training:
         self._calibration = None
         self._started = False
         self._step: FP8Step | None = None
-        self.optimizer = self.wrap_optimizer(optimizer) if optimizer is not None else None
+        self.optimizer = self.set_optimizer(optimizer) if optimizer is not None else None
 
     @property
     def has_fp8_layers(self) -> bool:
@@ -111,10 +109,11 @@ class FP8Training:
     def calibrating(self) -> bool:
         return self._calibration is not None
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer` with its moments stored as `opt_level` says: FP8Optim around it at level 1
-        or 2, the optimizer itself at 0. Build it on the parameters the loop trains (after FSDP
-        wraps). Becomes `self.optimizer`; bf16 master weights: nanochat.fp8.optim.wrap_optimizer."""
+    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """`optimizer` with its moments stored as `opt_level` says (nanochat.fp8.optim's
+        wrap_optimizer: FP8Optim around it at level 1 or 2, the optimizer itself at 0; bf16
+        master weights: call wrap_optimizer yourself). Build it on the parameters the loop trains
+        (after FSDP wraps). Becomes `self.optimizer`."""
         self.optimizer = wrap_optimizer(optimizer, opt_level=self.config.opt_level)
         if isinstance(self.optimizer, FP8Optim):  # tensors too small or of a size the blocks do not fit
             self.fallbacks += self.optimizer.fp32_state_notes()
@@ -185,7 +184,7 @@ class FP8Training:
 
     # ------------------------------------------------------------------ reports
     def summary(self) -> dict[str, Any]:
-        """Counters, the five layers with most underflow and saturation in the last sample, the
+        """stats_samples, the five layers with most underflow and saturation in the last sample, the
         auto choices and switches, and the last sample's statistics (plain, JSON-ready)."""
         layers = self.last_stats or {}
 
@@ -198,11 +197,7 @@ class FP8Training:
 
     def summary_text(self, summary: dict[str, Any], label: str) -> str:
         """`summary` as the lines a run prints, headed by `label` (e.g. "epoch 2")."""
-        clip = (f", smallest clip factor {summary['min_clip_factor']:.3f}"
-                if summary["min_clip_factor"] is not None else "")
-        lines = [f"fp8 summary ({label}): {summary['overflow_events']} overflow events, "
-                 f"{summary['skipped_steps']} skipped steps, {summary['clip_events']} clipping events{clip}; "
-                 f"statistics from {summary['stats_samples']} sampled step(s)"]
+        lines = [f"fp8 summary ({label}): statistics from {summary['stats_samples']} sampled step(s)"]
         if summary["layers"]:
             rows = []
             for heading, key in (("most underflow", "top_underflow"), ("most saturation", "top_saturation")):
@@ -227,7 +222,7 @@ class FP8Training:
     # --------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Plain data (JSON-safe), keys prefixed so they can sit beside a loop's own in one
-        checkpoint dict: the counters, auto's choices, re-check switches and pending counts, and
+        checkpoint dict: stats_samples, auto's choices, re-check switches and pending counts, and
         the converted layers (None without FP8 layers). A resumed run converts exactly those:
         read `fp8_converted` before building this object and pass it as
         `FP8Config.converted_layers`; load_state_dict restores the rest."""
@@ -236,9 +231,11 @@ class FP8Training:
                 "fp8_converted": list(self.report.converted) if self.report is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore counters and auto's choices (applied to the model: no recalibration). Other
-        keys of `state` are ignored, so a whole checkpoint dict may be passed."""
-        self.counters.update(state.get("counters") or {})
+        """Restore stats_samples and auto's choices (applied to the model: no recalibration).
+        Other keys of `state` are ignored, so a whole checkpoint dict may be passed; so are the
+        step guard's counts that nanochat 0.1.0 saved among these `counters` (StepGuard reads them)."""
+        saved = state.get("counters") or {}
+        self.counters.update({k: v for k, v in saved.items() if k in self.counters})
         if state.get("fp8_choices"):
             apply_fp8_choices(self.model, state["fp8_choices"])
             self.choices = state["fp8_choices"]

@@ -20,8 +20,8 @@ Emulation (`--master_weights_emulate`): the parameters stay fp32 tensors holding
 the gradients are rounded to bf16 before the update, so the numerics are those of bf16 storage
 while the model computes in fp32 (for CPUs whose bf16 matmuls are slow; no memory is saved).
 
-The update itself is always computed in fp32 (optim.py's kernels read the weight as fp32, from
-the bf16 bits or from both halves); only the write differs.
+The update itself is always computed in fp32 (step.py and the native kernel read the weight as
+fp32, from the bf16 bits or from both halves); only the write differs.
 
 Stochastic rounding needs random bits that are reproducible (same seed, same run), resumable
 (no generator state to checkpoint) and the same whichever backend or thread steps an element.
@@ -33,9 +33,10 @@ s at optimizer step t gets
 where mix32 is an invertible 32-bit integer mixer (xor-shift-multiply, two rounds) and
 s = mix32(mix32(seed) ^ index) for the parameter's index in the optimizer's groups. The same
 formulas run here in torch (int64 holding uint32, so inductor fuses them into the step) and in
-optim_kernel.c. Rounding adds the 16 bits to the fp32 bit pattern and keeps the top 16: the
-magnitude rounds up exactly when the bits fall below the dropped fraction, for either sign. Under
-FSDP `i` counts this rank's shard, so the noise (not its distribution) depends on the world size.
+the native kernel (nanochat/fp8/optim_kernel.c). Rounding adds the 16 bits to the fp32 bit
+pattern and keeps the top 16: the magnitude rounds up exactly when the bits fall below the
+dropped fraction, for either sign. Under FSDP `i` counts this rank's shard, so the noise (not its
+distribution) depends on the world size.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def param_dtype(master_weights: str) -> torch.dtype:
 
 # ------------------------------------------------------------------------------ random bits
 def mix32(x: int) -> int:
-    """The 32-bit mixer on a Python int (the reference of mix32_t and of optim_kernel.c)."""
+    """The 32-bit mixer on a Python int (the reference of mix32_t and of the native kernel's)."""
     x &= M32
     x = ((x ^ (x >> 16)) * MIX) & M32
     x = ((x ^ (x >> 16)) * MIX) & M32

@@ -1,0 +1,405 @@
+"""OptimWrapper: takes over the step of a constructed torch AdamW/Adam/SGD where torch's cannot do it.
+
+    opt = OptimWrapper(torch.optim.AdamW(model.parameters(), lr=3e-4), master_weights="bf16_sr")
+    ...loss.backward(); opt.step(); opt.zero_grad()   # schedulers, state_dict: as usual
+
+It *wraps* the optimizer instead of re-implementing one: its `param_groups` and `state` are the
+wrapped optimizer's own objects, so an LR scheduler (or a loop writing `param_groups[i]["lr"]`)
+drives both, and hyperparameters are read from the groups at every step. It steps a parameter
+itself (step.py) when the wrapped optimizer cannot:
+- bf16 master weights (master.py): bf16 parameters whose fp32 update is rounded to nearest,
+  stochastically, or split with a 16-bit remainder kept in the state ("master_lo"); then every
+  parameter is stepped here, with fp32 moments;
+- the step inside the backward (in_backward.py, `step_in_backward()`): every parameter too;
+- a moment format (a subclass: nanochat.fp8.FP8Optim keeps Adam's moments in FP8): the
+  parameters the format stores; the others are stepped by the wrapped optimizer with the
+  format's parameters' gradients hidden from it, so they follow torch's math exactly.
+
+A format is a small set of hooks over the one step (torchao's optim/: `_subclass_zeros` over one
+`single_param_adam`): `_quantized(p, group)` says how many of p's moments it stores; then
+`_quantized_zeros`, `_quantized_view`, `MOMENT_FORMAT` (step.py's read/write functions),
+`_quantize` / `_quantize_sqrt` / `_is_stored` (state conversion on load) and, when it brings a C
+kernel, `_native_ok` / `_native_step` (backends.py). A format's moments are blocks of
+`block_size` elements, each with its scale: the step sees p, its gradient and the moments as
+[n_blocks, B] views.
+
+How a step runs (native kernel, compiled, eager) and its fallbacks: backends.py. Saved state,
+its checks, conversion and FSDP2 sharding: state.py. Bytes: state_bytes.py.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from nanochat.common import format_bytes, logger
+
+from . import state as states
+from .backends import Backends
+from .in_backward import InBackward
+from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
+from .state import DTensor, like, local
+from .state_bytes import moments, optimizer_bytes, optimizer_state_bytes
+from .step import FP32, AdamTensor, adam_hypers, adam_multi, host_scalar, sgd_multi
+
+SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+
+
+class OptimWrapper(torch.optim.Optimizer):
+    """Steps a torch AdamW/Adam/SGD's parameters itself where torch cannot (module docstring).
+
+    Args:
+        optimizer: a constructed torch.optim.AdamW, Adam or SGD (its param_groups are shared).
+        compile: False forces the eager step (same as backend="eager").
+        backend: "auto", "native", "compile" or "eager" (backends.py).
+        master_weights: "fp32" (the parameters are the masters), or "bf16", "bf16_sr",
+            "bf16_split": bf16 parameters updated as master.py describes.
+        seed: seeds bf16_sr's random bits (with each parameter's position and step).
+        emulate: bf16 master numerics on fp32 parameters (holding bf16 values; gradients rounded
+            to bf16 in the step): for models that must compute in fp32. No memory saved.
+    """
+
+    block_size: int | None = None
+    """Elements per scale of the stored moments (a format's); None: fp32 moments, sliced anywhere."""
+    MOMENT_FORMAT: type = FP32
+    """The format's read/write functions for its quantized moments (step.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, compile: bool = True, backend: str = "auto",
+                 master_weights: str = "fp32", seed: int = 0, emulate: bool = False) -> None:
+        kind = type(optimizer)
+        if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+            raise TypeError(
+                f"{type(self).__name__} wraps {SUPPORTED} (exactly these classes); got {kind.__module__}."
+                f"{kind.__qualname__}. Construct one of those and pass it in."
+            )
+        # Optimizer.__init__ installs the hook dicts and step profiling; then share the objects
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        self.optimizer = optimizer
+        self.is_sgd = kind is torch.optim.SGD
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self.backends = Backends(type(self).__name__, backend, compile=compile)
+        self.fallbacks: list[str] = self.backends.fallbacks
+        """Each fallback this optimizer took (native kernel unavailable, compile failed), with its
+        reason; the trainer copies them into TrainResult.fallbacks."""
+        if master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}; got {master_weights!r}")
+        if master_weights != "fp32" and self.is_sgd:
+            raise ValueError(f"master_weights={master_weights!r} supports Adam and AdamW; with torch.optim.SGD "
+                             "keep fp32 master weights")
+        self.master_weights = master_weights
+        self.emulate = emulate and master_weights != "fp32"
+        self.steps_every_parameter = master_weights != "fp32"
+        """Every parameter is stepped here (bf16 masters, or stepped in the backward): the wrapped
+        optimizer would round to nearest and keep bf16 moments, or step after the backward."""
+        self._adamw = kind is torch.optim.AdamW
+        self._seed = seed
+        self._salts = self._make_salts()  # bf16_sr: from each parameter's position (stable across runs)
+        self._summary_logged = False
+        self._in_backward = InBackward(self, step=lambda p, group, ok: self._step_adam([(p, group)], oks={p: ok}),
+                                       begin=self._begin_step)
+        self._check_groups()
+
+    def _make_salts(self) -> dict:
+        return {p: sr_salt(self._seed, i) for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+
+    # ---- the format's hooks (fp32 moments here) ----------------------------------------------
+
+    def _quantized(self, p: torch.Tensor, group: dict) -> int:
+        """How many of p's moments (first, then second) the format stores: 0 keeps them fp32."""
+        return 0
+
+    def _quantized_zeros(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """A zero moment in the format, for a shard of `shape`."""
+        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
+
+    def _quantized_view(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A stored moment as MOMENT_FORMAT's step functions take it ([n_blocks, B] views)."""
+        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
+
+    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """A loaded moment (any representation) as the format stores it."""
+        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
+
+    def _quantize_sqrt(self, v: torch.Tensor) -> torch.Tensor:
+        """The fp32 second moment v as the format stores sqrt(v) (exp_avg_sq_sqrt)."""
+        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
+
+    def _is_stored(self, x: torch.Tensor) -> bool:
+        """A loaded exp_avg_sq_sqrt already in the format (kept bit for bit)."""
+        return False
+
+    def _native_ok(self, t: AdamTensor) -> bool:
+        """The format's native kernel can step `t` (this device, these dtypes)."""
+        return False
+
+    def _native_step(self, items: list[AdamTensor]) -> None:
+        """One native kernel call for `items` (RuntimeError: the kernel is unavailable)."""
+        raise RuntimeError(f"{type(self).__name__} has no native kernel")
+
+    # ---- configuration checks ----------------------------------------------------------------
+
+    def _check_groups(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            bad = [k for k in ("amsgrad", "maximize", "capturable", "differentiable") if group.get(k, False)]
+            if bad:
+                raise ValueError(
+                    f"{type(self).__name__} does not support {', '.join(f'{k}=True' for k in bad)} (param group "
+                    f"{i}). Supported: {SUPPORTED} with lr/betas/eps/weight_decay (Adam, AdamW), "
+                    "momentum/dampening/nesterov/weight_decay (SGD), foreach/fused as you like. "
+                    "Turn the option off or use the plain torch optimizer."
+                )
+            for p in group["params"]:
+                if p.is_complex():
+                    raise ValueError(f"{type(self).__name__} supports real parameters only; param group {i} has a "
+                                     f"complex {tuple(p.shape)} tensor. Use the plain torch optimizer.")
+                want = torch.float32 if self.emulate else torch.bfloat16
+                if self.master_weights != "fp32" and p.dtype != want:
+                    raise ValueError(f"master_weights={self.master_weights!r} keeps the parameters in {want}"
+                                     f"{' (emulate=True)' if self.emulate else ''}, but param group {i} has a "
+                                     f"{p.dtype} {tuple(p.shape)} tensor: convert the model first "
+                                     f"(model.to({want})), then build the optimizer")
+                if p.grad is not None and p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients (param group {i}, "
+                                     f"shape {tuple(p.shape)}); use dense gradients.")
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_groups()
+        self._begin_step()
+        if self.steps_every_parameter:
+            self._step_adam([(p, group) for group in self.param_groups for p in group["params"]
+                             if p.grad is not None])
+            return loss
+        mine = [(p, group) for group in self.param_groups for p in group["params"]
+                if p.grad is not None and self._quantized(p, group)]
+        if mine:
+            self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
+        # the fp32-state parameters: the wrapped optimizer steps them, with the format's hidden
+        hidden = [(p, p.grad) for p, _ in mine]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            self.optimizer.step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
+        return loss
+
+    def _begin_step(self) -> None:
+        self.backends.reset()
+        if not self._summary_logged:
+            self._summary_logged = True
+            logger.info("%s", self.summary())
+
+    def step_backends(self) -> dict[str, tuple[int, int]]:
+        """How the last step ran: backend ("native", "compile", "eager") -> (calls, tensors).
+        The parameters stepped by the wrapped optimizer are not counted."""
+        return dict(self.backends.counts)
+
+    def step_in_backward(self) -> list:
+        """Step each parameter inside the backward (in_backward.py): after this `loss.backward()`
+        is the optimizer step; drop `step()` and `zero_grad()`. A parameter whose gradient holds
+        inf or nan is left unchanged; `backward_stats()` says how many. Returns the hook handles."""
+        if self.is_sgd:
+            raise ValueError("step_in_backward supports Adam and AdamW (torch.optim.SGD: step after the backward)")
+        if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            raise ValueError("step_in_backward does not work with FSDP/DTensor parameters: their gradients are "
+                             "reduced after the per-parameter hooks would run; step after the backward instead")
+        self.steps_every_parameter = True
+        return self._in_backward.install()
+
+    def backward_stats(self, per_param: bool = False) -> torch.Tensor | None:
+        """After a backward under `step_in_backward`: [global norm of the finite gradients,
+        parameters left unchanged] as one fp32 device tensor (InBackward.stats); None if no
+        parameter stepped. Resets."""
+        return self._in_backward.stats(per_param)
+
+    @property
+    def max_live_grad_bytes(self) -> int:
+        """step_in_backward: the largest gradient seen (the most gradient memory alive at once)."""
+        return self._in_backward.max_live_grad_bytes
+
+    def _adam_tensor(self, p: torch.Tensor, group: dict, ok: torch.Tensor | None) -> AdamTensor:
+        """p as the step sees it (its state made on its first step)."""
+        state = self.state[p]
+        quantized = self._quantized(p, group)
+        if len(state) == 0:
+            self._init_adam_state(p, state, quantized)
+        pl, g = local(p), local(p.grad)  # from here on: this rank's shard
+        if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
+            state["step"] = state["step"].to(pl.device, torch.float32)
+        t = AdamTensor(p=pl, g=g.reshape(pl.shape), step=state["step"], group=group, salt=self._salts.get(p, 0),
+                       decoupled=bool(group.get("decoupled_weight_decay", self._adamw)), ok=ok,
+                       lo=local(state["master_lo"]) if self.master_weights == "bf16_split" else None)
+        if not quantized:
+            t.m, t.v = (local(state["exp_avg"]),), (local(state["exp_avg_sq"]),)
+            return t
+        B = self.block_size
+        t.p, t.g, t.lo = pl.view(-1, B), g.reshape(-1, B), None if t.lo is None else t.lo.view(-1, B)
+        t.m, t.m_format = self._quantized_view(local(state["exp_avg"])), self.MOMENT_FORMAT
+        if quantized >= 2:
+            t.v, t.v_format = self._quantized_view(local(state["exp_avg_sq_sqrt"])), self.MOMENT_FORMAT
+        else:
+            t.v = (local(state["exp_avg_sq"]).view(-1, B),)
+        t.native = self._native_ok(t) and g.is_contiguous()
+        return t
+
+    def _step_adam(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
+        """The Adam(W) parameters `mine` (with their groups): those a native kernel takes in one
+        call, the others in one compiled call per (device, dtypes, shape, formats).
+        oks: parameter -> 0-dim bool guard (step_in_backward), else None."""
+        calls: dict[tuple, list[AdamTensor]] = defaultdict(list)
+        steps: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for p, group in mine:
+            t = self._adam_tensor(p, group, None if oks is None else oks[p])
+            if t.ok is None:
+                steps[t.p.device].append(t.step)
+            else:  # a skipped parameter keeps its step count too
+                t.step.add_(t.ok.to(torch.float32))
+            calls[t.bucket(native=self.backends.native and t.native)].append(t)
+        for same_device in steps.values():  # torch's Adam counts steps first, then steps
+            torch._foreach_add_(same_device, 1.0)
+        for key, items in calls.items():
+            if key[0] != "native" or not self.backends.run_native(lambda: self._native_step(items), len(items)):
+                self._adam_compiled(items)
+
+    def _adam_compiled(self, items: list[AdamTensor]) -> None:
+        """One compiled (or eager) adam_multi call per bucket of `items` (AdamTensor.bucket:
+        tensors a native kernel could not take are re-keyed as they would have been without it)."""
+        calls: dict[tuple, list[AdamTensor]] = defaultdict(list)
+        for t in items:
+            calls[t.bucket(native=False)].append(t)
+        for same in calls.values():
+            first = same[0]
+            hypers: dict[int, tuple] = {}  # per param group
+            for t in same:
+                if id(t.group) not in hypers:
+                    hypers[id(t.group)] = adam_hypers(t.group)
+            self.backends.run(
+                "adam", adam_multi, [t.p for t in same], [t.g for t in same], [t.m for t in same],
+                [t.v for t in same], [t.lo for t in same] if first.lo is not None else [], [t.step for t in same],
+                [hypers[id(t.group)] for t in same],
+                [torch.tensor(t.salt, dtype=torch.int64) for t in same] if self.master_weights == "bf16_sr" else [],
+                [t.ok for t in same] if first.ok is not None else [],
+                decoupled=first.decoupled, master=self.master_weights, emulate=self.emulate,
+                m_format=first.m_format, v_format=first.v_format)
+
+    def _step_sgd(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
+        """Every SGD parameter whose momentum the format stores, one compiled call per (device,
+        dtypes, shape, kind)."""
+        B = self.block_size
+        calls: dict[tuple, list] = defaultdict(list)
+        hypers: dict[int, tuple] = {}
+        for p, group in mine:
+            state = self.state[p]
+            first = state.get("momentum_buffer") is None
+            if first:
+                state["momentum_buffer"] = like(self._quantized_zeros(local(p).shape, p.device), p)
+            pl, g = local(p), local(p.grad)
+            if id(group) not in hypers:
+                hypers[id(group)] = tuple(host_scalar(group[k]) for k in ("lr", "momentum", "dampening",
+                                                                          "weight_decay"))
+            key = (first, bool(group["nesterov"]), pl.device, pl.dtype, g.dtype, (pl.numel() // B, B))
+            calls[key].append((pl.view(-1, B), g.reshape(-1, B), self._quantized_view(local(state["momentum_buffer"])),
+                               hypers[id(group)]))
+        for (first, nesterov, *_), items in calls.items():
+            ps, gs, bufs, hyp = (list(x) for x in zip(*items))
+            self.backends.run("sgd", sgd_multi, ps, gs, bufs, hyp, first=first, nesterov=nesterov,
+                              m_format=self.MOMENT_FORMAT)
+
+    def _init_adam_state(self, p: torch.Tensor, state: dict, quantized: int) -> None:
+        # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
+        # corrections are then computed there, inside the compiled step, never on the host
+        pl = local(p)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=pl.device)
+        shard = pl.shape  # FSDP: this rank's rows; the state is wrapped like p
+
+        def fp32() -> torch.Tensor:
+            return like(torch.zeros(shard, dtype=torch.float32, device=pl.device), p)
+
+        state["exp_avg"] = like(self._quantized_zeros(shard, p.device), p) if quantized else fp32()
+        if quantized >= 2:
+            state["exp_avg_sq_sqrt"] = like(self._quantized_zeros(shard, p.device), p)
+        else:
+            state["exp_avg_sq"] = fp32()
+        if self.master_weights == "bf16_split":  # the master is the bf16 weight exactly: low half 0
+            state["master_lo"] = like(torch.zeros(shard, dtype=torch.int16, device=pl.device), p)
+
+    # ---- loading --------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this wrapper (any format or level) or of the plain wrapped optimizer.
+
+        Every saved state is first checked against its parameter (shape, blocks and scales,
+        dtypes), ValueError otherwise with this optimizer unchanged (state.check_loaded). The
+        wrapped optimizer then does the loading (param id mapping, group hyperparameters,
+        device); each state is converted to what this wrapper stores (state.convert).
+        """
+        states.check_loaded(state_dict, self.param_groups, sgd=self.is_sgd, kind=type(self.optimizer).__name__)
+        self.optimizer.load_state_dict(state_dict)
+        self.param_groups = self.optimizer.param_groups
+        self.state = self.optimizer.state
+        if self.steps_every_parameter:
+            # torch casts floating states to the parameter's dtype (bf16 here): our moments are
+            # fp32 (or quantized codes that must not be touched), so take the saved values as they are
+            saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+            params = [p for g in self.param_groups for p in g["params"]]
+            for i, p in zip(saved, params):
+                if i in state_dict["state"]:
+                    self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and k != "step" else v
+                                     for k, v in state_dict["state"][i].items()}
+        # FSDP: convert each rank's shard of the states, then wrap them back like their parameter
+        sharded = [p for g in self.param_groups for p in g["params"] if isinstance(p, DTensor) and self.state.get(p)]
+        for p in sharded:
+            self.state[p] = {k: local(v) if torch.is_tensor(v) and k != "step" else v for k, v in self.state[p].items()}
+        states.convert(self)
+        for p in sharded:
+            self.state[p] = {k: like(v, p) if torch.is_tensor(v) and k != "step" else v for k, v in self.state[p].items()}
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not hasattr(self, "optimizer"):  # called by Optimizer.__init__ on the shared groups
+            return super().add_param_group(param_group)
+        self.optimizer.add_param_group(param_group)
+        self._salts = self._make_salts()
+        self._summary_logged = False
+
+    # ---- reporting ----------------------------------------------------------------------------
+
+    def planned_bytes(self, p: torch.Tensor, group: dict) -> int:
+        """Bytes of state the first step will allocate for p (this wrapper's layout)."""
+        n = local(p).numel()  # FSDP: this rank's shard
+        quantized = self._quantized(p, group)
+        # the moments we allocate are fp32 (all of them when we step every parameter, or v beside
+        # a quantized m), the wrapped optimizer's are in p's dtype
+        return (optimizer_bytes(n, quantized=quantized, moments=moments(self.optimizer, group),
+                                block_size=self.block_size,
+                                moment_bytes=4 if quantized or self.steps_every_parameter else p.element_size())
+                + n * bytes_per_param(self.master_weights)[2])  # bf16_split's remainder
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: optimizer_state_bytes(self)."""
+        return optimizer_state_bytes(self)
+
+    def state_bytes_per_param(self) -> float:
+        """state_bytes() / number of parameters."""
+        n = sum(local(p).numel() for g in self.param_groups for p in g["params"])
+        return self.state_bytes() / n if n else 0.0
+
+    def summary(self) -> str:
+        kind = type(self.optimizer).__name__
+        n = sum(1 for g in self.param_groups for _ in g["params"])
+        numel = sum(p.numel() for g in self.param_groups for p in g["params"])
+        who = "every parameter stepped here" if self.steps_every_parameter else "stepped by the wrapped optimizer"
+        return (f"{type(self).__name__}({kind}, master_weights={self.master_weights}): {n} tensors / {numel:,} "
+                f"params with fp32 moments, {who}; {format_bytes(self.state_bytes())} of state")
+
+
+__all__ = ["SUPPORTED", "OptimWrapper"]
