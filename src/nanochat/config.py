@@ -492,7 +492,7 @@ class ExportConfig(SourceFields):
     under --sqnr_floor_db (lm_head, embeddings and norms stay bf16)."""
 
     sqnr_floor_db: float = SQNR_FLOOR_DB
-    """With --quantize: a Linear whose FP8 weight SQNR is below this stays bf16 (e4m3 gives 24.1 dB
+    """With --quantize: a Linear whose FP8 weight SQNR is below this stays bf16 (e4m3 gives 24.6 dB
     at worst and ~31.5 dB on typical weights; docs/hf.md)."""
 
     def __post_init__(self) -> None:

@@ -13,8 +13,10 @@ Anything we do not implement (another model_type, a rope type such as yarn, ...)
 naming it, never a model that silently computes something else. Weights are copied one tensor
 at a time from memory-mapped safetensors into a model built on the meta device (peak memory:
 the model plus one tensor). Resolution never touches the network: a hub id is looked up in the
-local Hugging Face cache. `export_hf` writes the inverse, for architectures that map exactly.
-Details (config switches, sliding windows, the export's limits): docs/hf.md.
+local Hugging Face cache. `export_hf` writes the inverse, for architectures that map exactly,
+in fp32 or, with `quantize`, in FP8 for vLLM / SGLang (nanochat.hf_fp8, which also dequantizes
+an FP8 checkpoint on load). Details (config switches, sliding windows, the export's limits,
+serving): docs/hf.md.
 """
 
 from __future__ import annotations

@@ -285,7 +285,10 @@ class FP8Trainer(Trainer):
         layers) and those under `sqnr_floor_db`, unless `quantize_all`; everything else in bf16;
         config.json, the generation config and the tokenizer (`processing_class`) beside it.
         `output_dir` must be new or empty, or `overwrite` (never the Trainer's own output_dir or
-        the directory the model was loaded from); it is replaced whole once complete."""
+        the directory the model was loaded from); it is replaced whole once complete. Under DDP only
+        the process that saves (`args.should_save`) writes; the others return at once."""
+        if not self.args.should_save:
+            return Path(output_dir)
         model = self.accelerator.unwrap_model(self.model)
         sources = [self.args.output_dir, getattr(model.config, "_name_or_path", None)]
         check_export_dir(output_dir, overwrite=overwrite,
