@@ -98,7 +98,8 @@ def build_example(root: Path, cfg: BenchExportConfig, quick: bool) -> tuple[Path
                                                        special_tokens=["<s>", "</s>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     model_dir = root / "base"
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(model_dir)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(model_dir)
     torch.manual_seed(0)
     hidden, inter, layers = (128, 256, 2) if quick else (cfg.hidden_size, cfg.intermediate_size, cfg.layers)
     config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=hidden, intermediate_size=inter,
@@ -136,7 +137,8 @@ def distribution_sqnr() -> list[list[str]]:
         figures = []
         for kind, preset in (("fp8", "FP8_DYNAMIC"), ("fp8_block", "FP8_BLOCK")):
             codes, scale = quantize_weight(w, kind)
-            figures.append(f"{sqnr_db(w, dequantize_weight(codes, scale, preset_name_to_scheme(preset, ['Linear']))):.1f}")
+            scheme = preset_name_to_scheme(preset, ["Linear"])
+            figures.append(f"{sqnr_db(w, dequantize_weight(codes, scale, scheme)):.1f}")
         rows.append([name, *figures])
     return rows
 
@@ -189,13 +191,17 @@ def large_exports(root: Path) -> list[list[str]]:
     return rows
 
 
+def _logits(model, x: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] logits of nanochat's GPT or a transformers model."""
+    out = model(x)
+    return out.logits if hasattr(out, "logits") else out
+
+
 def logits_of(model, prompts: list[list[int]]) -> torch.Tensor:
     """Logits over the validation prompts cut to one length: [prompts, T, V]."""
     n = min(len(p) for p in prompts)
-    x = torch.tensor([p[:n] for p in prompts])
     with torch.no_grad():
-        out = model(x)
-    return (out.logits if hasattr(out, "logits") else out).float()
+        return _logits(model, torch.tensor([p[:n] for p in prompts])).float()
 
 
 def bench(cfg: BenchExportConfig) -> int:
@@ -249,8 +255,7 @@ def bench(cfg: BenchExportConfig) -> int:
 
     def accuracy(m) -> float:
         with torch.no_grad():
-            correct, total = choice_counts(lambda x: _logits(m, x), items,
-                                           batch_size=8, seq_len=128, device="cpu")
+            correct, total = choice_counts(lambda x: _logits(m, x), items, batch_size=8, seq_len=128, device="cpu")
         return correct / total
 
     rows, figures = [], {}
@@ -292,15 +297,11 @@ def bench(cfg: BenchExportConfig) -> int:
         print(format_table(["export", "model.safetensors", "B/param", "size vs plain", "export time", "vs plain"],
                            large))
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps({"params": params, "steps": steps, "questions": len(items),
-                                             "figures": figures, "weight_sqnr_db": {r[0]: r[1:] for r in dist},
-                                             "slicing_s": {"whole": whole, "sliced": sliced}, "large": large}, indent=1) + "\n")
+        record = {"params": params, "steps": steps, "questions": len(items), "figures": figures,
+                  "weight_sqnr_db": {r[0]: r[1:] for r in dist}, "slicing_s": {"whole": whole, "sliced": sliced},
+                  "large": large}
+        Path(cfg.out).write_text(json.dumps(record, indent=1) + "\n")
     return 0
-
-
-def _logits(model, x: torch.Tensor) -> torch.Tensor:
-    out = model(x)
-    return out.logits if hasattr(out, "logits") else out
 
 
 def main(argv: list[str] | None = None) -> int:

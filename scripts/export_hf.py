@@ -76,8 +76,9 @@ def export(cfg: ExportConfig) -> int:
     out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources, quantize=cfg.quantize,
                     keep=keep, quantize_all=cfg.quantize_all, sqnr_floor_db=cfg.sqnr_floor_db)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out} ({cfg.quantize if cfg.quantize != 'none' else 'fp32'}"
-           f" weights, {format_bytes(size)} of safetensors, {time.perf_counter() - start:.1f} s)")
+    weights = cfg.quantize if cfg.quantize != "none" else "fp32"
+    print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out} ({weights} weights, "
+           f"{format_bytes(size)} of safetensors, {time.perf_counter() - start:.1f} s)")
     return 0
 
 

@@ -123,7 +123,8 @@ def test_transformers_reads_back_our_codes_and_scales(base, exports, kind):
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     weights, acts = qc["config_groups"]["group_0"]["weights"], qc["config_groups"]["group_0"]["input_activations"]
     assert (weights["type"], weights["num_bits"], acts["dynamic"]) == ("float", 8, True)
-    assert (weights["strategy"], acts["strategy"]) == (("block", "group") if kind == "fp8_block" else ("channel", "token"))
+    expected = ("block", "group") if kind == "fp8_block" else ("channel", "token")
+    assert (weights["strategy"], acts["strategy"]) == expected
     kept = {la["name"] for la in report["layers"] if la["stored_as"] == "bf16"}
     assert set(qc["ignore"]) == kept | {"model.embed_tokens", "model.norm", "lm_head"} | {
         f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")}

@@ -184,7 +184,8 @@ class FP8Export:
     def to_json(self) -> dict:
         return {"quantize": self.quantize, "scheme": _PRESET[self.quantize], "sqnr_floor_db": self.floor_db,
                 "quantize_all": self.quantize_all,
-                "layers": [{"name": la.name, "shape": list(la.shape), "stored_as": "fp8_e4m3" if la.quantized else "bf16",
+                "layers": [{"name": la.name, "shape": list(la.shape),
+                            "stored_as": "fp8_e4m3" if la.quantized else "bf16",
                             "weight_sqnr_db": None if la.sqnr_db is None or math.isinf(la.sqnr_db) else la.sqnr_db,
                             **({"why_bf16": la.reason} if la.reason else {})} for la in self.layers]}
 
