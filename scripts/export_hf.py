@@ -1,25 +1,34 @@
 """Export a model as a Hugging Face directory (config.json, model.safetensors, tokenizer files).
 
-    python scripts/export_hf.py --run_dir runs/sft --out_dir exported/      # a trained run
-    python scripts/export_hf.py --model_name org/name --out_dir exported/   # a model as loaded
+    python scripts/export_hf.py --run_dir runs/sft --out_dir exported/                  # a trained run
+    python scripts/export_hf.py --model_name org/name --out_dir exported/               # a model as loaded
+    python scripts/export_hf.py --run_dir runs/sft --out_dir served/ --quantize fp8     # FP8, for vLLM / SGLang
 
 The result loads with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`. Weights are
-always plain fp32, FP8 training or not. The tokenizer files are the run's, with the chat template
-the records were rendered with (`chat_template.jinja`; the plain format for a base model), so
-`AutoTokenizer.apply_chat_template` writes the text the model was fine-tuned on. Only
-Llama-family models (loaded from a Hugging Face checkpoint, then trained) can be exported; see
-nanochat/hf.py for why presets cannot. A non-empty --out_dir is refused unless --overwrite, which
-replaces it whole once the export is complete (never the run or the model it reads from). Errors
-are one `error:` line (exit 2: bad flags or input; 1: e.g. a corrupt checkpoint); `--debug` adds
-the traceback.
+plain fp32, FP8 training or not, unless --quantize: fp8 stores every block Linear in e4m3 with a
+scale per output channel (fp8_block: per 128x128 block) in compressed-tensors' format, which
+`vllm serve out_dir` runs as FP8 on an sm_89+ GPU; the layers the run trained in high precision,
+lm_head, embeddings and norms stay bf16; a table gives each layer's weight SQNR (docs/hf.md). The
+tokenizer files are the run's, with the chat template the records were rendered with
+(`chat_template.jinja`; the plain format for a base model), so `AutoTokenizer.apply_chat_template`
+writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
+checkpoint, then trained) can be exported; see nanochat/hf.py for why presets cannot. A non-empty
+--out_dir is refused unless --overwrite, which replaces it whole once the export is complete
+(never the run or the model it reads from). Errors are one `error:` line (exit 2: bad flags or
+input; 1: e.g. a corrupt checkpoint); `--debug` adds the traceback.
 """
 
+import json
 import sys
+import time
+from pathlib import Path
 
 from nanochat.checkpoint import load_checkpoint
-from nanochat.common import UsageError, print0, run_main, setup_logging
+from nanochat.common import UsageError, format_bytes, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
-from nanochat.hf import check_export_dir, export_hf, load_hf_model, model_from_state_dict, resolve_model
+from nanochat.hf import (check_export_dir, export_hf, exportable_linears, load_hf_model, model_from_state_dict,
+                         resolve_model)
+from nanochat.hf_fp8 import require_compressed_tensors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,8 +36,26 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(lambda: export(cfg), debug=cfg.debug)
 
 
+def run_kept_layers(run_dir: str, ckpt: dict, model) -> dict[str, str]:
+    """The Linears a --fp8 run trained in high precision (not in its checkpoint's `fp8_converted`),
+    with the reason its result.json gives; none for a run without --fp8 (every layer was trained the
+    same way, in high precision) or a checkpoint without the list."""
+    converted = ckpt.get("fp8_converted")
+    if not ckpt["config"].get("fp8") or converted is None:
+        return {}
+    try:
+        why = json.loads((Path(run_dir) / "result.json").read_text()).get("fp8_skipped") or {}
+    except (OSError, ValueError):
+        why = {}
+    return {n: f"trained in high precision: {why.get(n, 'not FP8-converted by the run')}"
+            for n in exportable_linears(model) if n not in converted}
+
+
 def export(cfg: ExportConfig) -> int:
     setup_logging()
+    if cfg.quantize != "none":
+        require_compressed_tensors(f"--quantize {cfg.quantize}")  # before loading anything
+    keep = {}
     if cfg.run_dir is not None:
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
         ckpt = load_checkpoint(cfg.run_dir, keys=("model", "config.model_name"), mmap=True)
@@ -36,6 +63,7 @@ def export(cfg: ExportConfig) -> int:
         sources = [cfg.run_dir, resolve_model(ckpt["config"]["model_name"]).path]
         model, tokenizer = model_from_state_dict(ckpt["config"]["model_name"], ckpt["model"],
                                                  tokenizer_dir=f"{cfg.run_dir}/tokenizer")
+        keep = run_kept_layers(cfg.run_dir, ckpt, model)
     else:
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
@@ -44,8 +72,13 @@ def export(cfg: ExportConfig) -> int:
         sources = [resolved.path]
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
         model, tokenizer = load_hf_model(resolved.path)
-    out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
-    print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out}")
+    start = time.perf_counter()
+    out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources, quantize=cfg.quantize,
+                    keep=keep, quantize_all=cfg.quantize_all, sqnr_floor_db=cfg.sqnr_floor_db)
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    weights = cfg.quantize if cfg.quantize != "none" else "fp32"
+    print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out} ({weights} weights, "
+           f"{format_bytes(size)} of safetensors, {time.perf_counter() - start:.1f} s)")
     return 0
 
 

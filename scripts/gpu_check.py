@@ -170,9 +170,9 @@ class Findings:
             print(f"[gpu_check] {key}: skipped ({estimate_s:.0f} s estimated, {left:.0f} s left)", flush=True)
             self.save()
             return None
-        print(f"[gpu_check] {key}: running ({left:.0f} s left)", flush=True)
         t0, value = time.perf_counter(), None
-        try:
+        try:  # announced inside: a SIGTERM that lands right after the line still cuts this measurement
+            print(f"[gpu_check] {key}: running ({left:.0f} s left)", flush=True)
             value = fn()
             self.put(key, value, save=False)
         except Interrupted:

@@ -20,6 +20,11 @@ without a chat template (a base model) whose vocabulary has ` A` and ` B` but sp
   (apply_chat_template gives our rendering); its accuracy, computed by transformers, equals the
   run's final val_accuracy.
 - scripts/eval.py on the run reproduces the run's final accuracy; on the base model, step 0's.
+- The run exported with --quantize fp8 next to the plain export: scripts/eval.py --model_name
+  on each (nanochat dequantizes the FP8 one); the FP8 accuracy equals transformers' on the same
+  export with its dequantizing route (the same weights, so the MARGIN argument above holds), and
+  the plain one the run's final accuracy. Both are printed, with transformers' accuracy of the
+  FP8 export as vLLM computes it (activations also in e4m3, per token).
 - A vocabulary where every letter is one token: every prediction is the old rule's (the largest
   of the letters' logits), exactly.
 - choice_counts against a hand count on fixed logits (prompts, options of one and two tokens
@@ -108,16 +113,17 @@ def write_base_llama(directory: Path, merged_letters: str = "AB") -> Path:
     return directory
 
 
-def reference_accuracy(model_dir: Path, rows: list[dict], *, use_template: bool) -> float:
+def reference_accuracy(model_dir: Path, rows: list[dict], *, use_template: bool, **load) -> float:
     """Accuracy by transformers alone, lm-evaluation-harness's way: each option's whole text (the
     plain format written out here, or the directory's chat template via apply_chat_template); the
     context is the text all options share (its trailing space goes to the options), the
     continuation what follows up to the ending they share (</s>); an option's score is the sum of
     its continuation tokens' log-softmax, the prediction the best score. Asserts that the best
     option beats the runner-up by more than MARGIN in every question, so the two computations'
-    difference (1e-5 on logits) cannot change a prediction and the accuracies must be equal."""
+    difference (1e-5 on logits) cannot change a prediction and the accuracies must be equal.
+    `load`: more from_pretrained arguments (an FP8 export's quantization_config)."""
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).eval()
     correct = 0
     for row in rows:
         labels = [str(x) for x in row["choices"]["label"]]
@@ -281,3 +287,30 @@ def test_choice_counts_against_a_hand_count():
     # size gives the same count
     for batch_size in (1, 2, 3, 8):
         assert choice_counts(Fixed(), items, batch_size=batch_size, seq_len=8, device="cpu") == (5, 7)
+
+
+def test_fp8_export_accuracy_next_to_the_plain_models(flagship, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    model_dir, data, run, _ = flagship
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    accuracy = {}
+    for kind, extra in (("plain", []), ("fp8", ["--quantize", "fp8"])):
+        out = tmp_path / kind
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--run_dir", str(run),
+                            "--out_dir", str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), "--model_name", str(out),
+                            "--dataset_path", str(data), "--device", "cpu", "--seq_len", "64"],
+                           capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        assert report["questions"] == 24
+        accuracy[kind] = report["val_accuracy"]
+    fp8_dir = tmp_path / "fp8"
+    assert accuracy["plain"] == json.loads((run / "result.json").read_text())["val_accuracy"]
+    rows = arc_rows(24, "validation", 1)
+    dense = transformers.CompressedTensorsConfig(dequantize=True)
+    assert accuracy["fp8"] == reference_accuracy(fp8_dir, rows, use_template=True, quantization_config=dense)
+    served = reference_accuracy(fp8_dir, rows, use_template=True)
+    print(f"ARC, CPU example: plain export {accuracy['plain']:.4f}, FP8 export {accuracy['fp8']:.4f} "
+          f"(nanochat, weights dequantized), {served:.4f} (transformers, e4m3 weights and activations)")

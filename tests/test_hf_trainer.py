@@ -16,6 +16,7 @@ the model is converted; importing nanochat.fp8 loads no transformers.
 """
 
 import copy
+import json
 import importlib.util
 import logging
 import math
@@ -120,6 +121,48 @@ def test_trains_a_llama_with_fp8_moments_and_measured_formats(eager_run):
     assert trainer.output.metrics["fp8_fallbacks"] == ["`opt_level` 2: 5 tensors / 640 params keep fp32 moments "
                                                        "(numel < 4096)"]  # the four norms and the final norm
 
+
+def test_save_fp8_writes_what_transformers_serves(eager_run, tmp_path):
+    """save_fp8 after training: transformers (compressed-tensors) reads back each Linear's e4m3
+    codes and amax / 448 scales computed here from the trained weights (one division and one
+    rounding cast: equal bit for bit), lm_head (skipped by the run) stays bf16 and is ignored, and
+    the served logits stay within FP8 error of the trained model's (SQNR >= 10.1 dB, the bound
+    argued in tests/test_hf_fp8.py for 14 quantized matmuls). The Trainer's own output_dir is refused."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    from nanochat.common import UsageError
+    from nanochat.hf_fp8 import sqnr_db
+    from tests.test_hf_fp8 import LOGIT_FLOOR_DB
+
+    trainer, _ = eager_run
+    out = trainer.save_fp8(tmp_path / "served")
+    report = json.loads((out / "fp8_report.json").read_text())
+    assert [la["name"] for la in report["layers"] if la["stored_as"] == "fp8_e4m3"] == trainer.fp8.report.converted
+    assert "lm_head" in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    served = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    trained = dict(trainer.model.named_modules())
+    for name in trainer.fp8.report.converted:
+        w = trained[name].weight.detach().float()
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        loaded = served.get_submodule(name)
+        assert torch.equal(loaded.weight.view(torch.uint8), (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+                           .view(torch.uint8)), name
+        assert torch.equal(loaded.weight_scale, scale)
+    assert served.lm_head.weight.dtype == torch.float32 and not hasattr(served.lm_head, "weight_scale")
+    ids = torch.tensor([list(DATA[:32])])
+    with torch.no_grad(), trainer.fp8.high_precision():
+        ref = trainer.model(input_ids=ids).logits
+        got = served(input_ids=ids).logits
+    assert sqnr_db(ref, got) >= LOGIT_FLOOR_DB, sqnr_db(ref, got)
+    marker = Path(trainer.args.output_dir) / "checkpoint-10" / "trainer_state.json"
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("{}")  # what a Trainer with save_strategy keeps there
+    with pytest.raises(UsageError, match="reads from: --overwrite would delete it"):
+        trainer.save_fp8(trainer.args.output_dir, overwrite=True)
+    assert marker.read_text() == "{}"
+    marker.unlink()  # the module's run is shared with other tests
+    marker.parent.rmdir()
 
 def test_fp8_health_reaches_the_trainers_log(eager_run):
     trainer, record = eager_run

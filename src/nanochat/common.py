@@ -18,6 +18,8 @@ import hashlib
 import logging
 import os
 import random
+import secrets
+import shutil
 import sys
 import tempfile
 import traceback
@@ -297,6 +299,35 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[Binar
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def publish_directory(out: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
+    """Create directory `out` whole: `fill` writes into a temporary sibling, which then takes
+    `out`'s place, so a reader sees the old directory or the complete new one and no file of the
+    old one survives next to the new ones. An existing `out` is set aside and deleted only once
+    the new one is in place; on any error the temporary directory goes and the old one is back.
+    The caller decides whether `out` may be replaced (nanochat.hf.check_export_dir)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    old = None
+    try:
+        tmp.mkdir()
+        fill(tmp)
+        if out.is_dir() and any(out.iterdir()):
+            old = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(out, old)
+        elif out.is_dir():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, never published
+        if old is not None and not out.exists():
+            os.rename(old, out)  # the previous directory back in place
+        raise
+    if old is not None:
+        shutil.rmtree(old)
+    return out
 
 
 def umask() -> int:

@@ -41,6 +41,7 @@ from typing import Annotated, Literal, TypeVar
 import tyro
 
 from nanochat.fp8.config import FP8Config, FP8Recipe
+from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize
 from nanochat.plot import MAX_ROWS
 from nanochat.trackers import LogChoice
 
@@ -508,6 +509,28 @@ class ExportConfig(SourceFields):
     overwrite: bool = False
     """Replace a non-empty --out_dir whole, once the export is complete (never the model or run
     the export reads from)."""
+
+    quantize: Quantize = "none"
+    """none: fp32 weights. fp8: every block Linear's weight in float8 e4m3 with an fp32 scale per
+    output channel, activations quantized per token at run time (compressed-tensors FP8_DYNAMIC,
+    which vLLM, SGLang and transformers load); fp8_block: one scale per 128x128 block (FP8_BLOCK).
+    Embeddings, lm_head, norms and the Linears the run trained in high precision stay bf16."""
+
+    quantize_all: bool = False
+    """With --quantize: also quantize the Linears the run trained in high precision and those
+    under --sqnr_floor_db (lm_head, embeddings and norms stay bf16)."""
+
+    sqnr_floor_db: float = SQNR_FLOOR_DB
+    """With --quantize: a Linear whose FP8 weight SQNR is below this stays bf16 (e4m3 gives 24.6 dB
+    at worst and ~31.5 dB on typical weights; docs/hf.md)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.quantize == "none" and (self.quantize_all or self.sqnr_floor_db != SQNR_FLOOR_DB):
+            raise ValueError("--quantize_all and --sqnr_floor_db choose what --quantize stores in FP8; add "
+                             "--quantize fp8 (or fp8_block)")
+        if not math.isfinite(self.sqnr_floor_db):
+            raise ValueError(f"--sqnr_floor_db must be a finite number of dB, got {self.sqnr_floor_db}")
 
 
 @dataclass(frozen=True, kw_only=True)

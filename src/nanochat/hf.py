@@ -13,8 +13,10 @@ Anything we do not implement (another model_type, a rope type such as yarn, ...)
 naming it, never a model that silently computes something else. Weights are copied one tensor
 at a time from memory-mapped safetensors into a model built on the meta device (peak memory:
 the model plus one tensor). Resolution never touches the network: a hub id is looked up in the
-local Hugging Face cache. `export_hf` writes the inverse, for architectures that map exactly.
-Details (config switches, sliding windows, the export's limits): docs/hf.md.
+local Hugging Face cache. `export_hf` writes the inverse, for architectures that map exactly,
+in fp32 or, with `quantize`, in FP8 for vLLM / SGLang (nanochat.hf_fp8, which also dequantizes
+an FP8 checkpoint on load). Details (config switches, sliding windows, the export's limits,
+serving): docs/hf.md.
 """
 
 from __future__ import annotations
@@ -23,9 +25,7 @@ import hashlib
 import json
 import os
 import re
-import secrets
-import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -34,8 +34,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nanochat.common import UsageError, logger, read_json_object, warn_once, write_atomic
+from nanochat.common import UsageError, logger, publish_directory, read_json_object, warn_once, write_atomic
 from nanochat.gpt import GPT, PRESETS, GPTConfig
+from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize, fp8_checkpoint, quantize_checkpoint, require_compressed_tensors
 from nanochat.tokenizer import panics_as_errors, probe
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -378,11 +379,18 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
     params = dict(model.named_parameters())  # a tied lm_head appears once, as transformer.wte
     loaded: set[str] = set()
-    for file in _weight_files(path):
+    fp8 = fp8_checkpoint(hf_config, str(path / "config.json"))  # None: a plain checkpoint
+    files = _weight_files(path)
+    home = {}  # key -> its file: a scale may sit in another shard than its weight
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            home.update(dict.fromkeys(f.keys(), file))
+    dequantized = 0
+    for file in files:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
-                if _IGNORED_HF_KEYS.match(key):
-                    continue
+                if _IGNORED_HF_KEYS.match(key) or (fp8 is not None and fp8.is_qparam(key)):
+                    continue  # a scale is read with its weight
                 ours = _rename(key, _HF_TO_OURS)
                 if ours == "lm_head.weight" and config.tie_embeddings:
                     continue  # some tied checkpoints store the shared matrix twice
@@ -390,6 +398,9 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                     raise ValueError(f"{file.name}: tensor {key!r} has no place in nanochat's model of this "
                                      f"{hf_config['model_type']} config (an option we do not implement?)")
                 tensor = f.get_tensor(key)  # one tensor at a time, read from the mmapped file
+                if tensor.dtype == torch.float8_e4m3fn:
+                    tensor = _dequantize(fp8, path, key, tensor, home)
+                    dequantized += 1
                 if tensor.shape != params[ours].shape:
                     raise ValueError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, config.json "
                                      f"implies {tuple(params[ours].shape)} for {ours}")
@@ -401,7 +412,22 @@ def load_hf_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                          f"{[_rename(m, _OURS_TO_HF) for m in missing[:5]]}")
     logger.info("hf: loaded %s (%s, %d layers, %.1fM params) from %s", hf_config["model_type"],
                 config.mlp, config.n_layer, model.num_params() / 1e6, path)
+    if dequantized:
+        logger.info("hf: %s holds FP8 weights (compressed-tensors, %s scales): %d Linear layers dequantized to "
+                    "%s; the FP8 rounding is part of these weights now", path, "/".join(fp8.strategies),
+                    dequantized, str(dtype).removeprefix("torch."))
     return model, tokenizer
+
+
+def _dequantize(fp8, path: Path, key: str, codes: torch.Tensor, home: dict[str, Path]) -> torch.Tensor:
+    """fp32 weights of the FP8 tensor `key`, with its `weight_scale` from whichever file holds it."""
+    scale_key = key.removesuffix("weight") + "weight_scale"
+    if fp8 is None or scale_key not in home:
+        raise ValueError(f"{path}: {key} is stored in FP8 but " + (
+            "config.json has no quantization_config to say how to read it" if fp8 is None else
+            f"the checkpoint has no {scale_key}") + "; restore the model from its source")
+    with safe_open(home[scale_key], framework="pt", device="cpu") as f:
+        return fp8.dequantize(key, codes, f.get_tensor(scale_key))
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -681,17 +707,33 @@ def check_export_dir(out_dir: str | os.PathLike, *, overwrite: bool,
                              "reads from: --overwrite would delete it; choose another --out_dir")
 
 
+def exportable_linears(model: torch.nn.Module) -> list[str]:
+    """Our names of the Linears an FP8 export may quantize: every block's attention and MLP
+    projection (not lm_head, which stays bf16 as in every FP8 serving recipe)."""
+    return [n for n, m in _unwrap(model).named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+
+
 @torch.no_grad()
 def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: str | os.PathLike, *,
-              overwrite: bool = False, sources: Iterable[str | os.PathLike | None] = ()) -> Path:
+              overwrite: bool = False, sources: Iterable[str | os.PathLike | None] = (),
+              quantize: Quantize = "none", keep: Mapping[str, str] | None = None, quantize_all: bool = False,
+              sqnr_floor_db: float = SQNR_FLOOR_DB) -> Path:
     """Write `model` (and its tokenizer) as a Hugging Face model directory that
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads: config.json,
-    model.safetensors (fp32), tokenizer files. Errors for architectures that do not map.
+    model.safetensors, tokenizer files. Errors for architectures that do not map.
+
+    Weights are plain fp32 by default. `quantize="fp8"` (or "fp8_block") stores every block
+    Linear in e4m3 with fp32 scales for vLLM, SGLang and transformers, and the rest in bf16
+    (nanochat.hf_fp8): `keep` (our layer name -> why) names Linears to leave in bf16, e.g. those the
+    run trained in high precision; layers under `sqnr_floor_db` stay bf16 too, unless
+    `quantize_all`. The per-layer report is logged and saved as fp8_report.json.
 
     `out_dir` must be new or empty, or `overwrite` (see `check_export_dir`, which also protects
     `sources`): the export is written to a temporary sibling directory, and replaces `out_dir`
     whole only once it is complete, so no file of an earlier export survives next to it."""
     check_export_dir(out_dir, overwrite=overwrite, sources=sources)
+    if quantize != "none":
+        require_compressed_tensors(f"--quantize {quantize}")
     gpt = _unwrap(model)
     hf_config = hf_config_from_gpt(gpt.config)
     if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
@@ -703,31 +745,26 @@ def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: st
     for name, p in gpt.named_parameters():  # deduplicated: a tied lm_head is written once, as wte
         hf_name = _rename(name, _OURS_TO_HF)
         assert hf_name is not None, f"no Hugging Face name for {name}"
-        # Always plain fp32: FP8 lives only inside the matmuls, master weights are high precision.
+        # fp32 master weights: FP8 lives only inside the training matmuls
         tensors[hf_name] = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
-    old = None
-    try:
-        tmp.mkdir()
+    fp8 = None
+    if quantize != "none":
+        hf_module = lambda ours: _rename(f"{ours}.weight", _OURS_TO_HF).rpartition(".")[0]  # noqa: E731
+        fp8 = quantize_checkpoint(tensors, [hf_module(n) for n in exportable_linears(gpt)], quantize=quantize,
+                                  keep={hf_module(n): why for n, why in (keep or {}).items()},
+                                  quantize_all=quantize_all, floor_db=sqnr_floor_db)
+        tensors = fp8.tensors
+        hf_config["torch_dtype"] = "bfloat16"  # what the unquantized tensors are stored in
+        logger.info("fp8 export, per layer:\n%s\n%s", fp8.table(), fp8.summary())
+
+    def fill(tmp: Path) -> None:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if fp8 is not None:
+            fp8.write(tmp)
         if tokenizer is not None:
             tokenizer.save(tmp)
         else:
-            logger.warning("export_hf: no tokenizer given, %s holds weights and config only", out)
-        if out.is_dir() and any(out.iterdir()):  # --overwrite: set aside, removed once the new one is in place
-            old = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(out, old)
-        elif out.is_dir():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # ours, never published
-        if old is not None and not out.exists():
-            os.rename(old, out)  # the previous directory back in place
-        raise
-    if old is not None:
-        shutil.rmtree(old)
-    return out
+            logger.warning("export_hf: no tokenizer given, %s holds weights and config only", out_dir)
+
+    return publish_directory(out_dir, fill)

@@ -15,7 +15,8 @@ the FP8 step at an optimizer step's first micro-batch and closes it after the la
 steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate compiled, whole
 model or regions); a callback's `on_optimizer_step` ends the step; `log()` carries FP8 health to
 every `report_to` tracker; checkpoints hold `fp8_state.json`, restored before the optimizer state
-and before compiling; evaluation runs in high precision.
+and before compiling; evaluation runs in high precision. `save_fp8` writes the trained model as
+an FP8 checkpoint for vLLM, SGLang and transformers (nanochat.hf_fp8).
 
 A step whose loss or gradient norm is not finite is skipped before the Trainer clips: its
 gradients are dropped (the optimizer step updates nothing), the layer where it began is named,
@@ -33,17 +34,21 @@ import json
 import math
 import os
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from nanochat.common import logger, warn_once
+from nanochat.common import logger, publish_directory, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.config import RESUME_FIELDS, ROLES
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
 from nanochat.guard import StepGuard
+from nanochat.hf import check_export_dir
+from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
 from nanochat.optim import MASTER_WEIGHTS, MasterWeights, OptimWrapper, param_dtype
 
 FP8_STATE_NAME = "fp8_state.json"
@@ -274,6 +279,56 @@ class FP8Trainer(Trainer):
         """Evaluation (and predict) in high precision: the model's quality, not FP8's inference noise."""
         with self.fp8.high_precision():
             return super().evaluation_loop(*args, **kwargs)
+
+    # ------------------------------------------------------------------- export
+    @torch.no_grad()
+    def save_fp8(self, output_dir: str | os.PathLike, *, quantize: Quantize = "fp8", quantize_all: bool = False,
+                 sqnr_floor_db: float = SQNR_FLOOR_DB, overwrite: bool = False) -> Path:
+        """The trained model as an FP8 checkpoint that vLLM, SGLang and transformers serve, as
+        `scripts/export_hf.py --quantize` writes one (nanochat.hf_fp8): every Linear but the output
+        embedding in e4m3 with fp32 scales (per output channel; `fp8_block`: per 128x128 block),
+        except the layers this run trained in high precision (the conversion report's skipped
+        layers) and those under `sqnr_floor_db`, unless `quantize_all`; everything else in bf16;
+        config.json, the generation config and the tokenizer (`processing_class`) beside it.
+        `output_dir` must be new or empty, or `overwrite` (never the Trainer's own output_dir or
+        the directory the model was loaded from); it is replaced whole once complete. Under DDP only
+        the process that saves (`args.should_save`) writes; the others return at once."""
+        if not self.args.should_save:
+            return Path(output_dir)
+        model = self.accelerator.unwrap_model(self.model)
+        sources = [self.args.output_dir, getattr(model.config, "_name_or_path", None)]
+        check_export_dir(output_dir, overwrite=overwrite,
+                         sources=[s for s in sources if s and os.path.isdir(s)])
+        require_compressed_tensors(f"FP8Trainer.save_fp8(quantize={quantize!r})")
+        tensors, seen = {}, set()
+        for name, t in model.state_dict().items():  # a tied output embedding is stored once, as the input one
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            tensors[name] = t.detach().cpu().contiguous()
+        head = model.get_output_embeddings()
+        head_name = next((n for n, m in model.named_modules() if m is head), "lm_head")
+        linears = [n for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head and f"{n}.weight" in tensors]
+        report = self.fp8.report
+        keep = {n: f"trained in high precision: {why}" for n, why in (report.skipped if report else {}).items()
+                if n in linears}
+        fp8 = quantize_checkpoint(tensors, linears, quantize=quantize, keep=keep, quantize_all=quantize_all,
+                                  floor_db=sqnr_floor_db, output_embedding=head_name)
+        logger.info("fp8 export, per layer:\n%s\n%s", fp8.table(), fp8.summary())
+        config = {k: v for k, v in model.config.to_dict().items() if k not in ("quantization_config", "torch_dtype")}
+        config["dtype"] = "bfloat16"  # what the unquantized tensors are stored in
+
+        def fill(tmp: Path) -> None:
+            save_file(fp8.tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            fp8.write(tmp)
+            if getattr(model, "generation_config", None) is not None and model.can_generate():
+                model.generation_config.save_pretrained(tmp)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(tmp)
+
+        return publish_directory(output_dir, fill)
 
     # ---------------------------------------------------------------- checkpoints
     def _fp8_state(self) -> dict[str, Any]:
