@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import logging
 import math
 import os
 import re
@@ -57,6 +58,30 @@ without a flag (`fsdp_float8_all_gather`) is decided by the trainer, not the use
 def flag_text(text: str) -> str:
     """An FP8Config message or help text as the CLI shows it: `mode` becomes --fp8_mode."""
     return re.sub(r"`(\w+)`", lambda m: "--" + FP8_FLAGS[m[1]] if m[1] in FP8_FLAGS else m[0], text)
+
+
+class _FlagText(logging.Filter):
+    """Log records as the CLI's user reads them: nanochat.fp8 names FP8Config's fields (`emulate`),
+    a run configured by TrainConfig has flags (--fp8_emulate)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if (text := flag_text(message)) != message:
+            record.msg, record.args = text, ()
+        return True
+
+
+@contextlib.contextmanager
+def flags_in_log():
+    """Within the block, what the nanochat logger prints names FP8 settings by their flags."""
+    from nanochat.common import logger
+
+    flt = _FlagText()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:

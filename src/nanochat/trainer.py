@@ -48,7 +48,7 @@ from nanochat.common import (
     NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, resolve_device,
     resolve_dtype, seed_everything, setup_logging,
 )
-from nanochat.config import TrainConfig, flag_text
+from nanochat.config import TrainConfig, flag_text, flags_in_log
 from nanochat.evaluation import Evaluator
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.master import param_dtype
@@ -120,7 +120,7 @@ class NanoChatTrainer:
         rank whose peer died ends with one NanoChatError naming the checkpoint to resume."""
         finished = lost = False
         try:
-            with self.stop.handling():
+            with self.stop.handling(), flags_in_log():  # the FP8 warnings in flags: --fp8_emulate
                 try:
                     result, finished = self._train(), True
                 except StopNow as e:  # no step to finish, or a second Ctrl-C
