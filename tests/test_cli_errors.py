@@ -86,7 +86,7 @@ CASES = [
     ("bench_optim", ["--preset", "d3"], 2, ["--preset 'd3' is not a size preset", "d2, d4"]),
     ("bench_memory", ["--seq_len", "0", "--plan_only"], 2, ["--seq_len must be >= 1"]),
     ("bench_fp8_linear", ["--steps", "0"], 2, ["--steps must be >= 1"]),
-    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env tests shapes train"]),
+    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env tests optim stats train shapes all"]),
     ("gpu_check", ["--budget_s", "nan", "--dry_run"], 2, ["--budget_s must be a positive number"]),
     # what only a run can look at
     ("eval", [*DATA, "--run_dir", "{missing}"], 2,
