@@ -3,7 +3,8 @@
     python scripts/eval.py --run_dir runs/arc --dataset_path data/arc            # a trained run
     python scripts/eval.py --model_name org/name --dataset_path data/arc         # a model as loaded
 
-The validation split is the one training uses (split files: the validation files). Accuracy
+The validation split is the one training uses (split files: the validation files); a run is
+evaluated at its newest checkpoint, named with its step in the output. Accuracy
 picks the option whose answer tokens have the highest log-likelihood (nanochat.evaluation); the
 records are rendered with the run's chat template, or as --chat_template says. Errors are one
 `error:` line (exit 2: bad flags or input, e.g. a run directory without a checkpoint; 1: e.g. a
@@ -29,11 +30,13 @@ def evaluate(cfg: EvalConfig) -> int:
     result = evaluate_saved(cfg)
     accuracy = (f"val accuracy {result.val_accuracy:.4f} ({result.questions} questions, "
                 f"{result.accuracy_scoring})" if result.val_accuracy is not None else "no multiple-choice records")
+    print0(f"evaluated {result.source}")
     print0(f"val loss {result.val_loss:.4f} | {accuracy}")
     for f in result.fallbacks:
         print0(f"fallback: {f}")
     print0(json.dumps({"val_loss": result.val_loss, "val_accuracy": result.val_accuracy,
-                       "questions": result.questions, "accuracy_scoring": result.accuracy_scoring}))
+                       "questions": result.questions, "accuracy_scoring": result.accuracy_scoring,
+                       "evaluated": result.source, "step": result.step}))
     return 0
 
 

@@ -14,8 +14,9 @@ tokenizer files are the run's, with the chat template the records were rendered 
 writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
 checkpoint, then trained) can be exported; see nanochat/hf.py for why presets cannot. A non-empty
 --out_dir is refused unless --overwrite, which replaces it whole once the export is complete
-(never the run or the model it reads from). Errors are one `error:` line (exit 2: bad flags or
-input; 1: e.g. a corrupt checkpoint); `--debug` adds the traceback.
+(never the run or the model it reads from). A run still in progress is exported at its newest
+checkpoint, with a warning saying so. Errors are one `error:` line (exit 2: bad flags or input;
+1: e.g. a corrupt checkpoint); `--debug` adds the traceback.
 """
 
 import json
@@ -23,8 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from nanochat import runlock
 from nanochat.checkpoint import load_checkpoint
-from nanochat.common import UsageError, format_bytes, print0, run_main, setup_logging
+from nanochat.common import UsageError, format_bytes, logger, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
 from nanochat.hf import (check_export_dir, export_hf, exportable_linears, load_hf_model, model_from_state_dict,
                          resolve_model)
@@ -59,6 +61,11 @@ def export(cfg: ExportConfig) -> int:
     if cfg.run_dir is not None:
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
         ckpt = load_checkpoint(cfg.run_dir, keys=("model", "config.model_name"), mmap=True)
+        training = runlock.holder(cfg.run_dir)
+        if training is not None:
+            logger.warning("WARNING: the run in %s is still in progress (%s): exporting its newest checkpoint, "
+                           "step %d; what it trains after that is not in this export", cfg.run_dir, training,
+                           ckpt["step"])
         # export_hf protects the model the run fine-tuned too
         sources = [cfg.run_dir, resolve_model(ckpt["config"]["model_name"]).path]
         model, tokenizer = model_from_state_dict(ckpt["config"]["model_name"], ckpt["model"],

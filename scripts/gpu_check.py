@@ -1,31 +1,32 @@
 """GPU check: nanochat's default training path on one CUDA GPU with FP8 tensor cores (sm_89+).
 
-    bash scripts/gpu_check.sh                 # at most 9 minutes; figures in $OUT/gpu_check.json
+    bash scripts/gpu_check.sh                 # 8 minutes in all (--budget_s); figures in $OUT/gpu_check.json
     .venv/bin/python scripts/gpu_check.py --dry_run    # the same jobs at toy sizes on the CPU
 
 Training runs are what a user runs: `NanoChatTrainer` with its defaults (the whole model
 compiled, bf16 autocast over fp32 master weights; --big_model compiled per block to fit the
 time), no checkpoints, on this Python's
 standard-library sources with a BPE tokenizer trained on the fly (cached after the first run).
-Jobs, in priority order:
+Jobs, in priority order (the figures no earlier run has first, FP8 `all` last):
   env     torch / torchao / GPU, what nanochat.fp8.detect decides per recipe, the MFU peak;
-  tests   `pytest -m gpu tests/test_gpu.py`: each test's outcome and full failure text (junit
-          XML, the whole log in $OUT), kept when the time limit interrupts pytest;
-  shapes  scripts/bench_fp8_linear.py: bf16 vs FP8 tensorwise and rowwise per Linear shape of
-          --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
-  train   --model (d12) and --big_model (d26), bf16 vs FP8 with --fp8_layers faster (the
-          default), then with all (not repeated where faster converted every layer): tokens/s, MFU,
-          compile time, graph breaks, recompile reasons,
-          peak memory; one profiled step of d12's run with every Linear in FP8 (its GEMM kernels,
-          torch._scaled_mm calls, device reads);
+  tests   every test marked `gpu` (GPU_TEST_FILES): each test's outcome and full failure text
+          (junit XML, the whole log in $OUT), kept when the time limit interrupts pytest;
   optim   fused AdamW vs FP8Optim's multi-tensor step, levels 0/1/2, on --opt_tensors x
           --opt_dim^2 fp32 parameters: step time, peak memory, backend, fallbacks;
   stats   what FP8 statistics cost: tokens/s over one --fp8_stats_every period with its sampled
-          step against the same steps without it (goal: <= 2%).
+          step against the same steps without it (goal: <= 2%);
+  train   --model (d12) and --big_model (d26), bf16 vs FP8 with --fp8_layers faster (the
+          default): tokens/s, MFU, compile time, graph breaks, recompile reasons, peak memory;
+  shapes  scripts/bench_fp8_linear.py: bf16 vs FP8 tensorwise and rowwise per Linear shape of
+          --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
+  all     both models with every Linear in FP8 (not repeated where faster converted every one),
+          and one profiled step of --model's (its GEMM kernels, torch._scaled_mm calls, device reads).
 Also on request: scope (--compile_scope blocks against model), opt_levels, master.
 Each measurement has an estimate (ESTIMATES_S); one that does not fit what is left of --budget_s
-is skipped and listed. The JSON is rewritten after every measurement (each shape included), so
-a run stopped at any point keeps what finished; gpu_check.sh stops it at 9 minutes.
+is skipped and listed. A training run during which dynamo hit its recompile limit ran partly
+eager: its figures are kept but marked `invalid`, and no ratio or MFU is computed from them. The
+JSON is rewritten after every measurement (each shape included), so a run stopped at any point
+keeps what finished; gpu_check.sh stops it 25 s after --budget_s.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ class GPUCheckConfig:
     """The JSON file, rewritten after every measurement; the tests' log and junit XML go next to it."""
     dry_run: bool = False
     """Rehearse on the CPU: toy sizes, FP8 emulated; the figures mean nothing, the schema is the GPU run's."""
-    budget_s: float = 510.0
+    budget_s: float = 440.0
     """Seconds for all measurements: one whose estimate does not fit what is left is skipped.
-    gpu_check.sh stops the process at 525 s whatever happens (9 minutes with its own start)."""
-    jobs: tuple[str, ...] = ("env", "tests", "shapes", "train", "optim", "stats")
+    gpu_check.sh stops the process 25 s later whatever happens: 8 minutes in all by default, to
+    fit a short GPU reservation."""
+    jobs: tuple[str, ...] = ("env", "tests", "optim", "stats", "train", "shapes", "all")
     """Jobs to run, in this order."""
     model: str = "d12"
     """Preset of the train job's first model and of the stats job."""
@@ -91,7 +93,7 @@ class GPUCheckConfig:
     """Models whose Linear shapes the shapes job times, in priority order."""
     shape_tokens: tuple[int, ...] = (8192, 32768)
     """Rows of each shape's GEMMs."""
-    shapes_budget_s: float = 60.0
+    shapes_budget_s: float = 40.0
     """The shapes job starts no new shape after this many seconds (the rest are listed)."""
     opt_tensors: int = 32
     """Parameter tensors of the optim job."""
@@ -125,22 +127,32 @@ DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_l
 # env, optim and the 17 GPU tests took <= 105 s together) and the reasoning beside each figure.
 ESTIMATES_S = {
     "env": 5,
-    "tests": 75,  # ~60 s for 17 in run 1; 5 more: 3 instant _scaled_mm calls, 2 compiling a small MLP (~4 s)
-    "shape": 15,  # the shapes job runs --shapes_budget_s plus the shape started last: 3 compiles of a few
-    # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
+    "tests": 90,  # ~60 s for 17 in run 1; the 5 added to test_gpu.py since (3 instant _scaled_mm calls, 2
+    # compiling a small MLP, ~4 s) and the 2 of test_fp8_optim.py / test_fp8_policy.py (d26's three shapes timed)
+    "optim": 40,  # 4 optimizers: state creation, one compile per level, 10 steps over 537M parameters
+    "stats": 80,  # d12 with every Linear in FP8, compiled first here (~59 s), then 201 steps of 53 ms
     "model/bf16": 35,  # compile 20 s, the tokenizer (BPE on the stdlib, first run only) ~10 s, 20 steps 1 s
     "model/fp8": 60,  # faster: ~10 s timing d12's three shapes (then cached), compile below 59 s since only
-    # the 12 MLP up-projections carry FP8 casts, 20 steps; with every Linear in FP8 (`all`): 59 s + profiled steps
-    "model/fp8_all": 80,
+    # the 12 MLP up-projections carry FP8 casts, 20 steps
     "big/bf16": 25,  # per block: one block's graph (10 s for d12's, the same for d26's) + 20 steps of 16k tokens
-    "big/fp8": 45,  # per block: 21 s + timing d26's three shapes (~10 s); `all` is not run when faster
-    # converted every eligible layer (torchao's tables convert all of d26's)
-    "optim": 40,  # 4 optimizers: state creation, one compile per level, 10 steps over 537M parameters
-    "stats": 45,  # the d12 FP8 run again, its compile now from inductor's cache (~20 s); 201 steps of 53 ms
+    "big/fp8": 45,  # per block: 21 s + timing d26's three shapes (~10 s)
+    "shape": 15,  # the shapes job runs --shapes_budget_s plus the shape started last: 3 compiles of a few
+    # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
+    "model/fp8_all": 50,  # every Linear in FP8: stats compiled this graph, inductor's cache serves it (~25 s)
+    "big/fp8_all": 45,  # run only where faster kept layers in bf16 (torchao's tables convert all of d26's)
     "scope": 120,  # d12 bf16 and FP8 compiled per block: 10 + 21 s compile (run 1)
     "opt_levels": 150,  # d12 FP8 at --fp8_opt_level 1 and 2, each compiling ~60 s
     "master": 220,  # three d12 FP8 runs with bf16 master weights, the first compiling ~60 s
 }
+
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_fp8_optim.py", "tests/test_fp8_policy.py")
+"""The test files holding tests marked `gpu` (tests/test_gpu_check.py keeps this list complete):
+the tests job runs `pytest -m gpu` on them, not on the whole suite, whose collection alone would
+import every test module."""
+
+RECOMPILE_LIMIT_HIT = "torch._dynamo hit config."
+"""How dynamo's warning begins when a function reached its recompile limit and runs eagerly from
+then on (torch/_dynamo/convert_frame.py)."""
 
 
 class Interrupted(BaseException):
@@ -203,15 +215,21 @@ class Findings:
 
 
 def ratios(results: dict) -> dict:
-    """FP8 / bf16 tokens/s and the MFUs of every model of the train job, where both sides ran."""
+    """FP8 / bf16 tokens/s and the MFUs of every model of the train and all jobs, where both sides
+    ran; a run marked `invalid` (partly eager after dynamo's recompile limit) gives no figure here,
+    only the reason."""
     out = {}
     for model, runs in (results.get("train") or {}).items():
-        base = (runs.get("bf16") or {}).get("tokens_per_sec")
+        runs = {**runs, **((results.get("all") or {}).get(model) or {})}
+        base = runs.get("bf16") or {}
         for kind, r in runs.items():
             if not isinstance(r, dict) or not r.get("tokens_per_sec"):
                 continue
-            if base and kind != "bf16":
-                out[f"{model}_{kind}_over_bf16_tokens_per_sec"] = r["tokens_per_sec"] / base
+            if r.get("invalid") or base.get("invalid"):
+                out[f"{model}_{kind}_invalid"] = r.get("invalid") or f"its bf16 run: {base['invalid']}"
+                continue
+            if base.get("tokens_per_sec") and kind != "bf16":
+                out[f"{model}_{kind}_over_bf16_tokens_per_sec"] = r["tokens_per_sec"] / base["tokens_per_sec"]
             out[f"{model}_{kind}_mfu"] = r.get("mfu")
     return out
 
@@ -275,6 +293,8 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -
                    fp8_skipped_layers=len(r.fp8_skipped), peak_gib=peak_gib(device),
                    fp8_kept_by_policy=report.kept_by_layers if report is not None else None,
                    recompile_reasons=recompiles.reasons[:3], **graph_breaks())
+    if recompiles.limit_hit:
+        figures["invalid"] = f"dynamo hit its recompile limit, so part of the model ran eagerly: {recompiles.limit_hit}"
     return trainer, figures
 
 
@@ -313,15 +333,21 @@ def timed_step(trainer, step: int, device: torch.device) -> float:
 
 
 class RecompileLog(logging.Handler):
-    """The first recompile reasons dynamo logs while the block runs (why a graph was not reused)."""
+    """The first recompile reasons dynamo logs while the block runs (why a graph was not reused),
+    and `limit_hit`: dynamo's warning that a function reached its recompile limit (it then runs
+    eagerly), or None."""
 
     def __init__(self):
         super().__init__()
         self.reasons: list[str] = []
+        self.limit_hit: str | None = None
 
     def emit(self, record):
-        if len(self.reasons) < 3:
-            self.reasons.append(record.getMessage()[:600])
+        message = record.getMessage()
+        if message.startswith(RECOMPILE_LIMIT_HIT) and self.limit_hit is None:
+            self.limit_hit = " ".join(message.split("\n")[:3])[:600]
+        elif len(self.reasons) < 3:
+            self.reasons.append(message[:600])
 
     def __enter__(self):
         torch._logging.set_logs(recompiles=True)
@@ -403,7 +429,8 @@ def job_env(cfg: GPUCheckConfig, findings: Findings) -> None:
 def job_tests(cfg: GPUCheckConfig, findings: Findings) -> None:
     # on the CPU every test skips (no CUDA device): the dry run rehearses the run and its report
     findings.measure("tests", ESTIMATES_S["tests"], lambda: run_pytest(
-        ["-m", "gpu", str(ROOT / "tests" / "test_gpu.py")], findings.path.parent, "gpu_tests", cfg.tests_timeout_s))
+        ["-m", "gpu", *(str(ROOT / f) for f in GPU_TEST_FILES)], findings.path.parent, "gpu_tests",
+        cfg.tests_timeout_s))
 
 
 def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
@@ -419,37 +446,43 @@ def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
     findings.measure("shapes", cfg.shapes_budget_s + ESTIMATES_S["shape"], shapes)
 
 
-def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
-    """bf16 vs FP8 `faster` at --model, then at --big_model, then FP8 `all` at both: the default
-    policy's comparison first. --model's `all` run adds one profiled step (GEMM kernels, device
-    reads). At a model where `faster` converted every eligible Linear, `all` is the same run and
-    is recorded as such, not repeated."""
-    device = device_of(cfg)
+def _train_models(cfg: GPUCheckConfig) -> dict[str, tuple[str, int, dict]]:
+    """model -> (role in ESTIMATES_S, batch size, its compile scope) of the train and all jobs."""
     models = {cfg.model: ("model", cfg.batch_size, {})}
     models.setdefault(cfg.big_model, ("big", cfg.big_batch_size, {"compile_scope": cfg.big_compile_scope}))
+    return models
 
-    def run(model: str, kind: str, profile: bool = False, **over) -> Callable[[], dict]:
-        def go() -> dict:
-            _, batch_size, scope = models[model]
-            trainer, figures = train(cfg, f"{model}-{kind}", model, batch_size, **scope, **over)
-            if profile:
-                figures.update(profile_step(trainer, device))
-            return figures
-        return go
 
-    faster = {}
-    for model, (role, _, _) in models.items():
-        findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], run(model, "bf16"))
-        faster[model] = findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"],
-                                         run(model, "fp8_faster", fp8=True, fp8_layers="faster"))
-    for model, (role, _, _) in models.items():
-        kept = (faster[model] or {}).get("fp8_kept_by_policy")
-        if kept == 0 and role != "model":
-            findings.put(f"train/{model}/fp8_all", {"same_as": "fp8_faster", "why": (
+def _train_run(cfg: GPUCheckConfig, model: str, kind: str, profile: bool = False, **over) -> Callable[[], dict]:
+    def go() -> dict:
+        _, batch_size, scope = _train_models(cfg)[model]
+        trainer, figures = train(cfg, f"{model}-{kind}", model, batch_size, **scope, **over)
+        if profile:
+            figures.update(profile_step(trainer, device_of(cfg)))
+        return figures
+    return go
+
+
+def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """bf16 vs FP8 `faster` (the default policy) at --model, then at --big_model."""
+    for model, (role, _, _) in _train_models(cfg).items():
+        findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], _train_run(cfg, model, "bf16"))
+        findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"],
+                         _train_run(cfg, model, "fp8_faster", fp8=True, fp8_layers="faster"))
+
+
+def job_all(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """FP8 `all` at both models, against train's bf16 runs; --model's adds one profiled step
+    (GEMM kernels, device reads). Where `faster` converted every eligible Linear, `all` is the
+    same run and is recorded as such, not repeated."""
+    for model, (role, _, _) in _train_models(cfg).items():
+        faster = ((findings.data["results"].get("train") or {}).get(model) or {}).get("fp8_faster") or {}
+        if faster.get("fp8_kept_by_policy") == 0 and role != "model":
+            findings.put(f"all/{model}/fp8_all", {"same_as": "train/fp8_faster", "why": (
                 "--fp8_layers faster converted every eligible Linear, so `all` is the same run")})
             continue
-        findings.measure(f"train/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8" + ("_all" if role == "model" else "")],
-                         run(model, "fp8_all", profile=role == "model", fp8=True, fp8_layers="all"))
+        findings.measure(f"all/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8_all"],
+                         _train_run(cfg, model, "fp8_all", profile=role == "model", fp8=True, fp8_layers="all"))
 
 
 def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
@@ -526,7 +559,8 @@ def job_stats(cfg: GPUCheckConfig, findings: Findings) -> None:
         times = [timed_step(trainer, s, device) for s in range(period, 2 * period)]
         tokens = cfg.batch_size * cfg.seq_len
         with_stats, without = period * tokens / sum(times), (period - 1) * tokens / sum(times[:-1])
-        return {"model": cfg.model, "fp8_converted_layers": figures["fp8_converted_layers"], "period": period,
+        invalid = {"invalid": figures["invalid"]} if "invalid" in figures else {}
+        return {**invalid, "model": cfg.model, "fp8_converted_layers": figures["fp8_converted_layers"], "period": period,
                 "tokens_per_sec_with_stats": with_stats, "tokens_per_sec_without": without,
                 "overhead_pct": 100 * (1 - with_stats / without), "sampled_step_s": times[-1],
                 "median_step_s": statistics.median(times[:-1]),
@@ -561,8 +595,8 @@ def job_master(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 
 JOBS: dict[str, Callable[[GPUCheckConfig, Findings], None]] = {
-    "env": job_env, "tests": job_tests, "shapes": job_shapes, "train": job_train, "optim": job_optim,
-    "stats": job_stats, "scope": job_scope, "opt_levels": job_opt_levels, "master": job_master}
+    "env": job_env, "tests": job_tests, "optim": job_optim, "stats": job_stats, "train": job_train,
+    "shapes": job_shapes, "all": job_all, "scope": job_scope, "opt_levels": job_opt_levels, "master": job_master}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,9 @@ The cases cover each kind of rejection once per script that owns it: tyro's own 
 and the inputs only a run can look at (a run directory without a checkpoint or a tokenizer, a
 tokenizer that is not the checkpoint's, a checkpoint without weights, an unknown model, an unknown
 device; base_train's input paths, checked at start-up before the corpus is read: a missing
---init_from or --tokenizer_dir, --chat_template with a preset model). They fail before any model
+--init_from or --tokenizer_dir, --chat_template with a preset model, a --run_dir that is a
+symbolic link looping or leading nowhere, a file where --log tensorboard writes its directory;
+eval and export_hf on a run in progress that has saved no checkpoint yet). They fail before any model
 is built, a few seconds each. `--help` is checked to still print the flags.
 """
 
@@ -55,9 +57,14 @@ def paths(small_corpus, tmp_path_factory) -> dict[str, str]:
     del payload["model"], payload["format_version"]
     save_checkpoint(no_weights, payload)  # its manifest verifies: only the key is missing
     (root / "empty").mkdir()
+    (root / "loop").symlink_to(root / "loop")
+    (root / "dangling").symlink_to(root / "missing")
+    (root / "tb_file" / "tensorboard").parent.mkdir()
+    (root / "tb_file" / "tensorboard").write_text("not a directory")
     return dict(root=str(root), corpus=str(small_corpus), run=str(run), mismatched=str(mismatched),
                 no_tokenizer=str(no_tokenizer), no_weights=str(no_weights), empty=str(root / "empty"),
-                missing=str(root / "missing"))
+                missing=str(root / "missing"), loop=str(root / "loop"), dangling=str(root / "dangling"),
+                tb_file=str(root / "tb_file"))
 
 
 DATA = ["--dataset_path", "{corpus}"]
@@ -82,7 +89,7 @@ CASES = [
     ("bench_optim", ["--preset", "d3"], 2, ["--preset 'd3' is not a size preset", "d2, d4"]),
     ("bench_memory", ["--seq_len", "0", "--plan_only"], 2, ["--seq_len must be >= 1"]),
     ("bench_fp8_linear", ["--steps", "0"], 2, ["--steps must be >= 1"]),
-    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env tests shapes train"]),
+    ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env tests optim stats train shapes all"]),
     ("gpu_check", ["--budget_s", "nan", "--dry_run"], 2, ["--budget_s must be a positive number"]),
     # what only a run can look at
     ("eval", [*DATA, "--run_dir", "{missing}"], 2,
@@ -102,6 +109,12 @@ CASES = [
      ["--tokenizer_dir {missing}: no such directory", "scripts/tok_train.py --tokenizer_dir {missing}"]),
     ("base_train", [*DATA, "--device", "cpu", "--model_name", "d2", "--chat_template", "chatml"], 2,
      ["--chat_template chatml: nanochat's own tokenizer", "applies to Hugging Face models", "Drop the flag"]),
+    ("base_train", [*DATA, "--device", "cpu", "--run_dir", "{loop}"], 2,
+     ["--run_dir {loop}: {loop} is a symbolic link that loops", "point --run_dir at a directory"]),
+    ("base_train", [*DATA, "--device", "cpu", "--run_dir", "{dangling}/sub"], 2,
+     ["--run_dir {dangling}/sub: {dangling} is a symbolic link to {missing}, which does not exist"]),
+    ("base_train", [*DATA, "--device", "cpu", "--run_dir", "{tb_file}", "--log", "jsonl", "tensorboard"], 2,
+     ["{tb_file}/tensorboard, but that path exists and is not a directory", "drop tensorboard from --log"]),
     ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{missing}"], 2,
      ["--run_dir {missing}", "no such directory"]),
     ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
@@ -116,6 +129,29 @@ def test_error_is_one_line_with_its_exit_status(paths, tmp_path, script, argv, c
     assert r.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, lines)
     for fragment in fragments:
         assert fragment.format(**paths) in lines[0], (fragment, lines[0])
+
+
+@pytest.mark.parametrize("script", ["export_hf", "eval"])
+def test_a_run_in_progress_without_a_checkpoint_says_so(paths, tmp_path, script):
+    """The run directory's lock held by another process, as a training run holds it before its
+    first checkpoint: not only "holds no checkpoint", but that a run is in progress, and whose."""
+    run_dir = tmp_path / "running"
+    run_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import runlock\n"
+                               "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
+                               str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        argv = ["--out_dir", str(tmp_path / "out")] if script == "export_hf" else DATA
+        r = _script(script, [*[a.format(**paths) for a in argv], "--run_dir", str(run_dir)], tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, lines
+    assert f"--run_dir {run_dir} holds no checkpoint yet: a training run is in progress there (pid {holder.pid} on" \
+        in lines[0], lines
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the benchmark runs")

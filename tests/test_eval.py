@@ -19,7 +19,8 @@ without a chat template (a base model) whose vocabulary has ` A` and ` B` but sp
   model's (atol/rtol 1e-5) and with the plain template as its chat template
   (apply_chat_template gives our rendering); its accuracy, computed by transformers, equals the
   run's final val_accuracy.
-- scripts/eval.py on the run reproduces the run's final accuracy; on the base model, step 0's.
+- scripts/eval.py on the run reproduces the run's final accuracy, naming the checkpoint and step it
+  evaluated (the run's newest); on the base model, step 0's.
 - The run exported with --quantize fp8 next to the plain export: scripts/eval.py --model_name
   on each (nanochat dequantizes the FP8 one); the FP8 accuracy equals transformers' on the same
   export with its dequantizing route (the same weights, so the MARGIN argument above holds), and
@@ -48,6 +49,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("jinja2")
 
 from nanochat import instruct  # noqa: E402
+from nanochat.checkpoint import latest_checkpoint  # noqa: E402
 from nanochat.evaluation import choice_counts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,12 +226,17 @@ def test_eval_script_reproduces_the_runs_accuracy(flagship):
     final = json.loads((run / "result.json").read_text())["val_accuracy"]
     step0 = next(json.loads(line)["val_accuracy"] for line in (run / "metrics.jsonl").read_text().splitlines()
                  if json.loads(line).get("step") == 0)
+    newest = latest_checkpoint(run)
+    evaluated = {str(run): (f"{newest.path} (step {newest.step})", newest.step), str(model_dir): (str(model_dir), None)}
     for source, expected in ((["--run_dir", str(run)], final), (["--model_name", str(model_dir)], step0)):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), *source, "--dataset_path", str(data),
                             "--device", "cpu", "--seq_len", "64"], capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
         report = json.loads(r.stdout.strip().splitlines()[-1])
         assert report["val_accuracy"] == expected and report["questions"] == 24
+        # which checkpoint (and step) was evaluated, in the report and the printed lines
+        assert (report["evaluated"], report["step"]) == evaluated[source[1]]
+        assert f"evaluated {report['evaluated']}" in r.stdout
         assert report["accuracy_scoring"] == "option log-likelihood (1-2 tokens per option)"
 
 

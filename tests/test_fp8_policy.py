@@ -6,8 +6,8 @@ a function of the shape returning chosen FP8 and bf16 seconds) and a fake clock;
   boundary exactly, and just under it), each distinct shape is timed once, at M = the run's
   tokens per micro-batch, with the layer's torchao config;
 * the disk cache: a second conversion times nothing; another recipe, M, GPU name, torch or
-  torchao version times again; a corrupt or foreign file is ignored with one log line and left
-  byte for byte as it was;
+  torchao version times again; a corrupt, non-UTF-8 or foreign file is ignored with one log line
+  and left byte for byte as it was; a FIFO in its place neither blocks nor is replaced;
 * where nothing is timed (emulated), each recipe's decisions equal torchao's
   `_auto_filter_for_recipe` itself (rowwise_with_gw_hp: rowwise's), and the reason names the rule;
   a timer that fails or a missing `micro_batch_tokens` falls back to that rule, recorded;
@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -166,7 +169,7 @@ def test_second_run_times_nothing_and_the_key_holds_gpu_versions_recipe_and_shap
     assert calls() == 0  # every variant above was cached next to the first
 
 
-@pytest.mark.parametrize("content", [b"{not json", b'{"timings": {}}', b"[1, 2]",
+@pytest.mark.parametrize("content", [b"{not json", b'{"timings": {}}', b"[1, 2]", b'{"format": "\xff\xfe"}',
                                      json.dumps({"format": CACHE_FORMAT, "timings": {"k": {"fp8_s": -1,
                                                                                            "bf16_s": 1}}}).encode()])
 def test_corrupt_or_foreign_cache_is_ignored_logged_once_and_left_as_it_is(cache, monkeypatch, content):
@@ -177,6 +180,27 @@ def test_corrupt_or_foreign_cache_is_ignored_logged_once_and_left_as_it_is(cache
     assert report.converted == ["up"] and len(timer.calls) == 3  # measured as without a cache
     assert len(warnings) == 1 and str(cache) in warnings[0] and "left as it is" in warnings[0]
     assert cache.read_bytes() == content
+
+
+def test_a_fifo_as_the_cache_neither_blocks_nor_is_replaced(cache, monkeypatch):
+    """Opening a FIFO for reading waits for a writer: the cache must not (it is ignored, logged
+    once, and the timings go uncached rather than replace it)."""
+    cache.parent.mkdir(parents=True)
+    os.mkfifo(cache)
+    timer = _timed(monkeypatch, {(256, 256): 0.9, (256, 512): 1.5, (512, 256): 0.9})
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(_logged(lambda: convert(
+        _model(), emulate=True, micro_batch_tokens=M, measure=timer))), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    if worker.is_alive():  # blocked in open(): a writer releases it, then the test fails
+        with open(cache, "w"):
+            pass
+        pytest.fail("reading the FIFO blocked")
+    report, warnings = done[0]
+    assert report.converted == ["up"] and len(timer.calls) == 3
+    assert len(warnings) == 1 and "it is not a regular file" in warnings[0] and str(cache) in warnings[0]
+    assert stat.S_ISFIFO(os.stat(cache).st_mode)  # still the FIFO: never replaced
 
 
 # -------------------------------------------------------------------- torchao's rule, fallbacks

@@ -3,11 +3,14 @@
 The GPU run is short and rare; a script that breaks there wastes it. Here the wrapper runs the
 script's --dry_run (the same jobs and JSON at toy sizes, FP8 emulated) and the JSON is checked
 against what the GPU run must produce:
-- every default job ran without error and none was skipped;
-- tests: every GPU test reported from the junit XML (all skipped on a CPU), the log kept;
+- every default job ran without error and none was skipped, in the order the docstring gives
+  (the figures no earlier run has first, FP8 `all` last);
+- tests: every test marked `gpu` in the suite reported from the junit XML (all skipped on a CPU),
+  those of test_fp8_policy.py (which times layers through `time_fwd_bwd`) and test_fp8_optim.py
+  included, the log kept; GPU_TEST_FILES names exactly the files holding such tests;
 - shapes: the first shape timed (bf16, tensorwise, rowwise, positive), the others listed as not
   timed once --shapes_budget_s ran out;
-- train: bf16 and FP8 runs with positive, finite figures, no checkpoint in their run
+- train and all: bf16 and FP8 runs with positive, finite figures, no checkpoint in their run
   directories, no MFU on a CPU; the profiled FP8 step read the device once (the trainer's read);
 - optim: every level against fused AdamW with FP8Optim's state bytes (8, 1 + 4/256 + 4,
   2 * (1 + 4/256) per parameter);
@@ -17,7 +20,10 @@ whole JSON that names the measurement it cut and keeps every one that finished; 
 interrupted by its timeout keeps its log and the outcomes and failure texts of the tests that
 finished (junit), and names where it stopped; the shapes job's Llama shapes are
 Meta-Llama-3-8B's published ones; the wrapper refuses, with exit 4, an interpreter on which
-torchao does not import.
+torchao does not import, and its import probe covers every dependency pyproject.toml declares;
+its time limit follows --budget_s, whose default (8 minutes in all) it shares with the script;
+a function that reaches dynamo's recompile limit (real, on the CPU) marks its run `invalid`, and
+an invalid run gives no ratio and no MFU.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,16 +65,15 @@ def dry_run(tmp_path_factory):
 def test_dry_run_runs_every_job_and_reports_figures(dry_run):
     out, report = dry_run
     assert report["errors"] == {} and report["skipped_for_time"] == []
-    assert set(report["results"]) == {"env", "tests", "shapes", "train", "optim", "stats"}
-    runs = report["results"]["train"]["d2"]
+    assert list(report["results"]) == ["env", "tests", "optim", "stats", "train", "shapes", "all"]
+    runs = {**report["results"]["train"]["d2"], **report["results"]["all"]["d2"]}
     for kind in runs:
         r = runs[kind]
         assert r["tokens_per_sec"] > 0 and r["compile_time_s"] > 0 and math.isfinite(r["val_loss"])
         assert r["mfu"] is None and r["flops_per_token"] > 0  # no listed peak for a CPU
         assert r["graph_breaks"] >= 0 and r["peak_gib"] is None  # no CUDA memory figures on the CPU
-    assert set(runs) <= {"bf16", "fp8_faster", "fp8_all"} and {"bf16", "fp8_faster"} <= set(runs)
-    # every Linear in FP8: `all`, or `faster` where TrainConfig has no fp8_layers (it converts them all)
-    fp8 = runs.get("fp8_all", runs["fp8_faster"])
+    assert set(runs) == {"bf16", "fp8_faster", "fp8_all"} and not any("invalid" in r for r in runs.values())
+    fp8 = runs["fp8_all"]  # every Linear in FP8
     assert fp8["fp8_backend"] == "emulated" and fp8["fallbacks"] == []
     assert fp8["fp8_converted_layers"] == 12  # d2: 2 blocks x 6 Linears (lm_head stays in high precision)
     assert fp8["device_reads_in_step"] == 1  # the trainer's one read per steady-state step
@@ -84,6 +90,15 @@ def test_dry_run_reports_each_gpu_test(dry_run):
     assert tests["returncode"] == 0 and not tests["timed_out"] and Path(tests["log"]).is_file()
     assert len(tests["outcomes"]) >= 20 and set(tests["outcomes"].values()) == {"skipped"}  # no CUDA here
     assert "test_compiled_fp8_matches_eager[emulate_precision_casts-rowwise]" in tests["outcomes"]
+    assert "test_gpu_timing_path_measures_and_decides" in tests["outcomes"]  # time_fwd_bwd on the GPU
+    assert "test_cuda_step_is_compiled_per_shape_and_never_syncs[2]" in tests["outcomes"]
+
+
+def test_gpu_test_files_are_every_file_with_a_gpu_test():
+    gpu_check = _script("gpu_check")
+    marker = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytest\.mark\.gpu,)", re.M)  # a decorator or pytestmark
+    marked = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py") if marker.search(p.read_text()))
+    assert sorted(gpu_check.GPU_TEST_FILES) == marked
 
 
 def test_dry_run_times_shapes_within_the_budget(dry_run):
@@ -112,8 +127,8 @@ def test_dry_run_measures_a_statistics_period(dry_run):
 
 
 def test_time_limit_stops_the_check_and_keeps_what_finished(tmp_path):
-    """The SIGTERM gpu_check.sh's `timeout` sends at LIMIT_S, sent here once env and tests have
-    finished and the shapes job is running (so the test does not depend on this machine's speed):
+    """The SIGTERM gpu_check.sh's `timeout` sends at its limit, sent here once env and tests have
+    finished and the stats job is running (so the test does not depend on this machine's speed):
     exit 124, the running measurement recorded as cut, every finished one kept, the JSON whole."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", NANOCHAT_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -124,7 +139,7 @@ def test_time_limit_stops_the_check_and_keeps_what_finished(tmp_path):
     try:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("[gpu_check] shapes: running"):
+            if line.startswith("[gpu_check] stats: running"):
                 proc.send_signal(signal.SIGTERM)
                 break
         rest, _ = proc.communicate(timeout=120)
@@ -134,8 +149,8 @@ def test_time_limit_stops_the_check_and_keeps_what_finished(tmp_path):
     assert proc.returncode == 124 and "stopped by the time limit" in stdout, stdout[-2000:]
     report = json.loads(out.read_text())  # whole: written atomically
     cut = [key for key, error in report["errors"].items() if error.startswith("stopped by the time limit")]
-    assert report["errors"].keys() == set(cut) and cut == ["shapes"], report["errors"]
-    assert {"env", "tests"} <= set(report["results"])
+    assert report["errors"].keys() == set(cut) and cut == ["stats"], report["errors"]
+    assert {"env", "tests", "optim"} <= set(report["results"])
     for key in set(report["durations_s"]) - set(cut):  # every measurement that finished is there
         node = report["results"]
         for part in key.split("/"):
@@ -172,4 +187,58 @@ def test_wrapper_exits_4_when_torchao_does_not_import(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(fake), WHEELS=str(tmp_path / "no-wheels"))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry_run"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 4 and "does not import" in proc.stderr
+    assert proc.returncode == 4 and "does not import" in proc.stderr and "make install TORCH=torch" in proc.stderr
+
+
+def test_the_import_probe_covers_every_declared_dependency():
+    """What a job needs must fail the wrapper's probe (exit 4, one message), not every later job."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].replace("-", "_") for d in deps}
+    probe = re.search(r'^PROBE="([^"]+)"', (ROOT / "scripts" / "gpu_check.sh").read_text(), re.M)[1].split()
+    assert declared <= set(probe) and "pytest" in probe, declared - set(probe)
+
+
+def test_the_wrappers_limit_follows_the_budget(tmp_path):
+    """gpu_check.sh stops the script 25 s after --budget_s: its default is the script's (440 s,
+    8 minutes in all), and a --budget_s given sets it (a stand-in interpreter reports the limit)."""
+    gpu_check = _script("gpu_check")
+    sh = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert f"BUDGET_S={gpu_check.GPUCheckConfig.budget_s:g}\n" in sh
+    assert gpu_check.GPUCheckConfig.budget_s + 25 + 10 <= 480  # TERM at +25 s, KILL 10 s later
+    fake = tmp_path / "python"  # imports succeed; gpu_check.py prints the parent's timeout arguments
+    fake.write_text("#!/bin/sh\ncase \"$1\" in -c) exit 0;; esac\n"
+                    "tr '\\0' ' ' < /proc/$PPID/cmdline; echo\n")
+    fake.chmod(0o755)
+    for args, limit in (((), "465"), (("--budget_s", "100"), "125"), (("--budget_s=60.5",), "86")):
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(fake)))
+        assert r.returncode == 0 and f"timeout -k 10 {limit} " in r.stdout, (args, r.stdout, r.stderr)
+
+
+def test_a_run_that_hit_the_recompile_limit_is_invalid_and_gives_no_ratio():
+    """A function recompiled past dynamo's limit (for real: a new constant per call, limit 1):
+    RecompileLog reports it; a run so marked gives no ratio or MFU, the valid ones still do."""
+    import torch
+
+    gpu_check = _script("gpu_check")
+
+    def f(x, k):
+        return x * k
+
+    compiled = torch.compile(f, backend="eager")
+    log = gpu_check.RecompileLog()
+    with torch._dynamo.config.patch(recompile_limit=1), log:
+        for k in range(3):
+            compiled(torch.ones(2), k)
+    assert log.limit_hit is not None and log.limit_hit.startswith("torch._dynamo hit config.recompile_limit (1)")
+    results = {"train": {"d26": {"bf16": {"tokens_per_sec": 100.0, "mfu": 0.3},
+                                 "fp8_faster": {"tokens_per_sec": 45.0, "mfu": 0.1, "invalid": "limit hit"}},
+                         "d12": {"bf16": {"tokens_per_sec": 100.0, "mfu": 0.3},
+                                 "fp8_faster": {"tokens_per_sec": 90.0, "mfu": 0.25}}},
+               "all": {"d12": {"fp8_all": {"tokens_per_sec": 80.0, "mfu": 0.2}}}}
+    assert gpu_check.ratios(results) == {
+        "d26_bf16_mfu": 0.3, "d26_fp8_faster_invalid": "limit hit", "d12_bf16_mfu": 0.3,
+        "d12_fp8_faster_over_bf16_tokens_per_sec": 0.9, "d12_fp8_faster_mfu": 0.25,
+        "d12_fp8_all_over_bf16_tokens_per_sec": 0.8, "d12_fp8_all_mfu": 0.2}

@@ -479,10 +479,14 @@ def test_unsupported_options_are_named(change, match):
 
 def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     """A run's checkpoint (compiled-model key prefixes included) -> scripts/export_hf.py ->
-    transformers reproduces the checkpoint's weights (logits within TOL of our model)."""
+    transformers reproduces the checkpoint's weights (logits within TOL of our model). The run is
+    still in progress (its lock held): the export warns that it took the newest checkpoint."""
+    import logging
     import runpy
 
+    from nanochat import runlock
     from nanochat.checkpoint import save_checkpoint
+    from nanochat.common import logger
     from nanochat.hf import model_from_state_dict
 
     directory, _ = saved["qwen2_tied"]
@@ -495,9 +499,19 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
                               "config": {"model_name": str(directory)}, "step": 1})
     tok.save(run_dir / "tokenizer")
     monkeypatch.setattr("sys.argv", ["export_hf.py", "--run_dir", str(run_dir), "--out_dir", str(tmp_path / "out")])
-    with pytest.raises(SystemExit) as exit_status:
-        runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger.addHandler(handler)
+    runlock.acquire(run_dir)  # a training run still in progress there: its lock is held
+    try:
+        with pytest.raises(SystemExit) as exit_status:
+            runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+    finally:
+        runlock.release(run_dir)
+        logger.removeHandler(handler)
     assert exit_status.value.code == 0
+    assert [w for w in warnings if "still in progress" in w and "exporting its newest checkpoint, step 1" in w]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)

@@ -8,8 +8,9 @@ optimizer steps (micro-batches do not count) and a sampled step counts the tenso
 micro-batches (against a run without accumulation); the FP8 figures in the Trainer's logs are the
 sample's (`FP8Training.last_stats`), their per-role max the max over the logged layers; resuming
 from a checkpoint continues an uninterrupted run bit for bit (the same code runs twice, eager, on
-one CPU); a non-finite step leaves weights and Adam's step counts as they were while the schedule
-moves on as `get_linear_schedule_with_warmup` says; with torch_compile nothing compiles until
+one CPU), also from the checkpoint the Trainer saved when SIGTERM came during a step; a
+non-finite step leaves weights and Adam's step counts as they were while the schedule moves on
+as `get_linear_schedule_with_warmup` says; with torch_compile nothing compiles until
 calibration ends, statistics steps do not recompile, and the losses follow the eager run's;
 evaluation equals the same weights in plain nn.Linear layers. What it cannot run is refused before
 the model is converted; importing nanochat.fp8 loads no transformers.
@@ -20,6 +21,8 @@ import json
 import importlib.util
 import logging
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +38,7 @@ from transformers import TrainerCallback, TrainingArguments, get_linear_schedule
 from nanochat.common import NanoChatError  # noqa: E402
 from nanochat.fp8 import FP8Config, FP8Tensor, restore_fp8  # noqa: E402
 from nanochat.hf_trainer import FP8Trainer, fp8_health  # noqa: E402
+from nanochat.stop import Stopped  # noqa: E402
 from tests.conftest import last_bits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,6 +243,37 @@ def test_resume_from_checkpoint_is_exact(tmp_path, master_weights):
     with pytest.raises(ValueError, match="mode 'auto' -> 'e4m3'"):
         _train(tmp_path / "other", resume=str(checkpoint),
                fp8_config=FP8Config(emulate=True, layers="all", opt_level=2), **kw)
+
+
+class SignalAt(TrainerCallback):
+    """Sends this process `signum` as optimizer step `at` (1-based) begins, as a scheduler would."""
+
+    def __init__(self, signum: int, at: int):
+        self.signum, self.at = signum, at
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.at:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_sigterm_saves_the_step_in_flight_and_the_resume_is_exact(tmp_path):
+    """The Trainer's own save (control.should_save) of step 3, with no save strategy, then
+    Stopped (exit status 143) and one line; resumed from it, steps 4-6 are the uninterrupted run's."""
+    kw = dict(steps=6, warmup_steps=2)
+    full, full_record = _train(tmp_path / "full", **kw)
+    with pytest.raises(Stopped) as e:
+        _train(tmp_path / "cut", callbacks=[SignalAt(signal.SIGTERM, 3)], **kw)
+    checkpoint = tmp_path / "cut" / "checkpoint-3"
+    assert e.value.code == 143 and e.value.message == (
+        f"stopped by SIGTERM at step 3; {checkpoint} saved; resume: trainer.train(resume_from_checkpoint="
+        f"{str(checkpoint)!r})")
+    assert [p.name for p in (tmp_path / "cut").glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (checkpoint / "fp8_state.json").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    resumed, resumed_record = _train(tmp_path / "cut", resume=str(checkpoint), **kw)
+    assert resumed_record.losses() == {s: v for s, v in full_record.losses().items() if s > 3}
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
 
 
 class Inject(TrainerCallback):

@@ -10,7 +10,10 @@
 - --fp8_auto_recheck_every switches a role after two disagreeing re-checks (here a doctored measurement:
   e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
   with the pending count, and a resumed run switches at the same step, losses bitwise equal;
-- on CPU without --fp8_emulate, --fp8 warns once, records the fallback and still trains;
+- on CPU without --fp8_emulate, --fp8 warns once (naming --fp8_emulate), records the fallback and
+  still trains;
+- --resume with another --fp8_opt_level is refused, saying that FP8Optim would load it and
+  --init_from changes it;
 - --fp8_opt_level 2 without --fp8: no FP8 layer, FP8Tensor moments where the blocks fit, the
   training state per parameter its tensors' bytes exactly (fp32 weights and gradients 4 + 4,
   moments 2 x (1 + 4/256) or fp32's 8), and the same losses, bit for bit, as a run that stores
@@ -21,6 +24,7 @@ default would keep every layer in bf16 (that default is tests/test_fp8_policy.py
 """
 
 import json
+import logging
 
 import pytest
 import torch
@@ -151,15 +155,40 @@ def test_auto_recheck_needs_auto_mode():
         TrainConfig(fp8=True, fp8_mode="auto", fp8_auto_recheck_every=-1)
 
 
-def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, caplog):
-    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=8, fp8=True,
-                                                 fp8_opt_level=1, num_samples=0)).train()
+def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, monkeypatch):
+    from nanochat import common
+
+    monkeypatch.setattr(common, "_warned", set())  # warned once per process: maybe by an earlier test
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    common.logger.addHandler(handler)
+    try:
+        result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=8, fp8=True,
+                                                     fp8_opt_level=1, num_samples=0)).train()
+    finally:
+        common.logger.removeHandler(handler)
     assert result.fp8_backend == "fallback" and result.fp8_converted == []
     assert len(result.fallbacks) == 1 and "--fp8_emulate" in result.fallbacks[0]
+    # the warning the user reads names the flag too, not FP8Config's field
+    fallback = [w for w in warnings if "FP8 requested but not available" in w]
+    assert len(fallback) == 1 and "--fp8_emulate" in fallback[0] and "`emulate`" not in fallback[0], warnings
     assert "--fp8_skip 'lm_head'" in result.fp8_skipped["lm_head"]  # fp8's `skip_fqns`, as the CLI names it
     losses = [r["loss"] for r in _records(tmp_path / "fb") if "step" in r]
     assert losses[-1] < losses[0]
     assert result.optimizer_state_bytes < 8 * result.num_params  # FP8 moments work without FP8 matmuls
+
+
+def test_resume_refuses_another_opt_level_and_says_what_loads_it(small_corpus, tmp_path):
+    """README: FP8Optim loads a level-2 state at level 0 (tests/test_fp8_optim.py), --resume does not."""
+    from nanochat.common import UsageError
+
+    kw = tiny_train_kwargs(small_corpus, tmp_path / "r", num_iterations=2, fp8_opt_level=2, num_samples=0)
+    NanoChatTrainer(**kw).train()
+    with pytest.raises(UsageError) as e:
+        NanoChatTrainer(**{**kw, "fp8_opt_level": 0, "num_iterations": 3, "resume": True}).train()
+    assert "--fp8_opt_level: checkpoint 2 vs now 0" in str(e.value)
+    assert "FP8Optim loads moments saved at another --fp8_opt_level" in str(e.value) and "--init_from" in str(e.value)
 
 
 def test_fp8_summaries_are_logged_under_their_own_label(small_corpus, tmp_path):

@@ -398,6 +398,11 @@ def load_checkpoint(source: str | os.PathLike, map_location: str | torch.device 
         c = newest_checkpoint(source, flag)
         if c is None:
             found = "no such directory" if not source.is_dir() else "no checkpoint-<step>.pt with its .json manifest"
+            training = runlock.holder(source) if source.is_dir() else None
+            if training is not None:  # a run in progress that has not saved yet
+                raise UsageError(f"{flag} {source} holds no checkpoint yet: a training run is in progress there "
+                                 f"({training}) and writes its first checkpoint at its first --save_every step or "
+                                 f"at its end; wait for it, or point {flag} at a run that saved one")
             raise UsageError(f"{flag} {source} holds no checkpoint ({found}); point {flag} at the directory of "
                              "a run that saved one")
     problem = verify_checkpoint(c)
@@ -490,6 +495,9 @@ class Checkpointer:
         remove what a killed save left there) and refuse to clobber a run in it. One that does not
         exist yet is created and locked by `prepare`, so an error before the first step leaves
         nothing behind."""
+        problem = _link_problem(self.run_dir)
+        if problem is not None:
+            raise UsageError(f"--run_dir {self.run_dir}: {problem}; point --run_dir at a directory, or repair the link")
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise UsageError(f"--run_dir {self.run_dir} exists and is not a directory; give a directory path")
         if self.run_dir.is_dir():
@@ -659,8 +667,11 @@ class Checkpointer:
             diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks", f"{now['batch_size']} x {ranks} ranks")
         if diff:
             lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+            level = (". FP8Optim loads moments saved at another --fp8_opt_level, but a resumed run keeps its "
+                     "checkpoint's level (its optimizer state continues as saved); to change the level, start a "
+                     "new run from these weights with --init_from" if "fp8_opt_level" in diff else "")
             raise UsageError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
-                             "use the checkpoint's values or a new --run_dir")
+                             f"use the checkpoint's values or a new --run_dir{level}")
 
     def read_init_source(self) -> Saved:
         """--init_from: the source run's newest checkpoint (.pt or DCP), verified, and its tokenizer,
@@ -789,6 +800,21 @@ class Checkpointer:
         if good is None:
             return f"No good checkpoint of this run is in {self.run_dir}"
         return f"The last good checkpoint is {good.path} (step {good.step}, verified, finite)"
+
+
+def _link_problem(path: Path) -> str | None:
+    """Why `path`, or a directory above it, cannot be a directory: a symbolic link that loops or
+    leads nowhere (mkdir would say only "File exists"); None when there is none."""
+    for p in (path, *path.parents):
+        if not os.path.islink(p):
+            continue
+        try:
+            os.stat(p)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"{p} is a symbolic link that loops (to {os.readlink(p)}, which leads back to it)"
+            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+    return None
 
 
 def _finished(run_dir: Path, step: int) -> bool:

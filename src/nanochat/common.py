@@ -82,6 +82,11 @@ def run_main(main: Callable[[], int | None], *, debug: bool = False) -> int:
     so the traceback shows. Anything else is a bug and keeps its traceback."""
     try:
         return main() or 0
+    except KeyboardInterrupt:  # Ctrl-C where no handler of ours runs (a run's loop has one: nanochat.stop)
+        if debug:
+            raise
+        print_last_line("stopped by SIGINT")
+        return 130
     except Exception as e:
         described = describe_error(e)
         if described is None:
@@ -89,12 +94,17 @@ def run_main(main: Callable[[], int | None], *, debug: bool = False) -> int:
         if debug:
             traceback.print_exc()
         code, message = described
-        # a progress bar the error interrupted ends its line first, so `error:` starts one
-        bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())
-        for bar in list(bars):
-            bar.close()
-        print(f"error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+        print_last_line(f"error: {' '.join(message.split())}")
         return code
+
+
+def print_last_line(text: str) -> None:
+    """`text` on stderr as the line a process ends with: a progress bar it interrupted is closed
+    first, so the line starts one of its own."""
+    bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())
+    for bar in list(bars):
+        bar.close()
+    print(text, file=sys.stderr, flush=True)
 
 
 def setup_logging(level: int = logging.INFO) -> None:

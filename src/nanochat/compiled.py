@@ -3,7 +3,10 @@ compiles, and whether compiling failed.
 
 A run compiles its training module whole (--compile_scope model: one graph, the fastest steps)
 or each transformer block in place (blocks: one graph every block reuses, so compiling does not
-grow with depth). Compiling happens in the first step that runs compiled code; FP8 statistics
+grow with depth). Blocks that do not share a graph (FP8 blocks did not on an H200) recompile
+once each; dynamo's default limit of 8 compiles per function would run the blocks after the
+eighth eagerly, silently, so a per-block compile may recompile once for every block, twice after
+`auto` fixes its formats. Compiling happens in the first step that runs compiled code; FP8 statistics
 and auto's calibration run eagerly (their hooks would force recompiles), and fixing auto's
 formats changes what the graphs do not guard on, so the next compiled step compiles again. A
 compile that fails (no C++ compiler for CPU code, an unsupported backend) falls back to eager
@@ -40,9 +43,13 @@ class Compiled:
     def __init__(self, module: torch.nn.Module, blocks: torch.nn.ModuleList, *, enabled: bool, scope: str):
         self.eager_module = module
         self.in_place = enabled and scope == "blocks"
+        self._limit = contextlib.nullcontext
         if self.in_place:
             for block in blocks:
                 block.compile()
+            # every block's graph, and again after auto fixes its formats, on top of the default's room
+            limit = torch._dynamo.config.recompile_limit + 2 * len(blocks)
+            self._limit = lambda: torch._dynamo.config.patch(recompile_limit=limit)
         self.module = torch.compile(module) if enabled and not self.in_place else module
         self.enabled = enabled
         self.pending = enabled
@@ -65,7 +72,7 @@ class Compiled:
             with autocast, self.eager():
                 return self.eager_module(x, y)
         try:
-            with autocast:
+            with autocast, self._limit():
                 return self.module(x, y)
         except Exception as e:  # noqa: BLE001 -- any compiler failure; training goes on eagerly
             if not (self.pending and _is_compile_failure(e)):

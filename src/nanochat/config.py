@@ -70,6 +70,28 @@ def _say_once(key: str, message: str) -> None:
     if key not in _said:
         _said.add(key)
         logging.getLogger("nanochat").warning("WARNING: %s", message)
+class _FlagText(logging.Filter):
+    """Log records as the CLI's user reads them: nanochat.fp8 names FP8Config's fields (`emulate`),
+    a run configured by TrainConfig has flags (--fp8_emulate)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if (text := flag_text(message)) != message:
+            record.msg, record.args = text, ()
+        return True
+
+
+@contextlib.contextmanager
+def flags_in_log():
+    """Within the block, what the nanochat logger prints names FP8 settings by their flags."""
+    from nanochat.common import logger
+
+    flt = _FlagText()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
 
 
 def _attribute_docs(cls: type) -> dict[str, str]:

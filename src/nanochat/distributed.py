@@ -143,6 +143,27 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+              "NCCL communicator was aborted", "remote process exited")
+"""What gloo's TCP transport and NCCL say when another rank's process is gone (gloo's pair.cc;
+NCCL's abort after its watchdog or a peer's exit)."""
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """A short reason when `e` is a collective that failed because another rank's process died
+    or was killed (the run cannot go on; its checkpoints can), else None."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or isinstance(e, NanoChatError):
+        return None
+    if not (isinstance(e, dist.DistError) or "gloo" in text or "NCCL" in text):
+        return None
+    said = next((s for s in _PEER_GONE if s in text), None)
+    if said is None:
+        return None
+    backend = "gloo" if "gloo" in text else "NCCL" if "NCCL" in text else backend_name()
+    return f"{backend}: {said}"
+
+
 def backend_name() -> str:
     return dist.get_backend() if is_distributed() else "none"
 

@@ -213,10 +213,15 @@ class EvalResult:
     accuracy_scoring: str | None = None
     """How the options were scored (`describe_scoring`); None without multiple-choice records."""
     fallbacks: list[str] = field(default_factory=list)
+    source: str = ""
+    """What was evaluated: a run's checkpoint file and its step, or a model directory."""
+    step: int | None = None
+    """The step of the run's checkpoint that was evaluated; None for a model as loaded."""
 
 
 def load_saved(run_dir: str | None, model_name: str | None, device: torch.device, seq_len: int):
-    """(model, tokenizer) of a run directory's checkpoint, or of a Hugging Face directory."""
+    """(model, tokenizer, step) of a run directory's newest checkpoint, or of a Hugging Face
+    directory (step None)."""
     from nanochat.gpt import GPT, preset_config
     from nanochat.hf import load_hf_model, model_from_state_dict, resolve_model
     from nanochat.tokenizer import Tokenizer
@@ -227,7 +232,7 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
             raise UsageError(f"--model_name {model_name!r} is a nanochat preset, untrained; evaluate a "
                              "run of it instead (--run_dir)")
         model, tok = load_hf_model(resolved.path, device, torch.float32, seq_len=seq_len)
-        return model, tok
+        return model, tok, None
     from nanochat.checkpoint import load_checkpoint
 
     try:
@@ -252,20 +257,23 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
             model = GPT(preset_config(name, vocab_size=tok.vocab_size, seq_len=ckpt["config"]["seq_len"]))
         model.materialize("cpu")
         model.load_state_dict({re.sub(r"^(_orig_mod\.|module\.)+", "", k): v for k, v in ckpt["model"].items()})
-    return model.to(device), tok  # a run's tokenizer/ holds the chat template it trained with
+    return model.to(device), tok, int(ckpt["step"])  # a run's tokenizer/ holds the chat template it trained with
 
 
 @torch.no_grad()
 def evaluate_saved(cfg) -> EvalResult:
     """`scripts/eval.py` with an `EvalConfig`: the validation split's loss and accuracy."""
+    from nanochat.checkpoint import checkpoint_name
     from nanochat.common import resolve_device, resolve_dtype
     from nanochat.data import load_corpus, pack_records, tokenize_docs, tokenize_records
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     corpus = load_corpus(cfg.dataset_path)
-    model, tok = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
-    logger.info("corpus: %s", corpus.describe())  # once the model loaded: an error is the only line
+    model, tok, step = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
+    source = f"{Path(cfg.run_dir) / checkpoint_name(step)} (step {step})" if step is not None else str(cfg.model_name)
+    logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
+    logger.info("corpus: %s", corpus.describe())
     tok, fallback = instruct.choose_chat_template(tok, cfg.chat_template, records=corpus.kind == "instruct")
     fallbacks = [fallback] if fallback else []
     if fallback:
@@ -292,4 +300,5 @@ def evaluate_saved(cfg) -> EvalResult:
                                        device=device, autocast=autocast)
         accuracy = correct / total
     return EvalResult(val_loss=nats / max(count, 1), val_accuracy=accuracy, questions=len(items),
-                      accuracy_scoring=describe_scoring(items) if items else None, fallbacks=fallbacks)
+                      accuracy_scoring=describe_scoring(items) if items else None, fallbacks=fallbacks,
+                      source=source, step=step)

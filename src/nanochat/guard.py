@@ -40,11 +40,13 @@ clipped steps, and the smallest clip factor (max_norm / norm) so far."""
 
 class Verdict(NamedTuple):
     """One step as the guard saw it: the loss and gradient norm on the host, and `flags` for the
-    step's metrics record (`skipped` and `nonfinite_at`, or `clip_factor` when it clipped)."""
+    step's metrics record (`skipped` and `nonfinite_at`, or `clip_factor` when it clipped);
+    `also`: the caller's values read with them."""
 
     loss: float
     grad_norm: float
     flags: dict[str, Any]
+    also: tuple[float, ...] = ()
 
     @property
     def skipped(self) -> bool:
@@ -65,33 +67,38 @@ class StepGuard:
 
     def check(self, step: int, loss: torch.Tensor, params: Iterable[torch.Tensor], *, max_norm: float = math.inf,
               clip: bool = True, rerun: Callable[[], object] | None = None,
-              note: Callable[[], str] | None = None) -> Verdict:
+              note: Callable[[], str] | None = None, also: torch.Tensor | None = None) -> Verdict:
         """After the backward pass of step `step` (0-based): the global norm of `params`' gradients,
         then `loss` and that norm read together (one device read); `decide` on them; a finite step
-        is clipped to `max_norm` unless `clip` is False (a caller that clips itself)."""
+        is clipped to `max_norm` unless `clip` is False (a caller that clips itself). `also`: a
+        1-D tensor of the caller's own, read in the same read (Verdict.also)."""
         params = list(params)
         # the norm first, clipping after: a non-finite norm must leave the gradients as they are
         # (clip_grad_norm_ would scale all of them by nan) so that the culprit can be named
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if isinstance(norm, DTensor):  # FSDP: the norm over every rank's shard
             norm = norm.full_tensor()
-        loss_value, grad_norm = host_read(torch.stack([loss.float(), norm.float().to(loss.device)]))
+        values = host_read(_with(torch.stack([loss.float(), norm.float().to(loss.device)]), also))
+        (loss_value, grad_norm), extra = values[:2], tuple(values[2:])
         flags = self.decide(step, loss_value, grad_norm, max_norm=max_norm, rerun=rerun, note=note)
         if clip and not flags.get("skipped"):
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return Verdict(loss_value, grad_norm, flags)
+        return Verdict(loss_value, grad_norm, flags, extra)
 
     def check_in_backward(self, step: int, loss: torch.Tensor, optimizer: Any, *,
-                          note: Callable[[], str] | None = None) -> Verdict:
+                          note: Callable[[], str] | None = None, also: torch.Tensor | None = None) -> Verdict:
         """A step whose update ran inside the backward (FP8Optim.step_in_backward, which left any
         parameter with a non-finite gradient unchanged), in one device read: the loss, the norm
         of the finite gradients and, when some were not finite, `skipped_params` (how many
         parameters kept their values) and `skipped_param_names`. The step counts as skipped
         (`decide`: the counters, the stop after `max_bad_steps`) only when nothing was updated:
-        the loss was not finite, or every parameter with a gradient kept its value."""
+        the loss was not finite, or every parameter with a gradient kept its value. `also` as in
+        `check`."""
         stats = optimizer.backward_stats(per_param=True)
         stats = torch.zeros(3, device=loss.device) if stats is None else stats
-        values = host_read(torch.cat([loss.float().view(1), stats.to(loss.device)]))
+        n_also = 0 if also is None else also.numel()
+        values = host_read(_with(torch.cat([loss.float().view(1), stats.to(loss.device)]), also))
+        values, extra = values[:len(values) - n_also], tuple(values[len(values) - n_also:])
         loss_value, grad_norm, skipped, with_grad = values[:4]
         nothing_updated = not math.isfinite(loss_value) or (skipped and skipped == with_grad)
         flags: dict[str, Any] = {}
@@ -106,7 +113,7 @@ class StepGuard:
                                step + 1, ", ".join(flags["skipped_param_names"]))
         # a finite norm ends a run of skipped steps
         flags.update(self.decide(step, loss_value, math.nan if nothing_updated else grad_norm, note=note))
-        return Verdict(loss_value, grad_norm, flags)
+        return Verdict(loss_value, grad_norm, flags, extra)
 
     def decide(self, step: int, loss: float, grad_norm: float, *, max_norm: float = math.inf,
                rerun: Callable[[], object] | None = None, note: Callable[[], str] | None = None) -> dict[str, Any]:
@@ -170,6 +177,11 @@ class StepGuard:
         if saved is None:
             saved = state.get("counters") or {}
         self.counters.update({k: v for k, v in saved.items() if k in COUNTERS})
+
+
+def _with(values: torch.Tensor, also: torch.Tensor | None) -> torch.Tensor:
+    """`values` followed by the caller's `also`, one tensor for one read."""
+    return values if also is None else torch.cat([values, also.detach().float().reshape(-1).to(values.device)])
 
 
 __all__ = ["COUNTERS", "StepGuard", "Verdict"]

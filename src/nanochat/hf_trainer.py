@@ -16,7 +16,10 @@ steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate c
 model or regions); a callback's `on_optimizer_step` ends the step; `log()` carries FP8 health to
 every `report_to` tracker; checkpoints hold `fp8_state.json`, restored before the optimizer state
 and before compiling; evaluation runs in high precision. `save_fp8` writes the trained model as
-an FP8 checkpoint for vLLM, SGLang and transformers (nanochat.hf_fp8).
+an FP8 checkpoint for vLLM, SGLang and transformers (nanochat.hf_fp8). SIGTERM or Ctrl-C
+(nanochat.stop) sets the Trainer's own `control.should_save` and `should_training_stop` after the
+step in flight: the Trainer saves checkpoint-N and ends its loop, then `train()` prints one line
+and raises `Stopped` (exit status 143 / 130); under DDP every rank stops after the same step.
 
 A step whose loss or gradient norm is not finite is skipped before the Trainer clips: its
 gradients are dropped (the optimizer step updates nothing), the layer where it began is named,
@@ -42,7 +45,7 @@ from safetensors.torch import save_file
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from nanochat.common import logger, publish_directory, warn_once
+from nanochat.common import logger, print_last_line, publish_directory, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.config import RESUME_FIELDS, ROLES
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
@@ -50,6 +53,7 @@ from nanochat.guard import StepGuard
 from nanochat.hf import check_export_dir
 from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
 from nanochat.optim import MASTER_WEIGHTS, MasterWeights, OptimWrapper, param_dtype
+from nanochat.stop import StopNow, StopSignals, Stopped, signal_name, stop_line
 
 FP8_STATE_NAME = "fp8_state.json"
 """FP8Training.state_dict() (statistics samples, auto's choices), the step guard's counts and the
@@ -95,6 +99,25 @@ class _EndStep(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.trainer._end_step()
+
+
+class _StopOnSignal(TrainerCallback):
+    """The Trainer's own way to stop: after a step with a stop pending (nanochat.stop), save a
+    checkpoint and end the loop. Marks the step in flight, where a first signal waits."""
+
+    def __init__(self, stop: StopSignals):
+        self.stop = stop
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.stop.step = state.global_step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.pending() is not None:
+            self.stop.step = None  # what follows is the stop's save
+            control.should_save = control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.stop.step = None
 
 
 class FP8Trainer(Trainer):
@@ -143,7 +166,10 @@ class FP8Trainer(Trainer):
         self._skipped = False
         self._samples = 0
         self._pending_logs: dict[str, float] = {}
+        self.stop = StopSignals()
+        """SIGTERM and Ctrl-C while training: a checkpoint after the step in flight, then Stopped."""
         self.add_callback(_EndStep(self))
+        self.add_callback(_StopOnSignal(self.stop))
 
     def _check_setup(self, config: FP8Config, master_weights: str) -> None:
         """Refuse, before the model is touched, what this trainer cannot run as asked."""
@@ -224,8 +250,16 @@ class FP8Trainer(Trainer):
             with torch.compiler.set_stance("force_eager"):
                 self.model(**self._prepare_inputs(inputs))
 
+        # the stop requests (nanochat.stop), read with the loss: no host sync of their own; under
+        # DDP summed over the ranks, so that every rank stops after the same step
+        requests = self.stop.requests(self._step_loss.detach().float())
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            requests = requests.clone()
+            torch.distributed.all_reduce(requests)
         verdict = self.guard.check(self.state.global_step, self._step_loss, self.model.parameters(),
-                                   max_norm=max_norm, clip=False, rerun=rerun, note=self._checkpoint_note)
+                                   max_norm=max_norm, clip=False, rerun=rerun, note=self._checkpoint_note,
+                                   also=requests)
+        self.stop.decide(verdict.also)
         if verdict.skipped:  # the Trainer would log the norm of the dropped gradients: 0
             self._add_logs({"grad_norm": verdict.grad_norm})
         if verdict.skipped or sampled:
@@ -266,14 +300,35 @@ class FP8Trainer(Trainer):
 
     def train(self, *args, **kwargs):
         """The Trainer's train(); a calibration left unfinished is recorded, and every fallback
-        taken (FP8 conversion, FP8Optim) is added to the returned metrics as `fp8_fallbacks`."""
-        output = super().train(*args, **kwargs)
+        taken (FP8 conversion, FP8Optim) is added to the returned metrics as `fp8_fallbacks`.
+        Stopped by a signal: checkpoint-N saved by the Trainer, one line, `Stopped` raised."""
+        with self.stop.handling():
+            try:
+                output = super().train(*args, **kwargs)
+            except StopNow as e:  # no step to finish, or a second Ctrl-C
+                raise self._stopped(e.signum, f"stopped at once {e.when}", saved=None) from None
+            if (signum := self.stop.pending()) is not None and self.state.global_step < self.state.max_steps:
+                step = self.state.global_step
+                folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+                raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}",
+                                    saved=folder if os.path.isdir(folder) else None)
         self.fp8.finish()
         optimizer = self.fp8_optimizer
         notes = ((optimizer.fp32_state_notes() if isinstance(optimizer, FP8Optim) else [])
                  + (optimizer.fallbacks if isinstance(optimizer, OptimWrapper) else []))
         output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + notes
         return output
+
+    def _stopped(self, signum: int, what: str, *, saved: str | None) -> Stopped:
+        """The Stopped that ends training on `signum`, its line printed by the main process."""
+        self.stop.ignore()
+        newest = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+        checkpoint = saved or newest
+        line = stop_line(what, saved=saved, newest=None if saved else newest,
+                         resume=checkpoint and f"trainer.train(resume_from_checkpoint={checkpoint!r})")
+        if self.is_world_process_zero():
+            print_last_line(line)
+        return Stopped(signum, line)
 
     def evaluation_loop(self, *args, **kwargs):
         """Evaluation (and predict) in high precision: the model's quality, not FP8's inference noise."""

@@ -54,7 +54,7 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
                          f"scripts/tok_train.py --tokenizer_dir {cfg.tokenizer_dir}")
     if cfg.init_from is not None and not cfg.resume and not Path(cfg.init_from).is_dir():
         raise UsageError(f"--init_from {cfg.init_from}: no such directory; give the --run_dir of a finished run")
-    check_trackers(cfg.log)
+    check_trackers(cfg.log, cfg.run_dir)
     if cfg.plot:  # matplotlib, and no foreign run.png in the way: known now, not after training
         check_can_draw(Path(cfg.run_dir), flag="--plot")
     return resolved

@@ -86,6 +86,28 @@ def release(run_dir: str | os.PathLike) -> None:
         os.close(_held.pop(key)[0])  # closing the descriptor releases the flock
 
 
+def holder(run_dir: str | os.PathLike) -> str | None:
+    """Who holds `run_dir`'s lock ('pid N on HOST, started T'), or None when nobody does: a
+    training run in progress there. Probed with a shared lock taken and dropped at once."""
+    if _key(run_dir) in _held:
+        return f"this process, pid {os.getpid()}"
+    try:
+        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if fcntl is None:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        return _holder(fd) if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def holding(run_dir: str | os.PathLike) -> Iterator[None]:
     """The lock of `run_dir` for the duration of the block (shared with a hold already taken)."""

@@ -59,10 +59,15 @@ HPARAM_METRICS = ("final/val_bpb", "final/val_loss", "final/train_loss", "final/
 _PACKAGES = {"tensorboard": ("tensorboard", "torch.utils.tensorboard"), "wandb": ("wandb",)}
 
 
-def check_trackers(log: Iterable[str]) -> None:
-    """Before any work: every `--log` choice is known and its package imports; else a one-line
-    UsageError with the install command."""
-    _requested(log)
+def check_trackers(log: Iterable[str], run_dir: str | os.PathLike | None = None) -> None:
+    """Before any work: every `--log` choice is known and its package imports, and what it writes
+    in `run_dir` can be a directory there; else a one-line UsageError with the fix."""
+    if "tensorboard" in _requested(log) and run_dir is not None:
+        path = Path(run_dir) / TENSORBOARD_DIR
+        if os.path.lexists(path) and not path.is_dir():
+            raise UsageError(f"--log tensorboard writes its event files into the directory {path}, but that path "
+                             "exists and is not a directory; move it out of the run directory, or drop tensorboard "
+                             "from --log")
 
 
 def _requested(log: Iterable[str]) -> list[str]:

@@ -19,6 +19,8 @@ parts in the order that makes errors come early, each attribute once:
   guard.StepGuard               non-finite steps skipped and named; clipping
   evaluation.Evaluator          loss, bits per byte, accuracy, samples, in high precision
   metrics.MetricsLog            every record the run logs (metrics.jsonl)
+  stop.StopSignals              SIGTERM / Ctrl-C: stop after a step with a checkpoint (made first,
+                                in __init__: a signal during setup is handled too)
 A step (`train_step`) is `forward_backward` (the micro-batches, around FP8's calibration and
 statistics) then `optimizer_step` (the guard, the update, FP8's bookkeeping); `_train` is the
 loop: step, time, evaluate, log, save. Distributed runs (torchrun): docs/distributed.md. Mixed
@@ -44,9 +46,10 @@ from nanochat import distributed, memory, mfu, preflight
 from nanochat.compiled import Compiled
 from nanochat.checkpoint import Checkpointer, Saved
 from nanochat.common import (
-    format_bytes, format_table, logger, print0, resolve_device, resolve_dtype, seed_everything, setup_logging,
+    NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, resolve_device,
+    resolve_dtype, seed_everything, setup_logging,
 )
-from nanochat.config import TrainConfig, flag_text
+from nanochat.config import TrainConfig, flag_text, flags_in_log
 from nanochat.evaluation import Evaluator
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
@@ -58,6 +61,7 @@ from nanochat.metrics import MetricsLog, Throughput, TrainResult
 from nanochat.optim import OptimWrapper, optimizer_state_bytes, param_dtype
 from nanochat.plot import plot_after_run
 from nanochat.run_data import RunData
+from nanochat.stop import StopNow, StopSignals, Stopped, resume_command, signal_name, stop_line
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
@@ -92,6 +96,11 @@ class NanoChatTrainer:
     """--init_from: the checkpoint whose weights the model starts from."""
     fallbacks: list[str]
     """Every fallback the run took, with its reason (TrainResult.fallbacks)."""
+    stop: StopSignals
+    """SIGTERM and Ctrl-C while training: the run stops after a step, with a checkpoint (set in
+    __init__: a signal during setup is handled too)."""
+    saved_step: int | None
+    """The step of the checkpoint this run saved last (None: none yet)."""
 
     def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
         if config is not None and kwargs:
@@ -104,11 +113,25 @@ class NanoChatTrainer:
                                 f"TrainConfig (the CLI flags): {sorted(names)}")
             config = TrainConfig(**kwargs)
         self.config = config
+        self.stop = StopSignals()
 
     def train(self) -> TrainResult:
-        finished = False
+        """The run (module docstring). SIGTERM or Ctrl-C ends it after a step with a checkpoint,
+        one line saying how to resume, and `Stopped` (a SystemExit: exit status 143 or 130); a
+        rank whose peer died ends with one NanoChatError naming the checkpoint to resume."""
+        finished = lost = False
         try:
-            result, finished = self._train(), True
+            with self.stop.handling(), flags_in_log():  # the FP8 warnings in flags: --fp8_emulate
+                try:
+                    result, finished = self._train(), True
+                except StopNow as e:  # no step to finish, or a second Ctrl-C
+                    raise self._stopped(e.signum, f"stopped at once {e.when}") from None
+                except RuntimeError as e:
+                    if (reason := distributed.lost_peer(e)) is None:
+                        raise
+                    self.stop.ignore()  # torchrun's SIGTERM to the survivors must not cut this message short
+                    lost = True
+                    raise NanoChatError(self._lost_peer_message(reason)) from e
             return result
         finally:
             if getattr(self, "metrics", None) is not None:
@@ -118,7 +141,8 @@ class NanoChatTrainer:
             if getattr(self, "dist_model", None) is not None:  # whoever owns the process group
                 distributed.release_wrapper(self.dist_model)
                 self.dist_model = self.model
-            distributed.destroy_distributed()  # only a process group init_distributed created
+            if not lost:  # a group that lost a rank would wait for it: the process exits without it
+                distributed.destroy_distributed()  # only a process group init_distributed created
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -133,6 +157,7 @@ class NanoChatTrainer:
         self.checkpoints.claim()  # the run directory first: its lock makes this process the run's
         model_source = preflight.check_environment(cfg, self.dist, self.device, self.dtype)
         self.fallbacks = []
+        self.saved_step = None
         self.state_bytes: dict[str, int] = {}
         seed_everything(cfg.seed)
         self.init_source = self.checkpoints.read_init_source() if cfg.init_from and not cfg.resume else None
@@ -297,7 +322,8 @@ class NanoChatTrainer:
                 loss_sum += loss.detach()
         if not eager:
             self.compiled.pending = False
-        return distributed.all_reduce_mean(loss_sum) / cfg.grad_accum_steps, fp8_step, (x, y)
+        # the mean over ranks; each rank's stop request rides in the same all-reduce (nanochat.stop)
+        return self.stop.reduce_with(loss_sum) / cfg.grad_accum_steps, fp8_step, (x, y)
 
     def optimizer_step(self, step: int, lr: float, loss: torch.Tensor, fp8_step: FP8Step,
                        batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
@@ -310,12 +336,13 @@ class NanoChatTrainer:
             with self.compiled.eager():
                 self.model(*batch)
 
-        note = self.checkpoints.good_checkpoint_note
+        note, votes = self.checkpoints.good_checkpoint_note, self.stop.votes  # the stop requests: read with the loss
         if cfg.optimizer_in_backward:
-            verdict = self.guard.check_in_backward(step, loss, self.optimizer, note=note)
+            verdict = self.guard.check_in_backward(step, loss, self.optimizer, note=note, also=votes)
         else:
             verdict = self.guard.check(step, loss, self.params, max_norm=cfg.grad_clip if cfg.grad_clip > 0
-                                       else math.inf, rerun=rerun, note=note)
+                                       else math.inf, rerun=rerun, note=note, also=votes)
+        self.stop.decide(verdict.also)
         # every rank: the global batch's statistics
         record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm,
                   **fp8_step.record(), **verdict.flags}
@@ -363,7 +390,7 @@ class NanoChatTrainer:
         final = None  # the last evaluation: (val_loss, val_bpb, val_accuracy)
         self.model.train()
         bar = tqdm(total=self.total_steps, initial=start_step, disable=not rank0, dynamic_ncols=True, desc="train")
-        for step in range(start_step, self.total_steps):
+        for step in self.stop.steps(start_step, self.total_steps, on_stop=self._stop):  # until a signal
             t0, epoch, compiles = time.perf_counter(), int(self.data.loader.epoch), self.compiled.pending
             record = self.train_step(step)
             seconds = time.perf_counter() - t0
@@ -417,6 +444,50 @@ class NanoChatTrainer:
         self.metrics.start_trackers(cfg.log, cfg.to_dict(), rank=0, start_step=start_step, resumed_record=appended)
         return history
 
+    def _stop(self, step: int, signum: int) -> None:
+        """Every rank agreed to stop on `signum` after `step` steps: a checkpoint of that step
+        (unless its own --save_every wrote one), then Stopped."""
+        cfg = self.config
+        if cfg.save_checkpoints and self.saved_step != step:
+            self._save(step)
+        raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}", saved=cfg.save_checkpoints)
+
+    def _newest_checkpoint(self) -> tuple[str, Path, int] | None:
+        """The checkpoint a --resume would start from now (not re-verified: this runs on the way
+        out), or None."""
+        if getattr(self, "checkpoints", None) is None:
+            return None
+        with contextlib.suppress(NanoChatError, OSError):  # a loose newest checkpoint: --resume will say so
+            return self.checkpoints.find(self.run_dir, "--resume")
+        return None
+
+    def _lost_peer_message(self, reason: str) -> str:
+        rank = dist_env().rank
+        newest = self._newest_checkpoint()
+        resume = (f"the newest checkpoint is {newest[1]} (step {newest[2]}); once every rank can run again, "
+                  f"resume: {resume_command(self.config)}" if newest is not None
+                  else "no checkpoint of this run was saved")
+        return (f"rank {rank} lost its connection to another rank of this run ({reason}): that rank's process died "
+                f"or was killed, and its own output says why; {resume}")
+
+    def _stopped(self, signum: int, what: str, *, saved: bool = False) -> Stopped:
+        """The Stopped that ends a run on `signum`, its line printed by rank 0: `what` stopped
+        it, the checkpoint that holds the run (the one just saved, with `saved`) and the command
+        that resumes it."""
+        self.stop.ignore()  # the run is ending: a late signal must not cut this short
+        cfg = self.config
+        newest = self._newest_checkpoint()
+        where = None if newest is None else str(newest[1])
+        if saved and newest is not None:
+            line = stop_line(what, saved=where, resume=resume_command(cfg))
+        elif not cfg.save_checkpoints:
+            line = stop_line(what, unsaved="no checkpoint saved (--no_save_checkpoints): this run cannot be resumed")
+        else:
+            line = stop_line(what, newest=where and f"{where} (step {newest[2]})", resume=resume_command(cfg))
+        if dist_env().rank == 0:
+            print_last_line(line)
+        return Stopped(signum, line)
+
     def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
         """A checkpoint of `step` (checkpoint.Checkpointer.save) holding this loop's state too:
         the data position, the tokenizer's fingerprint, FP8's and the guard's state and `record`, the step's
@@ -427,6 +498,7 @@ class NanoChatTrainer:
             # --fp8_mode auto's measured formats (a resumed run does not recalibrate) with
             # --fp8_auto_recheck_every's switches and pending disagreements, the converted layers
             **self.fp8.state_dict(), **self.guard.state_dict(), "record": record})
+        self.saved_step = step
 
     def _evaluate_start(self) -> None:
         val_loss, val_bpb, val_accuracy = self.evaluator.all()

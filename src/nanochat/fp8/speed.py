@@ -11,8 +11,9 @@ events around windows of calls, FP8 and bf16 windows alternating, the median of 
 
 Timings are cached in `$NANOCHAT_CACHE/fp8_speed.json` (default `.cache/`), keyed by GPU name,
 torch and torchao versions, recipe and shape, so a second run measures nothing. The file is
-written atomically; one there that is not such a cache (corrupt, or something else's) is
-ignored with one logged line and never overwritten: this run's timings then go uncached.
+written atomically; one there that is not such a cache (corrupt, not UTF-8, something else's, or
+not a regular file: a FIFO would block the read forever) is ignored with one logged line and
+never overwritten: this run's timings then go uncached.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import json
 import math
 import os
+import stat
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,16 +172,25 @@ class SpeedCache:
         self.timings: dict[str, Timing] = {}
         self.writable = True
         """False when the file at `path` is not a cache of ours: it is then never overwritten."""
-        try:
-            text = self.path.read_text(encoding="utf-8")
+        try:  # O_NONBLOCK: opening a FIFO for reading would wait for a writer
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except FileNotFoundError:
             return
         except OSError as e:
             self._ignore(f"it cannot be read ({e.strerror})")
             return
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self._ignore("it is not a regular file")
+                return
+            try:
+                data = f.read()
+            except OSError as e:
+                self._ignore(f"it cannot be read ({e.strerror})")
+                return
         try:
-            self.timings = _parse(json.loads(text))
-        except ValueError as e:  # JSONDecodeError is one
+            self.timings = _parse(json.loads(data.decode("utf-8")))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             self._ignore(f"it is not a nanochat FP8 speed cache: {e}")
 
     def _ignore(self, why: str) -> None:
