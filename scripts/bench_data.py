@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -115,6 +116,8 @@ class BenchDataConfig:
     batch_size: int = 8
     vocab_size: int = 4096
     """Tokenizer trained on the smaller corpus (scripts/tok_train.py, its first 20M characters)."""
+    repeats: int = 3
+    """Measurements of each figure per corpus (the sizes alternate); medians are reported."""
     ranks: int = 2
     """Processes of the torchrun on the larger corpus (0: skip it)."""
     timeout: int = 600
@@ -127,7 +130,7 @@ class BenchDataConfig:
     def __post_init__(self) -> None:
         if len(self.sizes_mib) != 2 or not 0 < self.sizes_mib[0] < self.sizes_mib[1]:
             raise ValueError(f"--sizes_mib needs two increasing sizes, e.g. 100 400; got {self.sizes_mib}")
-        for name in ("steps", "seq_len", "batch_size", "timeout"):
+        for name in ("steps", "seq_len", "batch_size", "timeout", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
@@ -300,6 +303,13 @@ def _snippet(code: str, args: list[str], env: dict[str, str], cfg: BenchDataConf
             "wall_s": time.perf_counter() - t0}
 
 
+def _median(runs) -> dict:
+    """The median of every numeric field over the runs (a measurement's repeats)."""
+    runs = list(runs)
+    return {k: statistics.median(r[k] for r in runs) if isinstance(v, (int, float)) and not isinstance(v, bool)
+            else v for k, v in runs[0].items()}
+
+
 def bench(cfg: BenchDataConfig) -> int:
     if cfg.quick:
         cfg = dataclasses.replace(cfg, sizes_mib=(2, 8), seq_len=64, vocab_size=512)
@@ -325,29 +335,34 @@ def bench(cfg: BenchDataConfig) -> int:
                                    "--eval_tokens", str(cfg.seq_len * cfg.batch_size), "--num_samples", "0",
                                    "--no_compile", "--no_save_checkpoints", "--device", "cpu",
                                    "--run_dir", str(work / f"run-{run}"), "--overwrite"]
-    for mib, path in corpora.items():
-        cache = work / f"cache-{mib}mib"
-        for sub in ("stores", "tokens"):  # a build from nothing; the generated corpus and tokenizer are kept
-            shutil.rmtree(cache / sub, ignore_errors=True)
-        env = _env(cache)
-        r: dict = {}
-        print(f"{mib} MiB: building the token store", flush=True)
-        r["build"] = _measured("tokenize_corpus.py", ["--dataset_path", str(path), "--tokenizer_dir", str(tok_dir)],
-                               env, cfg, work / f"build-{mib}", poll=True)
-        manifest = json.loads(next((cache / "stores").glob("*/tokens-*/manifest.json")).read_text())
-        r["build"]["manifest"] = manifest["build"]
-        r["build"]["store_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
-        r["build"]["tokens"] = manifest["split"]["train"]["tokens"] + manifest["split"]["val"]["tokens"]
-        print(f"{mib} MiB: a {cfg.steps}-step run on the built store", flush=True)
-        r["run"] = _measured("base_train.py", train_args(mib, f"{mib}"), env, cfg, work / f"run-{mib}")
-        print(f"{mib} MiB: data only, store and in-memory", flush=True)
-        r["store_data"] = _snippet(STORE_DATA, [str(path), str(tok_dir), str(cfg.seq_len), str(cfg.batch_size),
-                                                str(cfg.steps)], env, cfg, work / f"store-data-{mib}")
-        r["memory_first"] = _snippet(IN_MEMORY, [str(path), str(tok_dir), str(cache / "tokens")], env, cfg,
-                                     work / f"memory-first-{mib}")
-        r["memory_cached"] = _snippet(IN_MEMORY, [str(path), str(tok_dir), str(cache / "tokens")], env, cfg,
-                                      work / f"memory-cached-{mib}")
-        results[str(mib)] = r
+    samples: dict[int, list[dict]] = {mib: [] for mib in corpora}
+    for rep in range(cfg.repeats):  # the sizes alternate, so that the machine's load hits both alike
+        for mib, path in corpora.items():
+            cache = work / f"cache-{mib}mib"
+            for sub in ("stores", "tokens"):  # a build from nothing; the generated corpus and tokenizer are kept
+                shutil.rmtree(cache / sub, ignore_errors=True)
+            env = _env(cache)
+            r: dict = {}
+            print(f"{mib} MiB, repeat {rep + 1}/{cfg.repeats}: build, {cfg.steps}-step run, data only", flush=True)
+            r["build"] = _measured("tokenize_corpus.py", ["--dataset_path", str(path), "--tokenizer_dir", str(tok_dir)],
+                                   env, cfg, work / f"build-{mib}", poll=True)
+            manifest = json.loads(next((cache / "stores").glob("*/tokens-*/manifest.json")).read_text())
+            r["build"].update(seconds=manifest["build"]["seconds"], workers=manifest["build"]["workers"],
+                              store_bytes=sum(f["bytes"] for f in manifest["files"].values()),
+                              tokens=manifest["split"]["train"]["tokens"] + manifest["split"]["val"]["tokens"])
+            r["run"] = _measured("base_train.py", train_args(mib, f"{mib}"), env, cfg, work / f"run-{mib}")
+            r["store_data"] = _snippet(STORE_DATA, [str(path), str(tok_dir), str(cfg.seq_len), str(cfg.batch_size),
+                                                    str(cfg.steps)], env, cfg, work / f"store-data-{mib}")
+            r["memory_first"] = _snippet(IN_MEMORY, [str(path), str(tok_dir), str(cache / "tokens")], env, cfg,
+                                         work / f"memory-first-{mib}")
+            r["memory_cached"] = _snippet(IN_MEMORY, [str(path), str(tok_dir), str(cache / "tokens")], env, cfg,
+                                          work / f"memory-cached-{mib}")
+            r["loadavg"] = os.getloadavg()[0]
+            samples[mib].append(r)
+    for mib in corpora:
+        results[str(mib)] = {key: _median(r[key] for r in samples[mib]) for key in samples[mib][0] if key != "loadavg"}
+        results[str(mib)]["loadavg"] = [r["loadavg"] for r in samples[mib]]
+        results[str(mib)]["samples"] = samples[mib]
     if cfg.ranks > 1:
         print(f"{large} MiB: torchrun with {cfg.ranks} ranks", flush=True)
         results["ranks"] = _measured("base_train.py", train_args(large, f"{large}-ranks"), _env(work / f"cache-{large}mib"),
@@ -364,10 +379,9 @@ def report(cfg: BenchDataConfig, res: dict) -> None:
     rows = []
     for mib in (small, large):
         r = res[mib]
-        b = r["build"]["manifest"]
         text = res["text_bytes"][int(mib)]
         rows.append([
-            f"{mib} MiB", f"{mb(text) / b['seconds']:.1f}", f"{r['build']['rss_mb']:,.0f} / {r['build']['children_rss_mb']:,.0f}",
+            f"{mib} MiB", f"{mb(text) / r['build']['seconds']:.1f}", f"{r['build']['rss_mb']:,.0f} / {r['build']['children_rss_mb']:,.0f}",
             f"{r['build']['store_bytes'] / text:.3f}", f"{r['run']['rss_mb']:,.0f}", f"{r['run']['wall_s']:.1f}",
             f"{r['run']['data_s']:.2f}", f"{r['store_data']['rss_mb']:,.0f} / {r['store_data']['seconds']:.2f}",
             f"{mb(text) / r['memory_first']['tokenize_s']:.1f}",
@@ -385,7 +399,7 @@ def report(cfg: BenchDataConfig, res: dict) -> None:
         ("cached-start peak RSS ratio", ratio("run", "rss_mb"), "<=", 1.15),
         ("cached-start wall ratio", ratio("run", "wall_s"), "<=", 1.3),
         ("build throughput vs in-memory tokenization (larger corpus)",
-         (res["text_bytes"][int(large)] / res[large]["build"]["manifest"]["seconds"])
+         (res["text_bytes"][int(large)] / res[large]["build"]["seconds"])
          / (res["text_bytes"][int(large)] / res[large]["memory_first"]["tokenize_s"]), ">=", 1.0),
     ]
     if "ranks" in res:
@@ -410,7 +424,7 @@ def report(cfg: BenchDataConfig, res: dict) -> None:
     span = res["text_bytes"][int(large)] - res["text_bytes"][int(small)]
     at = lambda key, field: res[small][key][field] + (res[large][key][field] - res[small][key][field]) / span * (  # noqa: E731
         target - res["text_bytes"][int(small)])
-    per_core = mb(res["text_bytes"][int(large)]) / res[large]["build"]["manifest"]["seconds"] / res[large]["build"]["manifest"]["workers"]
+    per_core = mb(res["text_bytes"][int(large)]) / res[large]["build"]["seconds"] / res[large]["build"]["workers"]
     store_ratio = res[large]["build"]["store_bytes"] / res["text_bytes"][int(large)]
     print(f"\n40 GB of text on 8 ranks, extrapolated linearly from the two corpora: store run peak RSS {at('run', 'rss_mb'):,.0f} MB "
           f"per rank, data load {max(at('run', 'data_s'), 0):.1f} s; in-memory path cached start "

@@ -45,7 +45,7 @@ from nanochat.sources import (
 )
 from nanochat.store import (
     Packing, TokenStore, TokenStream, build_store, dataset_dir, load_plan, locked, open_store,
-    pack_layout, store_dir,
+    pack_layout, report, store_dir,
 )
 from nanochat.tokenizer import META_FILE, Tokenizer
 
@@ -145,7 +145,7 @@ def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Any = Non
             if not build:
                 raise DataError(f"no token store of {sources.source} for tokenizer {tokenizer.fingerprint} at "
                                 f"{path} ({why}); build it with scripts/tokenize_corpus.py without --verify")
-            logger.info("token store %s: %s; building it", path, why)
+            report("token store %s: %s; building it", path, why)
             store = build_store(plan, tokenizer, path, workers=workers, progress=progress, piece_bytes=piece_bytes)
     return PreparedData(sources, store, tokenizer, fallbacks)
 

@@ -338,7 +338,7 @@ def plan_sources(sources: Sources, *, map_fn=map) -> Plan:
             line += newlines
     text_at = record_at = None
     units: list[Unit] = []
-    for k, (f, found, shape, first_id) in enumerate(per_file):
+    for f, found, shape, first_id in per_file:
         if f.path in jsonl and jsonl[f.path]:
             shape, at, line = _first_record_shape(root / f.path)
             first_id = f"{f.path}#{line}"

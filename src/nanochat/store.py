@@ -30,6 +30,7 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -74,6 +75,12 @@ MIN_PIECES = 64
 has work: the standard library's 11.6 MiB make 12."""
 COPY_CHUNK = 1 << 24  # bytes per read when pieces are concatenated
 _ROLE_CODE = {"": 0, "train": 1, "validation": 2}
+
+
+def report(message: str, *args: Any) -> None:
+    """A line about a build, shown by whichever process builds: the lock decides which rank that
+    is, and ranks other than 0 log only warnings (common.setup_logging)."""
+    logger.log(max(logging.INFO, logger.getEffectiveLevel()), message, *args)
 
 
 # ------------------------------------------------------------------ streams
@@ -502,9 +509,9 @@ def build_store(plan: Plan, tokenizer: Any, path: Path, *, workers: int = 0, pro
     total = sum(j.nbytes for j in jobs)
     reused = sum(j.nbytes for j in jobs if j.index in records)
     if records:
-        logger.info("token store %s: continuing an interrupted build, %d of %d pieces (%s) already done",
+        report("token store %s: continuing an interrupted build, %d of %d pieces (%s) already done",
                     path, len(records), len(jobs), format_bytes(reused))
-    logger.info("token store %s: tokenizing %s of %s in %d pieces", path, format_bytes(total - reused),
+    report("token store %s: tokenizing %s of %s in %d pieces", path, format_bytes(total - reused),
                 plan.sources.name, len(todo))
     meter = _Progress(total, reused, progress)
     used_workers = 1
@@ -538,7 +545,7 @@ def build_store(plan: Plan, tokenizer: Any, path: Path, *, workers: int = 0, pro
     write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n", fsync=True)
     shutil.rmtree(pieces_dir, ignore_errors=True)  # the builder's own scratch, named by it
     b = manifest["build"]
-    logger.info("token store %s: %s of text -> %s tokens in %.1f s (%.1f MB/s, %d workers)", path,
+    report("token store %s: %s of text -> %s tokens in %.1f s (%.1f MB/s, %d workers)", path,
                 format_bytes(b["text_bytes"]), f"{manifest['split']['train']['tokens'] + manifest['split']['val']['tokens']:,}",
                 seconds, b["text_bytes"] / max(seconds, 1e-9) / 1e6, used_workers)
     return _map(path, manifest)
@@ -559,7 +566,8 @@ def _finished_piece(job: _Job) -> dict[str, Any] | None:
 
 
 class _Writer:
-    """A file written under a temporary name, hashed as it is written, renamed by `commit`."""
+    """A file written under a temporary name, hashed as it is written, made durable and renamed by
+    `commit` (a crash cannot leave a recorded file whose bytes never reached the disk)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -574,6 +582,8 @@ class _Writer:
         self.size += len(data)
 
     def commit(self) -> dict[str, Any]:
+        self.f.flush()
+        os.fsync(self.f.fileno())
         self.f.close()
         os.replace(self.tmp, self.path)
         return {"bytes": self.size, "sha256": self.sha.hexdigest()}
@@ -628,7 +638,7 @@ def _tokenize_piece(job: _Job, tokenizer: Any = None) -> dict[str, Any]:
     files[".docs.npz"] = docs.commit()["bytes"]
     rec = {"key": job.key, "index": job.index, "tokens": pos, "docs": len(starts), "files": files,
            "skipped": dict(skipped), "shapes": dict(shapes)}
-    write_atomic(job.stem + ".json", json.dumps(rec))
+    write_atomic(job.stem + ".json", json.dumps(rec), fsync=True)
     return rec
 
 
@@ -654,7 +664,7 @@ class _Progress:
             self.last = now
             rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
             eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            logger.info("token store: %s of %s (%.0f%%), %.1f MB/s, %s left", format_bytes(self.done),
+            report("token store: %s of %s (%.0f%%), %.1f MB/s, %s left", format_bytes(self.done),
                         format_bytes(self.total), 100 * self.done / max(self.total, 1), rate / 1e6,
                         f"{eta / 60:.1f} min" if eta != float("inf") else "?")
 
