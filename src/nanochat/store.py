@@ -68,7 +68,7 @@ MANIFEST = "manifest.json"
 PLAN = "plan.json"
 LOCK = ".lock"
 PIECE_BYTES = 32 << 20
-"""Most text per piece: a few seconds of one worker (~15 MB/s of text per core, BENCHMARKS.md), so
+"""Most text per piece: a few seconds of one worker (~10 MB/s of text per core, BENCHMARKS.md §8), so
 the progress bar moves and a killed build loses little; a 40 GB corpus makes ~1,300 pieces."""
 MIN_PIECES = 64
 """A smaller corpus is cut into about this many pieces (of at least 1 MiB) so that every core
@@ -524,12 +524,20 @@ def build_store(plan: Plan, tokenizer: Any, path: Path, *, workers: int = 0, pro
             else:
                 used_workers = min(workers or _cpus(), len(todo))
                 running = {pool.submit(_tokenize_piece, job): job for job in todo}
+                failed: dict[int, BaseException] = {}
                 while running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
                     for fut in done:
                         job = running.pop(fut)
-                        records[job.index] = fut.result()
-                        meter.update(job.nbytes)
+                        try:
+                            records[job.index] = fut.result()
+                            meter.update(job.nbytes)
+                        except Exception as e:  # noqa: BLE001 -- raised below, the first in corpus order
+                            failed[job.index] = e
+                    if failed:  # the pieces not started are dropped, the running ones finish
+                        running = {f: j for f, j in running.items() if not f.cancel()}
+                if failed:  # pieces start in order: the error a one-process build would have met first
+                    raise failed[min(failed)]
     except BrokenProcessPool:
         raise NanoChatError(f"token store {path}: a tokenizing worker died (out of memory? each holds one "
                             "document and its tokens at a time); the pieces done are kept: run again to "
