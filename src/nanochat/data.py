@@ -43,10 +43,8 @@ from nanochat.sources import (
     VAL_FRACTION, DataError, Doc, Plan, Sources, SplitRule, describe, empty_corpus_message, iter_documents,
     list_sources, plan_sources, split_texts, unreadable, val_hash,
 )
-from nanochat.store import (
-    Packing, TokenStore, TokenStream, build_store, dataset_dir, load_plan, locked, open_store,
-    pack_layout, report, store_dir,
-)
+from nanochat.store import TokenStore, build_store, dataset_dir, load_plan, locked, open_store, report, store_dir
+from nanochat.streams import Packing, TokenStream, pack_layout
 from nanochat.tokenizer import META_FILE, Tokenizer
 
 DEFAULT_MAX_CHARS = 20_000_000
