@@ -175,26 +175,20 @@ def _worker(kw: dict[str, Any], mode: str, seed: int, emulate: bool, threads: in
 
 
 def prepare_data(cfg: ParityConfig) -> None:
-    """Train the tokenizer and tokenize the corpus once, into the cache every run reads, so that
-    runs (parallel ones above all) do not each train them; a corpus or --init_from that cannot be
-    used is one error before any run instead of one per run."""
+    """Train the tokenizer and build the corpus's token store once, where every run finds them,
+    so that runs (parallel ones above all) do not each wait for them; a corpus or --init_from
+    that cannot be used is one error before any run instead of one per run."""
     from nanochat.common import UsageError
-    from nanochat.data import get_or_train_tokenizer, load_corpus, tokenize_docs
+    from nanochat.data import prepare_data as prepare
     from nanochat.tokenizer import Tokenizer
 
     cache = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))  # the trainer's cache root
     if cfg.init_from is not None and not (Path(cfg.init_from) / "tokenizer").is_dir():
         raise UsageError(f"--init_from {cfg.init_from}: no run there (no tokenizer/); give the --run_dir of a "
                          "finished base_train run")
-    corpus = load_corpus(cfg.dataset_path)
-    if corpus.kind == "instruct":
-        return  # the trainer renders records itself; parallel runs would only repeat the work
-    if cfg.init_from is not None:  # the tokenizer the runs take from the run they start from
-        tok = Tokenizer.load(Path(cfg.init_from) / "tokenizer")
-    else:
-        tok = get_or_train_tokenizer(corpus, cfg.vocab_size, cache_root=cache / "tokenizers")
-    tokenize_docs(tok, corpus.train_docs, cache_dir=cache / "tokens")
-    tokenize_docs(tok, corpus.val_docs, cache_dir=cache / "tokens")
+    # the tokenizer the runs take from the run they start from, or the one trained on the corpus
+    tok = Tokenizer.load(Path(cfg.init_from) / "tokenizer") if cfg.init_from is not None else None
+    prepare(cfg.dataset_path, tokenizer=tok, vocab_size=cfg.vocab_size, cache_root=cache)
 
 
 def run_all(cfg: ParityConfig, *, emulate: bool,

@@ -1,11 +1,13 @@
 """Train a BPE tokenizer on a corpus and save it: `python scripts/tok_train.py --tokenizer_dir DIR`.
 
-Thin entrypoint: parse flags into TokTrainConfig (tyro), load the corpus, train, save, print the
-vocabulary size, the compression on the validation split and the time. `base_train.py
---tokenizer_dir DIR` loads the result; without that flag base_train trains and caches its own.
-A DIR that already holds a tokenizer is refused before training unless --overwrite, and a run's
-own tokenizer/ always (its checkpoints were trained with it). Errors are one `error:` line (exit
-2: bad flags or input; 1: e.g. a full disk); `--debug` adds the traceback.
+Thin entrypoint: parse flags into TokTrainConfig (tyro), read the first --max_chars characters of
+the corpus's training split (streamed: a corpus of any size), train, save, print the vocabulary
+size, the compression on (up to --max_chars characters of) the validation split and the time.
+`base_train.py --tokenizer_dir DIR` loads the result (and `tokenize_corpus.py --tokenizer_dir DIR`
+builds the token store with it); without that flag base_train trains and caches its own. A DIR
+that already holds a tokenizer is refused before training unless --overwrite, and a run's own
+tokenizer/ always (its checkpoints were trained with it). Errors are one `error:` line (exit 2:
+bad flags or input; 1: e.g. a full disk); `--debug` adds the traceback.
 """
 
 import dataclasses
@@ -23,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: TokTrainConfig) -> int:
-    from nanochat.common import setup_logging
-    from nanochat.data import load_corpus
-    from nanochat.tokenizer import Tokenizer, check_tokenizer_dir, take_chars
+    from nanochat.common import format_bytes, setup_logging
+    from nanochat.sources import list_sources, plan_sources, split_texts
+    from nanochat.tokenizer import Tokenizer, check_tokenizer_dir
 
     setup_logging()
     check_tokenizer_dir(cfg.tokenizer_dir, overwrite=cfg.overwrite)
@@ -33,19 +35,22 @@ def train(cfg: TokTrainConfig) -> int:
     if changed:
         print(f"note: {', '.join('--' + n for n in changed)} do not apply to tokenizer training "
               "(it has no matmuls); ignored")
-    corpus = load_corpus(cfg.dataset_path)
-    print(f"corpus: {corpus.describe()}")
+    sources = list_sources(cfg.dataset_path)
+    plan = plan_sources(sources)
+    print(f"corpus: {sources.name} ({sources.source}): {len(sources.files)} files, "
+          f"{format_bytes(sum(f.size for f in sources.files))} ({plan.kind})")
 
     t0 = time.perf_counter()
-    tok = Tokenizer.train(take_chars(corpus.train_docs, cfg.max_chars), cfg.vocab_size)
+    texts = split_texts(plan, cfg.max_chars)
+    tok = Tokenizer.train(texts, cfg.vocab_size)
     train_s = time.perf_counter() - t0
     tok.save(cfg.tokenizer_dir, overwrite=cfg.overwrite)
 
-    n_chars = min(cfg.max_chars, sum(len(d) for d in corpus.train_docs))
-    val_bytes = sum(len(d.encode("utf-8")) for d in corpus.val_docs)
-    val_tokens = sum(len(ids) for ids in tok.encode_batch(corpus.val_docs))
+    val = split_texts(plan, cfg.max_chars, "val")
+    val_bytes = sum(len(d.encode("utf-8")) for d in val)
+    val_tokens = sum(len(ids) for ids in tok.encode_batch(val))
     print(f"tokenizer: vocab {tok.vocab_size} (asked {cfg.vocab_size}), fingerprint {tok.fingerprint}, "
-          f"trained on {n_chars:,} chars in {train_s:.1f} s")
+          f"trained on {sum(len(t) for t in texts):,} chars in {train_s:.1f} s")
     print(f"compression on val: {val_bytes / max(val_tokens, 1):.3f} bytes/token "
           f"({val_bytes:,} bytes -> {val_tokens:,} tokens)")
     print(f"saved to {cfg.tokenizer_dir}")

@@ -31,6 +31,7 @@ import torch
 
 import nanochat.data as data
 from nanochat.data import DataError, TokenBatches, load_corpus, tokenize_docs, val_batches
+from nanochat.sources import val_hash
 from nanochat.tokenizer import Tokenizer
 
 
@@ -353,7 +354,7 @@ def test_split_files_without_validation_or_train(tmp_path):
     ids = corpus.train_ids + corpus.val_ids
     assert all(i.startswith("ARC-Challenge/train-") for i in ids) and len(ids) == 160
     in_order = sorted(ids, key=lambda i: int(i.rsplit("#", 1)[1]))
-    expected_val = [i for i in in_order if _sha1_val(i)] or [min(ids, key=data._val_hash)]
+    expected_val = [i for i in in_order if _sha1_val(i)] or [min(ids, key=val_hash)]
     assert corpus.val_ids == expected_val
     assert "train split files only" in corpus.split_note
     (root / "ARC-Challenge" / "train-00000-of-00001.jsonl").unlink()

@@ -345,10 +345,12 @@ def test_resume_compares_resolved_paths(small_corpus, tmp_path, monkeypatch):
 def test_errors_before_work_are_one_line(small_corpus, tmp_path, capsys, monkeypatch):
     """Each case: exit status, one error line naming what to fix, and no step was run."""
     kw = _kw(small_corpus, tmp_path / "r")
+    (tmp_path / "a_file").write_text("not a directory")
     cases = [
         (dict(device="tpu9"), 2, "--device 'tpu9'"),
         (dict(seq_len=8192, batch_size=1), 2, "one evaluation window needs seq_len+1 = 8193"),
-        (dict(run_dir=str(small_corpus / "string.py" / "sub")), 2, "not writable"),
+        (dict(run_dir=str(tmp_path / "a_file" / "sub")), 2, "not writable"),
+        (dict(run_dir=str(small_corpus / "runs" / "r")), 2, "is inside --dataset_path"),
     ]
     for over, want_code, want in cases:
         code, errors = _cli(capsys, {**kw, **over})

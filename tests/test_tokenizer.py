@@ -12,7 +12,8 @@
   an edited file fails the fingerprint check;
 - training: deterministic (same corpus -> same fingerprint), vocab_size counts bytes + merges +
   specials, too-small vocab_size is a ValueError (not a panic inside rustbpe);
-- the on-the-fly cache: a second get_or_train_tokenizer call loads instead of training;
+- the on-the-fly cache: keyed by the sources' listing; trained on the in-memory corpus's training
+  documents (the same fingerprint); a second get_or_train_tokenizer call loads instead of training;
 - split patterns from a saved tokenizer: one with catastrophic backtracking (a Rust panic inside
   tiktoken on today's text) is refused at load by the probe: scripts/base_train.py exits 2 with
   one `error:` line naming the directory, the pattern and the fix, no traceback and no panic
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 from nanochat.data import get_or_train_tokenizer, load_corpus
+from nanochat.sources import list_sources, plan_sources
 import nanochat.tokenizer
 from nanochat.common import UsageError
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, take_chars
@@ -171,22 +173,25 @@ def test_take_chars():
 
 
 def test_get_or_train_tokenizer_caches(small_corpus, tmp_path, monkeypatch):
-    corpus = load_corpus(small_corpus)
-    first = get_or_train_tokenizer(corpus, 400, tmp_path, progress=False)
+    plan = plan_sources(list_sources(small_corpus))
+    first = get_or_train_tokenizer(plan, 400, tmp_path, progress=False)
     cached = list(tmp_path.iterdir())
-    assert [p.name for p in cached] == [f"tokenizer-{corpus.fingerprint}-400"]  # no temp dirs left
+    key = plan.sources.fingerprint  # the listing: a start reads no document to find the cache
+    assert [p.name for p in cached] == [f"tokenizer-{key}-400-20000000chars"]  # no temp dirs left
+    # trained on exactly the training documents of the in-memory corpus, in order
+    assert first.fingerprint == Tokenizer.train(load_corpus(small_corpus).train_docs, 400, progress=False).fingerprint
 
     def no_training(*a, **k):
         raise AssertionError("retrained instead of loading the cache")
 
     monkeypatch.setattr(Tokenizer, "train", no_training)
-    second = get_or_train_tokenizer(corpus, 400, tmp_path, progress=False)
+    second = get_or_train_tokenizer(plan, 400, tmp_path, progress=False)
     assert second.fingerprint == first.fingerprint
     monkeypatch.undo()
-    # max_chars below the corpus size is part of the key: a different tokenizer, its own directory.
-    small = get_or_train_tokenizer(corpus, 400, tmp_path, max_chars=10_000, progress=False)
+    # max_chars is part of the key: a different tokenizer, its own directory.
+    small = get_or_train_tokenizer(plan, 400, tmp_path, max_chars=10_000, progress=False)
     assert small.fingerprint != first.fingerprint
-    assert (tmp_path / f"tokenizer-{corpus.fingerprint}-400-10000chars").is_dir()
+    assert (tmp_path / f"tokenizer-{key}-400-10000chars").is_dir()
 
 
 def _saved_with_pattern(tok: Tokenizer, pattern: str, directory: Path, monkeypatch) -> Path:

@@ -234,6 +234,6 @@ def test_no_save_checkpoints_writes_none(small_corpus, tmp_path):
     result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", save_checkpoints=False, **kw)).train()
     assert result.steps == 4
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name != runlock.LOCK_NAME) == [
-        "metrics.jsonl", "result.json", "tokenizer"]
+        "metrics.jsonl", "result.json", "sources.json", "tokenizer"]
     with pytest.raises(ValueError, match="--resume: no checkpoint"):
         NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw)).train()

@@ -502,6 +502,35 @@ class TokTrainConfig(FP8Fields):  # type: ignore[misc, valid-type]
 
 
 @dataclass(frozen=True, kw_only=True)
+class TokenizeConfig(DataFields):
+    """Tokenize a corpus once into its token store, the memory-mapped files every run and rank
+    reads (on a CPU node, or before torchrun); base_train builds the same store on first use.
+    `scripts/tokenize_corpus.py`."""
+
+    tokenizer_dir: str | None = None
+    """The tokenizer: nanochat's (scripts/tok_train.py, as base_train's --tokenizer_dir) or a Hugging
+    Face model directory (its tokenizer.json, as base_train's --model_name uses). Default: the one
+    base_train trains on the corpus with --vocab_size (cached)."""
+
+    chat_template: str | None = None
+    """Instruction records with a Hugging Face tokenizer: as base_train's --chat_template."""
+
+    workers: int = 0
+    """Processes that tokenize in parallel; 0: one per CPU core this process may use."""
+
+    verify: bool = False
+    """Check the existing store instead of building: re-read every file and compare it with the
+    sha256 recorded at build time (exit 1 on a difference)."""
+
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _non_negative(self, "workers")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SourceFields(_Checked):
     """The model a script reads: a training run's checkpoint, or a model as loaded (exactly one)."""
 

@@ -1,17 +1,18 @@
-"""Corpora -> documents -> one token stream -> deterministic (x, y) batches.
+"""What a run reads: the corpus prepared once as a token store, and deterministic (x, y) batches.
 
-1. Documents: `load_corpus(path)` reads a file or a directory of .txt / .md / .py (a file is a
-   document), .jsonl / .parquet (a line or row with "text" is a document; one without may be an
-   instruction record, `nanochat.instruct`). Without a path: this Python's standard library.
-2. Validation split: a document is in validation iff sha1(its id) falls in the lowest 2% of the
-   hash range (stable when files come and go, no seed); split files (`train-*`, `validation-*`)
-   are used as they are.
-3. Token stream: `tokenize_docs` joins BOS-prefixed documents into one stream (cached, keyed by
-   content and tokenizer); `tokenize_records` + `pack_records` do the same for records, with a
-   loss mask and no record crossing a window boundary.
-4. Batches: `TokenBatches` cuts seq_len+1 windows with stride seq_len, visits them in an order
-   seeded by (seed, epoch), gives rank r its slice of each global batch, and resumes from two
-   ints (epoch, step).
+1. `prepare_data(path, ...)`: the sources are listed (a stat per file, nanochat.sources), the
+   tokenizer is given or trained on the corpus's first training characters (cached by that
+   listing), and the corpus is tokenized once into a token store (nanochat.store) that every
+   later run and every rank memory-maps. One process prepares while the others wait on a file
+   lock. A source that changed rebuilds the store for a new run and stops a --resume.
+2. `load_corpus(path)`: the same documents and split, in memory (`Corpus`), for tools, notebooks
+   and tests; `tokenize_docs` / `tokenize_records` + `pack_records` are the matching in-memory
+   streams (a store's streams equal them token for token).
+3. Batches: `TokenBatches` cuts seq_len+1 windows with stride seq_len from a stream (a store's
+   memory map, or a tensor), visits them in an order seeded by (seed, epoch), gives rank r its
+   slice of each global batch, and resumes from two ints (epoch, step); instruction records
+   are packed so that none crosses a window boundary. `val_batches`: the first windows of the
+   validation stream, in order.
 
 Every data problem is a `DataError` raised before any model is built, naming the fix. Why each
 choice was made, with the figures: docs/data.md.
@@ -23,42 +24,33 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import shutil
-import sys
-import sysconfig
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from nanochat import instruct
-from nanochat.common import format_bytes, logger, umask, warn_once, write_atomic
-from nanochat.tokenizer import META_FILE, Tokenizer, take_chars
+from nanochat.common import UsageError, logger, umask, warn_once, write_atomic
+from nanochat.sources import (
+    VAL_FRACTION, DataError, Doc, Plan, Sources, SplitRule, describe, empty_corpus_message, iter_documents,
+    list_sources, plan_sources, split_texts, unreadable, val_hash,
+)
+from nanochat.store import TokenStore, build_store, dataset_dir, load_plan, locked, open_store, report, store_dir
+from nanochat.streams import Packing, TokenStream, pack_layout
+from nanochat.tokenizer import META_FILE, Tokenizer
 
-TEXT_EXTENSIONS = (".txt", ".md", ".py")
-SUPPORTED_EXTENSIONS = (*TEXT_EXTENSIONS, ".jsonl", ".parquet")
-VAL_FRACTION = 0.02
-"""Share of documents (by id hash) held out. On the default corpus (Python 3.11) that is 13 files,
-230 KiB, 68k tokens with a 4096 vocabulary: twice the default --eval_tokens (32768) and 2% of the
-training text."""
-STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 DEFAULT_MAX_CHARS = 20_000_000
 """Characters a tokenizer is trained on when trained on the fly (TokTrainConfig's default)."""
-
-_BINARY = "binary (NUL bytes or not UTF-8)"
-_EMPTY = "empty"
-
-
-class DataError(ValueError):
-    """The corpus cannot be used as given; the message names the problem and the fix."""
+SOURCES_FILE = "sources.json"
+"""In a run directory: the listing of the corpus the run started on (what --resume checks)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,279 +81,127 @@ class Corpus:
     """UTF-8 bytes of all documents, train and val."""
     train_bytes: int = 0
     fingerprint: str = ""
-    """16 hex digits of sha256 over the documents of both splits: keys tokenizer caches."""
+    """16 hex digits of sha256 over the documents of both splits."""
 
     def describe(self) -> str:
-        train_b = self.train_bytes
-        skipped = ", ".join(f"{n} {why}" for why, n in self.skipped.items())
-        unit = "records" if self.kind == "instruct" else "docs"
-        shapes = ", ".join(f"{n} {shape}" for shape, n in self.shapes.items())
-        return (
-            f"{self.name} ({self.source}): {format_bytes(self.num_bytes)} in "
-            f"{len(self.train_docs) + len(self.val_docs)} {unit}"
-            + (f" ({shapes}; loss on assistant tokens only)" if shapes else "")
-            + f"; train {len(self.train_docs)} {unit} / {format_bytes(train_b)}, val {len(self.val_docs)} "
-            f"{unit} / {format_bytes(self.num_bytes - train_b)} ({self.split_note})"
-            + (f"; skipped {skipped}" if skipped else "")
-        )
+        return describe(self.name, self.source, kind=self.kind, docs=(len(self.train_docs), len(self.val_docs)),
+                        nbytes=(self.train_bytes, self.num_bytes - self.train_bytes), split_note=self.split_note,
+                        skipped=self.skipped, shapes=self.shapes)
 
 
-class _Doc(NamedTuple):
-    id: str
-    text: str
-    messages: list[dict[str, str]] | None = None
-    """None for a plain document."""
-    shape: str = "text"
+# ------------------------------------------------------------------ a run's data
+@dataclass
+class PreparedData:
+    """What `prepare_data` found or made."""
+
+    sources: Sources
+    store: TokenStore
+    tokenizer: Any
+    """The tokenizer the store was built with (with the chat template chosen, for records)."""
+    fallbacks: list[str]
+    """What was not as asked (a smaller vocabulary, the plain chat format), each with its reason."""
 
 
-# ------------------------------------------------------------------ corpora
-def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
-    """The built-in stdlib corpus (None) or the documents under `dataset_path`, split."""
-    skipped: Counter[str] = Counter()
-    if dataset_path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        name = f"python{sys.version_info.major}.{sys.version_info.minor}-stdlib"
-        files = [p for p in _walk(root, STDLIB_EXCLUDED_DIRS) if p.suffix == ".py"]
-        if not files:
-            raise DataError(f"this Python's standard library at {root} has no .py sources (a zipped "
-                            "or stripped install?); pass --dataset_path with your own text")
-        docs = list(_read_files(root, files, skipped))
-        source = f"{root}, *.py without tests"
-    else:
-        path = Path(dataset_path)
-        name, source = path.name or str(path), str(path)
-        if not path.exists():
-            raise DataError(f"--dataset_path {path} does not exist; pass a text file or a directory "
-                            f"of {', '.join(SUPPORTED_EXTENSIONS)} files, or omit it to use the "
-                            "built-in Python standard-library corpus")
-        if path.is_file():
-            if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
-                raise DataError(f"--dataset_path {path}: extension {path.suffix or '(none)'!r} is not "
-                                f"supported; supported: {', '.join(SUPPORTED_EXTENSIONS)} (rename a "
-                                "plain-text file to .txt)")
-            root, files = path.parent, [path]
-        else:
-            root, found = path, _walk(path)
-            files = [p for p in found if p.suffix.lower() in SUPPORTED_EXTENSIONS]
-            if not files:
-                exts = Counter(p.suffix.lower() or "(no extension)" for p in found)
-                listing = ", ".join(f"{e} ({n})" for e, n in sorted(exts.items())) or "no files at all"
-                raise DataError(f"--dataset_path {path} has no readable text files: found {listing}; "
-                                f"supported: {', '.join(SUPPORTED_EXTENSIONS)}")
-            for p in found:
-                if p.suffix.lower() not in SUPPORTED_EXTENSIONS:
-                    skipped[f"other extension ({p.suffix.lower() or 'none'})"] += 1
-            split_files = _split_files(root, files, skipped)
-            if split_files is not None:
-                return _from_split_files(name, source, root, *split_files, skipped)
-        docs = list(_read_files(root, files, skipped))
-    unreadable = {why: n for why, n in skipped.items() if why != _EMPTY and not why.startswith("other")}
-    if unreadable:  # empty files and other extensions are expected; only these deserve a warning
-        warn_once(f"data-skipped:{source}", f"{source}: skipped " +
-                  ", ".join(f"{n} {why}" for why, n in sorted(unreadable.items())))
-    if not docs:
-        raise DataError(f"--dataset_path {source}: the corpus is empty after reading every file "
-                        f"({', '.join(f'{n} {w}' for w, n in sorted(skipped.items())) or 'nothing found'}); "
-                        "point it at files that contain UTF-8 text")
-    _check_one_kind(source, docs)
-    return _split(name, source, docs, dict(sorted(skipped.items())))
-
-
-def _check_one_kind(source: str, docs: list[_Doc]) -> None:
-    plain = next((d.id for d in docs if d.messages is None), None)
-    record = next((d.id for d in docs if d.messages is not None), None)
-    if plain is not None and record is not None:
-        raise DataError(f"--dataset_path {source} mixes plain text ({plain}) and instruction records "
-                        f"({record}); a corpus is one or the other: keep pretraining text and fine-tuning "
-                        "records in separate directories and train on one at a time")
-
-
-_SPLIT_NAME = re.compile(r"^(train|validation|valid|val|dev|test)(?=$|[-_.])", re.IGNORECASE)
-_TEST_SPLIT = "test split (never trained on)"
-_NOT_SPLIT = "not a split file (train*, validation*, test*)"
-
-
-
-def _from_split_files(name: str, source: str, root: Path, train_files: list[Path], val_files: list[Path],
-                      skipped: Counter[str]) -> Corpus:
-    """The corpus of a directory with train/validation split files (_split_files)."""
-    train = list(_read_files(root, train_files, skipped))
-    val = list(_read_files(root, val_files, skipped))
-    _check_one_kind(source, train + val)
-    if not train:
-        raise DataError(f"--dataset_path {source}: the train split files hold no documents or records")
-    if not val:  # no validation file: held out from the train split by hash, as usual
-        corpus = _split(name, source, train, dict(sorted(skipped.items())))
-        return dataclasses.replace(corpus, split_note=f"train split files only, {corpus.split_note}")
-    note = (f"split files: train {len(train_files)} file(s), validation {len(val_files)} file(s)"
-            + (f"; {skipped[_TEST_SPLIT]} test file(s) never read" if skipped.get(_TEST_SPLIT) else ""))
-    return _corpus(name, source, train, val, note, dict(sorted(skipped.items())))
-
-def _split_files(root: Path, files: list[Path], skipped: Counter) -> tuple[list[Path], list[Path]] | None:
-    """(train files, validation files) when the directory is laid out in splits, as the hub's
-    datasets are (`ARC-Challenge/train-00000-of-00001.parquet`, `validation-*`, `test-*`, or
-    `train.jsonl`...): a file whose name starts with train / validation (valid, val, dev) / test
-    followed by `-`, `_`, `.` or nothing. Test files are never read; other files (a README) are
-    skipped. None when no file is so named: the hash split applies."""
-    kinds = {p: m.group(1).lower() if (m := _SPLIT_NAME.match(p.name)) else None for p in files}
-    if not any(k in ("train", "test", "validation", "valid", "val", "dev") for k in kinds.values()):
-        return None
-    train = [p for p, k in kinds.items() if k == "train"]
-    val = [p for p, k in kinds.items() if k in ("validation", "valid", "val", "dev")]
-    for reason, n in ((_TEST_SPLIT, sum(k == "test" for k in kinds.values())),
-                      (_NOT_SPLIT, sum(k is None for k in kinds.values()))):
-        if n:
-            skipped[reason] += n
-    if not train:
-        raise DataError(f"{root} is laid out in split files but has no train file (found: "
-                        f"{', '.join(sorted(p.relative_to(root).as_posix() for p in files))}); name the "
-                        "training file(s) train*.jsonl / train-*.parquet, or remove the split names to use "
-                        "the hash split. A test split is never trained on")
-    return train, val
-
-
-def _walk(root: Path, excluded: Iterable[str] = ()) -> list[Path]:
-    """Every regular file under `root`, sorted by relative path; hidden entries are skipped
-    (.git, .DS_Store: never training text), as are directories named in `excluded`."""
-    excluded = set(excluded)
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in excluded and d != "__pycache__"]
-        out += [Path(dirpath, f) for f in filenames if not f.startswith(".")]
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _read_files(root: Path, files: list[Path], skipped: Counter) -> Iterator[_Doc]:
-    """Every document (or record) in `files`; problems are counted or raised."""
-    for path in files:
-        rel = path.relative_to(root).as_posix()
-        ext = path.suffix.lower()
-        if ext == ".parquet":  # columnar and binary: read with pyarrow, not as text
-            yield from _read_parquet(path, rel, skipped)
-            continue
-        raw = path.read_bytes()
-        text = None if b"\x00" in raw else _utf8_or_none(raw)  # NUL never occurs in real text
-        if text is None:
-            skipped[_BINARY] += 1
-            continue
-        if ext == ".jsonl":
-            yield from _read_jsonl(text, path, rel, skipped)
-        elif text.strip():
-            yield _Doc(rel, text)
-        else:
-            skipped[_EMPTY] += 1
-
-
-def _utf8_or_none(raw: bytes) -> str | None:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def _read_jsonl(text: str, path: Path, rel: str, skipped: Counter) -> Iterator[_Doc]:
-    # split("\n"), not splitlines(): JSON strings may hold raw U+2028 / U+0085, which are not
-    # record separators; numbering by "\n" also matches what editors and error messages show.
-    def objects() -> Iterator[tuple[str, str, Any]]:
-        for lineno, line in enumerate(text.split("\n"), 1):
-            if not line.strip():
-                continue
+def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Any = None, vocab_size: int = 4096,
+                 chat_template: str | None = None, cache_root: str | os.PathLike, resume: bool = False,
+                 recorded: dict[str, Any] | None = None, workers: int = 0, progress: bool = True,
+                 piece_bytes: int | None = None, max_chars: int = DEFAULT_MAX_CHARS, build: bool = True) -> PreparedData:
+    """The token store of the corpus at `dataset_path` (None: the standard library) for
+    `tokenizer` (None: one trained on the corpus, `vocab_size`, cached), built if missing or if
+    its sources changed (and said why). With `resume`, sources that changed since `recorded`
+    (the listing the run started on) or since the store was built are refused, naming the file:
+    resuming on other data must never be silent. `chat_template`: --chat_template (records).
+    `build=False`: only find them (a DataError says what is missing)."""
+    cache_root = Path(cache_root)
+    sources = list_sources(dataset_path, exclude=[cache_root])
+    if resume and recorded is not None:
+        _refuse_changed(sources.changes(recorded), "since this run started")
+    directory = dataset_dir(cache_root, sources)
+    fallbacks = []
+    with locked(directory, f"the token store of {sources.name}"):
+        plan = load_plan(sources, directory, workers=workers)
+        if tokenizer is None:
+            tokenizer = get_or_train_tokenizer(plan, vocab_size, cache_root / "tokenizers", max_chars,
+                                               progress=progress, train=build)
+            if tokenizer.vocab_size < vocab_size:
+                fallbacks.append(f"tokenizer: the corpus ran out of BPE merges at {tokenizer.vocab_size} tokens "
+                                 f"(--vocab_size {vocab_size} asked); training with the smaller vocabulary")
+        tokenizer, template_fallback = instruct.choose_chat_template(tokenizer, chat_template,
+                                                                     records=plan.kind == "instruct")
+        if template_fallback:
+            fallbacks.append(template_fallback)
+        if plan.kind == "instruct":
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg}, column {e.colno}); each line of a "
-                                '.jsonl file must be one JSON object like {"text": "..."}') from None
-            yield f"{path}:{lineno}", f"{rel}#{lineno}", obj
-
-    yield from _records(objects(), "line", skipped)
-
-
-def _records(objects: Iterable[tuple[str, str, Any]], unit: str, skipped: Counter) -> Iterator[_Doc]:
-    """Documents / records of one file's (location, id, object) triples, all of one shape."""
-    first: tuple[str, str] | None = None  # (shape, location) of the file's first object
-    for where, doc_id, obj in objects:
-        if not isinstance(obj, dict):
-            raise DataError(f"{where}: the {unit} is a JSON {type(obj).__name__}, not an object; supported "
-                            f"record shapes: {instruct.SHAPES_HELP}")
-        shape = instruct.record_shape(obj)
-        if shape is None:
-            nulls = sorted(k for k, v in obj.items() if v is None)
-            raise DataError(f'{where}: no "text" field and no instruction-record fields (the {unit} has fields '
-                            f"{sorted(obj)}{f', null: {nulls}' if nulls else ''}); each {unit} must have one "
-                            f'of the supported record shapes, e.g. {{"text": "..."}}: {instruct.SHAPES_HELP}')
-        if first is None:
-            first = (shape, where)
-        elif shape != first[0]:
-            raise DataError(f"{where}: a {shape} record, but the file's first {unit} ({first[1]}) is a {first[0]} "
-                            "record; one file must hold one record shape (a stray line is usually an export "
-                            "bug; to mix shapes, put each in its own file)")
-        if shape == "text":
-            doc = obj["text"]
-            if doc is None:
-                doc = ""
-            if not isinstance(doc, str):
-                raise DataError(f'{where}: "text" is a JSON {type(doc).__name__}, expected a string')
-            yield from _checked_doc(doc_id, doc, skipped)
-            continue
-        try:
-            messages = instruct.to_messages(obj, shape)
-        except ValueError as e:
-            raise DataError(f"{where}: {shape} record: {e}; supported record shapes: {instruct.SHAPES_HELP}") from None
-        yield from _checked_record(doc_id, messages, shape, skipped)
+                instruct.check_tokenizer(tokenizer)
+            except ValueError as e:
+                raise DataError(str(e)) from None
+        path = store_dir(directory, tokenizer)
+        store, why = open_store(path, sources)
+        if store is None:
+            if resume and recorded is None and why.startswith("its sources changed"):
+                _refuse_changed([why.split(": ", 1)[1]], "since its token store was built")
+            if not build:
+                raise DataError(f"no token store of {sources.source} for tokenizer {tokenizer.fingerprint} at "
+                                f"{path} ({why}); build it with scripts/tokenize_corpus.py without --verify")
+            report("token store %s: %s; building it", path, why)
+            store = build_store(plan, tokenizer, path, workers=workers, progress=progress, piece_bytes=piece_bytes)
+    return PreparedData(sources, store, tokenizer, fallbacks)
 
 
-def _read_parquet(path: Path, rel: str, skipped: Counter) -> Iterator[_Doc]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def _refuse_changed(changes: list[str], when: str) -> None:
+    if changes:
+        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
+        raise UsageError(f"--resume: the corpus changed {when}: {changes[0]}{more}; a resumed run must read the "
+                         "data it started on. Restore it, or train on the new data in a new run (a new --run_dir; "
+                         "--init_from <this run_dir> starts from its weights)")
 
+
+def write_sources(sources: Sources, run_dir: str | os.PathLike) -> None:
+    """Record in `run_dir` the listing of the corpus a fresh run starts on (what --resume checks)."""
+    write_atomic(Path(run_dir) / SOURCES_FILE, json.dumps({"fingerprint": sources.fingerprint,
+                                                           **sources.listing()}) + "\n")
+
+
+def recorded_sources(run_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The listing `write_sources` recorded in `run_dir`; None for a run that has none."""
     try:
-        schema = pq.read_schema(path)
-        if "text" not in schema.names:
-            if instruct.record_shape(dict.fromkeys(schema.names, "")) is None:
-                raise DataError(f'{path}: no "text" column (columns: {schema.names}) and no instruction-record '
-                                'columns; the documents must be in a string column named "text", or the rows '
-                                f"must be records of a supported shape: {instruct.SHAPES_HELP}")
-            rows = pq.read_table(path).to_pylist()  # nested columns (messages, choices) as dicts / lists
-        else:
-            if not (pa.types.is_string(schema.field("text").type) or pa.types.is_large_string(schema.field("text").type)):
-                raise DataError(f'{path}: column "text" has type {schema.field("text").type}, expected string')
-            rows = None
-            column = pq.read_table(path, columns=["text"]).column("text").to_pylist()
-    except pa.ArrowException as e:
-        raise DataError(f"{path}: not a readable parquet file ({e})") from None
-    if rows is not None:
-        yield from _records(((f"{path} row {i}", f"{rel}#{i}", r) for i, r in enumerate(rows)), "row", skipped)
-        return
-    for row, doc in enumerate(column):
-        yield from _checked_doc(f"{rel}#{row}", doc or "", skipped)
+        recorded = json.loads((Path(run_dir) / SOURCES_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return recorded if isinstance(recorded, dict) and isinstance(recorded.get("files"), list) else None
 
 
-def _checked_doc(doc_id: str, doc: str, skipped: Counter) -> Iterator[_Doc]:
-    if not doc.strip():
-        skipped[_EMPTY] += 1
-        return
-    try:
-        doc.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates, e.g. a broken "\ud800" escape in JSON
-        skipped["invalid Unicode (lone surrogates)"] += 1
-        return
-    yield _Doc(doc_id, doc)
+# ------------------------------------------------------------------ corpora in memory
+def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
+    """The built-in stdlib corpus (None) or the documents under `dataset_path`, split, in memory:
+    the documents a token store holds, for a corpus that fits in memory."""
+    sources = list_sources(dataset_path)
+    plan = plan_sources(sources)
+    counts: Counter[str] = Counter(sources.skipped)
+    read = [(unit.role, doc) for unit, doc in iter_documents(plan, counts)]
+    skipped = dict(sorted(counts.items()))
+    bad = unreadable(skipped)
+    if bad:  # empty files and other extensions are expected; only these deserve a warning
+        warn_once(f"data-skipped:{sources.source}", f"{sources.source}: skipped " +
+                  ", ".join(f"{n} {why}" for why, n in sorted(bad.items())))
+    name, source = sources.name, sources.source
+    if sources.split_layout:
+        train = [d for role, d in read if role != "validation"]
+        val = [d for role, d in read if role == "validation"]
+        if not train:
+            raise DataError(f"--dataset_path {source}: the train split files hold no documents or records")
+        if val:
+            return _corpus(name, source, train, val, SplitRule("role").note(sources), skipped)
+        corpus = _split(name, source, train, skipped)  # no validation file: held out by hash, as usual
+        return dataclasses.replace(corpus, split_note=f"train split files only, {corpus.split_note}")
+    if not read:
+        raise DataError(empty_corpus_message(source, skipped))
+    return _split(name, source, [d for _, d in read], skipped)
 
 
-def _checked_record(doc_id: str, messages: list[dict[str, str]], shape: str, skipped: Counter) -> Iterator[_Doc]:
-    text = "\n\n".join(m["content"] for m in messages)
-    for _ in _checked_doc(doc_id, text, skipped):
-        yield _Doc(doc_id, text, messages, shape)
-
-
-def _val_hash(doc_id: str) -> float:
-    """sha1(id) as a number in [0, 1): stable across runs, machines and Python versions."""
-    return int.from_bytes(hashlib.sha1(doc_id.encode("utf-8")).digest()[:8], "big") / 2**64
-
-
-def _split(name: str, source: str, docs: list[_Doc], skipped: dict[str, int]) -> Corpus:
-    train = [d for d in docs if _val_hash(d.id) >= VAL_FRACTION]
-    val = [d for d in docs if _val_hash(d.id) < VAL_FRACTION]
+def _split(name: str, source: str, docs: list[Doc], skipped: dict[str, int]) -> Corpus:
+    train = [d for d in docs if val_hash(d.id) >= VAL_FRACTION]
+    val = [d for d in docs if val_hash(d.id) < VAL_FRACTION]
     note = f"val = sha1(doc id) < {VAL_FRACTION:g}"
     records = docs[0].messages is not None  # load_corpus made sure all docs are of one kind
     if not train or not val:
@@ -374,20 +214,20 @@ def _split(name: str, source: str, docs: list[_Doc], skipped: dict[str, int]) ->
                 raise DataError(f"{source}: the corpus is a single {len(d.text)}-character document; "
                                 "training and validation need at least 2 characters")
             cut = len(d.text) - max(1, round(len(d.text) * VAL_FRACTION))
-            train, val = [_Doc(d.id, d.text[:cut])], [_Doc(f"{d.id}[{cut}:]", d.text[cut:])]
+            train, val = [Doc(d.id, d.text[:cut])], [Doc(f"{d.id}[{cut}:]", d.text[cut:])]
             note = f"one document: val = its last {len(d.text) - cut:,} characters"
         elif not val:
-            val = [min(docs, key=lambda d: _val_hash(d.id))]
+            val = [min(docs, key=lambda d: val_hash(d.id))]
             train = [d for d in docs if d.id != val[0].id]
             note = f"no doc hashed below {VAL_FRACTION:g}: val = the doc with the smallest sha1"
         else:
-            train = [max(docs, key=lambda d: _val_hash(d.id))]
+            train = [max(docs, key=lambda d: val_hash(d.id))]
             val = [d for d in docs if d.id != train[0].id]
             note = f"every doc hashed below {VAL_FRACTION:g}: train = the doc with the largest sha1"
     return _corpus(name, source, train, val, note, skipped)
 
 
-def _corpus(name: str, source: str, train: list[_Doc], val: list[_Doc], note: str,
+def _corpus(name: str, source: str, train: list[Doc], val: list[Doc], note: str,
             skipped: dict[str, int]) -> Corpus:
     docs = train + val
     records = docs[0].messages is not None
@@ -409,20 +249,20 @@ def _corpus(name: str, source: str, train: list[_Doc], val: list[_Doc], note: st
     )
 
 
+
 # ---------------------------------------------------------------- tokenizer
-def get_or_train_tokenizer(corpus: Corpus, vocab_size: int, cache_root: str | os.PathLike,
-                           max_chars: int = DEFAULT_MAX_CHARS, *, progress: bool = True) -> Tokenizer:
-    """The tokenizer trained on `corpus` (first `max_chars` characters of its train docs), from
-    `cache_root/tokenizer-<corpus fp>-<vocab>[-<max_chars>chars]/` when already trained there.
+def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.PathLike,
+                           max_chars: int = DEFAULT_MAX_CHARS, *, progress: bool = True, train: bool = True) -> Tokenizer:
+    """The tokenizer trained on the first `max_chars` characters of the corpus's training
+    documents (`sources.split_texts`), from `cache_root/tokenizer-<listing>-<vocab>-<chars>/`
+    when already trained there (keyed by the sources' listing: a start reads no document).
 
     The directory appears atomically (written to a temp dir, then renamed), so an interrupted run
-    leaves no half-written tokenizer and concurrent processes (torchrun ranks) agree: a loser of
-    the rename race loads the winner's, identical, tokenizer.
+    leaves no half-written tokenizer and concurrent processes agree: a loser of the rename race
+    loads the winner's, identical, tokenizer.
     """
     cache_root = Path(cache_root)
-    total_chars = sum(len(d) for d in corpus.train_docs)
-    suffix = f"-{max_chars}chars" if max_chars < total_chars else ""
-    target = cache_root / f"tokenizer-{corpus.fingerprint}-{vocab_size}{suffix}"
+    target = cache_root / f"tokenizer-{plan.sources.fingerprint}-{vocab_size}-{max_chars}chars"
     if (target / META_FILE).is_file():
         try:
             tok = Tokenizer.load(target)
@@ -431,10 +271,14 @@ def get_or_train_tokenizer(corpus: Corpus, vocab_size: int, cache_root: str | os
                             "to retrain it") from None
         logger.info("tokenizer: %s from cache %s", tok, target)
         return tok
-    n_chars = min(max_chars, total_chars)
-    logger.info("tokenizer: training a %d-token BPE on %s characters of %s", vocab_size, f"{n_chars:,}", corpus.name)
+    if not train:
+        raise DataError(f"no tokenizer trained on {plan.sources.source} with --vocab_size {vocab_size} in "
+                        f"{cache_root}; pass the --tokenizer_dir the store was built with")
+    texts = split_texts(plan, max_chars)
+    logger.info("tokenizer: training a %d-token BPE on %s characters of %s", vocab_size,
+                f"{sum(len(t) for t in texts):,}", plan.sources.name)
     t0 = time.perf_counter()
-    tok = Tokenizer.train(take_chars(corpus.train_docs, max_chars), vocab_size, progress=progress)
+    tok = Tokenizer.train(texts, vocab_size, progress=progress)
     logger.info("tokenizer: trained %s in %.1fs", tok, time.perf_counter() - t0)
     if tok.vocab_size < vocab_size:
         warn_once(f"small-vocab:{target}", f"the corpus supports only {tok.vocab_size} tokens, not "
@@ -556,101 +400,77 @@ def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids
     return result(tokens, mask, starts)
 
 
-@dataclass(frozen=True)
-class Packing:
-    """What `pack_records` did: records kept whole, cut (longer than a window), padding added."""
-
-    records: int
-    long_records: int
-    pad_tokens: int
-    tokens: int
-    """Length of the packed stream, padding included."""
-
-    @property
-    def pad_pct(self) -> float:
-        return 100.0 * self.pad_tokens / self.tokens if self.tokens else 0.0
-
-
 def pack_records(tokens: torch.Tensor, loss_mask: torch.Tensor, starts: torch.Tensor, seq_len: int,
                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, Packing]:
-    """Lay records out so that each lies inside one window of `TokenBatches` / `val_batches`.
-
-    Window k covers positions [k*seq_len, k*seq_len + seq_len] (seq_len + 1 tokens; the last is
-    the next window's first). Records are taken in order; one that would run past the end of the
-    current window starts at the next window instead, and the positions skipped hold `pad_id`
+    """Lay records out so that each lies inside one window of `TokenBatches` / `val_batches`
+    (`nanochat.store.pack_layout`: the rules), in memory; the positions skipped hold `pad_id`
     with loss_mask False (never scored; the model sees them as context, like the other records
-    in a window). A record longer than seq_len + 1 starts at a window boundary and continues into
-    the next windows (counted in `Packing.long_records`). The end is padded to a whole window
-    (the batchers drop a partial one). Returns tokens, loss_mask, Packing.
-    """
-    if len(starts) == 0:
-        return tokens, loss_mask, Packing(0, 0, 0, len(tokens))
+    in a window). Returns tokens, loss_mask, Packing. A store's streams are packed the same way
+    without a copy (`TokenStream.packed`)."""
     st = starts.numpy().astype(np.int64)
-    if st[0] != 0 or np.any(np.diff(st) <= 0) or st[-1] >= len(tokens):
-        raise ValueError("starts must be increasing record offsets into tokens, the first 0 "
-                         f"(from tokenize_records(..., with_starts=True)); got {st[:5].tolist()}...")
+    out_start, info = pack_layout(st, len(tokens), seq_len)
+    if len(st) == 0:
+        return tokens, loss_mask, info
     lengths = np.diff(np.append(st, len(tokens)))
-    out_start = np.empty_like(st)
-    pos = pad = long_records = 0
-    for i, r in enumerate(lengths.tolist()):
-        window_end = (pos // seq_len) * seq_len + seq_len  # last position of the window pos is in
-        if pos + r - 1 > window_end:
-            if pos % seq_len:  # start the next window (a boundary position starts one already)
-                nxt = (pos // seq_len + 1) * seq_len
-                pad, pos = pad + nxt - pos, nxt
-            long_records += r > seq_len + 1
-        out_start[i] = pos
-        pos += r
-    # pad the end to a whole window: the batchers drop a partial last window, records and all
-    total = -(-(pos - 1) // seq_len) * seq_len + 1
-    pad += total - pos
     # every source position j of record i moves by out_start[i] - starts[i]
     dest = torch.from_numpy(np.arange(len(tokens)) + np.repeat(out_start - st, lengths))
-    packed = torch.full((total,), pad_id, dtype=tokens.dtype)
-    packed_mask = torch.zeros(total, dtype=torch.bool)
+    packed = torch.full((info.tokens,), pad_id, dtype=tokens.dtype)
+    packed_mask = torch.zeros(info.tokens, dtype=torch.bool)
     packed[dest], packed_mask[dest] = tokens, loss_mask
-    return packed, packed_mask, Packing(len(st), int(long_records), int(pad), int(total))
+    return packed, packed_mask, info
 
 
 # ------------------------------------------------------------------ batches
+def _window_batch(stream: TokenStream, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y [len(windows), seq_len] int64 (contiguous) of the stream's windows numbered `windows`;
+    y is -1 (GPT.forward's ignore_index) where the mask does not score the target."""
+    starts = windows.astype(np.int64) * seq_len
+    w = torch.from_numpy(stream.window_tokens(starts, seq_len + 1))  # [B, T+1], a copy
+    # y its own copy: for B == 1 both slices are already contiguous views of w, and masking
+    # y in place would write -1 into x as well
+    x, y = w[:, :-1].contiguous(), w[:, 1:].clone(memory_format=torch.contiguous_format)
+    mask = stream.window_mask(starts, seq_len + 1)
+    if mask is not None:
+        y.masked_fill_(~torch.from_numpy(np.ascontiguousarray(mask[:, 1:])), -1)
+    return x, y
+
+
 class TokenBatches:
     """Deterministic, resumable, rank-aware (x, y) batches from a token stream.
 
-    `tokens` is [N] int; window k is tokens[k*seq_len : k*seq_len + seq_len + 1], x its first
-    seq_len tokens and y its last seq_len. `steps_per_epoch` counts global batches of
-    batch_size * world_size windows; the windows left over at the end of an epoch's order are
-    skipped that epoch (a different set each epoch, because the order is reshuffled).
+    `tokens` is a TokenStream (a token store's split, memory-mapped) or a [N] int tensor; window k
+    is tokens[k*seq_len : k*seq_len + seq_len + 1], x its first seq_len tokens and y its last
+    seq_len. `steps_per_epoch` counts global batches of batch_size * world_size windows; the
+    windows left over at the end of an epoch's order are skipped that epoch (a different set each
+    epoch, because the order is reshuffled).
 
-    `loss_mask` ([N] bool, True = scored, from `tokenize_records`) sets y to -1 where the target
-    is not scored and leaves out the windows with no scored target (`num_windows` counts the
-    rest). Without it every target is scored and every window is used.
+    A loss mask (the stream's, or `loss_mask` [N] bool with a tensor, from `tokenize_records`)
+    sets y to -1 where the target is not scored and leaves out the windows with no scored target
+    (`num_windows` counts the rest). Without it every target is scored and every window is used.
     """
 
-    def __init__(self, tokens: torch.Tensor, *, seq_len: int, batch_size: int, seed: int = 0,
+    def __init__(self, tokens: TokenStream | torch.Tensor, *, seq_len: int, batch_size: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, loss_mask: torch.Tensor | None = None) -> None:
         if seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need seq_len, batch_size, world_size >= 1 and 0 <= rank < world_size; got "
                              f"seq_len={seq_len} batch_size={batch_size} rank={rank} world_size={world_size}")
-        if tokens.ndim != 1:
-            raise ValueError(f"tokens must be a 1-D stream, got shape {tuple(tokens.shape)}")
+        self.stream = TokenStream.of(tokens, loss_mask)
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size = rank, world_size
         self.global_batch = batch_size * world_size
-        all_windows = max(0, (len(tokens) - 1) // seq_len)
-        self._mask_windows, self._kept = _scored_windows(tokens, loss_mask, seq_len)
+        all_windows = max(0, (len(self.stream) - 1) // seq_len)
+        self._kept = self.stream.scored_windows(seq_len)  # None: every window
         self.num_windows = all_windows if self._kept is None else len(self._kept)
         self.steps_per_epoch = self.num_windows // self.global_batch
         if self.steps_per_epoch == 0:
             scored = "" if self._kept is None else f" ({self.num_windows} with a scored target)"
             raise DataError(
-                f"the training stream has {len(tokens):,} tokens = {all_windows} windows{scored} of "
+                f"the training stream has {len(self.stream):,} tokens = {all_windows} windows{scored} of "
                 f"seq_len+1 = {seq_len + 1} tokens (consecutive windows share one token), but one "
                 f"global batch needs batch_size*world_size = {self.global_batch} windows = "
                 f"{self.global_batch * seq_len + 1:,} tokens. Use a smaller --seq_len or "
                 "--batch_size, or a larger corpus"
             )
-        # [all windows, seq_len + 1], a strided view: no copy of the stream.
-        self._windows = tokens.unfold(0, seq_len + 1, seq_len)
         self._epoch, self._step = 0, 0
         self._order: tuple[int, torch.Tensor] | None = None
 
@@ -667,15 +487,10 @@ class TokenBatches:
         if self._step == self.steps_per_epoch:
             self._epoch, self._step = self._epoch + 1, 0
         start = self._step * self.global_batch + self.rank * self.batch_size
-        idx = self._order_of(self._epoch)[start:start + self.batch_size]
+        idx = self._order_of(self._epoch)[start:start + self.batch_size].numpy()
         if self._kept is not None:
             idx = self._kept[idx]  # position among scored windows -> window number in the stream
-        w = self._windows[idx].to(torch.int64)  # [B, T+1], a copy (advanced indexing)
-        # y its own copy: for B == 1 both slices are already contiguous views of w, and masking
-        # y in place would write -1 into x as well
-        x, y = w[:, :-1].contiguous(), w[:, 1:].clone(memory_format=torch.contiguous_format)
-        if self._mask_windows is not None:
-            y.masked_fill_(~self._mask_windows[idx, 1:], -1)  # -1: GPT.forward's ignore_index
+        x, y = _window_batch(self.stream, idx, self.seq_len)
         self._step += 1
         if device is not None and torch.device(device).type != "cpu":
             pin = torch.device(device).type == "cuda"
@@ -708,51 +523,34 @@ class TokenBatches:
         self._epoch, self._step = int(state["epoch"]), int(state["step"])
 
 
-def val_batches(tokens: torch.Tensor, seq_len: int, batch_size: int, max_tokens: int, *,
+def val_batches(tokens: TokenStream | torch.Tensor, seq_len: int, batch_size: int, max_tokens: int, *,
                 rank: int = 0, world_size: int = 1,
                 loss_mask: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first max(1, max_tokens // seq_len) windows of the validation stream, in order.
 
     Same windows as TokenBatches (stride seq_len), so every scored token is scored once. Batches
     hold up to batch_size windows (the last may be smaller); rank r takes batches r, r+world_size...
-    Fewer windows than asked for are evaluated when the stream is short. With `loss_mask`, as in
+    Fewer windows than asked for are evaluated when the stream is short. With a loss mask, as in
     TokenBatches: y is -1 at unscored targets and only windows with a scored target count.
     """
-    num_windows = max(0, (len(tokens) - 1) // seq_len)
+    stream = TokenStream.of(tokens, loss_mask)
+    num_windows = max(0, (len(stream) - 1) // seq_len)
     if num_windows == 0:
-        raise DataError(f"the validation stream has {len(tokens):,} tokens; one evaluation window needs "
+        raise DataError(f"the validation stream has {len(stream):,} tokens; one evaluation window needs "
                         f"seq_len+1 = {seq_len + 1}. Use a smaller --seq_len or a corpus with more "
                         f"validation text (about {VAL_FRACTION:.0%} of the documents)")
-    windows = tokens.unfold(0, seq_len + 1, seq_len)
-    mask_windows, kept = _scored_windows(tokens, loss_mask, seq_len)
+    want = max(1, max_tokens // seq_len)
+    kept = stream.scored_windows(seq_len)
     if kept is None:
-        kept = torch.arange(num_windows)
+        kept = np.arange(min(num_windows, want), dtype=np.int64)
     elif len(kept) == 0:
         raise DataError("the validation records have no scored (assistant) token in any window of "
                         f"seq_len+1 = {seq_len + 1} tokens; the validation split is too small or its "
                         "records have empty answers")
-    kept = kept[: max(1, max_tokens // seq_len)]
+    kept = kept[:want]
     for start in range(rank * batch_size, len(kept), batch_size * world_size):
-        idx = kept[start:start + batch_size]
-        w = windows[idx].to(torch.int64)
-        # y its own copy (see TokenBatches)
-        x, y = w[:, :-1].contiguous(), w[:, 1:].clone(memory_format=torch.contiguous_format)
-        if mask_windows is not None:
-            y.masked_fill_(~mask_windows[idx, 1:], -1)
-        yield x, y
+        yield _window_batch(stream, kept[start:start + batch_size], seq_len)
 
 
-def _scored_windows(tokens: torch.Tensor, loss_mask: torch.Tensor | None,
-                    seq_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(mask windows [W, seq_len+1] bool, numbers of the windows with a scored target), both None
-    without a mask. A window's targets are its tokens 1..seq_len: token 0 is the previous
-    window's last target, so it does not keep a window."""
-    if loss_mask is None:
-        return None, None
-    if loss_mask.shape != tokens.shape or loss_mask.dtype != torch.bool:
-        raise ValueError(f"loss_mask must be a bool tensor shaped like tokens {tuple(tokens.shape)}, got "
-                         f"{loss_mask.dtype} {tuple(loss_mask.shape)}")
-    if len(tokens) <= seq_len:
-        return loss_mask[:0].view(0, seq_len + 1), torch.zeros(0, dtype=torch.int64)
-    windows = loss_mask.unfold(0, seq_len + 1, seq_len)
-    return windows, windows[:, 1:].any(dim=1).nonzero().squeeze(1)
+__all__ = ["Corpus", "DataError", "Packing", "PreparedData", "TokenBatches", "TokenStream", "get_or_train_tokenizer",
+           "load_corpus", "pack_records", "prepare_data", "tokenize_docs", "tokenize_records", "val_batches"]

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
+from itertools import islice
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -33,7 +35,8 @@ import torch
 
 from nanochat import distributed, engine, instruct
 from nanochat.common import DistEnv, UsageError, logger
-from nanochat.data import val_batches
+from nanochat.data import prepare_data, val_batches
+from nanochat.sources import list_sources
 
 if TYPE_CHECKING:
     from nanochat.config import TrainConfig
@@ -62,8 +65,8 @@ class Evaluator:
         cfg, data = self.cfg, self.data
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # [nats, scored tokens, bytes]
         with self._model() as model, self.autocast:
-            for x, y in val_batches(data.val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
-                                    rank=self.dist.rank, world_size=self.dist.world_size, loss_mask=data.val_mask):
+            for x, y in val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
+                                    rank=self.dist.rank, world_size=self.dist.world_size):
                 x, y = x.to(self.device), y.to(self.device)
                 loss = model(x, y, reduction="none").view(-1).double()
                 y = y.view(-1)
@@ -71,7 +74,7 @@ class Evaluator:
                 nbytes = data.token_bytes[y.clamp(min=0)] * scored
                 # text: special tokens (BOS) carry no bytes and are not scored; records: every scored
                 # target counts, the closing <|end|>/eos included (stopping is part of the answer)
-                counted = scored if data.val_mask is not None else nbytes > 0
+                counted = scored if data.val.has_mask else nbytes > 0
                 totals[0] += torch.where(counted, loss, 0.0).sum()
                 totals[1] += counted.sum()
                 totals[2] += nbytes.sum()
@@ -95,11 +98,11 @@ class Evaluator:
     def samples(self, num_samples: int) -> list[str]:
         """Continue the first tokens of a few validation documents (or the conversations up to
         their last answer); on rank 0 only (the other ranks return [])."""
-        cfg, corpus, tok = self.cfg, self.data.corpus, self.data.tokenizer
-        if corpus.kind == "instruct":
-            prompts = [instruct.generation_prompt(tok, r) for r in corpus.val_records[:num_samples]]
-        else:
-            prompts = [tok.encode(d, prepend_bos=True)[:16] for d in corpus.val_docs if d.strip()][:num_samples]
+        cfg, store, tok = self.cfg, self.data.store, self.data.tokenizer
+        if store.kind == "instruct":
+            prompts = [instruct.generation_prompt(tok, r) for r in islice(store.val_records(), num_samples)]
+        else:  # the first 16 tokens of the first validation documents (BOS included)
+            prompts = store.val.doc_prefixes(num_samples, 16)
         out = []
         with self._model() as model, self.autocast:
             for i, ids in enumerate(prompts if self.dist.rank == 0 else []):
@@ -262,38 +265,35 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
 
 @torch.no_grad()
 def evaluate_saved(cfg) -> EvalResult:
-    """`scripts/eval.py` with an `EvalConfig`: the validation split's loss and accuracy."""
+    """`scripts/eval.py` with an `EvalConfig`: the validation split's loss and accuracy, read from
+    the corpus's token store for the model's tokenizer (built first if missing)."""
     from nanochat.checkpoint import checkpoint_name
     from nanochat.common import resolve_device, resolve_dtype
-    from nanochat.data import load_corpus, pack_records, tokenize_docs, tokenize_records
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    corpus = load_corpus(cfg.dataset_path)
+    list_sources(cfg.dataset_path)  # a path that cannot be a corpus: one error before the model loads
     model, tok, step = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
     source = f"{Path(cfg.run_dir) / checkpoint_name(step)} (step {step})" if step is not None else str(cfg.model_name)
     logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
-    logger.info("corpus: %s", corpus.describe())
-    tok, fallback = instruct.choose_chat_template(tok, cfg.chat_template, records=corpus.kind == "instruct")
-    fallbacks = [fallback] if fallback else []
-    if fallback:
+    prepared = prepare_data(cfg.dataset_path, tokenizer=tok, chat_template=cfg.chat_template,
+                            cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")))
+    store, tok, fallbacks = prepared.store, prepared.tokenizer, prepared.fallbacks
+    logger.info("corpus: %s", store.describe())
+    for fallback in fallbacks:
         logger.warning("WARNING: %s", fallback)
     model.eval()
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     seq_len = min(cfg.seq_len, model.config.seq_len)
-    if corpus.kind == "instruct":
-        tokens, mask, starts = tokenize_records(tok, corpus.val_records, ids=corpus.val_ids, with_starts=True)
-        tokens, mask, _ = pack_records(tokens, mask, starts, seq_len, tok.bos_id)
-    else:
-        tokens, mask = tokenize_docs(tok, corpus.val_docs), None
+    val = store.val.packed(seq_len, tok.bos_id)[0] if store.kind == "instruct" else store.val
     nats, count = 0.0, 0
-    for x, y in val_batches(tokens, seq_len, cfg.batch_size, cfg.eval_tokens, loss_mask=mask):
+    for x, y in val_batches(val, seq_len, cfg.batch_size, cfg.eval_tokens):
         with autocast:
             loss = model(x.to(device), y.to(device), reduction="none")
         scored = y.to(device) >= 0
         nats += float(loss[scored].double().sum())
         count += int(scored.sum())
-    items = instruct.choice_items(tok, corpus.val_records, cfg.eval_tokens)
+    items = instruct.choice_items(tok, store.val_records(), cfg.eval_tokens)
     accuracy = None
     if items:
         correct, total = choice_counts(model, items, batch_size=cfg.batch_size, seq_len=seq_len,

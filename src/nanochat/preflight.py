@@ -49,6 +49,10 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
                          "its own tokenizer (in the checkpoint directory) is the one its embeddings know")
     if resolved.kind == "preset" and cfg.chat_template is not None:  # nanochat's tokenizer, never a template
         raise UsageError(own_tokenizer_template_problem(cfg.chat_template))
+    if cfg.dataset_path is not None and _inside(cfg.run_dir, cfg.dataset_path):
+        raise UsageError(f"--run_dir {cfg.run_dir} is inside --dataset_path {cfg.dataset_path}: the run's own files "
+                         "(metrics.jsonl, checkpoints, tokenizer) would become training data, and a --resume would "
+                         "read a corpus that changed; choose a --run_dir outside the corpus")
     if cfg.tokenizer_dir and not Path(cfg.tokenizer_dir).is_dir():
         raise UsageError(f"--tokenizer_dir {cfg.tokenizer_dir}: no such directory; make one with: python "
                          f"scripts/tok_train.py --tokenizer_dir {cfg.tokenizer_dir}")
@@ -58,6 +62,12 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
     if cfg.plot:  # matplotlib, and no foreign run.png in the way: known now, not after training
         check_can_draw(Path(cfg.run_dir), flag="--plot")
     return resolved
+
+
+def _inside(path: str | os.PathLike, directory: str | os.PathLike) -> bool:
+    """Whether `path` (existing or not) is `directory` or lies under it, links resolved."""
+    inner, outer = Path(os.path.realpath(path)), Path(os.path.realpath(directory))
+    return inner == outer or outer in inner.parents
 
 
 def check_disk(run_dir: str | os.PathLike, need: int) -> None:

@@ -1,35 +1,37 @@
 """RunData: everything a training run reads, from the corpus to the batches of each rank.
 
 Built once, before any model exists, so that every data error comes before a weight is allocated:
-the corpus (nanochat.data), the tokenizer that goes with the model, the token streams of both
-splits, the multiple-choice items evaluation scores, and the loader whose position checkpoints
-keep. Which tokenizer: a Hugging Face model brings its own (its embeddings know its ids); a run
-started with --init_from brings its source run's (`tokenizer`, given), and keeps it in its own
-run directory when resumed; otherwise --tokenizer_dir's, or one trained on the corpus (cached).
-A base model has no chat template: instruction records are rendered in the plain format then.
+the token store of the corpus (nanochat.data.prepare_data: built once, memory-mapped by every
+run and rank), the tokenizer that goes with the model, the multiple-choice items evaluation
+scores, and the loader whose position checkpoints keep. Which tokenizer: a Hugging Face model
+brings its own (its embeddings know its ids); a run started with --init_from brings its source
+run's (`tokenizer`, given), and keeps it in its own run directory when resumed; otherwise
+--tokenizer_dir's, or one trained on the corpus (cached). A base model has no chat template:
+instruction records are rendered in the plain format then.
 
-Plain text is scored on every token; instruction records on their answers only (`*_mask`), each
-record laid out whole inside the seq_len+1 windows (data.pack_records).
+Plain text is scored on every token; instruction records on their answers only (the streams'
+loss masks), each record laid out whole inside the seq_len+1 windows (TokenStream.packed). A
+--resume reads the listing of the corpus its run started on (`sources.json` in the run
+directory) and refuses a corpus that changed since, naming the file.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from nanochat import instruct
 from nanochat.common import DistEnv, UsageError, logger
 from nanochat.config import TrainConfig
-from nanochat.data import (
-    Corpus, TokenBatches, get_or_train_tokenizer, load_corpus, pack_records, tokenize_docs, tokenize_records,
-    val_batches,
-)
+from nanochat.data import TokenBatches, TokenStream, prepare_data, recorded_sources, val_batches
 from nanochat.evaluation import describe_scoring
 from nanochat.hf import HFTokenizer, ResolvedModel
+from nanochat.sources import Sources
+from nanochat.store import TokenStore
 from nanochat.tokenizer import Tokenizer
 
 
@@ -37,13 +39,13 @@ from nanochat.tokenizer import Tokenizer
 class RunData:
     """The data of one run, on this rank (see the module docstring)."""
 
-    corpus: Corpus
+    sources: Sources
+    """The corpus's files as this run found them (recorded in the run directory at a fresh start)."""
+    store: TokenStore
     tokenizer: Tokenizer | HFTokenizer
-    train_tokens: torch.Tensor
-    val_tokens: torch.Tensor
-    train_mask: torch.Tensor | None
-    """Instruction data: True where a target token is scored; None for plain text."""
-    val_mask: torch.Tensor | None
+    train: TokenStream
+    """The training stream (instruction records: packed into windows, with the loss mask)."""
+    val: TokenStream
     choice_items: list[instruct.ChoiceItem]
     """This rank's share of the multiple-choice validation items (accuracy at every evaluation)."""
     num_choice_items: int
@@ -64,43 +66,35 @@ class RunData:
         records and logs a fallback (a vocabulary smaller than asked, the plain chat format, a
         record longer than a window)."""
         tokenizer = tokenizer or _given_tokenizer(cfg, model)
-        corpus = load_corpus(cfg.dataset_path)
-        logger.info("corpus: %s", corpus.describe())
-        if tokenizer is None:
-            tokenizer = get_or_train_tokenizer(corpus, cfg.vocab_size, cache_root=cache_root / "tokenizers")
-            if tokenizer.vocab_size < cfg.vocab_size:
-                fallback(f"tokenizer: the corpus ran out of BPE merges at {tokenizer.vocab_size} tokens "
-                         f"(--vocab_size {cfg.vocab_size} asked); training with the smaller vocabulary")
-        instructions = corpus.kind == "instruct"
-        tokenizer, template_fallback = instruct.choose_chat_template(tokenizer, cfg.chat_template, records=instructions)
-        if template_fallback:
-            fallback(template_fallback)
-        cache = cache_root / "tokens"
-        if instructions:  # loss on the assistant tokens only
-            train_tokens, train_mask = _pack(tokenizer, "train", corpus.train_records, corpus.train_ids, cfg.seq_len,
-                                             cache, fallback)
-            val_tokens, val_mask = _pack(tokenizer, "val", corpus.val_records, corpus.val_ids, cfg.seq_len, cache,
-                                         fallback)
+        prepared = prepare_data(cfg.dataset_path, tokenizer=tokenizer, vocab_size=cfg.vocab_size,
+                                chat_template=cfg.chat_template, cache_root=cache_root, resume=cfg.resume,
+                                recorded=recorded_sources(cfg.run_dir) if cfg.resume else None)
+        store, tokenizer = prepared.store, prepared.tokenizer
+        for message in prepared.fallbacks:
+            fallback(message)
+        logger.info("corpus: %s", store.describe())
+        instructions = store.kind == "instruct"
+        if instructions:  # loss on the assistant tokens only, each record inside one window
+            train = _packed(store.train, "train", cfg.seq_len, tokenizer.bos_id, fallback)
+            val = _packed(store.val, "val", cfg.seq_len, tokenizer.bos_id, fallback)
         else:
-            train_tokens = tokenize_docs(tokenizer, corpus.train_docs, cache_dir=cache)
-            val_tokens = tokenize_docs(tokenizer, corpus.val_docs, cache_dir=cache)
-            train_mask = val_mask = None
-        items = instruct.choice_items(tokenizer, corpus.val_records, cfg.eval_tokens) if instructions else []
-        loader = TokenBatches(train_tokens, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-                              rank=dist.rank, world_size=dist.world_size, loss_mask=train_mask)
+            train, val = store.train, store.val
+        items = instruct.choice_items(tokenizer, store.val_records(), cfg.eval_tokens) if instructions else []
+        loader = TokenBatches(train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
+                              rank=dist.rank, world_size=dist.world_size)
         steps_per_epoch = loader.steps_per_epoch // cfg.grad_accum_steps
         if steps_per_epoch < 1:
             raise UsageError(f"one optimizer step needs {cfg.grad_accum_steps} batches but an epoch has only "
                              f"{loader.steps_per_epoch}; lower --grad_accum_steps or --batch_size")
         # what would otherwise fail once training has started: one evaluation window (val_batches
         # names the fix), the prompts of the samples
-        next(iter(val_batches(val_tokens, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=dist.rank,
-                              world_size=dist.world_size, loss_mask=val_mask)), None)
-        for r in corpus.val_records[:cfg.num_samples] if instructions else []:
+        next(iter(val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=dist.rank,
+                              world_size=dist.world_size)), None)
+        for r in islice(store.val_records(), cfg.num_samples) if instructions else []:
             instruct.generation_prompt(tokenizer, r)
-        return cls(corpus=corpus, tokenizer=tokenizer, train_tokens=train_tokens, val_tokens=val_tokens,
-                   train_mask=train_mask, val_mask=val_mask, choice_items=items[dist.rank::dist.world_size],
-                   num_choice_items=len(items), accuracy_scoring=describe_scoring(items) if items else None,
+        return cls(sources=prepared.sources, store=store, tokenizer=tokenizer, train=train, val=val,
+                   choice_items=items[dist.rank::dist.world_size], num_choice_items=len(items),
+                   accuracy_scoring=describe_scoring(items) if items else None,
                    token_bytes=tokenizer.token_bytes().to(device), loader=loader, steps_per_epoch=steps_per_epoch)
 
 
@@ -115,18 +109,18 @@ def _given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | HFTo
     return None
 
 
-def _pack(tokenizer: Any, split: str, records: list, ids: list, seq_len: int, cache: str | os.PathLike,
-          fallback: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Instruction records laid out whole inside the seq_len+1 windows: tokens and loss mask."""
-    tokens, mask, starts = tokenize_records(tokenizer, records, cache_dir=cache, ids=ids, with_starts=True)
-    tokens, mask, packing = pack_records(tokens, mask, starts, seq_len, tokenizer.bos_id)
+def _packed(stream: TokenStream, split: str, seq_len: int, pad_id: int,
+            fallback: Callable[[str], None]) -> TokenStream:
+    """Instruction records laid out whole inside the seq_len+1 windows (no copy: a layout over
+    the store's memory map)."""
+    packed, packing = stream.packed(seq_len, pad_id)
     logger.info("%s records: %d packed into windows of %d tokens, %.1f%% padding", split,
                 packing.records, seq_len + 1, packing.pad_pct)
     if packing.long_records:
         fallback(f"instruction data: {packing.long_records} of {packing.records} {split} records are "
                  f"longer than a window (--seq_len {seq_len} + 1 tokens); their tokens past the first window "
                  "are trained without the record's beginning. Raise --seq_len to keep them whole")
-    return tokens, mask
+    return packed
 
 
 __all__ = ["RunData"]

@@ -8,7 +8,7 @@ parts in the order that makes errors come early, each attribute once:
   checkpoint.Checkpointer       the run directory (claimed, never clobbered), --init_from,
                                 --resume (read before the model: its FP8 layer set), saves
   preflight.check_environment   the device, the process layout, the input paths: before any work
-  run_data.RunData              corpus, tokenizer, token streams, batches: every data error
+  run_data.RunData              corpus, tokenizer, token store, batches: every data error
                                 before a model exists
   the model                     after the memory plan; fp32 (or bf16) master weights; FP8
                                 conversion by fp8.FP8Training, before compile; DDP or FSDP
@@ -60,6 +60,7 @@ from nanochat.hf import ResolvedModel, gpt_config_from_hf, load_hf_model
 from nanochat.metrics import MetricsLog, Throughput, TrainResult
 from nanochat.optim import OptimWrapper, optimizer_state_bytes, param_dtype
 from nanochat.plot import plot_after_run
+from nanochat.data import write_sources
 from nanochat.run_data import RunData
 from nanochat.stop import StopNow, StopSignals, Stopped, resume_command, signal_name, stop_line
 
@@ -441,6 +442,7 @@ class NanoChatTrainer:
         history, appended = self.metrics.cut_to(start_step, self.resumed.meta.get("record")) if cfg.resume else ([], None)
         if not cfg.resume:  # a fresh run replaces a tokenizer of its own only with --overwrite
             self.data.tokenizer.save(self.run_dir / "tokenizer", overwrite=cfg.overwrite)
+            write_sources(self.data.sources, self.run_dir)  # what a --resume must find unchanged
         self.metrics.start_trackers(cfg.log, cfg.to_dict(), rank=0, start_step=start_step, resumed_record=appended)
         return history
 
@@ -540,9 +542,9 @@ class NanoChatTrainer:
                       f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {m.num_params() / 1e6:.2f}M params"],
             *([["init", f"weights of {self.init_source.path} (step {self.init_source.step})"]]
               if self.init_source is not None else []),
-            ["data", f"{data.corpus.describe()}"],
-            ["tokens", f"{len(data.train_tokens):,} train / {len(data.val_tokens):,} val, "
-                       f"vocab {data.tokenizer.vocab_size}"],
+            ["data", data.store.describe()],
+            ["tokens", f"{len(data.train):,} train / {len(data.val):,} val, vocab {data.tokenizer.vocab_size}"],
+            ["store", data.store.summary()],
             ["schedule", f"{self.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * self.dist.world_size}"
                          f" x {cfg.seq_len} tokens ({data.steps_per_epoch} steps/epoch)"],
             ["device", f"{self.device} ({self.dtype}), world size {self.dist.world_size}, "
