@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from nanochat.fp8 import FP8Config, FP8Training  # first: it imports torchao with its log noise muted
-from nanochat.guard import StepGuard
+from nanochat.train.guard import StepGuard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: TrainConfig) -> int:
-    from nanochat.trainer import NanoChatTrainer  # after parsing: --help stays fast
+    from nanochat.train.trainer import NanoChatTrainer  # after parsing: --help stays fast
 
     result = NanoChatTrainer(cfg).train()
     # under torchrun every rank returns a result; rank 0 reports it

@@ -50,7 +50,7 @@ with open(path + ".pid", "w") as f:
     f.write(str(os.getpid()))
 timing = {}
 if script.endswith("base_train.py"):  # the seconds a run spends on its data
-    import nanochat.run_data as rd
+    import nanochat.train.run_data as rd
     real = rd.RunData.load.__func__
     def load(cls, *a, **k):
         t = time.time()
@@ -75,7 +75,7 @@ sys.exit(rc)
 
 IN_MEMORY = r'''
 import json, sys, time
-from nanochat.data import load_corpus, tokenize_docs
+from nanochat.data.prepare import load_corpus, tokenize_docs
 from nanochat.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[2])
 t0 = time.time()
@@ -90,7 +90,7 @@ print("RESULT " + json.dumps({"read_s": t1 - t0, "tokenize_s": t2 - t1, "seconds
 
 STORE_DATA = r'''
 import json, os, sys, time
-from nanochat.data import TokenBatches, prepare_data
+from nanochat.data.prepare import TokenBatches, prepare_data
 from nanochat.tokenizer import Tokenizer
 tok = Tokenizer.load(sys.argv[2])
 t0 = time.time()

@@ -13,7 +13,7 @@ channel) and fp8_block (128x128). Measured per export: model.safetensors bytes a
 parameter, the median export time and its ratio to plain; the logits' SQNR against the plain
 export on the validation prompts, as transformers serves the export (e4m3 weights and per-token
 activations, what vLLM computes) and as nanochat loads it (weights dequantized); and validation
-accuracy scored both ways (option log-likelihood, nanochat.evaluation.choice_counts). --out
+accuracy scored both ways (option log-likelihood, nanochat.train.evaluation.choice_counts). --out
 writes the figures as JSON. --large also exports a Llama-3.2-1B-shaped model (1.24B parameters,
 random weights of std 0.02, no tokenizer) the three ways once each: size and time at scale.
 BENCHMARKS.md records the figures.
@@ -114,7 +114,7 @@ def distribution_sqnr() -> list[list[str]]:
     """Weight SQNR of the FP8 copy (per channel, per 128x128 block) of 1024 x 1024 weights of several
     distributions, next to e4m3's worst case 20 log10 17 = 24.6 dB (values halfway between two
     e4m3 values after scaling): where SQNR_FLOOR_DB comes from."""
-    from nanochat.hf_fp8 import dequantize_weight, quantize_weight, sqnr_db
+    from nanochat.model.hf_fp8 import dequantize_weight, quantize_weight, sqnr_db
     from compressed_tensors.quantization import preset_name_to_scheme
 
     g = torch.Generator().manual_seed(0)
@@ -146,7 +146,7 @@ def distribution_sqnr() -> list[list[str]]:
 def slicing(repeats: int = 3) -> tuple[float, float]:
     """Median seconds to quantize and measure one 8192 x 2048 weight (a Llama-3.2-1B MLP matrix)
     whole (the baseline) and a slice of rows at a time (hf_fp8.quantize_layer)."""
-    from nanochat.hf_fp8 import _scheme, dequantize_weight, quantize_layer, quantize_weight, sqnr_db
+    from nanochat.model.hf_fp8 import _scheme, dequantize_weight, quantize_layer, quantize_weight, sqnr_db
 
     w, scheme = torch.randn(8192, 2048, generator=torch.Generator().manual_seed(0)) * 0.02, _scheme("fp8")
 
@@ -165,8 +165,8 @@ def slicing(repeats: int = 3) -> tuple[float, float]:
 
 def large_exports(root: Path) -> list[list[str]]:
     """Size and time of the three exports of a Llama-3.2-1B-shaped model (tied embeddings)."""
-    from nanochat.gpt import GPT, GPTConfig
-    from nanochat.hf import export_hf
+    from nanochat.model.gpt import GPT, GPTConfig
+    from nanochat.model.hf import export_hf
 
     config = GPTConfig(vocab_size=128256, seq_len=8192, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
                        intermediate_size=8192, tie_embeddings=True, mlp="swiglu", norm_weight=True, norm_eps=1e-5,
@@ -207,13 +207,13 @@ def logits_of(model, prompts: list[list[int]]) -> torch.Tensor:
 def bench(cfg: BenchExportConfig) -> int:
     import transformers
 
-    from nanochat import instruct
+    from nanochat.data import instruct
     from nanochat.checkpoint import load_checkpoint
-    from nanochat.data import load_corpus
-    from nanochat.evaluation import choice_counts
-    from nanochat.hf import HFTokenizer, export_hf, load_hf_model, model_from_state_dict
-    from nanochat.hf_fp8 import require_compressed_tensors, sqnr_db
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.data.prepare import load_corpus
+    from nanochat.train.evaluation import choice_counts
+    from nanochat.model.hf import HFTokenizer, export_hf, load_hf_model, model_from_state_dict
+    from nanochat.model.hf_fp8 import require_compressed_tensors, sqnr_db
+    from nanochat.train.trainer import NanoChatTrainer
 
     setup_logging()
     require_compressed_tensors("bench_export")

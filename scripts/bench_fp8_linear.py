@@ -38,7 +38,7 @@ import torch.nn as nn
 from nanochat.common import resolve_device, run_main
 from nanochat.config import parse_cli
 from nanochat.fp8 import FP8Config, convert, detect
-from nanochat.gpt import GPT, PRESETS, GPTConfig, preset_config
+from nanochat.model.gpt import GPT, PRESETS, GPTConfig, preset_config
 
 SEED_MODELS = {
     # Meta-Llama-3-8B's config.json: 32 heads of 128, 8 key/value heads, SwiGLU 14336

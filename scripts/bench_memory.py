@@ -1,4 +1,4 @@
-"""Planned vs measured training memory on CUDA: nanochat.memory's plan against the peak of
+"""Planned vs measured training memory on CUDA: nanochat.train.memory's plan against the peak of
 torch.cuda.max_memory_allocated over a few AdamW steps of a randomly initialized model.
 
     python scripts/bench_memory.py                       # Llama-3-8B shape, batch 16 x 256, checkpointed
@@ -22,8 +22,8 @@ import torch
 
 from nanochat.common import UsageError, run_main
 from nanochat.config import parse_cli
-from nanochat.gpt import GPT, GPTConfig
-from nanochat.memory import plan_training
+from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.train.memory import plan_training
 
 LLAMA = dict(mlp="swiglu", norm_weight=True, norm_eps=1e-5, embed_norm=False, qk_norm=False, softcap=0.0,
              rope_theta=500000.0)

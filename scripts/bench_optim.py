@@ -8,7 +8,7 @@
     all optimizers stepped round-robin so machine load hits them alike, the whole measurement
     repeated --repeats times; ratios to torch.optim.AdamW(fused=True), to torchao AdamWFp8, and
     level 1 to level 2 (on CPU: wall-clock at the default thread count and 1-thread CPU time);
-(c) the same small GPT (nanochat.gpt, preset --preset) trained --train_steps steps on bytes of
+(c) the same small GPT (nanochat.model.gpt, preset --preset) trained --train_steps steps on bytes of
     stdlib sources (vocab 256) with AdamW and with FP8Optim levels 1 and 2: final val loss, gap;
 (e) --master: bytes per parameter of the whole training state (weights + gradients + optimizer
     state) and median step time for each --master_weights choice at FP8Optim level 2, against
@@ -33,7 +33,7 @@ import torch
 from nanochat.common import format_table, resolve_device, run_main, seed_everything
 from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
 from nanochat.fp8.tensor import FP8Tensor
-from nanochat.gpt import PRESETS
+from nanochat.model.gpt import PRESETS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +55,7 @@ class BenchOptimConfig:
     torchao: bool = True
     """(b) also time torchao's AdamWFp8 (slow on CPU; --no-torchao skips it)."""
     preset: str = "d2"
-    """(c) nanochat.gpt size preset trained with each optimizer."""
+    """(c) nanochat.model.gpt size preset trained with each optimizer."""
     train_steps: int = 300
     """(c) training steps per run."""
     study: bool = False
@@ -263,7 +263,7 @@ def corpus_tokens() -> torch.Tensor:
 
 
 def train_gpt(level, args, tokens, seq_len=64, batch=16):
-    from nanochat.gpt import GPT, preset_config
+    from nanochat.model.gpt import GPT, preset_config
 
     seed_everything(0)
     model = GPT(preset_config(args.preset, vocab_size=256, seq_len=seq_len))

@@ -97,7 +97,7 @@ def run(cfg: BenchTrainConfig, root: Path, name: str, **over) -> dict:
 
 
 def _train(cfg: BenchTrainConfig, root: Path, name: str, over: dict) -> dict:
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     kw = dict(model_name=cfg.model_name, dataset_path=cfg.dataset_path, vocab_size=cfg.vocab_size,
               seq_len=cfg.seq_len, batch_size=cfg.batch_size, num_iterations=cfg.num_iterations,

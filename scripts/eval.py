@@ -5,7 +5,7 @@
 
 The validation split is the one training uses (split files: the validation files); a run is
 evaluated at its newest checkpoint, named with its step in the output. Accuracy
-picks the option whose answer tokens have the highest log-likelihood (nanochat.evaluation); the
+picks the option whose answer tokens have the highest log-likelihood (nanochat.train.evaluation); the
 records are rendered with the run's chat template, or as --chat_template says. Errors are one
 `error:` line (exit 2: bad flags or input, e.g. a run directory without a checkpoint; 1: e.g. a
 corrupt checkpoint); `--debug` adds the traceback.
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate(cfg: EvalConfig) -> int:
-    from nanochat.evaluation import evaluate_saved  # after parsing: --help stays fast
+    from nanochat.train.evaluation import evaluate_saved  # after parsing: --help stays fast
 
     setup_logging()
     result = evaluate_saved(cfg)

@@ -12,7 +12,7 @@ lm_head, embeddings and norms stay bf16; a table gives each layer's weight SQNR 
 tokenizer files are the run's, with the chat template the records were rendered with
 (`chat_template.jinja`; the plain format for a base model), so `AutoTokenizer.apply_chat_template`
 writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
-checkpoint, then trained) can be exported; see nanochat/hf.py for why presets cannot. A non-empty
+checkpoint, then trained) can be exported; see nanochat/model/hf.py for why presets cannot. A non-empty
 --out_dir is refused unless --overwrite, which replaces it whole once the export is complete
 (never the run or the model it reads from). A run still in progress is exported at its newest
 checkpoint, with a warning saying so. Errors are one `error:` line (exit 2: bad flags or input;
@@ -24,13 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-from nanochat import runlock
+from nanochat import rundir as runlock
 from nanochat.checkpoint import load_checkpoint
 from nanochat.common import UsageError, format_bytes, logger, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
-from nanochat.hf import (check_export_dir, export_hf, exportable_linears, load_hf_model, model_from_state_dict,
+from nanochat.model.hf import (check_export_dir, export_hf, exportable_linears, load_hf_model, model_from_state_dict,
                          resolve_model)
-from nanochat.hf_fp8 import require_compressed_tensors
+from nanochat.model.hf_fp8 import require_compressed_tensors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +75,7 @@ def export(cfg: ExportConfig) -> int:
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
             raise UsageError(f"--model_name {cfg.model_name!r} is a nanochat preset; only Hugging Face "
-                             "models can be exported (see nanochat/hf.py)")
+                             "models can be exported (see nanochat/model/hf.py)")
         sources = [resolved.path]
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
         model, tokenizer = load_hf_model(resolved.path)

@@ -277,7 +277,7 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -
     reasons and peak memory."""
     from torch._dynamo.utils import counters
 
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     device = device_of(cfg)
     reset_memory(device)
@@ -408,7 +408,7 @@ def job_env(cfg: GPUCheckConfig, findings: Findings) -> None:
         import torchao
 
         from nanochat.fp8 import detect
-        from nanochat.mfu import device_peak
+        from nanochat.train.mfu import device_peak
 
         device = device_of(cfg)
         out = dict(python=platform.python_version(), torch=torch.__version__, torchao=torchao.__version__,

@@ -30,7 +30,7 @@ export NANOCHAT_CACHE=${NANOCHAT_CACHE:-$PWD/.cache}
 # job), then the modules the jobs run. tests/test_gpu_check.py keeps PROBE in step with pyproject.toml.
 PROBE="torch torchao tyro rustbpe tiktoken tqdm safetensors numpy pyarrow tokenizers jinja2 pytest"
 imports() {
-  "$PY" -c "import ${PROBE// /, }; import nanochat.fp8, nanochat.trainer, tests.test_gpu" 2>"$OUT/import_error.txt"
+  "$PY" -c "import ${PROBE// /, }; import nanochat.fp8, nanochat.train.trainer, tests.test_gpu" 2>"$OUT/import_error.txt"
 }
 WHEELS=${WHEELS:-.whl}
 if ! imports && ls "$WHEELS"/*.whl >/dev/null 2>&1; then

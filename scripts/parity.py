@@ -124,7 +124,7 @@ def read_curves(run_dir: Path) -> dict[str, list]:
 def run_one(kw: dict[str, Any], mode: str, seed: int, *, emulate: bool) -> dict[str, Any]:
     """Train one run; its figures, or the error that stopped it (the other runs still go on).
     Writes `parity_run.json` (settings + figures) into the run directory for `--reuse`."""
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     print(f"\n=== fp8 parity: seed {seed}, {mode} "
           f"({'no FP8' if mode == 'baseline' else 'FP8 ' + ('emulated' if emulate else 'native')}) ===", flush=True)
@@ -179,7 +179,7 @@ def prepare_data(cfg: ParityConfig) -> None:
     so that runs (parallel ones above all) do not each wait for them; a corpus or --init_from
     that cannot be used is one error before any run instead of one per run."""
     from nanochat.common import UsageError
-    from nanochat.data import prepare_data as prepare
+    from nanochat.data.prepare import prepare_data as prepare
     from nanochat.tokenizer import Tokenizer
 
     cache = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))  # the trainer's cache root

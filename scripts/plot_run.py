@@ -1,6 +1,6 @@
 """Draw a training run: `python scripts/plot_run.py runs/d12` writes runs/d12/run.png.
 
-Thin entrypoint: parse flags into PlotConfig (tyro), call nanochat.plot.plot_run, print the path.
+Thin entrypoint: parse flags into PlotConfig (tyro), call nanochat.report.plot.plot_run, print the path.
 What is drawn and how to read it: docs/plot.md. Needs matplotlib: pip install -e '.[plots]'.
 A bad run directory, a missing matplotlib or an --out that plot_run did not draw is one
 `error:` line, exit 2.
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(cfg: PlotConfig) -> int:
-    from nanochat.plot import plot_run
+    from nanochat.report.plot import plot_run
 
     setup_logging()
     print(plot_run(cfg.run_dir, cfg.out, overwrite=cfg.overwrite, max_rows=cfg.max_rows), flush=True)

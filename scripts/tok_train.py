@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: TokTrainConfig) -> int:
     from nanochat.common import format_bytes, setup_logging
-    from nanochat.sources import list_sources, plan_sources, split_texts
+    from nanochat.data.sources import list_sources, plan_sources, split_texts
     from nanochat.tokenizer import Tokenizer, check_tokenizer_dir
 
     setup_logging()

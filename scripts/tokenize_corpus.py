@@ -28,9 +28,9 @@ def tokenize(cfg: TokenizeConfig) -> int:
     from pathlib import Path
 
     from nanochat.common import NanoChatError, UsageError, setup_logging
-    from nanochat.data import prepare_data
-    from nanochat.hf import HFTokenizer
-    from nanochat.store import verify_store
+    from nanochat.data.prepare import prepare_data
+    from nanochat.model.hf import HFTokenizer
+    from nanochat.data.store import verify_store
     from nanochat.tokenizer import Tokenizer
 
     setup_logging()

@@ -52,7 +52,7 @@ def tiny_train_kwargs(corpus: Path, run_dir: Path, **over) -> dict:
 def train_until_first_save(kwargs: dict, monkeypatch) -> None:
     """NanoChatTrainer(**kwargs) as a process that dies (KeyboardInterrupt) right after writing
     its first checkpoint: what a --resume continues."""
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     real_save = NanoChatTrainer._save
 
@@ -130,7 +130,7 @@ def perturbed_init():
     if not PERTURB:
         yield
         return
-    from nanochat.gpt import GPT
+    from nanochat.model.gpt import GPT
 
     real = GPT.init_weights
 

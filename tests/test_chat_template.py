@@ -1,4 +1,4 @@
-"""nanochat.chat_template: chat templates rendered in a sandbox that bounds work and size.
+"""nanochat.tokenizer.chat_template: chat templates rendered in a sandbox that bounds work and size.
 
 - The same text as jinja2's own ImmutableSandboxedEnvironment (same whitespace options) for the
   built-in templates and for one using the constructs real templates use (a loop filter,
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from nanochat import instruct
-from nanochat.chat_template import MAX_CHARS, MAX_STEPS, ChatTemplate
+from nanochat.data import instruct
+from nanochat.tokenizer.chat_template import MAX_CHARS, MAX_STEPS, ChatTemplate
 from nanochat.common import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]

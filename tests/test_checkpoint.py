@@ -29,7 +29,7 @@ from nanochat.checkpoint import (
     set_rng_state,
 )
 from nanochat.common import NanoChatError, UsageError, file_sha256
-from nanochat.runlock import LOCK_NAME
+from nanochat.rundir import LOCK_NAME
 
 
 def _files(d) -> list[str]:

@@ -26,7 +26,7 @@ import torch
 from nanochat.checkpoint import load_checkpoint, save_checkpoint
 from nanochat.common import describe_error
 from nanochat.tokenizer import Tokenizer
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""nanochat.compiled at --compile_scope blocks, against the same blocks compiled by hand.
+"""nanochat.train.compiled at --compile_scope blocks, against the same blocks compiled by hand.
 
 Blocks that each need a graph of their own (here: a constant per block that dynamo guards on, as
 it did on FP8 blocks on an H200) must all run compiled. Under a recompile limit of 1 (dynamo's
@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-from nanochat.compiled import Compiled
+from nanochat.train.compiled import Compiled
 
 
 class Tagged(nn.Module):

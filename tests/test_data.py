@@ -29,9 +29,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import nanochat.data as data
-from nanochat.data import DataError, TokenBatches, load_corpus, tokenize_docs, val_batches
-from nanochat.sources import val_hash
+import nanochat.data.prepare as data
+from nanochat.data.prepare import DataError, TokenBatches, load_corpus, tokenize_docs, val_batches
+from nanochat.data.sources import val_hash
 from nanochat.tokenizer import Tokenizer
 
 
@@ -327,7 +327,7 @@ def test_val_batches_fixed_windows_from_the_start():
 # ------------------------------------------------------------------ split files
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_split_files_are_the_splits_and_test_is_never_read(tmp_path, fmt):
-    from nanochat import instruct
+    from nanochat.data import instruct
     from tests.test_eval import arc_rows, write_arc
 
     root = write_arc(tmp_path / "arc", fmt)

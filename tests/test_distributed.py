@@ -106,7 +106,7 @@ def cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def single(small_corpus, tmp_path_factory, cache) -> dict[str, Path]:
     """One process, batch 16: the reference runs (plain fp32 and FP8 level 2)."""
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     out = tmp_path_factory.mktemp("single")
     runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
@@ -286,7 +286,7 @@ def test_auto_decides_the_same_on_every_rank_from_global_counts(two_ranks, name)
 @pytest.mark.two_computations
 def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     from nanochat import distributed
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     cut = two_ranks["cut"]
     assert json.loads((cut / "checkpoint_dcp" / "LATEST").read_text())["step"] == 4
@@ -393,7 +393,7 @@ def test_checkpoint_resumes_where_shards_cut_fp8_blocks(small_corpus, tmp_path, 
 # ------------------------------------------------------------- one process, no process group
 def _tiny_model_and_optimizer(seed: int, seq_len: int = 16):
     from nanochat.fp8 import FP8Optim
-    from nanochat.gpt import GPT, preset_config
+    from nanochat.model.gpt import GPT, preset_config
 
     torch.manual_seed(seed)
     model = GPT(preset_config("d2", vocab_size=320, seq_len=seq_len))
@@ -532,7 +532,7 @@ def test_dcp_nonfinite_names_the_tensor_and_the_good_step_skips_it(tmp_path):
 
 
 def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     result = NanoChatTrainer(**_kwargs(small_corpus, tmp_path / "r", fsdp=True, num_iterations=1,
                                        num_samples=0)).train()
@@ -549,7 +549,7 @@ def _worker(runs: list[dict]) -> None:
 
     from nanochat import distributed
     from nanochat.common import NanoChatError
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     dist.init_process_group("gloo")  # ours: the trainers reuse it and leave it to us
     rank = dist.get_rank()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nanochat.engine import generate
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
 
 
 @pytest.fixture(scope="module")

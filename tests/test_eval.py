@@ -48,9 +48,9 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("jinja2")
 
-from nanochat import instruct  # noqa: E402
+from nanochat.data import instruct  # noqa: E402
 from nanochat.checkpoint import latest_checkpoint  # noqa: E402
-from nanochat.evaluation import choice_counts  # noqa: E402
+from nanochat.train.evaluation import choice_counts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "red green blue cat dog fish sun moon star tree rock sand water fire ice wind".split()
@@ -197,7 +197,7 @@ def test_flagship_run_reports_plan_fallback_and_accuracy(flagship):
 
 def test_export_reloads_with_our_logits_template_and_accuracy(flagship, tmp_path):
     from nanochat.checkpoint import load_checkpoint
-    from nanochat.hf import model_from_state_dict
+    from nanochat.model.hf import model_from_state_dict
 
     model_dir, data, run, _ = flagship
     out = tmp_path / "exported"
@@ -244,8 +244,8 @@ def test_single_token_letters_score_as_their_logits(tmp_path):
     """A vocabulary with ` A` ... ` D` as single tokens: every prediction is the old rule's (the
     largest of the letters' logits after the prompt), and so is the accuracy. Exact: with
     batch_size 1 the row is the prompt alone, the very forward the old rule ran."""
-    from nanochat.evaluation import describe_scoring
-    from nanochat.hf import load_hf_model
+    from nanochat.train.evaluation import describe_scoring
+    from nanochat.model.hf import load_hf_model
 
     model, tok = load_hf_model(write_base_llama(tmp_path / "m", merged_letters="ABCD"))
     model.eval()

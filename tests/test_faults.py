@@ -40,9 +40,9 @@ import torch
 from nanochat import checkpoint
 from nanochat.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from nanochat.common import NanoChatError, UsageError
-from nanochat.evaluation import Evaluator
-from nanochat.runlock import LOCK_NAME
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.evaluation import Evaluator
+from nanochat.rundir import LOCK_NAME
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,7 +120,7 @@ def reference(small_corpus, tmp_path_factory):
 CHILD = r"""
 import json, os, signal, sys
 from nanochat import checkpoint
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.trainer import NanoChatTrainer
 kw, point, save_no, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 saves = {"n": 0}
@@ -148,7 +148,7 @@ elif point == "rename":   # before the n-th rename (1: the .pt, 2: its manifest)
         return real_replace(src, dst)
     checkpoint.os.replace = replace
 elif point == "step":     # after step n's update, before it is logged
-    from nanochat.metrics import MetricsLog
+    from nanochat.train.metrics import MetricsLog
     real_log = MetricsLog.log
     def log(self, record):
         if record.get("step") == n and "loss" in record:
@@ -206,7 +206,7 @@ def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
     ref_losses, _, _ = reference
     run_dir = tmp_path / "cut"
     kw = _kw(small_corpus, run_dir)
-    proc = subprocess.Popen([sys.executable, "-c", "import json, sys\nfrom nanochat.trainer import "
+    proc = subprocess.Popen([sys.executable, "-c", "import json, sys\nfrom nanochat.train.trainer import "
                              "NanoChatTrainer\nNanoChatTrainer(**json.loads(sys.argv[1])).train()", json.dumps(kw)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -378,7 +378,7 @@ def test_errors_before_work_are_one_line(small_corpus, tmp_path, capsys, monkeyp
     assert code == 2 and "is not writable (Permission denied)" in errors[0], errors
     monkeypatch.undo()
 
-    monkeypatch.setattr("nanochat.preflight.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
+    monkeypatch.setattr("nanochat.train.preflight.shutil.disk_usage", lambda p: type("U", (), {"free": 1000})())
     code, errors = _cli(capsys, kw)
     assert code == 1 and "1000 B free" in errors[0] and "one checkpoint needs" in errors[0], errors
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -160,7 +160,7 @@ def test_quadratic_tracks_adamw(level):
 
 
 def _tiny_gpt_losses(level, steps=40):
-    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.model.gpt import GPT, GPTConfig
 
     data = pathlib.Path(torch.__file__).read_bytes()[:40_000]
     tokens = torch.tensor(list(data), dtype=torch.long)
@@ -355,7 +355,7 @@ def test_schedulers_drive_the_wrapped_lr():
 
 
 def test_trainer_usage_manual_lr_and_zero_grad():
-    from nanochat.gpt import GPT, GPTConfig
+    from nanochat.model.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, seq_len=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=64))

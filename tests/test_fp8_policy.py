@@ -53,8 +53,8 @@ from nanochat.fp8 import FP8Config, FP8Training, convert, detect
 from nanochat.fp8.hardware import FP8Backend
 from nanochat.fp8.policy import MARGIN, LayerPolicy
 from nanochat.fp8.speed import CACHE_FORMAT, LinearShape, Timing, default_cache_path
-from nanochat.gpt import GPT, preset_config
-from nanochat.trainer import NanoChatTrainer
+from nanochat.model.gpt import GPT, preset_config
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs, train_until_first_save
 
 M = 4096

@@ -5,7 +5,7 @@ eager steps and then reports the formats as fixed once (the moment to compile); 
 survive state_dict -> load_state_dict into a fresh model (its layers cast the same formats, no
 recalibration), and the state names the converted layers; with `enabled=False` nothing
 converts, and `opt_level` still stores the moments in FP8 (FP8Tensor codes, not fp32). The step
-guard (nanochat.guard) is checked in tests/test_guard.py.
+guard (nanochat.train.guard) is checked in tests/test_guard.py.
 """
 
 import torch

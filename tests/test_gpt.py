@@ -1,4 +1,4 @@
-"""Tests of nanochat.gpt: the model's contract with the trainer, the optimizer and FP8 conversion.
+"""Tests of nanochat.model.gpt: the model's contract with the trainer, the optimizer and FP8 conversion.
 
 Checked against references:
 - the loss returned with targets against `F.cross_entropy` of the returned logits (fp32, 1e-6);
@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.gpt import GPT, PRESETS, GPTConfig, preset_config
+from nanochat.model.gpt import GPT, PRESETS, GPTConfig, preset_config
 
 
 def tiny_config(**overrides) -> GPTConfig:

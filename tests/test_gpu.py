@@ -246,7 +246,7 @@ def test_fp8optim_tracks_adamw_on_a_quadratic_on_cuda(level):
 # ------------------------------------------------------------------------------------ training
 def test_fp8_training_run_on_cuda_learns():
     from nanochat.fp8.optim import FP8Optim
-    from nanochat.gpt import GPT, preset_config
+    from nanochat.model.gpt import GPT, preset_config
 
     torch._dynamo.reset()
     vocab, seq, batch = 256, 64, 16

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from nanochat.common import DeviceReads, NanoChatError
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.guard import StepGuard
+from nanochat.train.guard import StepGuard
 
 
 def _mlp() -> nn.Module:

@@ -1,4 +1,4 @@
-"""Tests of nanochat.hf: Hugging Face checkpoints in and out, checked against `transformers`.
+"""Tests of nanochat.model.hf: Hugging Face checkpoints in and out, checked against `transformers`.
 
 - Loading: tiny random Llama (plain, llama3 rope scaling, linear rope scaling, attention_bias),
   Mistral (GQA, explicit head_dim, an active sliding window), Qwen2 (q/k/v bias, tied
@@ -43,8 +43,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from nanochat.gpt import GPT, preset_config  # noqa: E402
-from nanochat.hf import (  # noqa: E402
+from nanochat.model.gpt import GPT, preset_config  # noqa: E402
+from nanochat.model.hf import (  # noqa: E402
     HFTokenizer,
     export_hf,
     gpt_config_from_hf,
@@ -484,10 +484,10 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     import logging
     import runpy
 
-    from nanochat import runlock
+    from nanochat import rundir as runlock
     from nanochat.checkpoint import save_checkpoint
     from nanochat.common import logger
-    from nanochat.hf import model_from_state_dict
+    from nanochat.model.hf import model_from_state_dict
 
     directory, _ = saved["qwen2_tied"]
     model, tok = load_hf_model(directory)
@@ -584,7 +584,7 @@ def test_trainer_fine_tunes_a_local_hf_model_with_fp8(saved, small_corpus, tmp_p
     the loss after a few steps is below the first step's (reference: the same run's step 1)."""
     import json
 
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
     from tests.conftest import tiny_train_kwargs
 
     directory, _ = saved["llama"]

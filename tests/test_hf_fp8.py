@@ -1,4 +1,4 @@
-"""FP8 exports (nanochat.hf_fp8 through export_hf, scripts/export_hf.py and FP8Trainer.save_fp8),
+"""FP8 exports (nanochat.model.hf_fp8 through export_hf, scripts/export_hf.py and FP8Trainer.save_fp8),
 checked by a real consumer: transformers with compressed-tensors, on CPU.
 
 - What is stored: each quantized Linear's codes are the master weight divided by its channel's
@@ -34,8 +34,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from nanochat.common import UsageError  # noqa: E402
-from nanochat.hf import export_hf, load_hf_model  # noqa: E402
-from nanochat.hf_fp8 import SQNR_FLOOR_DB, quantize_checkpoint, sqnr_db  # noqa: E402
+from nanochat.model.hf import export_hf, load_hf_model  # noqa: E402
+from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, quantize_checkpoint, sqnr_db  # noqa: E402
 from tests.test_hf import TOL, _byte_level_tokenizer, _save_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,13 +287,13 @@ def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus,
     product each), said in one log line; the loss falls."""
     from safetensors.torch import load_file
 
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
     from tests.conftest import tiny_train_kwargs
 
     stored = load_file(exports["fp8"] / "model.safetensors")
     kw = tiny_train_kwargs(small_corpus, tmp_path / "ft", model_name=str(exports["fp8"]), num_iterations=4,
                            lr=3e-3, num_samples=0)
-    import nanochat.trainer
+    import nanochat.train.trainer
 
     start = {}
 
@@ -302,7 +302,7 @@ def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus,
         start["w"] = model.transformer.h[0].mlp.c_proj.weight.detach().clone()
         return model, tok
 
-    monkeypatch.setattr(nanochat.trainer, "load_hf_model", load)
+    monkeypatch.setattr(nanochat.train.trainer, "load_hf_model", load)
     with caplog.at_level("INFO", logger="nanochat"):
         result = NanoChatTrainer(**kw).train()
     said = [r.getMessage() for r in caplog.records if "holds FP8 weights" in r.getMessage()]

@@ -38,7 +38,7 @@ from transformers import TrainerCallback, TrainingArguments, get_linear_schedule
 from nanochat.common import NanoChatError  # noqa: E402
 from nanochat.fp8 import FP8Config, FP8Tensor, restore_fp8  # noqa: E402
 from nanochat.hf_trainer import FP8Trainer, fp8_health  # noqa: E402
-from nanochat.stop import Stopped  # noqa: E402
+from nanochat.train.stop import Stopped  # noqa: E402
 from tests.conftest import last_bits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def test_save_fp8_writes_what_transformers_serves(eager_run, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from nanochat.common import UsageError
-    from nanochat.hf_fp8 import sqnr_db
+    from nanochat.model.hf_fp8 import sqnr_db
     from tests.test_hf_fp8 import LOGIT_FLOOR_DB
 
     trainer, _ = eager_run

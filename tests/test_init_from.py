@@ -17,7 +17,7 @@ from nanochat import distributed
 from nanochat.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from nanochat.common import file_sha256
 from nanochat.common import NanoChatError, UsageError
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 

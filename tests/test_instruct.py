@@ -1,4 +1,4 @@
-"""Instruction records (nanochat.instruct + the instruct path of nanochat.data), checked against
+"""Instruction records (nanochat.data.instruct + the instruct path of nanochat.data.prepare), checked against
 the formats written out by hand here:
 
 - shapes: prompt/completion, chat messages and ARC multiple choice, each in a tiny .jsonl and
@@ -46,15 +46,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanochat.data as data
-from nanochat import instruct
-from nanochat.data import DataError, TokenBatches, load_corpus, pack_records, tokenize_records, val_batches
+import nanochat.data.prepare as data
+from nanochat.data import instruct
+from nanochat.data.prepare import DataError, TokenBatches, load_corpus, pack_records, tokenize_records, val_batches
 from nanochat.tokenizer import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from nanochat.hf import HFTokenizer  # noqa: E402
+from nanochat.model.hf import HFTokenizer  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -455,7 +455,7 @@ def test_packed_arc_windows_see_the_whole_prompt_of_every_scored_answer(tmp_path
 
 
 def test_trainer_packs_records_and_records_the_ones_too_long(tmp_path, monkeypatch):
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     monkeypatch.setenv("NANOCHAT_CACHE", str(tmp_path / "cache"))
     rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}."} for i in range(60)]
@@ -472,7 +472,7 @@ def test_trainer_packs_records_and_records_the_ones_too_long(tmp_path, monkeypat
 
 # ------------------------------------------------------------- fine-tuning
 def test_one_finetuning_step_on_arc_masks_the_prompt(tmp_path, tok):
-    from nanochat.gpt import GPT, preset_config
+    from nanochat.model.gpt import GPT, preset_config
 
     rows = [{"id": f"q{i}", "question": f"Question number {i}: which option is right?",
              "choices": {"text": [f"option {j} of {i}" for j in range(4)], "label": list("ABCD")},

@@ -1,4 +1,4 @@
-"""nanochat.memory (the plan printed before weights are loaded) and activation checkpointing.
+"""nanochat.train.memory (the plan printed before weights are loaded) and activation checkpointing.
 
 - The plan's figures for one small Llama-shaped config equal a hand computation written out
   below (exact bytes): parameters tensor by tensor, fp32 weights and gradients, AdamW moments
@@ -26,8 +26,8 @@ import dataclasses
 import pytest
 import torch
 
-from nanochat import memory
-from nanochat.gpt import GPT, GPTConfig, preset_config
+from nanochat.train import memory
+from nanochat.model.gpt import GPT, GPTConfig, preset_config
 
 LLAMA_TINY = GPTConfig(vocab_size=1000, seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64,
                        intermediate_size=128, mlp="swiglu", norm_weight=True, norm_eps=1e-5,
@@ -121,7 +121,7 @@ def test_master_weights_and_optimizer_in_backward_by_hand():
 
 
 def test_state_bytes_per_param_llama3_8b():
-    from nanochat.hf import gpt_config_from_hf
+    from nanochat.model.hf import gpt_config_from_hf
 
     config = gpt_config_from_hf(LLAMA3_8B_HF, seq_len=256)
     kw = dict(batch_size=1, seq_len=256, opt_level=2)
@@ -154,7 +154,7 @@ def test_optimizer_bytes_agree_in_plan_summary_header_and_measurement(small_corp
     emulated FP8): the plan's optimizer bytes, the trainer's header figure (planned before the
     first step), its measurement of the tensors held after it, and FP8Optim's summary line are
     the same number, exactly."""
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
     from tests.conftest import tiny_train_kwargs
 
     extra = dict(fp8=True, fp8_emulate=True, fp8_opt_level=level) if level else {}
@@ -211,7 +211,7 @@ def test_remedies_name_master_weights_and_optimizer_in_backward():
 
 
 def test_trainer_refuses_before_building_the_model(small_corpus, tmp_path, monkeypatch):
-    import nanochat.trainer as trainer
+    import nanochat.train.trainer as trainer
     from tests.conftest import tiny_train_kwargs
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 1024)
@@ -270,7 +270,7 @@ def test_activation_checkpointing_gradients_match_hf_loaded(tmp_path):
     pytest.importorskip("transformers")
     from tests.test_eval import write_base_llama
 
-    from nanochat.hf import load_hf_model
+    from nanochat.model.hf import load_hf_model
 
     directory = write_base_llama(tmp_path / "llama")
     model, tok = load_hf_model(directory)

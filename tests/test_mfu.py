@@ -1,4 +1,4 @@
-"""MFU (nanochat.mfu and the trainer's `mfu`): FLOPs per token against hand counts, the peak
+"""MFU (nanochat.train.mfu and the trainer's `mfu`): FLOPs per token against hand counts, the peak
 table, the arithmetic, and what a run reports.
 
 - FLOPs per token of d12 and of Meta-Llama-3-8B against a count by hand of their Linear shapes
@@ -18,9 +18,9 @@ import json
 import pytest
 import torch
 
-from nanochat import mfu
-from nanochat.gpt import GPT, GPTConfig, preset_config
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train import mfu
+from nanochat.model.gpt import GPT, GPTConfig, preset_config
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 

@@ -1,4 +1,4 @@
-"""nanochat.plot and scripts/plot_run.py: the picture of a run, checked against the run's own files.
+"""nanochat.report.plot and scripts/plot_run.py: the picture of a run, checked against the run's own files.
 
 - the series drawn equal the values in metrics.jsonl, and the tokens axis is step x the tokens
   per step computed by hand from the run's config (batch_size x seq_len x grad_accum_steps x
@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 
 from nanochat.common import UsageError
-from nanochat.plot import (INSTALL, MAX_ROWS, SOFTWARE, draw, group_layers, health_map, plot_run, read_metrics,
+from nanochat.report.plot import (INSTALL, MAX_ROWS, SOFTWARE, draw, group_layers, health_map, plot_run, read_metrics,
                            read_run, read_tokens_per_step)
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 Image = pytest.importorskip("PIL.Image")  # comes with matplotlib: the `plots` and `dev` extras

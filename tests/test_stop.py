@@ -41,8 +41,8 @@ import torch
 from nanochat.checkpoint import latest_checkpoint, load_checkpoint
 from nanochat.common import DistEnv, DeviceReads
 from nanochat.config import TrainConfig, parse_cli
-from nanochat.stop import Stopped, resume_command
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.stop import Stopped, resume_command
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,8 +147,8 @@ def test_a_signal_finishes_the_step_saves_it_and_the_printed_command_resumes_exa
 
 SECOND_SIGINT = r"""
 import json, os, signal, sys
-from nanochat.metrics import MetricsLog
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.metrics import MetricsLog
+from nanochat.train.trainer import NanoChatTrainer
 kw, at = json.loads(sys.argv[1]), int(sys.argv[2])
 real_log = MetricsLog.log
 def log(self, record):

@@ -44,13 +44,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import nanochat.sources as sources
-import nanochat.store as store_mod
+import nanochat.data.sources as sources
+import nanochat.data.store as store_mod
 from nanochat.common import UsageError, describe_error
-from nanochat.data import (
+from nanochat.data.prepare import (
     DataError, TokenBatches, load_corpus, pack_records, prepare_data, tokenize_docs, tokenize_records,
 )
-from nanochat.sources import list_sources, plan_sources, split_texts
+from nanochat.data.sources import list_sources, plan_sources, split_texts
 from nanochat.tokenizer import Tokenizer, take_chars
 from tests.conftest import tiny_train_kwargs
 
@@ -258,9 +258,9 @@ def test_batches_equal_the_tensor_path_and_resume_exactly_across_openings(mixed,
 SLOW_BUILD = """
 import json, os, sys, time
 from pathlib import Path
-import nanochat.store as store
+import nanochat.data.store as store
 from nanochat.common import setup_logging
-from nanochat.data import prepare_data
+from nanochat.data.prepare import prepare_data
 from nanochat.tokenizer import Tokenizer
 root, tok_dir, cache, ready = sys.argv[1:5]
 real = store._tokenize_piece
@@ -375,7 +375,7 @@ def test_changed_sources_rebuild_a_new_run_and_stop_a_resume(tmp_path, tok, capl
 def test_resume_through_the_trainer_is_refused_naming_the_changed_file(small_corpus, tmp_path, monkeypatch):
     from tests.conftest import train_until_first_save
 
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -471,7 +471,7 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tok_dir):
     (root / "b.txt").write_text(_text(2) * 5)
     os.mkfifo(root / "zz.txt")  # opening it to read would wait for a writer forever
     assert list_sources(root).skipped == {sources.SPECIAL: 1}
-    code = ("import sys; from nanochat.common import setup_logging; from nanochat.data import load_corpus, prepare_data;"
+    code = ("import sys; from nanochat.common import setup_logging; from nanochat.data.prepare import load_corpus, prepare_data;"
             " from nanochat.tokenizer import Tokenizer; setup_logging(); c = load_corpus(sys.argv[1]);"
             " s = prepare_data(sys.argv[1], tokenizer=Tokenizer.load(sys.argv[2]), cache_root=sys.argv[3]).store;"
             " print('OK', c.describe() == s.describe())")
@@ -485,7 +485,7 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tok_dir):
 
 
 def test_a_run_directory_inside_the_corpus_is_refused(small_corpus, tmp_path):
-    from nanochat.trainer import NanoChatTrainer
+    from nanochat.train.trainer import NanoChatTrainer
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

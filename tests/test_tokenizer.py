@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.data import get_or_train_tokenizer, load_corpus
-from nanochat.sources import list_sources, plan_sources
+from nanochat.data.prepare import get_or_train_tokenizer, load_corpus
+from nanochat.data.sources import list_sources, plan_sources
 import nanochat.tokenizer
 from nanochat.common import UsageError
 from nanochat.tokenizer import SPECIAL_TOKENS, Tokenizer, take_chars

@@ -1,4 +1,4 @@
-"""nanochat.trackers: TensorBoard and W&B fed the records of metrics.jsonl, read back with each
+"""nanochat.report.trackers: TensorBoard and W&B fed the records of metrics.jsonl, read back with each
 tool's own reader and compared with the records themselves.
 
 - a real tiny FP8 run (emulated, auto formats, statistics and validation steps, one step skipped
@@ -36,10 +36,10 @@ import pytest
 
 from nanochat.common import NanoChatError, UsageError
 from nanochat.fp8.training import describe_switch
-from nanochat.plot import read_metrics
-from nanochat.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, Trackers, check_trackers, translate
-from nanochat.metrics import MetricsLog
-from nanochat.trainer import NanoChatTrainer
+from nanochat.report.plot import read_metrics
+from nanochat.report.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, Trackers, check_trackers, translate
+from nanochat.train.metrics import MetricsLog
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
 pytest.importorskip("tensorboard")  # the `tensorboard` extra (and `dev`)

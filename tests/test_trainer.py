@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat import runlock
+from nanochat import rundir as runlock
 from nanochat.checkpoint import latest_checkpoint
 from nanochat.common import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
-from nanochat.trainer import NanoChatTrainer, lr_multiplier
+from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import perturbed_init, tiny_train_kwargs, train_until_first_save
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ import torch
 
 from nanochat.checkpoint import load_checkpoint
 from nanochat.fp8 import FP8Tensor
-from nanochat.trainer import NanoChatTrainer
+from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs, train_until_first_save
 
 POISONED = "transformer.h.1.mlp.c_fc"

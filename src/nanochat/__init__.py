@@ -1,7 +1,7 @@
 """nanochat: a small, readable LLM training framework built around FP8 training done right.
 
 Public API:
-    from nanochat.trainer import NanoChatTrainer, TrainResult   # the training loop
+    from nanochat.train.trainer import NanoChatTrainer, TrainResult   # the training loop
     from nanochat.config import TrainConfig                     # every flag, one dataclass
     from nanochat.fp8 import FP8Config, FP8Training             # FP8 for anyone's own loop
 
@@ -15,7 +15,7 @@ __all__ = ["NanoChatTrainer", "TrainResult", "TrainConfig", "__version__"]
 
 def __getattr__(name: str):
     if name in ("NanoChatTrainer", "TrainResult"):
-        from nanochat import trainer
+        from nanochat.train import trainer
 
         return getattr(trainer, name)
     if name == "TrainConfig":

@@ -82,7 +82,7 @@ def run_main(main: Callable[[], int | None], *, debug: bool = False) -> int:
     so the traceback shows. Anything else is a bug and keeps its traceback."""
     try:
         return main() or 0
-    except KeyboardInterrupt:  # Ctrl-C where no handler of ours runs (a run's loop has one: nanochat.stop)
+    except KeyboardInterrupt:  # Ctrl-C where no handler of ours runs (a run's loop has one: nanochat.train.stop)
         if debug:
             raise
         print_last_line("stopped by SIGINT")
@@ -316,7 +316,7 @@ def publish_directory(out: str | os.PathLike, fill: Callable[[Path], None]) -> P
     `out`'s place, so a reader sees the old directory or the complete new one and no file of the
     old one survives next to the new ones. An existing `out` is set aside and deleted only once
     the new one is in place; on any error the temporary directory goes and the old one is back.
-    The caller decides whether `out` may be replaced (nanochat.hf.check_export_dir)."""
+    The caller decides whether `out` may be replaced (nanochat.model.hf.check_export_dir)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"

@@ -45,12 +45,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 # private module in torch 2.11-2.13 (no public alias yet).
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
-from nanochat import runlock
+from nanochat import rundir as runlock
 from nanochat.common import DistEnv, NanoChatError, dist_env, file_problem, file_sha256, fsync_path, write_atomic
 from nanochat.optim import OptimWrapper, QuantizedState, dense
 
 if TYPE_CHECKING:
-    from nanochat.fp8.config import FP8Config
+    from nanochat.config.fp8 import FP8Config
 
 DCP_DIRNAME = "checkpoint_dcp"
 """Where distributed runs keep their DCP checkpoints, inside the run directory."""

@@ -5,7 +5,7 @@
     trainer.train()                      # or train(resume_from_checkpoint=True)
     print(trainer.fp8.summary_text(trainer.fp8.summary(), "end of training"))
 
-It is the Trainer, with one FP8Training (nanochat.fp8) and one StepGuard (nanochat.guard) called
+It is the Trainer, with one FP8Training (nanochat.fp8) and one StepGuard (nanochat.train.guard) called
 at the Trainer's own points: `__init__` casts bf16 master weights and converts the model before
 the Trainer wraps or compiles it; `create_optimizer` wraps the optimizer the Trainer built in
 FP8Optim (or nanochat.optim's OptimWrapper for bf16 master weights alone: the same param_groups,
@@ -16,8 +16,8 @@ steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate c
 model or regions); a callback's `on_optimizer_step` ends the step; `log()` carries FP8 health to
 every `report_to` tracker; checkpoints hold `fp8_state.json`, restored before the optimizer state
 and before compiling; evaluation runs in high precision. `save_fp8` writes the trained model as
-an FP8 checkpoint for vLLM, SGLang and transformers (nanochat.hf_fp8). SIGTERM or Ctrl-C
-(nanochat.stop) sets the Trainer's own `control.should_save` and `should_training_stop` after the
+an FP8 checkpoint for vLLM, SGLang and transformers (nanochat.model.hf_fp8). SIGTERM or Ctrl-C
+(nanochat.train.stop) sets the Trainer's own `control.should_save` and `should_training_stop` after the
 step in flight: the Trainer saves checkpoint-N and ends its loop, then `train()` prints one line
 and raises `Stopped` (exit status 143 / 130); under DDP every rank stops after the same step.
 
@@ -47,13 +47,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from nanochat.common import logger, print_last_line, publish_directory, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.fp8.config import RESUME_FIELDS, ROLES
+from nanochat.config.fp8 import RESUME_FIELDS, ROLES
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
-from nanochat.guard import StepGuard
-from nanochat.hf import check_export_dir
-from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
+from nanochat.train.guard import StepGuard
+from nanochat.model.hf import check_export_dir
+from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
 from nanochat.optim import MASTER_WEIGHTS, MasterWeights, OptimWrapper, param_dtype
-from nanochat.stop import StopNow, StopSignals, Stopped, signal_name, stop_line
+from nanochat.train.stop import StopNow, StopSignals, Stopped, signal_name, stop_line
 
 FP8_STATE_NAME = "fp8_state.json"
 """FP8Training.state_dict() (statistics samples, auto's choices), the step guard's counts and the
@@ -102,7 +102,7 @@ class _EndStep(TrainerCallback):
 
 
 class _StopOnSignal(TrainerCallback):
-    """The Trainer's own way to stop: after a step with a stop pending (nanochat.stop), save a
+    """The Trainer's own way to stop: after a step with a stop pending (nanochat.train.stop), save a
     checkpoint and end the loop. Marks the step in flight, where a first signal waits."""
 
     def __init__(self, stop: StopSignals):
@@ -129,7 +129,7 @@ class FP8Trainer(Trainer):
             "bf16_split": the parameters are cast to bf16 here and the optimizer wrapper writes
             each update into them (docs/master_weights.md). TrainingArguments.seed seeds bf16_sr.
         max_bad_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
-            that stop training (the step guard's limit, nanochat.guard).
+            that stop training (the step guard's limit, nanochat.train.guard).
         log_layers_every: per-layer FP8 figures on every N-th statistics sample (0: never); the
             per-role worst and mean come with every sample. A Llama-3-8B has 224 FP8 layers, so
             2,016 per-layer scalars a sample, which the progress bar prints, every tracker stores
@@ -250,7 +250,7 @@ class FP8Trainer(Trainer):
             with torch.compiler.set_stance("force_eager"):
                 self.model(**self._prepare_inputs(inputs))
 
-        # the stop requests (nanochat.stop), read with the loss: no host sync of their own; under
+        # the stop requests (nanochat.train.stop), read with the loss: no host sync of their own; under
         # DDP summed over the ranks, so that every rank stops after the same step
         requests = self.stop.requests(self._step_loss.detach().float())
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -340,7 +340,7 @@ class FP8Trainer(Trainer):
     def save_fp8(self, output_dir: str | os.PathLike, *, quantize: Quantize = "fp8", quantize_all: bool = False,
                  sqnr_floor_db: float = SQNR_FLOOR_DB, overwrite: bool = False) -> Path:
         """The trained model as an FP8 checkpoint that vLLM, SGLang and transformers serve, as
-        `scripts/export_hf.py --quantize` writes one (nanochat.hf_fp8): every Linear but the output
+        `scripts/export_hf.py --quantize` writes one (nanochat.model.hf_fp8): every Linear but the output
         embedding in e4m3 with fp32 scales (per output channel; `fp8_block`: per 128x128 block),
         except the layers this run trained in high precision (the conversion report's skipped
         layers) and those under `sqnr_floor_db`, unless `quantize_all`; everything else in bf16;

@@ -4,12 +4,13 @@
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # before torch.compile
     optimizer = fp8.optimizer                      # FP8Optim: Adam moments in FP8
     ...each step: fp8.begin_step / fp8.end_step (examples/custom_loop.py; its step guard:
-       nanochat.guard.StepGuard, which is not FP8's)...
+       nanochat.train.guard.StepGuard, which is not FP8's)...
     with fp8.high_precision():                     # evaluation / generation in high precision
         ...
 
-FP8Training holds the order a loop must follow; the pieces are usable alone: config.py
-(FP8Config), hardware.py (native / emulated / fallback and why), linear.py (torchao
+FP8Training holds the order a loop must follow; the pieces are usable alone: FP8Config (defined
+with the other settings in nanochat.config.fp8, which the CLI's FP8 flags are generated from),
+hardware.py (native / emulated / fallback and why), linear.py (torchao
 conversion, the report, restore and the high-precision switch), policy.py (which layers convert:
 the default filter, `layers` faster / all), speed.py (FP8 vs bf16 timed per layer shape on this
 GPU, cached on disk), auto.py (mode
@@ -19,15 +20,15 @@ optim.py (FP8Optim: Adam moments in FP8, the format filled into nanochat.optim's
 holds bf16 master weights and the step inside the backward; wrap_optimizer), kernel.py
 (FP8Optim's C kernel on CPU: build, binding, call).
 
-Names are imported on first use, so `from nanochat.fp8.config import FP8Config` (the CLI's
-flags) loads neither torch nor torchao. This package imports torch, torchao, nanochat.optim and
+Names are imported on first use, so `from nanochat.fp8 import FP8Config` (the CLI's flags)
+loads neither torch nor torchao. This package imports torch, torchao, nanochat.optim and
 nanochat.common only: never the trainer or the model.
 """
 
 import importlib
 
 _EXPORTS = {
-    "FP8Config": "config",
+    "FP8Config": "nanochat.config.fp8",
     "FP8Training": "training",
     "FP8Backend": "hardware", "detect": "hardware", "native_gemm_problem": "hardware",
     "ConversionReport": "linear", "FP8Linear": "linear", "LayerReport": "linear", "apply_fp8": "linear",
@@ -46,7 +47,8 @@ __all__ = list(_EXPORTS)
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'nanochat.fp8' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nanochat.fp8.{_EXPORTS[name]}"), name)
+    module = _EXPORTS[name]
+    value = getattr(importlib.import_module(module if "." in module else f"nanochat.fp8.{module}"), name)
     globals()[name] = value
     return value
 

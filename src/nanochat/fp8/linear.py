@@ -36,7 +36,7 @@ from torchao.float8.config import Float8LinearConfig, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
 from nanochat.common import format_table, warn_once
-from nanochat.fp8.config import HYBRID, ROLES, FP8Config
+from nanochat.config.fp8 import HYBRID, ROLES, FP8Config
 from nanochat.fp8.hardware import FP8Backend, detect, native_gemm_problem
 from nanochat.fp8.policy import LayerPolicy, ModuleFilter
 from nanochat.fp8.speed import Measure

@@ -34,7 +34,7 @@ from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
 from nanochat.common import warn_once
-from nanochat.fp8.config import FP8Config
+from nanochat.config.fp8 import FP8Config
 from nanochat.fp8.hardware import FP8Backend
 from nanochat.fp8.speed import LinearShape, Measure, SpeedCache, Timing, cache_key, default_cache_path, time_fwd_bwd
 

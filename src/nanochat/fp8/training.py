@@ -7,7 +7,7 @@ keep the auto choices and the converted layers in checkpoints. This object holds
 
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # converts now
     optimizer = fp8.optimizer                     # FP8Optim around yours (opt_level: FP8 moments)
-    guard = StepGuard(model)                      # nanochat.guard: skips non-finite steps (not FP8's)
+    guard = StepGuard(model)                      # nanochat.train.guard: skips non-finite steps (not FP8's)
     for step in range(steps):
         with fp8.begin_step(step) as s:           # s.eager: run the uncompiled model this step
             loss = (model if s.eager or compiled is None else compiled)(x, y); loss.backward()
@@ -36,7 +36,7 @@ from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
 from nanochat.common import format_table, logger, print0
 from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration
-from nanochat.fp8.config import FP8Config
+from nanochat.config.fp8 import FP8Config
 from nanochat.fp8.linear import convert, fp8_disabled, is_fp8_model
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
 from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats

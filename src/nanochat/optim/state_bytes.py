@@ -1,6 +1,6 @@
 """Bytes of optimizer state: one formula for planning, one measurement for what is held.
 
-`optimizer_bytes` is the arithmetic behind the memory plan (nanochat.memory), a wrapper's
+`optimizer_bytes` is the arithmetic behind the memory plan (nanochat.train.memory), a wrapper's
 planned bytes and its summary: a moment costs 4 bytes an element in fp32, or one byte an
 element plus a 4-byte scale per block when quantized (nanochat.fp8: 1 + 4/256 bytes). The
 measurement, `optimizer_state_bytes`, sums the tensors an optimizer holds (codes and scales of a

@@ -24,10 +24,10 @@ import torch
 from nanochat.common import DistEnv, NanoChatError, UsageError, format_bytes
 from nanochat.config import TrainConfig
 from nanochat.distributed import backend_name
-from nanochat.hf import ResolvedModel, resolve_model
-from nanochat.instruct import own_tokenizer_template_problem
-from nanochat.plot import check_can_draw
-from nanochat.trackers import check_trackers
+from nanochat.model.hf import ResolvedModel, resolve_model
+from nanochat.data.instruct import own_tokenizer_template_problem
+from nanochat.report.plot import check_can_draw
+from nanochat.report.trackers import check_trackers
 
 
 def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype) -> ResolvedModel:

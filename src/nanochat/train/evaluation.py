@@ -33,15 +33,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nanochat import distributed, engine, instruct
+from nanochat import distributed, engine
+from nanochat.data import instruct
 from nanochat.common import DistEnv, UsageError, logger
-from nanochat.data import prepare_data, val_batches
-from nanochat.sources import list_sources
+from nanochat.data.prepare import prepare_data, val_batches
+from nanochat.data.sources import list_sources
 
 if TYPE_CHECKING:
     from nanochat.config import TrainConfig
     from nanochat.fp8 import FP8Training
-    from nanochat.run_data import RunData
+    from nanochat.train.run_data import RunData
 
 
 class Evaluator:
@@ -118,7 +119,7 @@ class Evaluator:
         (unwrapped, so no collectives) with its FP8 layers in high precision. FSDP: a plain,
         unsharded copy gathered from the shards (collective: every rank enters; distributed.py)."""
         if self.dist.is_distributed and self.cfg.fsdp:
-            from nanochat.gpt import GPT
+            from nanochat.model.gpt import GPT
 
             with torch.device("meta"):
                 plain = GPT(self.model.config)
@@ -225,8 +226,8 @@ class EvalResult:
 def load_saved(run_dir: str | None, model_name: str | None, device: torch.device, seq_len: int):
     """(model, tokenizer, step) of a run directory's newest checkpoint, or of a Hugging Face
     directory (step None)."""
-    from nanochat.gpt import GPT, preset_config
-    from nanochat.hf import load_hf_model, model_from_state_dict, resolve_model
+    from nanochat.model.gpt import GPT, preset_config
+    from nanochat.model.hf import load_hf_model, model_from_state_dict, resolve_model
     from nanochat.tokenizer import Tokenizer
 
     if run_dir is None:

@@ -19,7 +19,7 @@ Four parts, per device:
   keep fp32 moments at every level. bf16_split adds the 16 low bits of every fp32 master (2
   bytes/param, every tensor): they live in the optimizer state, next to the moments;
 - activations: an estimate (`activation_bytes`): the tensors one block keeps for its backward,
-  counted from `nanochat.gpt.Block`, per token and layer, plus the fp32 logits, their
+  counted from `nanochat.model.gpt.Block`, per token and layer, plus the fp32 logits, their
   log-softmax and their gradient. With activation checkpointing a block keeps only its input,
   and one block's activations exist at a time during the backward.
 Under FSDP the first three are divided by the world size (each rank holds its shard).
@@ -46,7 +46,7 @@ from nanochat.fp8.optim import fp8_size_problem
 from nanochat.fp8.tensor import DEFAULT_BLOCK_SIZE
 from nanochat.optim import optimizer_bytes
 from nanochat.optim.master import MASTER_WEIGHTS, bytes_per_param
-from nanochat.gpt import GPT, GPTConfig
+from nanochat.model.gpt import GPT, GPTConfig
 
 
 def param_numels(config: GPTConfig) -> list[int]:

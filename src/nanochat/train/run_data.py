@@ -1,7 +1,7 @@
 """RunData: everything a training run reads, from the corpus to the batches of each rank.
 
 Built once, before any model exists, so that every data error comes before a weight is allocated:
-the token store of the corpus (nanochat.data.prepare_data: built once, memory-mapped by every
+the token store of the corpus (nanochat.data.prepare.prepare_data: built once, memory-mapped by every
 run and rank), the tokenizer that goes with the model, the multiple-choice items evaluation
 scores, and the loader whose position checkpoints keep. Which tokenizer: a Hugging Face model
 brings its own (its embeddings know its ids); a run started with --init_from brings its source
@@ -24,14 +24,14 @@ from typing import Callable
 
 import torch
 
-from nanochat import instruct
+from nanochat.data import instruct
 from nanochat.common import DistEnv, UsageError, logger
 from nanochat.config import TrainConfig
-from nanochat.data import TokenBatches, TokenStream, prepare_data, recorded_sources, val_batches
-from nanochat.evaluation import describe_scoring
-from nanochat.hf import HFTokenizer, ResolvedModel
-from nanochat.sources import Sources
-from nanochat.store import TokenStore
+from nanochat.data.prepare import TokenBatches, TokenStream, prepare_data, recorded_sources, val_batches
+from nanochat.train.evaluation import describe_scoring
+from nanochat.model.hf import HFTokenizer, ResolvedModel
+from nanochat.data.sources import Sources
+from nanochat.data.store import TokenStore
 from nanochat.tokenizer import Tokenizer
 
 

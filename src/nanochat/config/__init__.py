@@ -13,7 +13,7 @@ A flag two entrypoints share is declared once, in a field group (a frozen datacl
 ModelFields, DataFields, BatchFields, ScheduleFields, DeviceFields, FP8Fields) that the configs
 inherit, so the flags keep their flat names and tyro reads each field's docstring from the group.
 Each group checks its own values (`__post_init__`, chained through `super()`); what a value
-means for the machine or the files (a device, a path) is checked at start-up (nanochat.preflight).
+means for the machine or the files (a device, a path) is checked at start-up (nanochat.train.preflight).
 The FP8 flags are generated from `nanochat.fp8.FP8Config` (field, type, help text and checks),
 each named by `FP8_FLAGS`, so FP8 has one definition. `RESUME_MUST_MATCH` (what a --resume must
 share with its checkpoint) is read off the fields marked `_kept`.
@@ -40,10 +40,10 @@ from typing import Annotated, Literal, TypeVar
 
 import tyro
 
-from nanochat.fp8.config import FP8Config, FP8Recipe
-from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize
-from nanochat.plot import MAX_ROWS
-from nanochat.trackers import LogChoice
+from nanochat.config.fp8 import FP8Config, FP8Recipe
+from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize
+from nanochat.report.plot import MAX_ROWS
+from nanochat.report.trackers import LogChoice
 
 FP8_FLAGS = {
     "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "layers": "fp8_layers", "emulate": "fp8_emulate",
@@ -131,7 +131,7 @@ def _kept(default):
 
 def _fp8_fields() -> type:
     """The FP8 flags as a field group, generated from FP8Config; RESUME_FIELDS are kept on resume."""
-    from nanochat.fp8.config import RESUME_FIELDS
+    from nanochat.config.fp8 import RESUME_FIELDS
 
     hints, docs = typing.get_type_hints(FP8Config), _attribute_docs(FP8Config)
     fields = []
@@ -288,7 +288,7 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     max_bad_steps: int = 10
     """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
     such step is skipped, its layer named); the last good checkpoint stays intact. The step
-    guard's limit (nanochat.guard), with or without FP8."""
+    guard's limit (nanochat.train.guard), with or without FP8."""
 
     fp8_max_overflows: int | None = None
     """The former name of --max_bad_steps (the guard is not FP8's): sets it, and says so once."""

@@ -2,7 +2,7 @@
 
 1. `list_sources(path)`: every regular file under the path with a supported extension, by relative
    path, size and modification time: one stat per file, which is all a start-up reads of a corpus
-   whose token store (nanochat.store) exists. Anything else is counted in `skipped`: other
+   whose token store (nanochat.data.store) exists. Anything else is counted in `skipped`: other
    extensions, hidden entries, and special files (a FIFO would block the first read forever).
 2. `plan_sources(sources)`: looks inside without tokenizing: parquet footers (schema, row groups),
    each .jsonl's first record and a UTF-8 check of every .jsonl byte, so a broken shard is one
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from nanochat import instruct
+from nanochat.data import instruct
 from nanochat.common import format_bytes
 
 TEXT_EXTENSIONS = (".txt", ".md", ".py")

@@ -152,7 +152,7 @@ def preset_config(name: str, *, vocab_size: int, seq_len: int) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(
             f"unknown model preset {name!r}; presets are: {', '.join(PRESETS)} "
-            "(depth d, width 64*d). Hugging Face checkpoints are resolved by nanochat.hf.resolve_model."
+            "(depth d, width 64*d). Hugging Face checkpoints are resolved by nanochat.model.hf.resolve_model."
         )
     return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, **PRESETS[name])
 
@@ -258,7 +258,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """The whole model; `GPT(config)` builds it, `init_weights()` (or `nanochat.hf`) fills it."""
+    """The whole model; `GPT(config)` builds it, `init_weights()` (or `nanochat.model.hf`) fills it."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -383,7 +383,7 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token, the convention of karpathy/nanochat's `estimate_flops` and
-        torchtitan's `get_num_flop_per_token` (nanochat.mfu): 6 per matmul weight (forward 2,
+        torchtitan's `get_num_flop_per_token` (nanochat.train.mfu): 6 per matmul weight (forward 2,
         backward 4) plus attention's QK^T and AV, 12 * n_layer * n_head * head_dim * seq_len. The
         embedding lookup is not a matmul and is left out (unless tied: then it is the lm_head).
         seq_len is the training sequence length (default: config.seq_len, which for a loaded

@@ -37,13 +37,14 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from nanochat import distributed, runlock
+from nanochat import distributed
+from nanochat import rundir as runlock
 from nanochat.common import (
     DistEnv, NanoChatError, UsageError, file_problem, format_bytes, fsync_path, logger, warn_once,
 )
 from nanochat.config import RESUME_MUST_MATCH, TrainConfig, flag_text
 from nanochat.distributed import DCP_DIRNAME
-from nanochat.gpt import PRESETS
+from nanochat.model.gpt import PRESETS
 from nanochat.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1

@@ -2,7 +2,7 @@
 export ours back.
 
 The Llama family (Llama 2 and 3, Mistral, Qwen2) is one architecture with a few switches that
-`nanochat.gpt.GPT` already has, so a checkpoint is loaded into our own model code (the same
+`nanochat.model.gpt.GPT` already has, so a checkpoint is loaded into our own model code (the same
 `nn.Linear` modules for FP8 conversion, the trainer and generation as a nanochat preset):
 
     model.embed_tokens -> transformer.wte, model.layers.i.self_attn.{q,k,v,o}_proj ->
@@ -14,7 +14,7 @@ naming it, never a model that silently computes something else. Weights are copi
 at a time from memory-mapped safetensors into a model built on the meta device (peak memory:
 the model plus one tensor). Resolution never touches the network: a hub id is looked up in the
 local Hugging Face cache. `export_hf` writes the inverse, for architectures that map exactly,
-in fp32 or, with `quantize`, in FP8 for vLLM / SGLang (nanochat.hf_fp8, which also dequantizes
+in fp32 or, with `quantize`, in FP8 for vLLM / SGLang (nanochat.model.hf_fp8, which also dequantizes
 an FP8 checkpoint on load). Details (config switches, sliding windows, the export's limits,
 serving): docs/hf.md.
 """
@@ -35,8 +35,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nanochat.common import UsageError, logger, publish_directory, read_json_object, warn_once, write_atomic
-from nanochat.gpt import GPT, PRESETS, GPTConfig
-from nanochat.hf_fp8 import SQNR_FLOOR_DB, Quantize, fp8_checkpoint, quantize_checkpoint, require_compressed_tensors
+from nanochat.model.gpt import GPT, PRESETS, GPTConfig
+from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, fp8_checkpoint, quantize_checkpoint, require_compressed_tensors
 from nanochat.tokenizer import panics_as_errors, probe
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -630,12 +630,12 @@ class HFTokenizer:
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = False, **kwargs) -> str:
         """The checkpoint's chat template applied to `messages` ([{"role", "content"}, ...]),
-        as text, rendered in a bounded sandbox (nanochat.chat_template); encode it with
+        as text, rendered in a bounded sandbox (nanochat.tokenizer.chat_template); encode it with
         `encode(text, allow_special=True)`."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
         if self._template is None:
-            from nanochat.chat_template import ChatTemplate
+            from nanochat.tokenizer.chat_template import ChatTemplate
 
             self._template = ChatTemplate(self.chat_template, self.chat_template_origin)
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
@@ -724,7 +724,7 @@ def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: st
 
     Weights are plain fp32 by default. `quantize="fp8"` (or "fp8_block") stores every block
     Linear in e4m3 with fp32 scales for vLLM, SGLang and transformers, and the rest in bf16
-    (nanochat.hf_fp8): `keep` (our layer name -> why) names Linears to leave in bf16, e.g. those the
+    (nanochat.model.hf_fp8): `keep` (our layer name -> why) names Linears to leave in bf16, e.g. those the
     run trained in high precision; layers under `sqnr_floor_db` stay bf16 too, unless
     `quantize_all`. The per-layer report is logged and saved as fp8_report.json.
 

@@ -6,7 +6,7 @@ with `val_loss`/`val_bpb`/`val_accuracy` on evaluation steps, `fp8_stats` on sam
 `skipped`/`nonfinite_at` on a skipped step), the step-0 evaluation of a fine-tune, and events
 ({"event": "fp8_auto_choices" | "fp8_auto_switch" | "fp8_summary" | "guard_summary", ...}). Only
 rank 0 writes.
-The trackers of --log (nanochat.trackers: TensorBoard, W&B) get every record logged after them.
+The trackers of --log (nanochat.report.trackers: TensorBoard, W&B) get every record logged after them.
 
 The files are strict JSON (a non-finite float is written as null, the field kept) so any JSON
 reader takes them. A resumed run first cuts metrics.jsonl back to its checkpoint's step: the
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from nanochat.common import write_atomic
-from nanochat.trackers import Trackers
+from nanochat.report.trackers import Trackers
 
 
 def jsonable(x: Any) -> Any:
@@ -179,7 +179,7 @@ class TrainResult:
     """With --fp8: FP8's end-of-run summary (statistics samples, the layers with most underflow
     and saturation, auto's choices and switches, the last sample); None without --fp8."""
     guard_stats: dict[str, Any] = field(default_factory=dict)
-    """The step guard's counts (nanochat.guard), every run: overflow_events and skipped_steps
+    """The step guard's counts (nanochat.train.guard), every run: overflow_events and skipped_steps
     (non-finite steps skipped), clip_events and min_clip_factor."""
     samples: list[str] = field(default_factory=list)
     run_dir: str = ""
@@ -188,7 +188,7 @@ class TrainResult:
     all-gather on/off and why."""
     val_accuracy: float | None = None
     """Multiple-choice accuracy on the validation records at the end: the prediction is the option
-    whose answer tokens have the highest log-likelihood (nanochat.evaluation); None when there are
+    whose answer tokens have the highest log-likelihood (nanochat.train.evaluation); None when there are
     no multiple-choice records."""
     accuracy_scoring: str | None = None
     """How val_accuracy scored the options: "option log-likelihood (1 token per option)", which is
@@ -206,10 +206,10 @@ class TrainResult:
     peak_memory_bytes: int | None = None
     """Measured peak of allocated memory on CUDA (torch.cuda.max_memory_allocated); None elsewhere."""
     flops_per_token: int = 0
-    """Model FLOPs per trained token: GPT.flops_per_token at --seq_len (nanochat.mfu)."""
+    """Model FLOPs per trained token: GPT.flops_per_token at --seq_len (nanochat.train.mfu)."""
     peak_tflops: float | None = None
     """The dense bf16 peak per GPU that `mfu` divides by, from the device's datasheet
-    (nanochat.mfu.PEAKS); None without a listed peak (CPU, MPS, an unlisted GPU)."""
+    (nanochat.train.mfu.PEAKS); None without a listed peak (CPU, MPS, an unlisted GPU)."""
     mfu: float | None = None
     """Model FLOPs utilization against the dense bf16 peak: tokens_per_sec x flops_per_token /
     (GPUs x peak_tflops). One denominator for bf16 and FP8 runs, so MFUs compare as tokens/s

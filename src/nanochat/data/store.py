@@ -12,13 +12,13 @@ A store without its manifest is never read. Opening one costs a stat per source 
 must equal the manifest's), a stat per store file (a wrong size is refused) and a few maps: start-up
 and memory do not grow with the corpus, and the ranks of a node share the page cache.
 
-`build_store` cuts the corpus's units (nanochat.sources) into pieces (at most 32 MiB) and tokenizes them in
+`build_store` cuts the corpus's units (nanochat.data.sources) into pieces (at most 32 MiB) and tokenizes them in
 a process pool (stdlib), each worker streaming documents into its own piece files; a piece is
 recorded once complete, so a killed build keeps what it finished and continues. Then the split is
 decided from the per-document tables (`SplitRule`) and the pieces are concatenated, reading and
 writing in chunks: memory is bounded by the largest document, not the corpus. `locked` makes one
 process build while the others (ranks, nodes on a shared file system) wait, then map the result;
-the files are read through nanochat.streams.
+the files are read through nanochat.data.streams.
 Not used (docs/data.md): Hugging Face `datasets` (an Arrow cache of int32/int64 token lists, 2-4x
 these bytes, and its own dependency tree) and mosaicml-streaming (its own shard format and a
 download layer for object stores): pyarrow, numpy.memmap and the stdlib do the job.
@@ -51,13 +51,13 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from nanochat import instruct
+from nanochat.data import instruct
 from nanochat.common import NanoChatError, file_sha256, format_bytes, logger, warn_once, write_atomic
-from nanochat.sources import (
+from nanochat.data.sources import (
     VAL_FRACTION, DataError, Plan, Sources, SplitRule, Unit, cut_point, describe, empty_corpus_message,
     plan_sources, read_unit, unreadable, val_hash,
 )
-from nanochat.streams import TokenStream
+from nanochat.data.streams import TokenStream
 
 try:
     import fcntl
@@ -256,7 +256,7 @@ def _holder(fd: int) -> str:
 
 # ------------------------------------------------------------------ the plan, cached
 def load_plan(sources: Sources, directory: Path, *, workers: int = 0) -> Plan:
-    """The corpus's plan (nanochat.sources.plan_sources), cached in `directory` for the listing it
+    """The corpus's plan (nanochat.data.sources.plan_sources), cached in `directory` for the listing it
     was made from: a start whose sources did not change reads no file of the corpus."""
     path = directory / PLAN
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):

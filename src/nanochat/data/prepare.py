@@ -1,8 +1,8 @@
 """What a run reads: the corpus prepared once as a token store, and deterministic (x, y) batches.
 
-1. `prepare_data(path, ...)`: the sources are listed (a stat per file, nanochat.sources), the
+1. `prepare_data(path, ...)`: the sources are listed (a stat per file, nanochat.data.sources), the
    tokenizer is given or trained on the corpus's first training characters (cached by that
-   listing), and the corpus is tokenized once into a token store (nanochat.store) that every
+   listing), and the corpus is tokenized once into a token store (nanochat.data.store) that every
    later run and every rank memory-maps. One process prepares while the others wait on a file
    lock. A source that changed rebuilds the store for a new run and stops a --resume.
 2. `load_corpus(path)`: the same documents and split, in memory (`Corpus`), for tools, notebooks
@@ -37,14 +37,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanochat import instruct
+from nanochat.data import instruct
 from nanochat.common import UsageError, logger, umask, warn_once, write_atomic
-from nanochat.sources import (
+from nanochat.data.sources import (
     VAL_FRACTION, DataError, Doc, Plan, Sources, SplitRule, describe, empty_corpus_message, iter_documents,
     list_sources, plan_sources, split_texts, unreadable, val_hash,
 )
-from nanochat.store import TokenStore, build_store, dataset_dir, load_plan, locked, open_store, report, store_dir
-from nanochat.streams import Packing, TokenStream, pack_layout
+from nanochat.data.store import TokenStore, build_store, dataset_dir, load_plan, locked, open_store, report, store_dir
+from nanochat.data.streams import Packing, TokenStream, pack_layout
 from nanochat.tokenizer import META_FILE, Tokenizer
 
 DEFAULT_MAX_CHARS = 20_000_000
@@ -337,14 +337,14 @@ def tokenize_docs(tokenizer: Tokenizer, docs: list[str], *, cache_dir: str | os.
 
 
 RECORDS_FORMAT = 3
-"""Bump when `nanochat.instruct` renders records differently: it is part of the cache key."""
+"""Bump when `nanochat.data.instruct` renders records differently: it is part of the cache key."""
 
 
 def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids: list[str] | None = None,
                      cache_dir: str | os.PathLike | None = None, progress: bool = True,
                      with_starts: bool = False):
     """tokens [n_tokens] int32 and loss_mask [n_tokens] bool of instruction records, one after the
-    other: each record as `nanochat.instruct.render` makes it (ours: `<|bos|><|user_start|>...`;
+    other: each record as `nanochat.data.instruct.render` makes it (ours: `<|bos|><|user_start|>...`;
     a Hugging Face tokenizer: its chat template), loss_mask True exactly on the assistant tokens.
     With `with_starts`, also starts [n_records] int64: where each record begins (for
     `pack_records`).
@@ -403,7 +403,7 @@ def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids
 def pack_records(tokens: torch.Tensor, loss_mask: torch.Tensor, starts: torch.Tensor, seq_len: int,
                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, Packing]:
     """Lay records out so that each lies inside one window of `TokenBatches` / `val_batches`
-    (`nanochat.store.pack_layout`: the rules), in memory; the positions skipped hold `pad_id`
+    (`nanochat.data.store.pack_layout`: the rules), in memory; the positions skipped hold `pad_id`
     with loss_mask False (never scored; the model sees them as context, like the other records
     in a window). Returns tokens, loss_mask, Packing. A store's streams are packed the same way
     without a copy (`TokenStream.packed`)."""

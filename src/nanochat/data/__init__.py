@@ -1,0 +1,1 @@
+"""Corpus sources -> token store (built once, memory-mapped) -> batches; instruct records."""

@@ -1,0 +1,614 @@
+"""NanoChatTrainer: one training run, put together from parts that each live in their own module.
+
+    NanoChatTrainer(**fields_of_TrainConfig).train() -> TrainResult
+
+The CLI (`scripts/base_train.py`) builds the same TrainConfig from flags and calls the same code,
+so anything the command line can do, Python can do with the same names. `_setup` builds the
+parts in the order that makes errors come early, each attribute once:
+  checkpoint.Checkpointer       the run directory (claimed, never clobbered), --init_from,
+                                --resume (read before the model: its FP8 layer set), saves
+  preflight.check_environment   the device, the process layout, the input paths: before any work
+  run_data.RunData              corpus, tokenizer, token store, batches: every data error
+                                before a model exists
+  the model                     after the memory plan; fp32 (or bf16) master weights; FP8
+                                conversion by fp8.FP8Training, before compile; DDP or FSDP
+  the optimizer                 AdamW, in fp8.FP8Optim for FP8 moments, in optim.OptimWrapper
+                                for bf16 masters or the step inside the backward
+  compiled.Compiled             torch.compile's state: what a compiled step calls, whether the
+                                next step compiles, whether compiling failed
+  guard.StepGuard               non-finite steps skipped and named; clipping
+  evaluation.Evaluator          loss, bits per byte, accuracy, samples, in high precision
+  metrics.MetricsLog            every record the run logs (metrics.jsonl)
+  stop.StopSignals              SIGTERM / Ctrl-C: stop after a step with a checkpoint (made first,
+                                in __init__: a signal during setup is handled too)
+A step (`train_step`) is `forward_backward` (the micro-batches, around FP8's calibration and
+statistics) then `optimizer_step` (the guard, the update, FP8's bookkeeping); `_train` is the
+loop: step, time, evaluate, log, save. Distributed runs (torchrun): docs/distributed.md. Mixed
+precision: bf16 autocast over fp32 master weights on CUDA, fp32 elsewhere unless --dtype says
+otherwise; --master_weights and --optimizer_in_backward: docs/master_weights.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from nanochat import distributed
+from nanochat.train import memory
+from nanochat.train import mfu
+from nanochat.train import preflight
+from nanochat.train.compiled import Compiled
+from nanochat.checkpoint import Checkpointer, Saved
+from nanochat.common import (
+    NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, resolve_device,
+    resolve_dtype, seed_everything, setup_logging,
+)
+from nanochat.config import TrainConfig, flag_text, flags_in_log
+from nanochat.train.evaluation import Evaluator
+from nanochat.fp8 import FP8Config, FP8Training
+from nanochat.fp8.optim import FP8Optim, wrap_optimizer
+from nanochat.fp8.training import FP8Step
+from nanochat.model.gpt import GPT, preset_config
+from nanochat.train.guard import StepGuard
+from nanochat.model.hf import ResolvedModel, gpt_config_from_hf, load_hf_model
+from nanochat.train.metrics import MetricsLog, Throughput, TrainResult
+from nanochat.optim import OptimWrapper, optimizer_state_bytes, param_dtype
+from nanochat.report.plot import plot_after_run
+from nanochat.data.prepare import write_sources
+from nanochat.train.run_data import RunData
+from nanochat.train.stop import StopNow, StopSignals, Stopped, resume_command, signal_name, stop_line
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
+    """Linear warmup to 1, then cosine decay to `final_lr_frac` at the last step."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return final_lr_frac + (1 - final_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class NanoChatTrainer:
+    """Train a GPT. `NanoChatTrainer(model_name="d4", fp8=True, fp8_mode="e5m2").train()`."""
+
+    # The parts of a run, each set once by _setup (declared here: one name to grep for).
+    model: GPT
+    """The model: what is saved, evaluated and sampled (FP8 layers converted in place)."""
+    dist_model: torch.nn.Module
+    """`model` wrapped for the world size (DDP), or `model` itself; eager steps call it."""
+    compiled: Compiled
+    fp8: FP8Training
+    guard: StepGuard
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    data: RunData
+    checkpoints: Checkpointer
+    evaluator: Evaluator
+    metrics: MetricsLog
+    resumed: Saved | None
+    """--resume: the checkpoint it continues, read and checked before the model was built."""
+    init_source: Saved | None
+    """--init_from: the checkpoint whose weights the model starts from."""
+    fallbacks: list[str]
+    """Every fallback the run took, with its reason (TrainResult.fallbacks)."""
+    stop: StopSignals
+    """SIGTERM and Ctrl-C while training: the run stops after a step, with a checkpoint (set in
+    __init__: a signal during setup is handled too)."""
+    saved_step: int | None
+    """The step of the checkpoint this run saved last (None: none yet)."""
+
+    def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
+        if config is not None and kwargs:
+            raise TypeError("pass either a TrainConfig or keyword fields, not both")
+        if config is None:
+            names = {f.name for f in dataclasses.fields(TrainConfig)}
+            unknown = sorted(set(kwargs) - names)
+            if unknown:
+                raise TypeError(f"unknown NanoChatTrainer field(s) {unknown}; the fields are those of "
+                                f"TrainConfig (the CLI flags): {sorted(names)}")
+            config = TrainConfig(**kwargs)
+        self.config = config
+        self.stop = StopSignals()
+
+    def train(self) -> TrainResult:
+        """The run (module docstring). SIGTERM or Ctrl-C ends it after a step with a checkpoint,
+        one line saying how to resume, and `Stopped` (a SystemExit: exit status 143 or 130); a
+        rank whose peer died ends with one NanoChatError naming the checkpoint to resume."""
+        finished = lost = False
+        try:
+            with self.stop.handling(), flags_in_log():  # the FP8 warnings in flags: --fp8_emulate
+                try:
+                    result, finished = self._train(), True
+                except StopNow as e:  # no step to finish, or a second Ctrl-C
+                    raise self._stopped(e.signum, f"stopped at once {e.when}") from None
+                except RuntimeError as e:
+                    if (reason := distributed.lost_peer(e)) is None:
+                        raise
+                    self.stop.ignore()  # torchrun's SIGTERM to the survivors must not cut this message short
+                    lost = True
+                    raise NanoChatError(self._lost_peer_message(reason)) from e
+            return result
+        finally:
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.close(failed=not finished)  # --log's trackers (W&B marks a failed run)
+            if getattr(self, "checkpoints", None) is not None:
+                self.checkpoints.release()  # the run lock
+            if getattr(self, "dist_model", None) is not None:  # whoever owns the process group
+                distributed.release_wrapper(self.dist_model)
+                self.dist_model = self.model
+            if not lost:  # a group that lost a rank would wait for it: the process exits without it
+                distributed.destroy_distributed()  # only a process group init_distributed created
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        """Everything before the first step, in the order that makes errors come early (see the
+        module docstring); the run directory is created last."""
+        cfg = self.config
+        setup_logging()
+        self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.run_dir = Path(cfg.run_dir)
+        self.checkpoints = Checkpointer(cfg, self.dist)
+        self.checkpoints.claim()  # the run directory first: its lock makes this process the run's
+        model_source = preflight.check_environment(cfg, self.dist, self.device, self.dtype)
+        self.fallbacks = []
+        self.saved_step = None
+        self.state_bytes: dict[str, int] = {}
+        seed_everything(cfg.seed)
+        self.init_source = self.checkpoints.read_init_source() if cfg.init_from and not cfg.resume else None
+        self.data = RunData.load(cfg, dist=self.dist, device=self.device, model=model_source,
+                                 tokenizer=self.init_source.tokenizer if self.init_source else None,
+                                 cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")), fallback=self._fallback)
+        self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.data.steps_per_epoch
+        self.resumed = self.checkpoints.read_resume(self.total_steps, self.data.tokenizer) if cfg.resume else None
+        self._build_model(model_source)
+        self.dist_model = self._parallelize()  # before the optimizer: FSDP replaces the parameters
+        self.optimizer = self._build_optimizer()
+        self.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)  # this rank's, as the first step makes it
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.compiled = Compiled(self.dist_model, self.model.transformer.h, enabled=cfg.compile,
+                                 scope=cfg.compile_scope)
+        self.guard = StepGuard(self.model, max_bad_steps=cfg.max_bad_steps)
+        self.autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
+                         else contextlib.nullcontext())
+        self.evaluator = Evaluator(self.model, self.data, cfg, dist=self.dist, device=self.device,
+                                   autocast=self.autocast, fp8=self.fp8, eager=self.compiled.eager)
+        self.metrics = MetricsLog(self.run_dir, rank=self.dist.rank)
+        # the two factors of MFU (nanochat.train.mfu): the model's FLOPs per token, the device's peaks
+        self.flops_per_token = self.model.flops_per_token(cfg.seq_len)
+        self.peak = mfu.device_peak(self.device)
+        self.checkpoints.prepare()  # the run directory, created last: an error until here leaves nothing
+        if cfg.save_checkpoints:  # room for one more checkpoint (--overwrite has made room first)
+            preflight.check_disk(self.run_dir, self.optimizer_state_bytes + sum(
+                distributed.local_numel(t) * t.element_size() for t in self.model.state_dict().values()))
+
+    def _fallback(self, message: str) -> None:
+        """Record a fallback in the run's results and say it once, now."""
+        self.fallbacks.append(message)
+        logger.warning("WARNING: %s", message)
+
+    def _build_model(self, source: ResolvedModel) -> None:
+        """The memory plan first (a run that does not fit fails before a weight is allocated), then
+        the model in its master weights, then FP8 conversion (before compile; a resumed run
+        converts the layers its checkpoint did)."""
+        cfg = self.config
+        if source.kind == "hf":
+            model_config = gpt_config_from_hf(json.loads((source.path / "config.json").read_text()), seq_len=cfg.seq_len)
+        else:
+            model_config = preset_config(cfg.model_name, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
+        weights_dtype = torch.float32 if cfg.master_weights_emulate else param_dtype(cfg.master_weights)
+        self.memory_plan = memory.plan_training(
+            model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len, opt_level=cfg.fp8_opt_level,
+            activation_checkpointing=cfg.activation_checkpointing,
+            master_weights="fp32" if cfg.master_weights_emulate else cfg.master_weights,
+            optimizer_in_backward=cfg.optimizer_in_backward, autocast=self.dtype != torch.float32,
+            shards=self.dist.world_size if self.dist.is_distributed and cfg.fsdp else 1,
+            free_bytes=memory.free_bytes(self.device))
+        self.memory_plan.check()
+        print0(self.memory_plan.table())
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if source.kind == "hf":  # built on the meta device and filled from memory-mapped safetensors
+            self.model, _ = load_hf_model(source.path, self.device, weights_dtype, seq_len=cfg.seq_len)
+        else:
+            self.model = GPT(model_config).to(self.device)
+            self.model.init_weights()
+            if self.init_source is not None:
+                self.checkpoints.load_init_weights(self.init_source, self.model)
+        if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
+            for p in self.model.parameters():  # emulated: fp32 tensors holding the bf16 values
+                p.data = p.data.to(torch.bfloat16).to(weights_dtype)
+        self.model.activation_checkpointing = cfg.activation_checkpointing
+        fp8_config, self.fp8_all_gather_problem = self._fp8_config()
+        self.fp8 = FP8Training(self.model, fp8_config)
+        if self.device.type == "cuda" and self.fp8.report is not None and self.fp8.report.shapes_measured:
+            torch.cuda.reset_peak_memory_stats(self.device)  # the timing buffers are gone: not the run's peak
+
+    def _fp8_config(self) -> tuple[FP8Config, str | None]:
+        """The FP8 flags plus what only the trainer knows: the tokens per micro-batch (the M at
+        which --fp8_layers faster times the layers), the layers a resumed run converted, and
+        whether FSDP all-gathers the FP8 weights in FP8 (decided before converting: torchao wraps
+        the weights for it then); and why not, if it does not (None: it does, or no FSDP)."""
+        cfg = self.config
+        config = dataclasses.replace(cfg.fp8_config(), micro_batch_tokens=cfg.batch_size * cfg.seq_len)
+        saved = self.resumed.meta.get("fp8_converted") if self.resumed is not None else None
+        if cfg.fp8 and saved is not None:  # a checkpoint saved without the list: the rules decide
+            config = dataclasses.replace(config, converted_layers=tuple(saved))
+        problem = None
+        if cfg.fp8 and cfg.fsdp and self.dist.is_distributed:
+            problem = distributed.fp8_all_gather_problem(self.model, config, fsdp=True)
+            config = dataclasses.replace(config, fsdp_float8_all_gather=problem is None)
+        return config, problem
+
+    def _parallelize(self) -> torch.nn.Module:
+        """Wrap the model for this world size; returns the module the training step calls (DDP
+        around self.model, or self.model itself: one process, or sharded in place by FSDP)."""
+        cfg = self.config
+        self.parallel = "none"
+        if not self.dist.is_distributed:
+            if cfg.fsdp:
+                self._fallback("fsdp: --fsdp ignored in a single process (launch with torchrun "
+                               "--nproc_per_node=N to shard)")
+            return self.model
+        self.parallel = f"{'fsdp' if cfg.fsdp else 'ddp'} x{self.dist.world_size} ({distributed.backend_name()})"
+        if cfg.fsdp and self.fp8.has_fp8_layers:
+            if self.fp8.config.fsdp_float8_all_gather:
+                self.parallel += (f", fp8 all-gather on ({len(self.fp8.report.converted)} layers' weights "
+                                  f"all-gathered in {cfg.fp8_mode}, scales precomputed after each optimizer step)")
+            else:
+                self.parallel += f", fp8 all-gather off: {self.fp8_all_gather_problem}"
+        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device, blocks=self.model.transformer.h)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it for FP8
+        moments (--fp8_opt_level), OptimWrapper for bf16 --master_weights or
+        --optimizer_in_backward alone (nanochat.fp8.optim.wrap_optimizer)."""
+        cfg = self.config
+        adamw = torch.optim.AdamW(
+            self.model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
+            # parameters itself and hands the rest to this same optimizer, so baselines match.
+            eps=1e-8, fused=self.device.type in ("cpu", "cuda"),
+        )
+        for group in adamw.param_groups:
+            group["initial_lr"] = cfg.lr
+        optimizer = wrap_optimizer(adamw, opt_level=cfg.fp8_opt_level, master_weights=cfg.master_weights,
+                                   seed=cfg.seed, emulate=cfg.master_weights_emulate,
+                                   in_backward=cfg.optimizer_in_backward)
+        if cfg.optimizer_in_backward:
+            optimizer.step_in_backward()
+        return optimizer
+
+    def _resume(self) -> int:
+        """The checkpoint read at setup into the built parts; its step."""
+        step = self.checkpoints.restore(self.resumed, self.model, self.optimizer, self.data.loader, self.fp8,
+                                        self.device)
+        self.guard.load_state_dict(self.resumed.meta)
+        return step
+
+    # ------------------------------------------------------------------- step
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step (0-based `step`) at the schedule's learning rate; its metrics record.
+        In the steady state it reads the device once (the guard's loss and norm); a step that
+        samples FP8 statistics or calibrates adds a bounded number of reads."""
+        cfg = self.config
+        lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss, fp8_step, batch = self.forward_backward(step)
+        return self.optimizer_step(step, lr, loss, fp8_step, batch)
+
+    def forward_backward(self, step: int) -> tuple[torch.Tensor, FP8Step, tuple[torch.Tensor, torch.Tensor]]:
+        """The step's micro-batches, forward and backward (gradients accumulate; DDP reduces them
+        at the last). FP8 statistics and auto's calibration run on the eager model: their hooks
+        would force recompiles. Returns the loss averaged over micro-batches and ranks (the same
+        on every rank, so all ranks agree on skipping), the FP8 step, and the last batch."""
+        cfg = self.config
+        fp8_step = self.fp8.begin_step(step)
+        eager = fp8_step.eager or self.compiled.failed
+        module = self.dist_model if eager else self.compiled.module
+        loss_sum = torch.zeros((), device=self.device)
+        with fp8_step:
+            for micro in range(cfg.grad_accum_steps):
+                x, y = self.data.loader.next_batch(self.device)
+                with distributed.no_grad_sync(module, skip=micro < cfg.grad_accum_steps - 1):
+                    loss = self.compiled.forward(x, y, eager=eager, autocast=self.autocast, fallback=self._fallback)
+                    (loss / cfg.grad_accum_steps).backward()
+                loss_sum += loss.detach()
+        if not eager:
+            self.compiled.pending = False
+        # the mean over ranks; each rank's stop request rides in the same all-reduce (nanochat.train.stop)
+        return self.stop.reduce_with(loss_sum) / cfg.grad_accum_steps, fp8_step, (x, y)
+
+    def optimizer_step(self, step: int, lr: float, loss: torch.Tensor, fp8_step: FP8Step,
+                       batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
+        """The guard's verdict on the step (one device read: loss and gradient norm; a non-finite
+        step is skipped, its gradients dropped), then the clipped update and FP8's bookkeeping.
+        With --optimizer_in_backward the backward was the update; the guard reads what it did."""
+        cfg = self.config
+
+        def rerun() -> None:  # the forward again, eagerly, to find where a non-finite loss began
+            with self.compiled.eager():
+                self.model(*batch)
+
+        note, votes = self.checkpoints.good_checkpoint_note, self.stop.votes  # the stop requests: read with the loss
+        if cfg.optimizer_in_backward:
+            verdict = self.guard.check_in_backward(step, loss, self.optimizer, note=note, also=votes)
+        else:
+            verdict = self.guard.check(step, loss, self.params, max_norm=cfg.grad_clip if cfg.grad_clip > 0
+                                       else math.inf, rerun=rerun, note=note, also=votes)
+        self.stop.decide(verdict.also)
+        # every rank: the global batch's statistics
+        record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm,
+                  **fp8_step.record(), **verdict.flags}
+        if cfg.optimizer_in_backward:
+            gradient_bytes = self.optimizer.max_live_grad_bytes
+        elif verdict.skipped:  # the weights stay as they were
+            return record
+        else:
+            gradient_bytes = sum(distributed.local_numel(p.grad) * p.grad.element_size()
+                                 for p in self.params if p.grad is not None) if not self.state_bytes else 0
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self._measure_state(gradient_bytes)
+        self._after_optimizer_step(step)
+        return record
+
+    def _measure_state(self, gradient_bytes: int) -> None:
+        """After the first optimizer step: the bytes of weights, gradients and optimizer states
+        held for training (TrainResult.state_bytes)."""
+        if self.state_bytes:
+            return
+        weights = sum(distributed.local_numel(p) * p.element_size() for p in self.model.parameters())
+        self.state_bytes.update(weights=weights, gradients=gradient_bytes, optimizer=optimizer_state_bytes(self.optimizer))
+
+    def _after_optimizer_step(self, step: int) -> None:
+        """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""
+        if self.fp8.end_step(step):  # auto's formats are fixed: compile at the next step
+            self.compiled.recompile()
+        for event in self.fp8.pop_events():
+            self.metrics.log(event)
+
+    # ------------------------------------------------------------------- loop
+    def _train(self) -> TrainResult:
+        """Setup, resume, the loop (step, evaluate, log, save), the result."""
+        t_start = time.perf_counter()
+        cfg = self.config
+        self._setup()
+        start_step = self._resume() if cfg.resume else 0
+        rank0 = self.dist.rank == 0
+        meter = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size,
+                           history=self._start_files(start_step))
+        self._print_header()
+        if start_step == 0 and (self.data.num_choice_items or cfg.init_from):
+            self._evaluate_start()  # the starting point fine-tuning improves on
+        final = None  # the last evaluation: (val_loss, val_bpb, val_accuracy)
+        self.model.train()
+        bar = tqdm(total=self.total_steps, initial=start_step, disable=not rank0, dynamic_ncols=True, desc="train")
+        for step in self.stop.steps(start_step, self.total_steps, on_stop=self._stop):  # until a signal
+            t0, epoch, compiles = time.perf_counter(), int(self.data.loader.epoch), self.compiled.pending
+            record = self.train_step(step)
+            seconds = time.perf_counter() - t0
+            bar.update(1)
+            done = step + 1
+            is_last = done == self.total_steps
+            if record.get("skipped"):
+                self.metrics.log(record)
+                if is_last and cfg.save_checkpoints:  # the last update's weights are the result
+                    self._save(done)
+                continue
+            tok_s = meter.add(record, seconds, compiled=compiles)
+            utilization = self._mfu(tok_s)
+            if utilization is not None:
+                record["mfu"] = utilization
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{record['lr']:.2e}",
+                            **({"mfu": f"{utilization:.1%}"} if utilization is not None else {}))
+            if is_last and cfg.save_checkpoints:  # before the final evaluation, which could fail
+                self._save(done, record)
+            if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
+                final = self._evaluate(record, bar)
+            self.metrics.log(record)
+            if int(self.data.loader.epoch) > epoch and not is_last:
+                self._summaries(f"epoch {int(self.data.loader.epoch)}")
+            if cfg.save_checkpoints and cfg.save_every and done % cfg.save_every == 0 and not is_last:
+                self._save(done)
+        bar.close()
+        self.fp8.finish()  # a calibration the run did not complete keeps the hybrid (recorded)
+        if final is None or not math.isfinite(final[1]):  # resumed at the end, or the last step was skipped
+            final = self.evaluator.all()
+        result = self._result(meter, *final, wall_time_s=time.perf_counter() - t_start)
+        if rank0:
+            result.write(self.run_dir)
+            self.metrics.trackers.record_result(result.to_dict())
+            if cfg.plot and (problem := plot_after_run(self.run_dir, meter.tokens_per_step)):
+                self._fallback(problem)  # the run's results stand: recorded, not raised
+                result.fallbacks.append(problem)
+                result.write(self.run_dir)
+        return result
+
+    def _start_files(self, start_step: int) -> list[dict[str, Any]]:
+        """Rank 0, before the first step: on --resume, metrics.jsonl cut back to the checkpoint's
+        step (the records kept are returned: the run's history); a fresh run saves its tokenizer;
+        --log's trackers start."""
+        if self.dist.rank != 0:
+            return []
+        cfg = self.config
+        history, appended = self.metrics.cut_to(start_step, self.resumed.meta.get("record")) if cfg.resume else ([], None)
+        if not cfg.resume:  # a fresh run replaces a tokenizer of its own only with --overwrite
+            self.data.tokenizer.save(self.run_dir / "tokenizer", overwrite=cfg.overwrite)
+            write_sources(self.data.sources, self.run_dir)  # what a --resume must find unchanged
+        self.metrics.start_trackers(cfg.log, cfg.to_dict(), rank=0, start_step=start_step, resumed_record=appended)
+        return history
+
+    def _stop(self, step: int, signum: int) -> None:
+        """Every rank agreed to stop on `signum` after `step` steps: a checkpoint of that step
+        (unless its own --save_every wrote one), then Stopped."""
+        cfg = self.config
+        if cfg.save_checkpoints and self.saved_step != step:
+            self._save(step)
+        raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}", saved=cfg.save_checkpoints)
+
+    def _newest_checkpoint(self) -> tuple[str, Path, int] | None:
+        """The checkpoint a --resume would start from now (not re-verified: this runs on the way
+        out), or None."""
+        if getattr(self, "checkpoints", None) is None:
+            return None
+        with contextlib.suppress(NanoChatError, OSError):  # a loose newest checkpoint: --resume will say so
+            return self.checkpoints.find(self.run_dir, "--resume")
+        return None
+
+    def _lost_peer_message(self, reason: str) -> str:
+        rank = dist_env().rank
+        newest = self._newest_checkpoint()
+        resume = (f"the newest checkpoint is {newest[1]} (step {newest[2]}); once every rank can run again, "
+                  f"resume: {resume_command(self.config)}" if newest is not None
+                  else "no checkpoint of this run was saved")
+        return (f"rank {rank} lost its connection to another rank of this run ({reason}): that rank's process died "
+                f"or was killed, and its own output says why; {resume}")
+
+    def _stopped(self, signum: int, what: str, *, saved: bool = False) -> Stopped:
+        """The Stopped that ends a run on `signum`, its line printed by rank 0: `what` stopped
+        it, the checkpoint that holds the run (the one just saved, with `saved`) and the command
+        that resumes it."""
+        self.stop.ignore()  # the run is ending: a late signal must not cut this short
+        cfg = self.config
+        newest = self._newest_checkpoint()
+        where = None if newest is None else str(newest[1])
+        if saved and newest is not None:
+            line = stop_line(what, saved=where, resume=resume_command(cfg))
+        elif not cfg.save_checkpoints:
+            line = stop_line(what, unsaved="no checkpoint saved (--no_save_checkpoints): this run cannot be resumed")
+        else:
+            line = stop_line(what, newest=where and f"{where} (step {newest[2]})", resume=resume_command(cfg))
+        if dist_env().rank == 0:
+            print_last_line(line)
+        return Stopped(signum, line)
+
+    def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
+        """A checkpoint of `step` (checkpoint.Checkpointer.save) holding this loop's state too:
+        the data position, the tokenizer's fingerprint, FP8's and the guard's state and `record`, the step's
+        metrics line when it is logged after the save (the last step's, which waits for the final
+        evaluation), so that a resume can log it if the run died in between."""
+        self.checkpoints.save(step, self.model, self.optimizer, {
+            "data": self.data.loader.state_dict(), "tokenizer_fingerprint": self.data.tokenizer.fingerprint,
+            # --fp8_mode auto's measured formats (a resumed run does not recalibrate) with
+            # --fp8_auto_recheck_every's switches and pending disagreements, the converted layers
+            **self.fp8.state_dict(), **self.guard.state_dict(), "record": record})
+        self.saved_step = step
+
+    def _evaluate_start(self) -> None:
+        val_loss, val_bpb, val_accuracy = self.evaluator.all()
+        self.metrics.log({"step": 0, "val_loss": val_loss, "val_bpb": val_bpb, "val_accuracy": val_accuracy})
+        acc = (f", val accuracy {val_accuracy:.4f} ({self.data.num_choice_items} questions, "
+               f"{self.data.accuracy_scoring})" if val_accuracy is not None else "")
+        print0(f"step 0: val loss {val_loss:.4f}{acc}")
+
+    def _evaluate(self, record: dict[str, Any], bar: tqdm) -> tuple[float, float, float | None]:
+        """The evaluation of a step: added to its record and printed."""
+        val_loss, val_bpb, val_accuracy = self.evaluator.all()
+        record.update(val_loss=val_loss, val_bpb=val_bpb)
+        if val_accuracy is not None:
+            record["val_accuracy"] = val_accuracy
+        if self.dist.rank == 0:
+            bar.write(f"step {record['step']}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}"
+                      + (f", val accuracy {val_accuracy:.4f}" if val_accuracy is not None else ""))
+        return val_loss, val_bpb, val_accuracy
+
+    def _summaries(self, label: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The per-epoch (and final) reports, printed and logged to metrics.jsonl: the step
+        guard's, and FP8's with --fp8. Returns both (FP8's None without --fp8)."""
+        guard = self.guard.summary()
+        print0(self.guard.summary_text(label))
+        self.metrics.log({"event": "guard_summary", "label": label, **guard})
+        if not self.config.fp8:
+            return guard, None
+        fp8 = self.fp8.summary()
+        print0(self.fp8.summary_text(fp8, label))
+        self.metrics.log({"event": "fp8_summary", "label": label, **fp8})
+        return guard, fp8
+
+    # ---------------------------------------------------------------- report
+    def _print_header(self) -> None:
+        cfg, m, data = self.config, self.model, self.data
+        n_local = sum(distributed.local_numel(p) for p in m.parameters())  # this rank's (FSDP shard)
+        rows = [
+            ["model", f"{cfg.model_name}: {m.config.n_layer} layers, width {m.config.n_embd}, "
+                      f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {m.num_params() / 1e6:.2f}M params"],
+            *([["init", f"weights of {self.init_source.path} (step {self.init_source.step})"]]
+              if self.init_source is not None else []),
+            ["data", data.store.describe()],
+            ["tokens", f"{len(data.train):,} train / {len(data.val):,} val, vocab {data.tokenizer.vocab_size}"],
+            ["store", data.store.summary()],
+            ["schedule", f"{self.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * self.dist.world_size}"
+                         f" x {cfg.seq_len} tokens ({data.steps_per_epoch} steps/epoch)"],
+            ["device", f"{self.device} ({self.dtype}), world size {self.dist.world_size}, "
+                       f"compile {(cfg.compile_scope if cfg.compile else 'off')}"],
+            ["parallel", self.parallel],
+            ["optimizer", f"AdamW, {format_bytes(self.optimizer_state_bytes)} of state"
+                          f"{' on each rank' if self.dist.is_distributed else ''} "
+                          f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
+        ]
+        if not cfg.save_checkpoints:
+            rows.append(["checkpoints", "none (--no_save_checkpoints): this run cannot be resumed or exported"])
+        if self.fp8.report is not None:
+            rows.append(["fp8", flag_text(self.fp8.report.summary())])
+        rows.append(["mfu", mfu.describe(self.peak, self.device, self.flops_per_token)])
+        print0(format_table(["run", ""], rows))
+        if self.fp8.report is not None:
+            print0(self.fp8.report.table(flag_text))
+        if isinstance(self.optimizer, FP8Optim):
+            print0(self.optimizer.summary())
+        if self.fp8.report is not None:
+            print0("fp8: evaluation and sampling run in high precision ("
+                   + ("an unsharded copy of the FSDP shards)" if self.dist.is_distributed and cfg.fsdp
+                      else "fp8_disabled)"))
+
+    def _mfu(self, tokens_per_sec: float, *, fp8: bool = False) -> float | None:
+        """MFU against the dense bf16 peak, or with `fp8` the FP8 peak (native FP8 layers only)."""
+        native = self.fp8.report is not None and self.fp8.report.backend == "native" and bool(self.fp8.report.converted)
+        return mfu.run_mfu(tokens_per_sec, self.flops_per_token, self.peak, self.dist.world_size, fp8=fp8,
+                           native_fp8=native)
+
+    def _result(self, meter: Throughput, val_loss: float, val_bpb: float, val_accuracy: float | None, *,
+                wall_time_s: float) -> TrainResult:
+        """The run's TrainResult. Prints and logs the final summaries and generates the
+        samples first."""
+        cfg, report = self.config, self.fp8.report
+        guard_stats, fp8_stats = self._summaries("end of training")
+        optimizer_notes = ((self.optimizer.fp32_state_notes() if isinstance(self.optimizer, FP8Optim) else [])
+                           + (self.optimizer.fallbacks if isinstance(self.optimizer, OptimWrapper) else []))
+        return TrainResult(
+            train_loss=meter.train_loss, val_loss=val_loss, val_bpb=val_bpb, val_accuracy=val_accuracy,
+            tokens_per_sec=meter.tokens_per_sec, wall_time_s=wall_time_s, steps=self.total_steps,
+            epochs=self.data.loader.epoch, compile_time_s=meter.compile_time_s,
+            fallbacks=(self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks + optimizer_notes]
+                       + (self.metrics.trackers.fallbacks if self.metrics.trackers is not None else [])),
+            optimizer_state_bytes=self.optimizer_state_bytes, num_params=self.model.num_params(),
+            fp8_backend=report.backend if report is not None else "off",
+            fp8_converted=list(report.converted) if report is not None else [],
+            fp8_skipped={n: flag_text(why) for n, why in report.skipped.items()} if report is not None else {},
+            fp8_decisions={n: flag_text(why) for n, why in report.decisions.items()} if report is not None else {},
+            fp8_measure_time_s=report.measure_time_s if report is not None else 0.0,
+            fp8_choices=self.fp8.choices, fp8_stats=fp8_stats, guard_stats=guard_stats,
+            accuracy_scoring=self.data.accuracy_scoring,
+            samples=self.evaluator.samples(cfg.num_samples) if cfg.num_samples else [],
+            run_dir=str(self.run_dir), parallel=self.parallel,
+            state_bytes_per_param=sum(self.state_bytes.values()) / max(1, sum(
+                distributed.local_numel(p) for p in self.model.parameters())),
+            state_bytes=dict(self.state_bytes), planned_memory_bytes=self.memory_plan.total,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
+            flops_per_token=self.flops_per_token, peak_tflops=None if self.peak is None else self.peak.bf16_tflops,
+            mfu=self._mfu(meter.tokens_per_sec), mfu_fp8=self._mfu(meter.tokens_per_sec, fp8=True),
+        )
+
+
+__all__ = ["NanoChatTrainer", "TrainResult", "lr_multiplier"]
