@@ -76,8 +76,8 @@ sys.exit(rc)
 IN_MEMORY = r'''
 import json, sys, time
 from nanochat.data.prepare import load_corpus, tokenize_docs
-from nanochat.tokenizer import Tokenizer
-tok = Tokenizer.load(sys.argv[2])
+from nanochat.tokenizer import BPETokenizer
+tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()
 corpus = load_corpus(sys.argv[1])
 t1 = time.time()
@@ -91,8 +91,8 @@ print("RESULT " + json.dumps({"read_s": t1 - t0, "tokenize_s": t2 - t1, "seconds
 STORE_DATA = r'''
 import json, os, sys, time
 from nanochat.data.prepare import TokenBatches, prepare_data
-from nanochat.tokenizer import Tokenizer
-tok = Tokenizer.load(sys.argv[2])
+from nanochat.tokenizer import BPETokenizer
+tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()
 store = prepare_data(sys.argv[1], tokenizer=tok, cache_root=os.environ["NANOCHAT_CACHE"]).store
 loader = TokenBatches(store.train, seq_len=int(sys.argv[3]), batch_size=int(sys.argv[4]), seed=0)

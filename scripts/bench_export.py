@@ -19,6 +19,8 @@ random weights of std 0.02, no tokenizer) the three ways once each: size and tim
 BENCHMARKS.md records the figures.
 """
 
+from __future__ import annotations
+
 import json
 import random
 import shutil
@@ -27,11 +29,14 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from nanochat.common import UsageError, format_table, run_main, setup_logging
 from nanochat.config import parse_cli
+
+# torch and the modules that load it are imported in the functions that use them: --help stays fast
+if TYPE_CHECKING:
+    import torch
 
 WORDS = "red green blue cat dog fish sun moon star tree rock sand water fire ice wind".split()
 KINDS = ("none", "fp8", "fp8_block")
@@ -81,9 +86,10 @@ def build_example(root: Path, cfg: BenchExportConfig, quick: bool) -> tuple[Path
     """(model dir, data dir): a seeded Llama with its tokenizer, and ARC-Challenge parquet files."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from tokenizers import decoders
+    import torch
+    import transformers
 
     data = root / "arc"
     (data / "ARC-Challenge").mkdir(parents=True)
@@ -114,8 +120,10 @@ def distribution_sqnr() -> list[list[str]]:
     """Weight SQNR of the FP8 copy (per channel, per 128x128 block) of 1024 x 1024 weights of several
     distributions, next to e4m3's worst case 20 log10 17 = 24.6 dB (values halfway between two
     e4m3 values after scaling): where SQNR_FLOOR_DB comes from."""
-    from nanochat.model.hf_fp8 import dequantize_weight, quantize_weight, sqnr_db
     from compressed_tensors.quantization import preset_name_to_scheme
+    import torch
+
+    from nanochat.model.hf_fp8 import dequantize_weight, quantize_weight, sqnr_db
 
     g = torch.Generator().manual_seed(0)
     n = 1024
@@ -146,6 +154,8 @@ def distribution_sqnr() -> list[list[str]]:
 def slicing(repeats: int = 3) -> tuple[float, float]:
     """Median seconds to quantize and measure one 8192 x 2048 weight (a Llama-3.2-1B MLP matrix)
     whole (the baseline) and a slice of rows at a time (hf_fp8.quantize_layer)."""
+    import torch
+
     from nanochat.model.hf_fp8 import _scheme, dequantize_weight, quantize_layer, quantize_weight, sqnr_db
 
     w, scheme = torch.randn(8192, 2048, generator=torch.Generator().manual_seed(0)) * 0.02, _scheme("fp8")
@@ -165,8 +175,10 @@ def slicing(repeats: int = 3) -> tuple[float, float]:
 
 def large_exports(root: Path) -> list[list[str]]:
     """Size and time of the three exports of a Llama-3.2-1B-shaped model (tied embeddings)."""
+    import torch
+
+    from nanochat.model.export import export_hf
     from nanochat.model.gpt import GPT, GPTConfig
-    from nanochat.model.hf import export_hf
 
     config = GPTConfig(vocab_size=128256, seq_len=8192, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
                        intermediate_size=8192, tie_embeddings=True, mlp="swiglu", norm_weight=True, norm_eps=1e-5,
@@ -199,20 +211,25 @@ def _logits(model, x: torch.Tensor) -> torch.Tensor:
 
 def logits_of(model, prompts: list[list[int]]) -> torch.Tensor:
     """Logits over the validation prompts cut to one length: [prompts, T, V]."""
+    import torch
+
     n = min(len(p) for p in prompts)
     with torch.no_grad():
         return _logits(model, torch.tensor([p[:n] for p in prompts])).float()
 
 
 def bench(cfg: BenchExportConfig) -> int:
+    import torch
     import transformers
 
-    from nanochat.data import instruct
     from nanochat.checkpoint import load_checkpoint
+    from nanochat.data import instruct
     from nanochat.data.prepare import load_corpus
-    from nanochat.train.evaluation import choice_counts
-    from nanochat.model.hf import HFTokenizer, export_hf, load_hf_model, model_from_state_dict
+    from nanochat.model.export import export_hf, model_from_state_dict
+    from nanochat.model.hf import load_hf_model
     from nanochat.model.hf_fp8 import require_compressed_tensors, sqnr_db
+    from nanochat.tokenizer import HFTokenizer
+    from nanochat.train.evaluation import choice_counts
     from nanochat.train.trainer import NanoChatTrainer
 
     setup_logging()

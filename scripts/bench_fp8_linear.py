@@ -30,15 +30,15 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn as nn
-
-from nanochat.common import resolve_device, run_main
+from nanochat.common import run_main
 from nanochat.config import parse_cli
-from nanochat.fp8 import FP8Config, convert, detect
-from nanochat.model.gpt import GPT, PRESETS, GPTConfig, preset_config
+
+# torch and the modules that load it are imported in the functions that use them: --help stays fast
+if TYPE_CHECKING:
+    import torch
+    import torch.nn as nn
 
 SEED_MODELS = {
     # Meta-Llama-3-8B's config.json: 32 heads of 128, 8 key/value heads, SwiGLU 14336
@@ -81,6 +81,8 @@ class BenchFP8LinearConfig:
     are listed as not timed."""
 
     def __post_init__(self) -> None:
+        from nanochat.model.gpt import PRESETS
+
         unknown = [m for m in self.models if m not in PRESETS and m not in SEED_MODELS]
         if unknown:
             known = ", ".join([*PRESETS, *SEED_MODELS])
@@ -94,6 +96,8 @@ class BenchFP8LinearConfig:
 
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of x against ref, in dB."""
+    import torch
+
     return (10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum())).item()
 
 
@@ -102,6 +106,11 @@ def sqnr_table(device: torch.device, emulate: bool, recipes=("tensorwise", "roww
     """Output / grad-input / grad-weight SQNR (dB) of an FP8 Linear(256, 256) against the same
     fp32 layer on the same gaussian input (128 tokens) and upstream gradient; mean of `seeds`.
     `auto` is measured uncalibrated, i.e. as the hybrid (e4m3 forward, e5m2 gradients)."""
+    import torch
+    import torch.nn as nn
+
+    from nanochat.fp8 import convert
+
     out: dict[str, list[float]] = {}
     for recipe in recipes:
         for mode in modes:
@@ -127,6 +136,11 @@ def sqnr_table(device: torch.device, emulate: bool, recipes=("tensorwise", "roww
 def linear_shapes(model: str) -> dict[tuple[int, int], list[str]]:
     """(in_features, out_features) -> the Linear layers of `model` with that shape, named as in
     one block ("attn.c_q"); lm_head is left out (FP8Config.skip_fqns keeps it in high precision)."""
+    import torch
+    import torch.nn as nn
+
+    from nanochat.model.gpt import GPT, GPTConfig, preset_config
+
     if model in SEED_MODELS:
         config = GPTConfig(seq_len=16, **SEED_MODELS[model])
     else:
@@ -146,6 +160,11 @@ def linear_shapes(model: str) -> dict[tuple[int, int], list[str]]:
 def shape_variant(k: int, n: int, variant: str, device: torch.device, emulate: bool) -> nn.Module:
     """Linear(k, n) in fp32 master weights, as bf16 or converted to FP8 e4m3 with `variant`'s
     scaling recipe, compiled."""
+    import torch
+    import torch.nn as nn
+
+    from nanochat.fp8 import FP8Config, convert
+
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(k, n, bias=False)).to(device)
     if variant != "bf16":
@@ -159,6 +178,8 @@ def shape_variant(k: int, n: int, variant: str, device: torch.device, emulate: b
 def time_shape(k: int, n: int, cfg: BenchFP8LinearConfig, device: torch.device, *, emulate: bool) -> dict:
     """One shape at each cfg.shape_tokens: ms per fwd+bwd step of bf16, FP8 tensorwise and
     rowwise (median of cfg.repeats interleaved medians), FP8's speedup, bf16's TFLOP/s."""
+    import torch
+
     on_cuda = device.type == "cuda"
     # CPU: FP8 layers refuse CPU autocast (emulated FP8 runs in fp32 there); the figures mean nothing
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_cuda else contextlib.nullcontext
@@ -210,6 +231,8 @@ def time_shapes(cfg: BenchFP8LinearConfig, device: torch.device, *, emulate: boo
     """time_shape for every distinct Linear shape of cfg.models, with the layers that have it.
     `on_result(key, figures)` after each shape; shapes not started by `deadline`
     (time.perf_counter()) are listed as not timed, a shape that fails under errors."""
+    import torch
+
     shapes: dict[tuple[int, int], dict[str, list[str]]] = {}
     for model in cfg.models:
         for shape, layers in linear_shapes(model).items():
@@ -247,6 +270,11 @@ def print_shapes(result: dict) -> None:
 
 
 def shapes_main(cfg: BenchFP8LinearConfig) -> dict:
+    import torch
+
+    from nanochat.device import resolve_device
+    from nanochat.fp8 import detect
+
     device = resolve_device(cfg.device)
     backend = detect(device, emulate=False)
     emulate = backend.backend != "native"
@@ -266,6 +294,12 @@ def shapes_main(cfg: BenchFP8LinearConfig) -> dict:
 
 
 def main(cfg: BenchFP8LinearConfig) -> dict:
+    import torch
+    import torch.nn as nn
+
+    from nanochat.device import resolve_device
+    from nanochat.fp8 import convert, detect
+
     if cfg.models:
         return shapes_main(cfg)
     device = resolve_device(cfg.device)

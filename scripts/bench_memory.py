@@ -13,29 +13,35 @@ what the plan leaves out (temporaries, fragmentation). BENCHMARKS.md records the
 against one 80 GB and one 141 GB GPU (planner estimates, not measurements).
 """
 
+from __future__ import annotations
+
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from nanochat.common import UsageError, run_main
 from nanochat.config import parse_cli
-from nanochat.model.gpt import GPT, GPTConfig
-from nanochat.train.memory import plan_training
+
+if TYPE_CHECKING:
+    from nanochat.model.gpt import GPTConfig
 
 LLAMA = dict(mlp="swiglu", norm_weight=True, norm_eps=1e-5, embed_norm=False, qk_norm=False, softcap=0.0,
              rope_theta=500000.0)
 SHAPES = {
-    "llama3-8b": GPTConfig(vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
-                           intermediate_size=14336, **LLAMA),
-    "llama3-1b": GPTConfig(vocab_size=128256, seq_len=8192, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
-                           intermediate_size=8192, tie_embeddings=True, **LLAMA),
+    "llama3-8b": dict(vocab_size=128256, seq_len=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                      intermediate_size=14336, **LLAMA),
+    "llama3-1b": dict(vocab_size=128256, seq_len=8192, n_layer=16, n_head=32, n_kv_head=8, n_embd=2048,
+                      intermediate_size=8192, tie_embeddings=True, **LLAMA),
 }
+"""GPTConfig fields of each --preset (torch and the model are imported after parsing: --help stays fast)."""
 
 
 def measure(config: GPTConfig, batch: int, seq: int, checkpointing: bool, steps: int = 3) -> tuple[int, float]:
+    import torch
+
+    from nanochat.model.gpt import GPT
+
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with torch.device("meta"):
@@ -70,6 +76,8 @@ COMBOS = [(mw, level, inb, ckpt) for mw, levels in (("fp32", (0, 2)), ("bf16_spl
 
 def plan_table(config: GPTConfig, batch: int, seq: int) -> str:
     """The markdown table of README's "Will it fit" (GiB per device, bf16 autocast)."""
+    from nanochat.train.memory import plan_training
+
     gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
     head = ["`--master_weights`", "`--fp8_opt_level`", "`--optimizer_in_backward`", "`--activation_checkpointing`",
             "state B/param", "weights", "grads", "optimizer", "activations", "total"] + list(DEVICES)
@@ -114,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(args: BenchMemoryConfig) -> int:
-    config = SHAPES[args.preset]
+    import torch
+
+    from nanochat.model.gpt import GPTConfig
+    from nanochat.train.memory import plan_training
+
+    config = GPTConfig(**SHAPES[args.preset])
     if args.plan_only:
         print(f"{args.preset}, batch {args.batch_size} x {args.seq_len}, bf16 autocast: planner estimate, "
               "not measured (GiB per device)\n")

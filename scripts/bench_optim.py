@@ -27,13 +27,13 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from nanochat.common import format_table, run_main
 
-from nanochat.common import format_table, resolve_device, run_main, seed_everything
-from nanochat.fp8.optim import FP8Optim, quantize_sqrt_v
-from nanochat.fp8.tensor import FP8Tensor
-from nanochat.model.gpt import PRESETS
+# torch and the modules that load it are imported in the functions that use them: --help stays fast
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,6 +70,8 @@ class BenchOptimConfig:
     """Write all figures as JSON here."""
 
     def __post_init__(self) -> None:
+        from nanochat.model.gpt import PRESETS
+
         for name in ("n_tensors", "dim", "steps", "train_steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -81,6 +83,8 @@ def parse_args(argv=None) -> BenchOptimConfig:
     from nanochat.config import parse_cli
 
     args = parse_cli(BenchOptimConfig, argv)
+    from nanochat.device import resolve_device  # after parsing: --help stays fast
+
     resolve_device(args.device)  # an unknown or absent device: one error line before any timing
     if args.quick:
         args = dataclasses.replace(args, n_tensors=2, dim=128, steps=3, train_steps=5)
@@ -96,6 +100,10 @@ def load() -> str:
 
 def _optimizers(params_for, quick: bool, torchao: bool):
     """name -> optimizer over its own copy of the parameters."""
+    import torch
+
+    from nanochat.fp8.optim import FP8Optim
+
     opts = {"torch AdamW fused": torch.optim.AdamW(params_for("fused"), lr=1e-3, weight_decay=0.1, fused=True)}
     if torchao and not quick:
         from torchao.optim import AdamWFp8
@@ -107,6 +115,10 @@ def _optimizers(params_for, quick: bool, torchao: bool):
 
 
 def _moment_bytes(opt) -> float:
+    import torch
+
+    from nanochat.fp8.optim import FP8Optim
+
     if isinstance(opt, FP8Optim):
         return opt.state_bytes_per_param()
     total = n = 0
@@ -124,6 +136,10 @@ def _moment_bytes(opt) -> float:
 
 
 def bench_speed(args) -> dict:
+    import torch
+
+    from nanochat.fp8.optim import FP8Optim
+
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(args.dim, args.dim, generator=g).to(device) for _ in range(args.n_tensors)]
@@ -199,6 +215,10 @@ def bench_speed(args) -> dict:
 
 def bench_master(args) -> dict:
     """Training-state bytes per parameter and step time per master-weight choice (level 2)."""
+    import torch
+
+    from nanochat.fp8.optim import FP8Optim
+
     device = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     base = [torch.randn(args.dim, args.dim, generator=g) for _ in range(args.n_tensors)]
@@ -255,14 +275,20 @@ def bench_master(args) -> dict:
 # ---- (c) ---------------------------------------------------------------------------------------
 
 
-def corpus_tokens() -> torch.Tensor:
+def corpus_tokens() -> "torch.Tensor":
     """Bytes of a few stdlib sources: real text, vocab 256, no download."""
     import argparse as a, collections as c, dataclasses as d, inspect as i, json as j, typing as t
+
+    import torch
     data = b"".join(pathlib.Path(m.__file__).read_bytes() for m in (a, c, d, i, j, t))
     return torch.tensor(list(data), dtype=torch.long)
 
 
 def train_gpt(level, args, tokens, seq_len=64, batch=16):
+    import torch
+
+    from nanochat.device import seed_everything
+    from nanochat.fp8.optim import FP8Optim
     from nanochat.model.gpt import GPT, preset_config
 
     seed_everything(0)
@@ -320,6 +346,11 @@ def bench_train(args) -> dict:
 
 def _store(x, how):
     """Quantize then dequantize a second moment v (fp32) the way `how` stores it."""
+    import torch
+
+    from nanochat.fp8.optim import quantize_sqrt_v
+    from nanochat.fp8.tensor import FP8Tensor
+
     if how == "fp32":
         return x
     if how == "v e4m3 (torchao)":
@@ -336,6 +367,10 @@ def _store(x, how):
 def _study_run(grads, how, b1, b2, eps=1e-8):
     """Adam on a fixed gradient stream, m stored in e4m3 and v stored as `how`; per step the
     update m_hat / (sqrt(v_hat) + eps) (in units of lr)."""
+    import torch
+
+    from nanochat.fp8.tensor import FP8Tensor
+
     m = torch.zeros_like(grads[0])
     v = torch.zeros_like(grads[0])
     updates = []
@@ -351,6 +386,8 @@ def _study_run(grads, how, b1, b2, eps=1e-8):
 
 def study(args) -> dict:
     """Each option runs its own quantized history against fp32 Adam's on the same gradients."""
+    import torch
+
     n_blocks, steps = (8, 40) if args.quick else (64, 300)
     n = n_blocks * 256
     g = torch.Generator().manual_seed(0)
@@ -396,6 +433,7 @@ def main(argv=None) -> int:
 
 def bench(argv) -> int:
     args = parse_args(argv)
+    import torch
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {load()}")
     result: dict = dict(args={k: str(v) for k, v in dataclasses.asdict(args).items()}, load_start=os.getloadavg())
     if args.study or args.quick:

@@ -12,7 +12,7 @@ lm_head, embeddings and norms stay bf16; a table gives each layer's weight SQNR 
 tokenizer files are the run's, with the chat template the records were rendered with
 (`chat_template.jinja`; the plain format for a base model), so `AutoTokenizer.apply_chat_template`
 writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
-checkpoint, then trained) can be exported; see nanochat/model/hf.py for why presets cannot. A non-empty
+checkpoint, then trained) can be exported; see nanochat/model/export.py for why presets cannot. A non-empty
 --out_dir is refused unless --overwrite, which replaces it whole once the export is complete
 (never the run or the model it reads from). A run still in progress is exported at its newest
 checkpoint, with a warning saying so. Errors are one `error:` line (exit 2: bad flags or input;
@@ -24,13 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from nanochat import rundir as runlock
-from nanochat.checkpoint import load_checkpoint
 from nanochat.common import UsageError, format_bytes, logger, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
-from nanochat.model.hf import (check_export_dir, export_hf, exportable_linears, load_hf_model, model_from_state_dict,
-                         resolve_model)
-from nanochat.model.hf_fp8 import require_compressed_tensors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +37,8 @@ def run_kept_layers(run_dir: str, ckpt: dict, model) -> dict[str, str]:
     """The Linears a --fp8 run trained in high precision (not in its checkpoint's `fp8_converted`),
     with the reason its result.json gives; none for a run without --fp8 (every layer was trained the
     same way, in high precision) or a checkpoint without the list."""
+    from nanochat.model.export import exportable_linears
+
     converted = ckpt.get("fp8_converted")
     if not ckpt["config"].get("fp8") or converted is None:
         return {}
@@ -54,6 +51,13 @@ def run_kept_layers(run_dir: str, ckpt: dict, model) -> dict[str, str]:
 
 
 def export(cfg: ExportConfig) -> int:
+    from nanochat import rundir as runlock  # after parsing: --help stays fast
+    from nanochat.checkpoint import load_checkpoint
+    from nanochat.model.export import check_export_dir, export_hf, model_from_state_dict
+    from nanochat.model.hf import load_hf_model
+    from nanochat.model.hf_fp8 import require_compressed_tensors
+    from nanochat.model.hub import resolve_model
+
     setup_logging()
     if cfg.quantize != "none":
         require_compressed_tensors(f"--quantize {cfg.quantize}")  # before loading anything
@@ -75,7 +79,7 @@ def export(cfg: ExportConfig) -> int:
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
             raise UsageError(f"--model_name {cfg.model_name!r} is a nanochat preset; only Hugging Face "
-                             "models can be exported (see nanochat/model/hf.py)")
+                             "models can be exported (see nanochat/model/export.py)")
         sources = [resolved.path]
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
         model, tokenizer = load_hf_model(resolved.path)

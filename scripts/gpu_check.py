@@ -49,9 +49,11 @@ import traceback
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+# torch is imported in the functions that use it: --help stays fast
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -236,10 +238,14 @@ def ratios(results: dict) -> dict:
 
 # ------------------------------------------------------------------------------------ helpers
 def device_of(cfg: GPUCheckConfig) -> torch.device:
+    import torch
+
     return torch.device("cpu" if cfg.dry_run else "cuda")
 
 
 def reset_memory(device: torch.device) -> None:
+    import torch
+
     torch._dynamo.reset()  # each run traces afresh (inductor's on-disk cache may still serve it)
     gc.collect()
     if device.type == "cuda":
@@ -249,6 +255,8 @@ def reset_memory(device: torch.device) -> None:
 
 
 def peak_gib(device: torch.device) -> float | None:
+    import torch
+
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
@@ -300,9 +308,10 @@ def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -
 
 def profile_step(trainer, device: torch.device) -> dict:
     """One more training step under the profiler (GEMM kernel names) and a device-read counter."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from nanochat.common import DeviceReads
+    from nanochat.device import DeviceReads
 
     reads = DeviceReads()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -323,6 +332,8 @@ def profile_step(trainer, device: torch.device) -> dict:
 
 
 def timed_step(trainer, step: int, device: torch.device) -> float:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -350,12 +361,16 @@ class RecompileLog(logging.Handler):
             self.reasons.append(message[:600])
 
     def __enter__(self):
+        import torch
+
         torch._logging.set_logs(recompiles=True)
         self.logger = logging.getLogger("torch._dynamo")
         self.logger.addHandler(self)
         return self
 
     def __exit__(self, *exc):
+        import torch
+
         self.logger.removeHandler(self)
         torch._logging.set_logs()
 
@@ -404,6 +419,8 @@ def run_pytest(args: list[str], out_dir: Path, name: str, timeout_s: float) -> d
 
 # --------------------------------------------------------------------------------------- jobs
 def job_env(cfg: GPUCheckConfig, findings: Findings) -> None:
+    import torch
+
     def env() -> dict:
         import torchao
 
@@ -491,7 +508,9 @@ def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 def optimizer_steps(cfg: GPUCheckConfig) -> dict:
     """Step time and peak memory: AdamW(fused=True) vs FP8Optim, same parameters and gradients."""
-    from nanochat.common import DeviceReads
+    import torch
+
+    from nanochat.device import DeviceReads
     from nanochat.fp8 import FP8Optim
 
     device = device_of(cfg)
@@ -603,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     from nanochat.config import parse_cli
 
     cfg = parse_cli(GPUCheckConfig, argv)
+    import torch  # after parsing: --help stays fast
+
     if cfg.dry_run:
         cfg = dataclasses.replace(cfg, **DRY_RUN)
     if not cfg.run_root:

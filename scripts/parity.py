@@ -180,14 +180,14 @@ def prepare_data(cfg: ParityConfig) -> None:
     that cannot be used is one error before any run instead of one per run."""
     from nanochat.common import UsageError
     from nanochat.data.prepare import prepare_data as prepare
-    from nanochat.tokenizer import Tokenizer
+    from nanochat.tokenizer import BPETokenizer
 
     cache = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))  # the trainer's cache root
     if cfg.init_from is not None and not (Path(cfg.init_from) / "tokenizer").is_dir():
         raise UsageError(f"--init_from {cfg.init_from}: no run there (no tokenizer/); give the --run_dir of a "
                          "finished base_train run")
     # the tokenizer the runs take from the run they start from, or the one trained on the corpus
-    tok = Tokenizer.load(Path(cfg.init_from) / "tokenizer") if cfg.init_from is not None else None
+    tok = BPETokenizer.load(Path(cfg.init_from) / "tokenizer") if cfg.init_from is not None else None
     prepare(cfg.dataset_path, tokenizer=tok, vocab_size=cfg.vocab_size, cache_root=cache)
 
 
@@ -484,7 +484,7 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 def run_parity(cfg: ParityConfig) -> dict[str, Any]:
     """Run (or reuse) every seed x mode, print the report, write parity.json / parity.png; returns
     the parity.json payload."""
-    from nanochat.common import resolve_device
+    from nanochat.device import resolve_device
     from nanochat.fp8 import detect
 
     device = resolve_device(cfg.device)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: TokTrainConfig) -> int:
     from nanochat.common import format_bytes, setup_logging
     from nanochat.data.sources import list_sources, plan_sources, split_texts
-    from nanochat.tokenizer import Tokenizer, check_tokenizer_dir
+    from nanochat.tokenizer import BPETokenizer, check_tokenizer_dir
 
     setup_logging()
     check_tokenizer_dir(cfg.tokenizer_dir, overwrite=cfg.overwrite)
@@ -42,7 +42,7 @@ def train(cfg: TokTrainConfig) -> int:
 
     t0 = time.perf_counter()
     texts = split_texts(plan, cfg.max_chars)
-    tok = Tokenizer.train(texts, cfg.vocab_size)
+    tok = BPETokenizer.train(texts, cfg.vocab_size)
     train_s = time.perf_counter() - t0
     tok.save(cfg.tokenizer_dir, overwrite=cfg.overwrite)
 

@@ -29,9 +29,8 @@ def tokenize(cfg: TokenizeConfig) -> int:
 
     from nanochat.common import NanoChatError, UsageError, setup_logging
     from nanochat.data.prepare import prepare_data
-    from nanochat.model.hf import HFTokenizer
     from nanochat.data.store import verify_store
-    from nanochat.tokenizer import Tokenizer
+    from nanochat.tokenizer import BPETokenizer, HFTokenizer
 
     setup_logging()
     tokenizer = None
@@ -40,7 +39,7 @@ def tokenize(cfg: TokenizeConfig) -> int:
         if not d.is_dir():
             raise UsageError(f"--tokenizer_dir {d}: no such directory; make one with: python scripts/tok_train.py "
                              f"--tokenizer_dir {d}")
-        tokenizer = HFTokenizer.load(d) if (d / "tokenizer.json").is_file() else Tokenizer.load(d)
+        tokenizer = HFTokenizer.load(d) if (d / "tokenizer.json").is_file() else BPETokenizer.load(d)
     prepared = prepare_data(cfg.dataset_path, tokenizer=tokenizer, vocab_size=cfg.vocab_size,
                             chat_template=cfg.chat_template, workers=cfg.workers, build=not cfg.verify,
                             cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")))

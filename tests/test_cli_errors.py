@@ -25,7 +25,7 @@ import torch
 
 from nanochat.checkpoint import load_checkpoint, save_checkpoint
 from nanochat.common import describe_error
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer
 from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
@@ -50,7 +50,7 @@ def paths(small_corpus, tmp_path_factory) -> dict[str, str]:
         shutil.copytree(run, copy)
         shutil.rmtree(copy / "tokenizer")
     text = [p.read_text() for p in sorted(small_corpus.iterdir())]
-    Tokenizer.train(text, 300, progress=False).save(mismatched / "tokenizer")
+    BPETokenizer.train(text, 300, progress=False).save(mismatched / "tokenizer")
     no_weights = root / "no_weights"
     shutil.copytree(run / "tokenizer", no_weights / "tokenizer")
     payload = load_checkpoint(run)
@@ -137,7 +137,7 @@ def test_a_run_in_progress_without_a_checkpoint_says_so(paths, tmp_path, script)
     first checkpoint: not only "holds no checkpoint", but that a run is in progress, and whose."""
     run_dir = tmp_path / "running"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import runlock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir as runlock\n"
                                "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

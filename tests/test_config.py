@@ -8,7 +8,12 @@ flag) or the config does (`--fp8_mode` without `--fp8`); `--fp8_opt_level` alone
 written in its field group. The Python API gets the same checks at construction: wrong types,
 non-finite or out-of-range hyperparameters. The step guard's limit is --max_bad_steps; its former
 name --fp8_max_overflows sets it too and says so in one warning per process, and the two
-disagreeing is an error.
+disagreeing is an error. Every script's `--help` loads no torch (checked in a subprocess: the
+torch modules in sys.modules afterwards must be none).
+
+The package under test, nanochat.config: checks.py (types and ranges at construction), fields.py
+(the shared groups, the FP8 flags), train.py, tools.py, export.py, parity.py (the configs), cli.py
+(parse_cli), fp8.py (FP8Config, also tests/test_fp8_*.py).
 """
 
 import dataclasses
@@ -22,7 +27,7 @@ from typing import Annotated
 import pytest
 import tyro
 
-import nanochat.config as config_module
+import nanochat.common as common
 from nanochat.config import TokTrainConfig, TrainConfig, parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +132,32 @@ def test_help_shows_each_shared_flag_once_with_its_group_doc():
         assert out.count("--device STR") == 1 and out.count("cuda, cpu, mps, or auto (cuda if available)") == 1, out
 
 
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if "__main__" in p.read_text())
+# Runs a script's `--help` as `python script.py --help` would (its folder first on sys.path), then
+# lists the torch modules it loaded: nanochat.config and nanochat.common import no torch, and every
+# script parses its flags before importing what needs it.
+HELP_PROBE = """
+import runpy, sys
+script = sys.argv[1]
+sys.path.insert(0, script.rsplit("/", 1)[0])
+sys.argv = [script, "--help"]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchao")))
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_imports_no_torch(script):
+    """--help answers without loading torch (seconds at import): the reference is the empty list."""
+    r = subprocess.run([sys.executable, "-c", HELP_PROBE, str(ROOT / "scripts" / script)], capture_output=True,
+                       text=True, timeout=120, env={"COLUMNS": "120", "PATH": "", "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--help" in r.stdout and r.stdout.rstrip().endswith("loaded: []"), r.stdout[-2000:]
+
+
 def test_help_shows_underscore_flags():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), "--help"],
                          capture_output=True, text=True, check=True,
@@ -152,7 +183,7 @@ def test_config_dict_round_trip():
 
 
 def test_max_bad_steps_and_its_former_name(caplog, capsys, monkeypatch):
-    monkeypatch.setattr(config_module, "_said", set())
+    monkeypatch.setattr(common, "_warned", set())  # the former name is said once a process
     assert TrainConfig().max_bad_steps == 10 and TrainConfig(max_bad_steps=3).max_bad_steps == 3
     with caplog.at_level(logging.WARNING, logger="nanochat"):
         assert parse_cli(TrainConfig, ["--max_bad_steps", "4"]).max_bad_steps == 4

@@ -32,7 +32,7 @@ import torch
 import nanochat.data.prepare as data
 from nanochat.data.prepare import DataError, TokenBatches, load_corpus, tokenize_docs, val_batches
 from nanochat.data.sources import val_hash
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer
 
 
 def _sha1_val(doc_id: str) -> bool:
@@ -44,8 +44,8 @@ def _ids(corpus):
 
 
 @pytest.fixture(scope="module")
-def tok(small_corpus) -> Tokenizer:
-    return Tokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
+def tok(small_corpus) -> BPETokenizer:
+    return BPETokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
 
 
 @pytest.fixture

@@ -197,7 +197,7 @@ def test_flagship_run_reports_plan_fallback_and_accuracy(flagship):
 
 def test_export_reloads_with_our_logits_template_and_accuracy(flagship, tmp_path):
     from nanochat.checkpoint import load_checkpoint
-    from nanochat.model.hf import model_from_state_dict
+    from nanochat.model.export import model_from_state_dict
 
     model_dir, data, run, _ = flagship
     out = tmp_path / "exported"

@@ -515,7 +515,7 @@ def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_co
     lock, and a start succeeds."""
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import runlock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir as runlock\n"
                                "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -619,14 +619,14 @@ def test_a_checkpoint_lacking_keys_is_one_line_on_resume(small_corpus, tmp_path,
 
 
 def test_a_fresh_run_never_replaces_another_tokenizer_in_its_run_dir(small_corpus, tmp_path, capsys):
-    from nanochat.tokenizer import Tokenizer
+    from nanochat.tokenizer import BPETokenizer
 
     run_dir = tmp_path / "r"
-    Tokenizer.train([(small_corpus / "heapq.py").read_text()], 270).save(run_dir / "tokenizer")
+    BPETokenizer.train([(small_corpus / "heapq.py").read_text()], 270).save(run_dir / "tokenizer")
     before = _contents(run_dir)
     kw = _kw(small_corpus, run_dir, num_iterations=2)
     code, errors = _cli(capsys, kw)
     assert code == 2 and len(errors) == 1 and "already holds a tokenizer" in errors[0], errors
     assert _contents(run_dir) == before and not (run_dir / "metrics.jsonl").exists()
     code, _ = _cli(capsys, kw, "--overwrite")
-    assert code == 0 and Tokenizer.load(run_dir / "tokenizer").vocab_size == 320
+    assert code == 0 and BPETokenizer.load(run_dir / "tokenizer").vocab_size == 320

@@ -42,7 +42,7 @@ import pathlib
 import pytest
 import torch
 
-from nanochat.common import DeviceReads
+from nanochat.device import DeviceReads
 from nanochat.fp8.optim import FP8Optim
 from nanochat.fp8.tensor import FP8Tensor
 from tests.conftest import assert_close_but_few, last_bits

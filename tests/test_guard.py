@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanochat.common import DeviceReads, NanoChatError
+from nanochat.common import NanoChatError
+from nanochat.device import DeviceReads
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.train.guard import StepGuard
 

@@ -1,4 +1,6 @@
-"""Tests of nanochat.model.hf: Hugging Face checkpoints in and out, checked against `transformers`.
+"""Hugging Face checkpoints in and out, checked against `transformers`: nanochat.model.hub (resolution),
+nanochat.model.hf (config map, weights in), nanochat.model.export (export_hf) and
+nanochat.tokenizer.hf (HFTokenizer).
 
 - Loading: tiny random Llama (plain, llama3 rope scaling, linear rope scaling, attention_bias),
   Mistral (GQA, explicit head_dim, an active sliding window), Qwen2 (q/k/v bias, tied
@@ -44,13 +46,10 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from nanochat.model.gpt import GPT, preset_config  # noqa: E402
-from nanochat.model.hf import (  # noqa: E402
-    HFTokenizer,
-    export_hf,
-    gpt_config_from_hf,
-    load_hf_model,
-    resolve_model,
-)
+from nanochat.model.export import export_hf  # noqa: E402
+from nanochat.model.hf import gpt_config_from_hf, load_hf_model  # noqa: E402
+from nanochat.model.hub import resolve_model  # noqa: E402
+from nanochat.tokenizer.hf import HFTokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320
@@ -487,7 +486,7 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     from nanochat import rundir as runlock
     from nanochat.checkpoint import save_checkpoint
     from nanochat.common import logger
-    from nanochat.model.hf import model_from_state_dict
+    from nanochat.model.export import model_from_state_dict
 
     directory, _ = saved["qwen2_tied"]
     model, tok = load_hf_model(directory)

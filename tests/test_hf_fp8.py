@@ -34,7 +34,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 from nanochat.common import UsageError  # noqa: E402
-from nanochat.model.hf import export_hf, load_hf_model  # noqa: E402
+from nanochat.model.export import export_hf  # noqa: E402
+from nanochat.model.hf import load_hf_model  # noqa: E402
 from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, quantize_checkpoint, sqnr_db  # noqa: E402
 from tests.test_hf import TOL, _byte_level_tokenizer, _save_tokenizer  # noqa: E402
 

@@ -49,12 +49,12 @@ import torch.nn.functional as F
 import nanochat.data.prepare as data
 from nanochat.data import instruct
 from nanochat.data.prepare import DataError, TokenBatches, load_corpus, pack_records, tokenize_records, val_batches
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
 
-from nanochat.model.hf import HFTokenizer  # noqa: E402
+from nanochat.tokenizer import HFTokenizer  # noqa: E402
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -108,8 +108,8 @@ def _runs(ids, mask):
 
 
 @pytest.fixture(scope="module")
-def tok(small_corpus) -> Tokenizer:
-    return Tokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
+def tok(small_corpus) -> BPETokenizer:
+    return BPETokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
 
 
 def _hf_tokenizer(template: str | None, extra_texts: list[str] = (), **special) -> HFTokenizer:

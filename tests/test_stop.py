@@ -39,7 +39,8 @@ import pytest
 import torch
 
 from nanochat.checkpoint import latest_checkpoint, load_checkpoint
-from nanochat.common import DistEnv, DeviceReads
+from nanochat.common import DistEnv
+from nanochat.device import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.train.stop import Stopped, resume_command
 from nanochat.train.trainer import NanoChatTrainer

@@ -51,7 +51,7 @@ from nanochat.data.prepare import (
     DataError, TokenBatches, load_corpus, pack_records, prepare_data, tokenize_docs, tokenize_records,
 )
 from nanochat.data.sources import list_sources, plan_sources, split_texts
-from nanochat.tokenizer import Tokenizer, take_chars
+from nanochat.tokenizer import BPETokenizer, take_chars
 from tests.conftest import tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +59,8 @@ WORDS = ("alpha", "beta", "gamma", "délta", "ε", "日本", "zeta", "eta", "the
 
 
 @pytest.fixture(scope="module")
-def tok(small_corpus) -> Tokenizer:
-    return Tokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
+def tok(small_corpus) -> BPETokenizer:
+    return BPETokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 400, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def write_mixed(root: Path) -> list[tuple[str, str]]:
     return sorted(docs, key=lambda d: d[0].split("#")[0])  # files in path order, rows and lines in file order
 
 
-def _reference(tok: Tokenizer, docs: list[tuple[str, str]], val: bool) -> list[int]:
+def _reference(tok: BPETokenizer, docs: list[tuple[str, str]], val: bool) -> list[int]:
     return [t for doc_id, text in docs if _is_val(doc_id) == val for t in [tok.bos_id, *tok.encode(text)]]
 
 
@@ -146,7 +146,7 @@ def test_store_streams_equal_the_reference_and_tokenize_docs(mixed, tok, caplog)
 
 def test_default_corpus_stream_equals_tokenize_docs(tmp_path, small_corpus):
     """The standard library, as `make train` reads it: the same tokens as the in-memory path."""
-    tok = Tokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 300, progress=False)
+    tok = BPETokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 300, progress=False)
     store = prepare_data(None, tokenizer=tok, cache_root=tmp_path).store
     corpus = load_corpus(None)
     assert np.array_equal(store.train.read(), tokenize_docs(tok, corpus.train_docs, progress=False).numpy())
@@ -261,7 +261,7 @@ from pathlib import Path
 import nanochat.data.store as store
 from nanochat.common import setup_logging
 from nanochat.data.prepare import prepare_data
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer
 root, tok_dir, cache, ready = sys.argv[1:5]
 real = store._tokenize_piece
 def slow(job, tokenizer=None):
@@ -274,7 +274,7 @@ setup_logging()
 Path(ready + f".{os.getpid()}").touch()
 while len(list(Path(ready).parent.glob(Path(ready).name + ".*"))) < int(sys.argv[5]):  # start together
     time.sleep(0.05)
-prepared = prepare_data(root, tokenizer=Tokenizer.load(tok_dir), cache_root=cache, workers=1, piece_bytes=2000)
+prepared = prepare_data(root, tokenizer=BPETokenizer.load(tok_dir), cache_root=cache, workers=1, piece_bytes=2000)
 print("RESULT " + json.dumps({"path": str(prepared.store.path),
                               "files": {n: f["sha256"] for n, f in prepared.store.manifest["files"].items()}}), flush=True)
 """
@@ -472,8 +472,8 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tok_dir):
     os.mkfifo(root / "zz.txt")  # opening it to read would wait for a writer forever
     assert list_sources(root).skipped == {sources.SPECIAL: 1}
     code = ("import sys; from nanochat.common import setup_logging; from nanochat.data.prepare import load_corpus, prepare_data;"
-            " from nanochat.tokenizer import Tokenizer; setup_logging(); c = load_corpus(sys.argv[1]);"
-            " s = prepare_data(sys.argv[1], tokenizer=Tokenizer.load(sys.argv[2]), cache_root=sys.argv[3]).store;"
+            " from nanochat.tokenizer import BPETokenizer; setup_logging(); c = load_corpus(sys.argv[1]);"
+            " s = prepare_data(sys.argv[1], tokenizer=BPETokenizer.load(sys.argv[2]), cache_root=sys.argv[3]).store;"
             " print('OK', c.describe() == s.describe())")
     r = subprocess.run([sys.executable, "-c", code, str(root), str(tok_dir), str(tmp_path / "cache")],
                        capture_output=True, text=True, timeout=120,

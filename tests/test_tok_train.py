@@ -1,7 +1,7 @@
 """scripts/tok_train.py end to end on a tiny corpus: once as a user runs it (a subprocess), the
 other cases in-process through its `main(argv)` (an interpreter start costs seconds on 2 cores).
 
-Checked against: the saved directory (it must load with Tokenizer.load and have the vocabulary
+Checked against: the saved directory (it must load with BPETokenizer.load and have the vocabulary
 size asked for), the printed report (vocab, compression, fingerprint), the one-line FP8 note
 exactly when an FP8 flag differs from its default, and exit status 2 with a message for an
 invalid flag value and for a bad --dataset_path; a --tokenizer_dir that holds a tokenizer is
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tok_train.py"
 
@@ -33,7 +33,7 @@ def test_trains_saves_and_notes_fp8(small_corpus, tmp_path):
     notes = [line for line in r.stdout.splitlines() if "do not apply to tokenizer training" in line]
     assert notes == ["note: --fp8, --fp8_mode do not apply to tokenizer training (it has no matmuls); ignored"]
     assert "vocab 300 (asked 300)" in r.stdout and "bytes/token" in r.stdout
-    tok = Tokenizer.load(out_dir)
+    tok = BPETokenizer.load(out_dir)
     assert tok.vocab_size == 300 and tok.fingerprint in r.stdout
     assert tok.decode(tok.encode("def main():\n")) == "def main():\n"
 
@@ -50,7 +50,7 @@ def test_no_fp8_note_without_fp8_flags(small_corpus, tmp_path, capsys):
                     "--vocab_size", "260"]) == 0
     out = capsys.readouterr().out
     assert "do not apply" not in out and "vocab 260" in out
-    assert Tokenizer.load(tmp_path / "t").vocab_size == 260
+    assert BPETokenizer.load(tmp_path / "t").vocab_size == 260
 
 
 def test_bad_values_exit_2(tmp_path, capsys):
@@ -74,7 +74,7 @@ def test_an_existing_tokenizer_is_replaced_only_with_overwrite_and_a_runs_never(
     assert "already holds a tokenizer" in err and "--overwrite" in err and "Traceback" not in err, err
     assert {p.name: p.read_bytes() for p in tok_dir.iterdir()} == before
     assert _main()([*args[:2], "--vocab_size", "270", "--tokenizer_dir", str(tok_dir), "--overwrite"]) == 0
-    assert Tokenizer.load(tok_dir).vocab_size == 270
+    assert BPETokenizer.load(tok_dir).vocab_size == 270
 
     run_tok = tmp_path / "run" / "tokenizer"  # a run's own tokenizer, next to its metrics
     shutil.copytree(tok_dir, run_tok)

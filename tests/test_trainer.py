@@ -18,7 +18,7 @@ import torch
 
 from nanochat import rundir as runlock
 from nanochat.checkpoint import latest_checkpoint
-from nanochat.common import DeviceReads
+from nanochat.device import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import perturbed_init, tiny_train_kwargs, train_until_first_save

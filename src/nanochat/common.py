@@ -1,23 +1,24 @@
-"""Shared plumbing: device and dtype choice, logging that prints once, seeding, distributed env,
-atomic file writes.
+"""Shared plumbing: errors and exit statuses, logging that prints once, the distributed
+environment, number and table formatting, atomic file writes, file hashes.
 
-Everything here is small and has no opinion about models or FP8. The rule for messages is the
-project's rule: a fallback or a surprising choice is said once, with its reason, and the caller
-records it in the run's results (`TrainResult.fallbacks`); nothing degrades silently.
+Everything here is small, has no opinion about models or FP8, and imports no torch: the configs
+(nanochat.config) sit on it, and a script's `--help` must not wait for torch to load. What needs
+torch (the device and dtype choice, seeding, counting device-to-host reads) is nanochat.device,
+at the same bottom layer. The rule for messages is the project's rule: a fallback or a surprising
+choice is said once, with its reason, and the caller records it in the run's results
+(`TrainResult.fallbacks`); nothing degrades silently.
 
 Errors a user can act on are `NanoChatError`s (`UsageError` for a bad flag or input: exit 2;
 the base class for a run that failed on its environment or its data on disk: exit 1). Every
 entrypoint runs under `run_main`, which prints them, and ordinary OS errors, as one `error:`
 line; `--debug` shows the traceback instead.
 """
-
 from __future__ import annotations
 
 import errno
 import hashlib
 import logging
 import os
-import random
 import secrets
 import shutil
 import sys
@@ -27,9 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
-
-import torch
-import torch.utils._python_dispatch
 
 logger = logging.getLogger("nanochat")
 
@@ -157,55 +155,6 @@ def dist_env() -> DistEnv:
     )
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    """`auto` -> cuda (this process's local rank) if available, else mps, else cpu."""
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", dist_env().local_rank)
-        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:  # torch: "Expected one of cpu, cuda, ... device type at start of ..."
-        raise UsageError(f"--device {name!r} is not a device torch knows ({e}); use cpu, cuda, "
-                         "cuda:N, mps or auto") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise UsageError(f"--device {name!r}: nanochat runs on cpu, cuda (cuda:N) or mps; use one of "
-                         "those or auto")
-    if device.type == "mps" and not (getattr(torch.backends, "mps", None) is not None
-                                     and torch.backends.mps.is_available()):
-        raise UsageError(f"--device {name!r} was requested but this machine has no MPS backend; "
-                         "use --device cpu or auto")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            f"--device {name!r} was requested but torch.cuda.is_available() is False "
-            f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). "
-            "Use --device cpu, or install a CUDA build: make install TORCH=torch"
-        )
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                         f"numbered from 0; use --device cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
-    return device
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype: `auto` is bf16 on CUDA (tensor cores) and fp32 elsewhere.
-
-    On CPU bf16 matmuls are slower than fp32 on most cores and numerically worse, so fp32 is
-    the default there; `--dtype bfloat16` overrides it.
-    """
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise UsageError(f"unknown --dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
-
-
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in `path`; a `UsageError` naming the file and `fix` if it is not one."""
     import json
@@ -217,55 +166,6 @@ def read_json_object(path: Path, fix: str) -> dict:
     if not isinstance(obj, dict):
         raise UsageError(f"{path} holds a JSON {type(obj).__name__}, expected an object; {fix}")
     return obj
-
-
-def host_read(t: torch.Tensor) -> list:
-    """A device tensor's values as Python numbers: one device-to-host read. An explicit copy
-    (`_to_copy` to cpu), so a tool counting reads sees it on a CPU run as well as on CUDA."""
-    return t.to("cpu", copy=True).tolist()
-
-
-class DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
-    """`with DeviceReads() as r: ...` then `r.count`: the times the code made the host wait on a
-    device's values: `.item()`/`float()`/`bool()`/`int()` of a tensor (aten._local_scalar_dense)
-    and copies to the CPU (from a device, or an explicit `.to("cpu", copy=True)` such as
-    `host_read`'s, so a CPU run counts the same reads a GPU run makes; a plain `.tolist()` or
-    `.cpu()` of a CPU tensor dispatches nothing and is not seen). `also_to_device=True` counts
-    copies onto a device too (an optimizer step should move nothing between devices). Ops that
-    compiled code runs inside its graph are not dispatched here."""
-
-    def __init__(self, *, also_to_device: bool = False):
-        super().__init__()
-        self.also_to_device = also_to_device
-        self.reads: list[str] = []
-
-    @property
-    def count(self) -> int:
-        return len(self.reads)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        aten = torch.ops.aten
-        if func is aten._local_scalar_dense.default:
-            self.reads.append(str(func))
-        elif func in (aten._to_copy.default, aten.copy_.default):
-            copy_ = func is aten.copy_.default
-            src = args[1] if copy_ else args[0]
-            dst = args[0].device if copy_ else torch.device(kwargs.get("device") or src.device)
-            # an explicit same-device copy that keeps the dtype (host_read's `.to("cpu", copy=True)`);
-            # one that changes it is a cast that happens to name the device (rms_norm of bf16 does)
-            explicit = not copy_ and "device" in kwargs and kwargs.get("dtype", src.dtype) == src.dtype
-            if torch.is_tensor(src) and (src.device != dst or explicit) and (
-                    dst.type == "cpu" or self.also_to_device):
-                self.reads.append(f"{func} {src.device} -> {dst}")
-        return func(*args, **kwargs)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
 
 
 def format_bytes(n: float) -> str:
@@ -316,7 +216,7 @@ def publish_directory(out: str | os.PathLike, fill: Callable[[Path], None]) -> P
     `out`'s place, so a reader sees the old directory or the complete new one and no file of the
     old one survives next to the new ones. An existing `out` is set aside and deleted only once
     the new one is in place; on any error the temporary directory goes and the old one is back.
-    The caller decides whether `out` may be replaced (nanochat.model.hf.check_export_dir)."""
+    The caller decides whether `out` may be replaced (nanochat.model.export.check_export_dir)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"

@@ -50,7 +50,7 @@ from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.config.fp8 import RESUME_FIELDS, ROLES
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
 from nanochat.train.guard import StepGuard
-from nanochat.model.hf import check_export_dir
+from nanochat.model.export import check_export_dir
 from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
 from nanochat.optim import MASTER_WEIGHTS, MasterWeights, OptimWrapper, param_dtype
 from nanochat.train.stop import StopNow, StopSignals, Stopped, signal_name, stop_line

@@ -45,7 +45,7 @@ from nanochat.common import (
 from nanochat.config import RESUME_MUST_MATCH, TrainConfig, flag_text
 from nanochat.distributed import DCP_DIRNAME
 from nanochat.model.gpt import PRESETS
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer, Tokenizer
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"checkpoint-(\d+)\.pt")
@@ -473,7 +473,7 @@ class Saved:
     step: int
     meta: dict[str, Any]
     """Everything it holds but the tensors (a DCP step's trainer.json)."""
-    tokenizer: Any = None
+    tokenizer: Tokenizer | None = None
     """--init_from: the source run's tokenizer, checked against the checkpoint."""
     weights: dict[str, torch.Tensor] | None = None
     """--init_from of a .pt: its model state, memory-mapped until loaded."""
@@ -623,7 +623,7 @@ class Checkpointer:
                                 f"{path.parent} to use the previous step")
         return meta
 
-    def read_resume(self, total_steps: int, tokenizer: Any) -> Saved:
+    def read_resume(self, total_steps: int, tokenizer: Tokenizer) -> Saved:
         """--resume, before the model is built: the newest checkpoint, verified, whose settings and
         tokenizer this run shares. Refused before any work: a checkpoint at or past the last step
         (it would train nothing; one whose run died before its result.json does resume, to finish)."""
@@ -696,7 +696,7 @@ class Checkpointer:
         if not (src / "tokenizer").is_dir():
             raise UsageError(f"--init_from {src}: its tokenizer/ directory is missing, and the weights only mean "
                              "something with the tokenizer they were trained with; restore it from the run")
-        tokenizer = Tokenizer.load(src / "tokenizer")
+        tokenizer = BPETokenizer.load(src / "tokenizer")
         if tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
             raise UsageError(f"--init_from {src}: {src / 'tokenizer'} is not the tokenizer its checkpoint was "
                              "trained with (fingerprints differ); restore the run's own tokenizer/")

@@ -1,7 +1,7 @@
 """FP8Config: everything that decides how a model trains in FP8, in one frozen dataclass.
 
 The command line's FP8 flags (`--fp8`, `--fp8_mode`, ...) are generated from these fields by
-nanochat.config, so each field is defined, documented and validated here once. This file
+nanochat.config.fields, so each field is defined, documented and validated here once. This file
 imports nothing heavy: parsing flags (and `--help`) does not load torch or torchao.
 """
 

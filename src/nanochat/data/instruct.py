@@ -22,7 +22,10 @@ file and line. The formats in full, with the rejected alternatives: docs/instruc
 from __future__ import annotations
 
 import string
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from nanochat.tokenizer import ChatTokenizer, Tokenizer
 
 SHAPES_HELP = (
     '{"text": "..."} (plain text, every token scored); {"prompt": "...", "completion": "..."}; '
@@ -146,15 +149,15 @@ def _preview(value: Any, limit: int = 80) -> str:
 
 
 # --------------------------------------------------------------- rendering
-def render(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[bool]]:
-    """(token ids, loss mask) of one conversation: our special tokens for our `Tokenizer`, the
-    chat template for a Hugging Face tokenizer (anything with `render_chat`)."""
+def render(tokenizer: Tokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
+    """(token ids, loss mask) of one conversation: our special tokens for our BPETokenizer, the
+    chat template for a Hugging Face tokenizer (a ChatTokenizer: anything with `render_chat`)."""
     if hasattr(tokenizer, "render_chat"):
         return _render_template(tokenizer, messages)
     return _render_ours(tokenizer, messages)
 
 
-def check_tokenizer(tokenizer: Any) -> None:
+def check_tokenizer(tokenizer: Tokenizer) -> None:
     """ValueError unless `tokenizer` can render records: a chat template (Hugging Face) or our
     special tokens."""
     if hasattr(tokenizer, "render_chat"):
@@ -163,7 +166,7 @@ def check_tokenizer(tokenizer: Any) -> None:
         _our_specials(tokenizer)
 
 
-def generation_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
+def generation_prompt(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
     """Token ids of the conversation before its last assistant message, ending with the
     generation prompt (`<|assistant_start|>` / the template's): what a model is given at
     inference to produce that answer, e.g. to sample from a fine-tuned model."""
@@ -176,7 +179,7 @@ def generation_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
     return ids + [_our_specials(tokenizer)["<|assistant_start|>"]]
 
 
-def _our_specials(tokenizer: Any) -> dict[str, int]:
+def _our_specials(tokenizer: Tokenizer) -> dict[str, int]:
     specials = getattr(tokenizer, "special_tokens", {})
     missing = [s for s in ("<|user_start|>", "<|assistant_start|>", "<|end|>") if s not in specials]
     if missing:
@@ -185,7 +188,7 @@ def _our_specials(tokenizer: Any) -> dict[str, int]:
     return specials
 
 
-def _render_ours(tokenizer: Any, messages: list[Message], *,
+def _render_ours(tokenizer: Tokenizer, messages: list[Message], *,
                  require_answer: bool = True) -> tuple[list[int], list[bool]]:
     sp = _our_specials(tokenizer)
     turns = list(messages)
@@ -209,14 +212,14 @@ def _render_ours(tokenizer: Any, messages: list[Message], *,
     return ids, mask
 
 
-def _require_template(tokenizer: Any) -> None:
+def _require_template(tokenizer: ChatTokenizer) -> None:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this Hugging Face tokenizer has no chat template, so instruction records cannot "
                          "be formatted for it; pass --chat_template plain|chatml|llama3|<file.jinja>, or add "
                          "one (chat_template.jinja, or \"chat_template\" in tokenizer_config.json)")
 
 
-def _render_template(tokenizer: Any, messages: list[Message]) -> tuple[list[int], list[bool]]:
+def _render_template(tokenizer: ChatTokenizer, messages: list[Message]) -> tuple[list[int], list[bool]]:
     _require_template(tokenizer)
     full_text = tokenizer.render_chat(messages)
     ids = tokenizer.encode(full_text, allow_special=True)
@@ -234,7 +237,7 @@ def _render_template(tokenizer: Any, messages: list[Message]) -> tuple[list[int]
     return ids, mask
 
 
-def _prefix_length(tokenizer: Any, prefix: list[Message], generation: bool, full_text: str,
+def _prefix_length(tokenizer: ChatTokenizer, prefix: list[Message], generation: bool, full_text: str,
                    full_ids: list[int], turn: int) -> int:
     """len(encode(render(prefix))), after checking that it is a token prefix of full_ids."""
     text = tokenizer.render_chat(prefix, add_generation_prompt=generation)
@@ -307,7 +310,8 @@ PLAIN_FALLBACK = (
 """The fallback line: logged once and recorded in TrainResult.fallbacks."""
 
 
-def choose_chat_template(tokenizer: Any, chat_template: str | None, *, records: bool) -> tuple[Any, str | None]:
+def choose_chat_template(tokenizer: Tokenizer, chat_template: str | None, *,
+                         records: bool) -> tuple[Tokenizer, str | None]:
     """(the tokenizer to render with, the fallback taken or None), for --chat_template.
 
     `chat_template`: a built-in name (plain, chatml, llama3), a Jinja file, or None: the
@@ -333,7 +337,7 @@ def own_tokenizer_template_problem(chat_template: str) -> str:
             "Drop the flag")
 
 
-def _with_template(tokenizer: Any, chat_template: str) -> Any:
+def _with_template(tokenizer: ChatTokenizer, chat_template: str) -> ChatTokenizer:
     if chat_template in BUILTIN_TEMPLATES:
         source = BUILTIN_TEMPLATES[chat_template]
         missing = [t for t in _TEMPLATE_TOKENS.get(chat_template, ()) if not tokenizer.has_token(t)]
@@ -369,7 +373,7 @@ class ChoiceItem(NamedTuple):
     """Index of the correct option."""
 
 
-def choice_items(tokenizer: Any, records: list[list[Message]], max_tokens: int | None = None) -> list[ChoiceItem]:
+def choice_items(tokenizer: Tokenizer, records: list[list[Message]], max_tokens: int | None = None) -> list[ChoiceItem]:
     """The multiple-choice records among `records` (others are skipped), each rendered once per
     option letter as the answer. Rendering through `render` keeps the letter's tokens exactly as
     training scores them (`B` after a chat header, ` B` after `Answer:` in the plain format). The

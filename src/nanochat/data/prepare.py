@@ -45,7 +45,7 @@ from nanochat.data.sources import (
 )
 from nanochat.data.store import TokenStore, build_store, dataset_dir, load_plan, locked, open_store, report, store_dir
 from nanochat.data.streams import Packing, TokenStream, pack_layout
-from nanochat.tokenizer import META_FILE, Tokenizer
+from nanochat.tokenizer import META_FILE, BPETokenizer, Tokenizer
 
 DEFAULT_MAX_CHARS = 20_000_000
 """Characters a tokenizer is trained on when trained on the fly (TokTrainConfig's default)."""
@@ -96,13 +96,13 @@ class PreparedData:
 
     sources: Sources
     store: TokenStore
-    tokenizer: Any
+    tokenizer: Tokenizer
     """The tokenizer the store was built with (with the chat template chosen, for records)."""
     fallbacks: list[str]
     """What was not as asked (a smaller vocabulary, the plain chat format), each with its reason."""
 
 
-def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Any = None, vocab_size: int = 4096,
+def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Tokenizer | None = None, vocab_size: int = 4096,
                  chat_template: str | None = None, cache_root: str | os.PathLike, resume: bool = False,
                  recorded: dict[str, Any] | None = None, workers: int = 0, progress: bool = True,
                  piece_bytes: int | None = None, max_chars: int = DEFAULT_MAX_CHARS, build: bool = True) -> PreparedData:
@@ -252,7 +252,7 @@ def _corpus(name: str, source: str, train: list[Doc], val: list[Doc], note: str,
 
 # ---------------------------------------------------------------- tokenizer
 def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.PathLike,
-                           max_chars: int = DEFAULT_MAX_CHARS, *, progress: bool = True, train: bool = True) -> Tokenizer:
+                           max_chars: int = DEFAULT_MAX_CHARS, *, progress: bool = True, train: bool = True) -> BPETokenizer:
     """The tokenizer trained on the first `max_chars` characters of the corpus's training
     documents (`sources.split_texts`), from `cache_root/tokenizer-<listing>-<vocab>-<chars>/`
     when already trained there (keyed by the sources' listing: a start reads no document).
@@ -265,7 +265,7 @@ def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.Pat
     target = cache_root / f"tokenizer-{plan.sources.fingerprint}-{vocab_size}-{max_chars}chars"
     if (target / META_FILE).is_file():
         try:
-            tok = Tokenizer.load(target)
+            tok = BPETokenizer.load(target)
         except (OSError, ValueError) as e:
             raise DataError(f"cached tokenizer {target} is unreadable ({e}); delete that directory "
                             "to retrain it") from None
@@ -278,7 +278,7 @@ def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.Pat
     logger.info("tokenizer: training a %d-token BPE on %s characters of %s", vocab_size,
                 f"{sum(len(t) for t in texts):,}", plan.sources.name)
     t0 = time.perf_counter()
-    tok = Tokenizer.train(texts, vocab_size, progress=progress)
+    tok = BPETokenizer.train(texts, vocab_size, progress=progress)
     logger.info("tokenizer: trained %s in %.1fs", tok, time.perf_counter() - t0)
     if tok.vocab_size < vocab_size:
         warn_once(f"small-vocab:{target}", f"the corpus supports only {tok.vocab_size} tokens, not "
@@ -291,7 +291,7 @@ def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.Pat
         os.rename(tmp, target)
     except OSError:  # another process renamed its copy first: same corpus, same merges
         shutil.rmtree(tmp, ignore_errors=True)
-        return Tokenizer.load(target)
+        return BPETokenizer.load(target)
     return tok
 
 
@@ -340,7 +340,7 @@ RECORDS_FORMAT = 3
 """Bump when `nanochat.data.instruct` renders records differently: it is part of the cache key."""
 
 
-def tokenize_records(tokenizer: Any, records: list[list[dict[str, str]]], *, ids: list[str] | None = None,
+def tokenize_records(tokenizer: Tokenizer, records: list[list[dict[str, str]]], *, ids: list[str] | None = None,
                      cache_dir: str | os.PathLike | None = None, progress: bool = True,
                      with_starts: bool = False):
     """tokens [n_tokens] int32 and loss_mask [n_tokens] bool of instruction records, one after the

@@ -46,7 +46,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
@@ -58,6 +58,9 @@ from nanochat.data.sources import (
     plan_sources, read_unit, unreadable, val_hash,
 )
 from nanochat.data.streams import TokenStream
+
+if TYPE_CHECKING:
+    from nanochat.tokenizer import Tokenizer
 
 try:
     import fcntl
@@ -130,7 +133,7 @@ class TokenStore:
                 yield json.loads(line)
 
 
-def store_dir(dataset_dir: Path, tokenizer: Any) -> Path:
+def store_dir(dataset_dir: Path, tokenizer: Tokenizer) -> Path:
     return dataset_dir / f"tokens-{tokenizer.fingerprint}"
 
 
@@ -274,7 +277,7 @@ def _cpus() -> int:
 
 
 @contextlib.contextmanager
-def _pool(workers: int, tokenizer: Any = None, tasks: int | None = None) -> Iterator[ProcessPoolExecutor | None]:
+def _pool(workers: int, tokenizer: Tokenizer | None = None, tasks: int | None = None) -> Iterator[ProcessPoolExecutor | None]:
     """A process pool of `workers` (0: one per core), None when one process is enough. Workers
     are forked on Linux (the tokenizer is inherited, nothing is re-imported: PyTorch's DataLoader
     does the same), spawned elsewhere; they ignore SIGINT, so Ctrl-C stops the build once."""
@@ -292,10 +295,10 @@ def _pool(workers: int, tokenizer: Any = None, tasks: int | None = None) -> Iter
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-_worker_tokenizer: Any = None
+_worker_tokenizer: Tokenizer | None = None
 
 
-def _init_worker(tokenizer: Any) -> None:
+def _init_worker(tokenizer: Tokenizer) -> None:
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tokenizer = tokenizer
@@ -319,7 +322,7 @@ class _Job:
         return sum(u.nbytes for u in self.units)
 
 
-def build_store(plan: Plan, tokenizer: Any, path: Path, *, workers: int = 0, progress: bool = True,
+def build_store(plan: Plan, tokenizer: Tokenizer, path: Path, *, workers: int = 0, progress: bool = True,
                 piece_bytes: int | None = None) -> TokenStore:
     """Tokenize the corpus of `plan` into a store at `path` (see the module docstring); complete
     pieces of an earlier, interrupted build of the same corpus and tokenizer are kept. The
@@ -441,7 +444,7 @@ class _Writer:
         self.tmp.unlink(missing_ok=True)
 
 
-def _tokenize_piece(job: _Job, tokenizer: Any = None) -> dict[str, Any]:
+def _tokenize_piece(job: _Job, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """A worker's task: the piece's documents tokenized into its files, then its record."""
     tokenizer = tokenizer if tokenizer is not None else _worker_tokenizer
     dtype = np.dtype(job.dtype)
@@ -521,7 +524,7 @@ class _Progress:
             self.bar.close()
 
 
-def _finalize(plan: Plan, tokenizer: Any, path: Path, pieces: list[tuple[Path, dict[str, Any]]],
+def _finalize(plan: Plan, tokenizer: Tokenizer, path: Path, pieces: list[tuple[Path, dict[str, Any]]],
               dtype: np.dtype) -> dict[str, Any]:
     """Decide the split and concatenate the pieces into the store's files; the manifest's fields
     but `build`."""
@@ -642,7 +645,7 @@ def _copy(src: str, start: int, stop: int, out: _Writer) -> None:
             left -= len(block)
 
 
-def _write_cut(plan: Plan, tokenizer: Any, path: Path, dtype: np.dtype, files: dict[str, dict[str, Any]],
+def _write_cut(plan: Plan, tokenizer: Tokenizer, path: Path, dtype: np.dtype, files: dict[str, dict[str, Any]],
                split: dict[str, Any]) -> str:
     """A corpus of one document: its last VAL_FRACTION of characters are the validation split."""
     unit, doc = next((u, d) for u in plan.units for d in read_unit(plan.sources.root, u, Counter()))

@@ -31,7 +31,8 @@ from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with i
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
-from nanochat.common import format_table, host_read
+from nanochat.common import format_table
+from nanochat.device import host_read
 from nanochat.fp8.linear import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, FP8Linear
 
 EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)

@@ -152,7 +152,7 @@ def preset_config(name: str, *, vocab_size: int, seq_len: int) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(
             f"unknown model preset {name!r}; presets are: {', '.join(PRESETS)} "
-            "(depth d, width 64*d). Hugging Face checkpoints are resolved by nanochat.model.hf.resolve_model."
+            "(depth d, width 64*d). Hugging Face checkpoints are resolved by nanochat.model.hub.resolve_model."
         )
     return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, **PRESETS[name])
 

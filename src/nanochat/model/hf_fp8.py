@@ -28,23 +28,17 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from nanochat.common import UsageError, format_table
-
-Quantize = Literal["none", "fp8", "fp8_block"]
+from nanochat.config.export import SQNR_FLOOR_DB, Quantize
 
 E4M3_MAX = 448.0
 """float8_e4m3fn's largest finite value: a channel's (block's) amax maps to it."""
 BLOCK = 128
 """fp8_block's block edge: DeepSeek-V3's 128x128 weight blocks, activation groups of 128."""
-SQNR_FLOOR_DB = 28.0
-"""A layer whose FP8 weight SQNR is below this stays bf16. e4m3 rounding gives 24.6 dB at worst
-(each value off by at most 1/17 of itself) and 31.5-33.1 dB on every weight distribution measured
-(Gaussian, Laplace, Student-t, uniform, int8 grids: BENCHMARKS.md); 28 dB, 2.2x the typical noise
-power, flags layers well below typical. A 20 dB floor could never trigger: see the module docstring."""
 REPORT_FILE = "fp8_report.json"
 """Written next to the weights: the scheme, the floor and each Linear's SQNR or why it stayed bf16."""
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

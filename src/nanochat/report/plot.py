@@ -36,15 +36,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nanochat.common import UsageError, write_atomic
+from nanochat.config.tools import MAX_ROWS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 logger = logging.getLogger("nanochat")
 
-MAX_ROWS = 48
-"""Health-map rows before layers are grouped: 48 labelled rows at 6.5 pt fill a ~7 inch panel,
-the most that stays legible (d12's 72 layers and beyond are grouped)."""
 STATS = {"underflow_pct": "underflow %", "saturation_pct": "saturation %"}
 SOFTWARE = "nanochat plot_run"
 """The PNG's Software field: how plot_run recognises a picture it drew and may replace."""

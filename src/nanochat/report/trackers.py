@@ -34,19 +34,11 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from nanochat.common import NanoChatError, UsageError, logger, write_atomic
+from nanochat.config.train import LogChoice
 
-LogChoice = Literal["jsonl", "tensorboard", "wandb"]
-"""A `--log` choice. The field, on TrainConfig and so on NanoChatTrainer:
-
-    log: tuple[LogChoice, ...] = ("jsonl",)
-    \"\"\"Where the run's metrics go. metrics.jsonl is always written (resume and plot_run read
-    it); `tensorboard` adds <run_dir>/tensorboard/ (pip install -e '.[tensorboard]'), `wandb` a
-    W&B run that follows W&B's own settings: WANDB_MODE, WANDB_PROJECT (default nanochat), ...
-    (pip install -e '.[wandb]'). A resume continues both. docs/trackers.md\"\"\"
-"""
 LOG_CHOICES: tuple[str, ...] = get_args(LogChoice)
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_id"

@@ -227,8 +227,10 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
     """(model, tokenizer, step) of a run directory's newest checkpoint, or of a Hugging Face
     directory (step None)."""
     from nanochat.model.gpt import GPT, preset_config
-    from nanochat.model.hf import load_hf_model, model_from_state_dict, resolve_model
-    from nanochat.tokenizer import Tokenizer
+    from nanochat.model.export import model_from_state_dict
+    from nanochat.model.hf import load_hf_model
+    from nanochat.model.hub import resolve_model
+    from nanochat.tokenizer import BPETokenizer
 
     if run_dir is None:
         resolved = resolve_model(model_name)
@@ -252,7 +254,7 @@ def load_saved(run_dir: str | None, model_name: str | None, device: torch.device
     if resolve_model(name).kind == "hf":
         model, tok = model_from_state_dict(name, ckpt["model"], tokenizer_dir=tok_dir)
     else:
-        tok = Tokenizer.load(tok_dir)
+        tok = BPETokenizer.load(tok_dir)
     if tok.fingerprint != ckpt.get("tokenizer_fingerprint", tok.fingerprint):
         raise UsageError(f"--run_dir {run_dir}: {tok_dir} is not the tokenizer its checkpoint was trained with "
                          "(fingerprints differ: its token ids mean other text); restore the run's own tokenizer/")
@@ -269,7 +271,7 @@ def evaluate_saved(cfg) -> EvalResult:
     """`scripts/eval.py` with an `EvalConfig`: the validation split's loss and accuracy, read from
     the corpus's token store for the model's tokenizer (built first if missing)."""
     from nanochat.checkpoint import checkpoint_name
-    from nanochat.common import resolve_device, resolve_dtype
+    from nanochat.device import resolve_device, resolve_dtype
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)

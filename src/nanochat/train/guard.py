@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 import torch.nn as nn
 
-from nanochat.common import NanoChatError, host_read, logger
+from nanochat.common import NanoChatError, logger
+from nanochat.device import host_read
 from nanochat.distributed import DTensor
 from nanochat.fp8.stats import first_nonfinite_layer
 

@@ -24,7 +24,7 @@ import torch
 from nanochat.common import DistEnv, NanoChatError, UsageError, format_bytes
 from nanochat.config import TrainConfig
 from nanochat.distributed import backend_name
-from nanochat.model.hf import ResolvedModel, resolve_model
+from nanochat.model.hub import ResolvedModel, resolve_model
 from nanochat.data.instruct import own_tokenizer_template_problem
 from nanochat.report.plot import check_can_draw
 from nanochat.report.trackers import check_trackers

@@ -29,10 +29,10 @@ from nanochat.common import DistEnv, UsageError, logger
 from nanochat.config import TrainConfig
 from nanochat.data.prepare import TokenBatches, TokenStream, prepare_data, recorded_sources, val_batches
 from nanochat.train.evaluation import describe_scoring
-from nanochat.model.hf import HFTokenizer, ResolvedModel
+from nanochat.model.hub import ResolvedModel
 from nanochat.data.sources import Sources
 from nanochat.data.store import TokenStore
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
 
 
 @dataclass
@@ -42,7 +42,7 @@ class RunData:
     sources: Sources
     """The corpus's files as this run found them (recorded in the run directory at a fresh start)."""
     store: TokenStore
-    tokenizer: Tokenizer | HFTokenizer
+    tokenizer: Tokenizer
     train: TokenStream
     """The training stream (instruction records: packed into windows, with the loss mask)."""
     val: TokenStream
@@ -98,14 +98,14 @@ class RunData:
                    token_bytes=tokenizer.token_bytes().to(device), loader=loader, steps_per_epoch=steps_per_epoch)
 
 
-def _given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | HFTokenizer | None:
+def _given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | None:
     """The tokenizer the run must use, loaded before the corpus; None: train one on it."""
     if cfg.init_from is not None and cfg.resume:  # the tokenizer this run started with (the source may be gone)
-        return Tokenizer.load(Path(cfg.run_dir) / "tokenizer")
+        return BPETokenizer.load(Path(cfg.run_dir) / "tokenizer")
     if model.kind == "hf":
         return HFTokenizer.load(model.path)
     if cfg.tokenizer_dir:
-        return Tokenizer.load(cfg.tokenizer_dir)
+        return BPETokenizer.load(cfg.tokenizer_dir)
     return None
 
 

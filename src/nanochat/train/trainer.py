@@ -49,17 +49,18 @@ from nanochat.train import preflight
 from nanochat.train.compiled import Compiled
 from nanochat.checkpoint import Checkpointer, Saved
 from nanochat.common import (
-    NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, resolve_device,
-    resolve_dtype, seed_everything, setup_logging,
+    NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, setup_logging,
 )
 from nanochat.config import TrainConfig, flag_text, flags_in_log
+from nanochat.device import resolve_device, resolve_dtype, seed_everything
 from nanochat.train.evaluation import Evaluator
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.optim import FP8Optim, wrap_optimizer
 from nanochat.fp8.training import FP8Step
 from nanochat.model.gpt import GPT, preset_config
 from nanochat.train.guard import StepGuard
-from nanochat.model.hf import ResolvedModel, gpt_config_from_hf, load_hf_model
+from nanochat.model.hf import gpt_config_from_hf, load_hf_model
+from nanochat.model.hub import ResolvedModel
 from nanochat.train.metrics import MetricsLog, Throughput, TrainResult
 from nanochat.optim import OptimWrapper, optimizer_state_bytes, param_dtype
 from nanochat.report.plot import plot_after_run

@@ -1,0 +1,223 @@
+"""The field groups: flags two or more entrypoints share, each declared once.
+
+A group is a frozen dataclass mixin (ModelFields, DataFields, BatchFields, ScheduleFields,
+DeviceFields, SourceFields, FP8Fields) that the configs inherit, so the flags keep their flat
+names (`--seq_len`, not `--batch.seq_len`) and tyro reads each field's help from the docstring
+under it, in the group. Each group checks its own values in `__post_init__`, chained through
+`super()` down to nanochat.config.checks.Checked. Nested dataclasses (tyro's subcommand-style
+`--batch.seq_len`) were rejected: the flags are the documented interface, and the same names are
+NanoChatTrainer's keyword arguments.
+
+The FP8 flags are generated from nanochat.config.fp8.FP8Config (type, help text, checks), each
+named by `FP8_FLAGS`, so FP8 has one definition; `flag_text` rewrites FP8Config's messages with
+the flags' names, and `flags_in_log` does the same for what nanochat.fp8 logs during a CLI run.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import inspect
+import logging
+import re
+import textwrap
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import tyro
+
+from nanochat.common import logger
+from nanochat.config.checks import RESUME, Checked, check_vocab_size, finite, kept, non_negative, positive
+from nanochat.config.fp8 import RESUME_FIELDS, FP8Config
+
+FP8_FLAGS = {
+    "enabled": "fp8", "mode": "fp8_mode", "recipe": "fp8_recipe", "layers": "fp8_layers", "emulate": "fp8_emulate",
+    "opt_level": "fp8_opt_level", "skip_fqns": "fp8_skip", "min_dim": "fp8_min_dim",
+    "auto_steps": "fp8_auto_steps", "auto_recheck_every": "fp8_auto_recheck_every",
+    "stats_every": "fp8_stats_every",
+}
+"""FP8Config field -> the flag that sets it. The flags are generated from FP8Config (type, help
+text, validation); only their names, `-f` and `--fp8`'s default (off) are the CLI's own. A field
+without a flag (`fsdp_float8_all_gather`) is decided by the trainer, not the user."""
+
+
+def flag_text(text: str) -> str:
+    """An FP8Config message or help text as the CLI shows it: `mode` becomes --fp8_mode."""
+    return re.sub(r"`(\w+)`", lambda m: "--" + FP8_FLAGS[m[1]] if m[1] in FP8_FLAGS else m[0], text)
+
+
+class _FlagText(logging.Filter):
+    """Log records as the CLI's user reads them: nanochat.fp8 names FP8Config's fields (`emulate`),
+    a run configured by TrainConfig has flags (--fp8_emulate)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if (text := flag_text(message)) != message:
+            record.msg, record.args = text, ()
+        return True
+
+
+@contextlib.contextmanager
+def flags_in_log():
+    """Within the block, what the nanochat logger prints names FP8 settings by their flags."""
+    flt = _FlagText()
+    logger.addFilter(flt)
+    try:
+        yield
+    finally:
+        logger.removeFilter(flt)
+
+
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (what tyro shows as help)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, docs = tree.body[0].body, {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return docs
+
+
+def _fp8_fields() -> type:
+    """The FP8 flags as a field group, generated from FP8Config; RESUME_FIELDS are kept on resume."""
+    hints, docs = typing.get_type_hints(FP8Config), _attribute_docs(FP8Config)
+    fields = []
+    for f in dataclasses.fields(FP8Config):
+        if f.name not in FP8_FLAGS:
+            continue
+        arg = tyro.conf.arg(help=flag_text(docs[f.name]), aliases=("-f",) if f.name == "enabled" else None)
+        default = False if f.name == "enabled" else f.default
+        field = dataclasses.field(default=default, metadata=RESUME if f.name in RESUME_FIELDS else {})
+        fields.append((FP8_FLAGS[f.name], Annotated[hints[f.name], arg], field))
+
+    def fp8_config(self) -> FP8Config:
+        """The FP8Config these flags describe (raises ValueError naming the flags)."""
+        try:
+            return FP8Config(**{name: getattr(self, flag) for name, flag in FP8_FLAGS.items()})
+        except ValueError as e:
+            raise ValueError(flag_text(str(e))) from None
+
+    return dataclasses.make_dataclass(
+        "FP8Fields", fields, bases=(Checked,), namespace={
+            "fp8_config": fp8_config, "__module__": __name__,
+            "__doc__": "The FP8 flags, generated from nanochat.fp8.FP8Config (base_train, tok_train)."},
+        frozen=True, kw_only=True)
+
+
+FP8Fields = _fp8_fields()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFields(Checked):
+    """Which model trains, and from which weights (base_train, fp8_parity)."""
+
+    model_name: str = kept("d4")
+    """Model: a size preset (d2, d4, d6, d8, d12, d20, d26: depth d, width 64*d), a local
+    Hugging Face directory, or a hub id found in the local Hugging Face cache."""
+
+    init_from: str | None = kept(None)
+    """Start from the weights of another run of a preset model: the newest verified checkpoint in
+    that run directory (fine-tuning a model pretrained with nanochat, e.g. at a lower --lr on other data).
+    Its model and tokenizer are used (--model_name must name the same preset; the run's tokenizer
+    replaces --tokenizer_dir and --vocab_size); the optimizer, step count, learning-rate schedule
+    and data order start fresh. A run of a Hugging Face model is continued from its export
+    (scripts/export_hf.py, then --model_name <that directory>)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataFields(Checked):
+    """The corpus and the tokenizer trained on it (base_train, fp8_parity)."""
+
+    dataset_path: str | None = kept(None)
+    """A text file or a directory of .txt, .md, .py, .jsonl or .parquet files. Records with a
+    "text" field are plain text; records with prompt/completion, chat "messages", or ARC-style
+    question/choices/answerKey are instruction data, formatted with the model's chat template and
+    scored on the answer tokens only. Default: this Python's own standard-library sources."""
+
+    vocab_size: int = kept(4096)
+    """Vocabulary size of a tokenizer trained on the fly (ignored with --tokenizer_dir)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_vocab_size(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchFields(Checked):
+    """How tokens are cut into sequences and batches, in training and evaluation (base_train,
+    fp8_parity, eval)."""
+
+    seq_len: int = kept(256)
+    """Tokens per sequence: the training context (a preset's context length), and the window
+    evaluation scores (a longer multiple-choice prompt keeps its last seq_len tokens)."""
+
+    batch_size: int = 16
+    """Sequences per forward pass on each device."""
+
+    eval_tokens: int = 32768
+    """Validation tokens per evaluation (the loss; the multiple-choice accuracy scores the records
+    within as many prompt tokens, at least one)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        positive(self, "seq_len", "batch_size", "eval_tokens")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleFields(Checked):
+    """How long a run trains, at which learning rate, and how often it evaluates (base_train,
+    fp8_parity)."""
+
+    num_iterations: int = -1
+    """Optimizer steps to run; -1 means as many as --num_epochs needs."""
+
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+
+    warmup_steps: int = 20
+    """Linear warmup steps from 0 to --lr (then cosine decay)."""
+
+    eval_every: int = 100
+    """Measure validation loss and bits per byte every N steps (and at the end); 0: only at the end."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        finite(self, "lr")
+        if self.num_iterations == 0 or self.num_iterations < -1:
+            raise ValueError(f"--num_iterations must be -1 (use --num_epochs) or positive, got {self.num_iterations}")
+        if not 0 < self.lr < 1:
+            raise ValueError(f"--lr must be in (0, 1), got {self.lr}")
+        non_negative(self, "warmup_steps", "eval_every")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceFields(Checked):
+    """Where and in which precision the model computes (base_train, fp8_parity, eval)."""
+
+    device: str = "auto"
+    """cuda, cpu, mps, or auto (cuda if available)."""
+
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto is bfloat16 autocast on CUDA and float32 elsewhere."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceFields(Checked):
+    """The model a script reads: a training run's checkpoint, or a model as loaded (exactly one)."""
+
+    run_dir: str | None = None
+    """A training run directory: its newest checkpoint and its saved tokenizer (and chat template)."""
+
+    model_name: str | None = None
+    """Instead of --run_dir: a local Hugging Face directory or a cached hub id, as loaded."""
+
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.run_dir is None) == (self.model_name is None):
+            raise ValueError("give exactly one of --run_dir (a trained run) or --model_name (a model as loaded)")

@@ -1,0 +1,239 @@
+"""TrainConfig: every flag of a training run, `scripts/base_train.py`'s CLI and
+`NanoChatTrainer(**kwargs)`'s keyword arguments, in one frozen dataclass.
+
+It inherits the shared field groups (nanochat.config.fields: FP8, model, data, batches, schedule,
+device) and adds what only training has: the optimizer, checkpoints and resume, logging, sampling
+and the memory switches. Checkpoints store it as a plain dict (`to_dict`), so a run is resumed and
+inspected without unpickling anything; `RESUME_MUST_MATCH` (what a --resume must share with its
+checkpoint) is read off the fields marked `kept`. Values are checked here, at construction; what
+a value means for the machine or the files (a device, a path) is checked at start-up
+(nanochat.train.preflight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from nanochat.common import warn_once
+from nanochat.config.checks import RESUME, finite, kept, non_negative, positive
+from nanochat.config.fields import BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields
+
+LogChoice = Literal["jsonl", "tensorboard", "wandb"]
+"""A `--log` choice (TrainConfig.log): metrics.jsonl, always written, and the trackers
+nanochat.report.trackers adds (TensorBoard, W&B)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields, FP8Fields):  # type: ignore[misc]
+    """Train (or continue training) a GPT on a corpus. `scripts/base_train.py`."""
+
+    # --help lists the groups' flags last base first (FP8, model, data, batches, schedule,
+    # device), then these
+
+    tokenizer_dir: str | None = kept(None)
+    """A tokenizer saved by scripts/tok_train.py. Default: train one on the corpus (cached)."""
+
+    grad_accum_steps: int = kept(1)
+    """Forward/backward passes per optimizer step (effective batch = batch_size * this * ranks)."""
+
+    num_epochs: int = 1
+    """Full passes over the training tokens (ignored when --num_iterations is set)."""
+
+    final_lr_frac: float = 0.1
+    """The learning rate decays (cosine) from --lr to this fraction of it at the last step."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay for matrices (norms, biases and embeddings get none)."""
+
+    beta1: float = 0.9
+    """Adam beta1."""
+
+    beta2: float = 0.95
+    """Adam beta2."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+
+    max_bad_steps: int = 10
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
+    such step is skipped, its layer named); the last good checkpoint stays intact. The step
+    guard's limit (nanochat.train.guard), with or without FP8."""
+
+    fp8_max_overflows: int | None = None
+    """The former name of --max_bad_steps (the guard is not FP8's): sets it, and says so once."""
+
+    save_every: int = 200
+    """Write a checkpoint every N steps (and at the end); 0: only at the end."""
+
+    save_checkpoints: bool = True
+    """Write checkpoints (every --save_every steps and at the end). --no_save_checkpoints writes
+    none, for benchmarks (a d26 checkpoint is ~10 GB, hashed and synced to disk): such a run
+    cannot be resumed, continued with --init_from or exported; metrics.jsonl, result.json and
+    the tokenizer are still written."""
+
+    log: tuple[LogChoice, ...] = ("jsonl",)
+    """Where the run's metrics go. metrics.jsonl is always written (resume and plot_run read it);
+    `tensorboard` adds <run_dir>/tensorboard/ (pip install -e '.[tensorboard]'), `wandb` a W&B run
+    that follows W&B's own settings: WANDB_MODE, WANDB_PROJECT (default nanochat), ... (pip install
+    -e '.[wandb]'). A resume continues both. docs/trackers.md"""
+
+    plot: bool = False
+    """At the end of the run, draw <run_dir>/run.png: loss and validation bpb against tokens,
+    tokens/s, MFU and the FP8 health map (what scripts/plot_run.py draws; pip install -e '.[plots]')."""
+
+    run_dir: str = "runs/default"
+    """Where checkpoints, metrics.jsonl and the tokenizer cache of this run go. A directory that
+    already holds a run is never reused silently: continue it with --resume or replace it with
+    --overwrite."""
+
+    resume: bool = False
+    """Continue from the newest checkpoint in --run_dir (model, optimizer, step, RNG, data
+    position); it is verified against its checksum first. A finished run, or one already past
+    --num_iterations, is refused: pass a larger --num_iterations to train on."""
+
+    overwrite: bool = False
+    """Start a fresh run in a --run_dir that already holds one: deletes its checkpoints,
+    metrics.jsonl and result.json first (a checkpoint nanochat cannot tell it wrote, e.g. one
+    without its manifest, is refused, never deleted). Without it (or --resume) such a directory
+    is refused."""
+
+    keep_checkpoints: int = 2
+    """Keep the newest N checkpoints (DCP step directories in distributed runs; older ones are
+    deleted after each save), so a damaged newest checkpoint still leaves one to resume from."""
+
+    seed: int = kept(1337)
+    """Seed for weights, data order and sampling."""
+
+    compile: bool = True
+    """torch.compile the training model (after FP8 conversion); --no_compile runs eagerly.
+    torchao's FP8 layers are fast only compiled (eager casts run as separate kernels). If
+    compiling fails (no C++ compiler for CPU code, an unsupported backend) the run warns once,
+    trains eagerly and records the fallback. Compile time is reported on its own, not in tokens/s."""
+
+    compile_scope: Literal["model", "blocks"] = "model"
+    """What --compile compiles: the whole model as one graph, or each transformer block (one
+    graph that every block reuses: compile time stops growing with depth). Measured on an H200
+    at d12 (BENCHMARKS.md): per block halves compile time but costs 13% of bf16 tokens/s (the
+    embedding, head and loss run eagerly) and, with FP8, recompiles per block; hence model."""
+
+    fsdp: bool = False
+    """Under torchrun: shard parameters with FSDP2 (fully_shard) instead of DDP."""
+
+    num_samples: int = 3
+    """Samples generated at the end of training (0: none)."""
+
+    sample_tokens: int = 64
+    """Tokens per generated sample."""
+
+    temperature: float = 0.8
+    """Sampling temperature (0: greedy)."""
+
+    top_k: int = 50
+    """Sample from the k most likely tokens (0: all)."""
+
+    chat_template: str | None = None
+    """How instruction records are rendered for a Hugging Face model: a built-in format (plain:
+    prompt and answer joined, for base models; chatml; llama3) or a Jinja file. Default: the
+    model's own chat template, or plain when it has none (logged, recorded as a fallback)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping
+    them (torch.utils.checkpoint per block): activation memory drops to one block input per
+    layer, at the cost of a second forward pass through every block."""
+
+    master_weights: Literal["fp32", "bf16", "bf16_sr", "bf16_split"] = kept("fp32")
+    """How parameters are stored and updated: fp32 (4 bytes a parameter, gradients 4); or in
+    bf16 (2 + 2) with the fp32 update written by round to nearest (bf16: small updates are
+    lost), stochastic rounding (bf16_sr: seeded by --seed, unbiased) or kept exactly with a
+    16-bit remainder in the optimizer state (bf16_split: 2 more bytes). With --fp8_opt_level 2:
+    ~6 bytes a parameter of training state (bf16_split ~8) instead of ~10. docs/master_weights.md."""
+
+    master_weights_emulate: bool = kept(False)
+    """With a bf16 --master_weights: keep the parameters as fp32 tensors holding bf16 values and
+    round gradients to bf16 in the update, so the model computes in fp32 with bf16 master-weight
+    numerics. For CPUs without fast bf16 matmuls (parity studies); saves no memory."""
+
+    optimizer_in_backward: bool = False
+    """Step each parameter inside the backward as soon as its gradient is ready and free that
+    gradient: the gradients' memory is gone. Needs --grad_accum_steps 1 and --grad_clip 0 (there
+    is no global norm before the last gradient); not under torchrun (DDP/FSDP reduce gradients
+    after these steps). A parameter whose gradient is not finite is left unchanged."""
+
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the groups' checks
+        finite(self, "final_lr_frac", "weight_decay", "beta1", "beta2", "grad_clip", "temperature")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --run_dir, --overwrite deletes it: give one")
+        if self.init_from is not None:
+            if self.tokenizer_dir is not None:
+                raise ValueError("--init_from brings the tokenizer its run was trained with (the embeddings "
+                                 "know its token ids): drop --tokenizer_dir")
+            if os.path.realpath(self.init_from) == os.path.realpath(self.run_dir):
+                raise ValueError(f"--init_from {self.init_from} is also --run_dir: a new run would clobber the "
+                                 "run it starts from. Give another --run_dir (or --resume to continue that run)")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"--keep_checkpoints must be >= 1 (the newest checkpoint), got {self.keep_checkpoints}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
+        if not self.run_dir.strip():
+            raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
+        self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
+        if self.fp8_max_overflows is not None:
+            if self.max_bad_steps not in (TrainConfig.max_bad_steps, self.fp8_max_overflows):
+                raise ValueError(f"--fp8_max_overflows {self.fp8_max_overflows} is the former name of --max_bad_steps "
+                                 f"{self.max_bad_steps}: give --max_bad_steps only")
+            object.__setattr__(self, "max_bad_steps", self.fp8_max_overflows)
+            warn_once("fp8_max_overflows", "--fp8_max_overflows is the former name of --max_bad_steps (the step "
+                      "guard runs in every run, FP8 or not): use --max_bad_steps")
+        if self.max_bad_steps < 1:
+            raise ValueError(f"--max_bad_steps must be >= 1, got {self.max_bad_steps}")
+        positive(self, "grad_accum_steps")
+        non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
+                      "temperature")
+        if self.num_iterations == -1 and self.num_epochs < 1:
+            raise ValueError(f"--num_epochs must be >= 1, got {self.num_epochs}")
+        if not 0 <= self.final_lr_frac <= 1:
+            raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        if self.master_weights_emulate and self.master_weights == "fp32":
+            raise ValueError("--master_weights_emulate emulates bf16 master weights: give --master_weights bf16, "
+                             "bf16_sr or bf16_split with it")
+        if self.optimizer_in_backward and self.grad_accum_steps > 1:
+            raise ValueError(f"--optimizer_in_backward steps at every backward, so it cannot accumulate "
+                             f"{self.grad_accum_steps} micro-batches: use --grad_accum_steps 1 (a larger "
+                             "--batch_size, or activation checkpointing to afford one), or drop --optimizer_in_backward")
+        if self.optimizer_in_backward and self.grad_clip > 0:
+            raise ValueError(f"--optimizer_in_backward steps each parameter before the global gradient norm "
+                             f"exists, so --grad_clip {self.grad_clip:g} cannot be applied: pass --grad_clip 0, "
+                             "or drop --optimizer_in_backward")
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""
+        d = dataclasses.asdict(self)
+        d["fp8_skip"], d["log"] = list(self.fp8_skip), list(self.log)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Inverse of to_dict; unknown keys (from a newer version) are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"config has fields this version does not know: {unknown}")
+        return cls(**d)
+
+
+RESUME_MUST_MATCH = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.metadata == RESUME)
+"""The flags a --resume must share with its checkpoint (the fields marked `_kept`): they change
+the model, the data stream or the optimizer's meaning. Everything else (--num_iterations,
+--eval_every, ...) may differ, so a run can be extended. --batch_size is compared as the global
+batch (batch_size x ranks) instead (nanochat.checkpoint)."""
