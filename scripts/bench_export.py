@@ -209,7 +209,7 @@ def bench(cfg: BenchExportConfig) -> int:
 
     from nanochat.data import instruct
     from nanochat.checkpoint import load_checkpoint
-    from nanochat.data.prepare import load_corpus
+    from nanochat.data.corpus import load_corpus
     from nanochat.train.evaluation import choice_counts
     from nanochat.model.hf import HFTokenizer, export_hf, load_hf_model, model_from_state_dict
     from nanochat.model.hf_fp8 import require_compressed_tensors, sqnr_db

@@ -95,7 +95,7 @@ CASES = [
     ("eval", [*DATA, "--run_dir", "{missing}"], 2,
      ["--run_dir {missing}", "no such directory", "point --run_dir at"]),
     ("eval", [*DATA, "--run_dir", "{empty}"], 2, ["--run_dir {empty} holds no checkpoint", "point --run_dir at"]),
-    ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ is missing", "restore it"]),
+    ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ directory is missing", "restore it"]),
     ("eval", [*DATA, "--run_dir", "{mismatched}", "--device", "cpu"], 2,
      ["{mismatched}/tokenizer is not the tokenizer its checkpoint was trained with", "restore the run's own"]),
     ("eval", [*DATA, "--run_dir", "{no_weights}", "--device", "cpu"], 1,
@@ -137,7 +137,7 @@ def test_a_run_in_progress_without_a_checkpoint_says_so(paths, tmp_path, script)
     first checkpoint: not only "holds no checkpoint", but that a run is in progress, and whose."""
     run_dir = tmp_path / "running"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import runlock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir as runlock\n"
                                "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})

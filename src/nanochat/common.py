@@ -13,6 +13,7 @@ line; `--debug` shows the traceback instead.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -205,6 +206,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     except KeyError:
         raise UsageError(f"unknown --dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
 
+
+def autocast_context(device: torch.device, dtype: torch.dtype):
+    """The context a forward runs in at compute dtype `dtype` (resolve_dtype): bf16 autocast
+    over fp32 weights, or nothing for fp32. Training and evaluation use the same one."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in `path`; a `UsageError` naming the file and `fix` if it is not one."""

@@ -308,6 +308,11 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     that follows W&B's own settings: WANDB_MODE, WANDB_PROJECT (default nanochat), ... (pip install
     -e '.[wandb]'). A resume continues both. docs/trackers.md"""
 
+    log_every: int = 10
+    """Where stdout is not a terminal (nohup, slurm, a pipe, a file): one plain line (step, loss,
+    lr, tokens/s, MFU, ETA) every N steps and at the last, instead of a progress bar that would
+    fill the log with refreshes. On a terminal the bar shows every step."""
+
     plot: bool = False
     """At the end of the run, draw <run_dir>/run.png: loss and validation bpb against tokens,
     tokens/s, MFU and the FP8 health map (what scripts/plot_run.py draws; pip install -e '.[plots]')."""
@@ -405,6 +410,7 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
             if os.path.realpath(self.init_from) == os.path.realpath(self.run_dir):
                 raise ValueError(f"--init_from {self.init_from} is also --run_dir: a new run would clobber the "
                                  "run it starts from. Give another --run_dir (or --resume to continue that run)")
+        _positive(self, "log_every")
         if self.keep_checkpoints < 1:
             raise ValueError(f"--keep_checkpoints must be >= 1 (the newest checkpoint), got {self.keep_checkpoints}")
         for name in ("beta1", "beta2"):
