@@ -75,7 +75,7 @@ sys.exit(rc)
 
 IN_MEMORY = r'''
 import json, sys, time
-from nanochat.data.prepare import load_corpus, tokenize_docs
+from nanochat.data.corpus import load_corpus, tokenize_docs
 from nanochat.tokenizer import BPETokenizer
 tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()
@@ -90,7 +90,8 @@ print("RESULT " + json.dumps({"read_s": t1 - t0, "tokenize_s": t2 - t1, "seconds
 
 STORE_DATA = r'''
 import json, os, sys, time
-from nanochat.data.prepare import TokenBatches, prepare_data
+from nanochat.data.batches import TokenBatches
+from nanochat.data.prepare import prepare_data
 from nanochat.tokenizer import BPETokenizer
 tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()

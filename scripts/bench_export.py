@@ -224,7 +224,7 @@ def bench(cfg: BenchExportConfig) -> int:
 
     from nanochat.checkpoint import load_checkpoint
     from nanochat.data import instruct
-    from nanochat.data.prepare import load_corpus
+    from nanochat.data.corpus import load_corpus
     from nanochat.model.export import export_hf, model_from_state_dict
     from nanochat.model.hf import load_hf_model
     from nanochat.model.hf_fp8 import require_compressed_tensors, sqnr_db

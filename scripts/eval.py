@@ -1,14 +1,19 @@
-"""Evaluate a model on a dataset without training: validation loss and multiple-choice accuracy.
+"""Evaluate a model on a dataset without training: validation loss, bits per byte and
+multiple-choice accuracy.
 
     python scripts/eval.py --run_dir runs/arc --dataset_path data/arc            # a trained run
     python scripts/eval.py --model_name org/name --dataset_path data/arc         # a model as loaded
 
 The validation split is the one training uses (split files: the validation files); a run is
-evaluated at its newest checkpoint, named with its step in the output. Accuracy
-picks the option whose answer tokens have the highest log-likelihood (nanochat.train.evaluation); the
-records are rendered with the run's chat template, or as --chat_template says. Errors are one
-`error:` line (exit 2: bad flags or input, e.g. a run directory without a checkpoint; 1: e.g. a
-corrupt checkpoint); `--debug` adds the traceback.
+evaluated at its newest checkpoint, named with its step in the output. The loss and bits per
+byte are the run's own function on the same windows (nanochat.train.evaluation.loss_and_bpb):
+with the run's --seq_len and --eval_tokens, eval.py on a finished run reproduces result.json's
+val_loss and val_bpb. Accuracy picks the option whose answer tokens have the highest
+log-likelihood; the records are rendered with the run's chat template, or as --chat_template
+says. The last line is JSON: val_loss, val_bpb, val_accuracy, tokens, questions,
+accuracy_scoring, evaluated, step. Errors are one `error:` line (exit 2: bad flags or input,
+e.g. a run directory without a checkpoint; 1: e.g. a corrupt checkpoint); `--debug` adds the
+traceback.
 """
 
 import json
@@ -31,12 +36,12 @@ def evaluate(cfg: EvalConfig) -> int:
     accuracy = (f"val accuracy {result.val_accuracy:.4f} ({result.questions} questions, "
                 f"{result.accuracy_scoring})" if result.val_accuracy is not None else "no multiple-choice records")
     print0(f"evaluated {result.source}")
-    print0(f"val loss {result.val_loss:.4f} | {accuracy}")
+    print0(f"val loss {result.val_loss:.4f} | val bpb {result.val_bpb:.4f} ({result.tokens:,} tokens) | {accuracy}")
     for f in result.fallbacks:
         print0(f"fallback: {f}")
-    print0(json.dumps({"val_loss": result.val_loss, "val_accuracy": result.val_accuracy,
-                       "questions": result.questions, "accuracy_scoring": result.accuracy_scoring,
-                       "evaluated": result.source, "step": result.step}))
+    print0(json.dumps({"val_loss": result.val_loss, "val_bpb": result.val_bpb, "val_accuracy": result.val_accuracy,
+                       "tokens": result.tokens, "questions": result.questions,
+                       "accuracy_scoring": result.accuracy_scoring, "evaluated": result.source, "step": result.step}))
     return 0
 
 

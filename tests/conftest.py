@@ -1,12 +1,18 @@
-"""Shared fixtures: a small real-text corpus and an isolated cache for tokenizers and tokens."""
+"""Shared fixtures and helpers: a small real-text corpus, an isolated cache for tokenizers and
+tokens, a tiny training run, a script loaded as a module, a run's metrics.jsonl, a small MLP,
+process launching with a kill on timeout, and the last-bit perturbation pass."""
 
 import contextlib
+import importlib.util
+import json
 import math
 import os
 import secrets
 import signal
 import subprocess
+import sys
 import sysconfig
+import types
 from pathlib import Path
 
 # One intra-op thread for the whole suite, subprocesses included: the tests use tiny shapes that
@@ -18,6 +24,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: scripts/, examples/, src/."""
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +56,39 @@ def tiny_train_kwargs(corpus: Path, run_dir: Path, **over) -> dict:
               eval_tokens=2048, save_every=0, num_samples=1, sample_tokens=8, device="cpu")
     kw.update(over)
     return kw
+
+
+def load_script(name: str, folder: str = "scripts") -> types.ModuleType:
+    """`<folder>/<name>.py` of the repository imported as a module, its main not run; registered
+    in sys.modules (as `<folder>_<name>`) so that dataclasses defined in it resolve their types."""
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", ROOT / folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_records(run: Path | str) -> list[dict]:
+    """The records of a run's metrics.jsonl (`run`: its run directory or the file), one per line,
+    read as strict JSON: a NaN or Infinity, which only Python's parser reads, fails the test."""
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    return [json.loads(line, parse_constant=_not_json) for line in path.read_text().splitlines()]
+
+
+def _not_json(constant: str):
+    raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON (a non-finite value must be null)")
+
+
+def mlp(*widths: int, act: type[torch.nn.Module] = torch.nn.ReLU, bias: bool = True,
+        seed: int = 0) -> torch.nn.Sequential:
+    """Linear layers of `widths` (128, 256, 128: two) with `act` between them, initialized from `seed`."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (a, b) in enumerate(zip(widths, widths[1:])):
+        layers += [act()] if i else []
+        layers.append(torch.nn.Linear(a, b, bias=bias))
+    return torch.nn.Sequential(*layers)
 
 
 def train_until_first_save(kwargs: dict, monkeypatch) -> None:

@@ -95,7 +95,7 @@ CASES = [
     ("eval", [*DATA, "--run_dir", "{missing}"], 2,
      ["--run_dir {missing}", "no such directory", "point --run_dir at"]),
     ("eval", [*DATA, "--run_dir", "{empty}"], 2, ["--run_dir {empty} holds no checkpoint", "point --run_dir at"]),
-    ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ is missing", "restore it"]),
+    ("eval", [*DATA, "--run_dir", "{no_tokenizer}", "--device", "cpu"], 2, ["tokenizer/ directory is missing", "restore it"]),
     ("eval", [*DATA, "--run_dir", "{mismatched}", "--device", "cpu"], 2,
      ["{mismatched}/tokenizer is not the tokenizer its checkpoint was trained with", "restore the run's own"]),
     ("eval", [*DATA, "--run_dir", "{no_weights}", "--device", "cpu"], 1,

@@ -11,25 +11,19 @@ weights one last bit away. 1e-2 leaves 16x that, and a broken compiled step (a l
 wrong gradients) exceeds it.
 """
 
-import importlib.util
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import last_bits
+from tests.conftest import last_bits, load_script
 
-ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("transformers")
 
 
 def _example():
-    spec = importlib.util.spec_from_file_location("custom_loop", ROOT / "examples" / "custom_loop.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("custom_loop", "examples")
 
 
 def _losses(out: str) -> list[float]:

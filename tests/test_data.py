@@ -1,4 +1,5 @@
-"""Data: corpora, splits, token streams and batches, checked against independent references.
+"""Data: corpora, splits, token streams and batches, checked against independent references
+(nanochat.data.sources, nanochat.data.corpus: the in-memory path, nanochat.data.batches).
 
 - corpora: the documents read back equal the files written (jsonl lines, parquet rows); order is
   sorted relative paths; hidden entries are ignored; binary / empty / other-extension files are
@@ -29,14 +30,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import nanochat.data.prepare as data
-from nanochat.data.prepare import DataError, TokenBatches, load_corpus, tokenize_docs, val_batches
+import nanochat.data.corpus as corpus_mod
+from nanochat.data.batches import TokenBatches, val_batches
+from nanochat.data.corpus import load_corpus, tokenize_docs
+from nanochat.data.sources import VAL_FRACTION, DataError
 from nanochat.data.sources import val_hash
 from nanochat.tokenizer import BPETokenizer
 
 
 def _sha1_val(doc_id: str) -> bool:
-    return int(hashlib.sha1(doc_id.encode()).hexdigest()[:16], 16) / 2**64 < data.VAL_FRACTION
+    return int(hashlib.sha1(doc_id.encode()).hexdigest()[:16], 16) / 2**64 < VAL_FRACTION
 
 
 def _ids(corpus):
@@ -51,7 +54,7 @@ def tok(small_corpus) -> BPETokenizer:
 @pytest.fixture
 def warnings(monkeypatch) -> list[str]:
     seen: list[str] = []
-    monkeypatch.setattr(data, "warn_once", lambda key, msg: seen.append(msg))
+    monkeypatch.setattr(corpus_mod, "warn_once", lambda key, msg: seen.append(msg))
     return seen
 
 
@@ -118,7 +121,7 @@ def test_single_file_is_split_by_characters(tmp_path):
     c = load_corpus(tmp_path / "book.txt")
     assert len(c.train_docs) == len(c.val_docs) == 1
     assert c.train_docs[0] + c.val_docs[0] == text
-    assert len(c.val_docs[0]) == round(len(text) * data.VAL_FRACTION)
+    assert len(c.val_docs[0]) == round(len(text) * VAL_FRACTION)
     assert "last" in c.split_note and "characters" in c.describe()
 
 

@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from nanochat.checkpoint import latest_checkpoint
-from tests.conftest import perturbed_init, run_launch, tiny_train_kwargs
+from tests.conftest import perturbed_init, run_launch, run_records, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -73,13 +73,11 @@ without the perturbation pass; between a resumed and the uninterrupted run, at m
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+    return {r["step"]: r["loss"] for r in run_records(run_dir) if "loss" in r}
 
 
 def _val_losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["val_loss"] for r in lines if "val_loss" in r}
+    return {r["step"]: r["val_loss"] for r in run_records(run_dir) if "val_loss" in r}
 
 
 def _kwargs(corpus: Path, run_dir: Path, **over) -> dict:

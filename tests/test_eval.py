@@ -20,7 +20,13 @@ without a chat template (a base model) whose vocabulary has ` A` and ` B` but sp
   (apply_chat_template gives our rendering); its accuracy, computed by transformers, equals the
   run's final val_accuracy.
 - scripts/eval.py on the run reproduces the run's final accuracy, naming the checkpoint and step it
-  evaluated (the run's newest); on the base model, step 0's.
+  evaluated (the run's newest), and result.json's val_loss and val_bpb within 1e-5 relative; on
+  the base model, step 0's. The same on a plain-text run (in-process, another batch size): its
+  val_loss and val_bpb. Both are `loss_and_bpb` on the same windows: they differ only where a
+  batch of other size sums fp32 in another order (~1e-7 relative), so 1e-5 has 100x to spare,
+  and a different window, mask or byte count moves them by far more (one window is 1/64 of
+  the tokens scored here). eval.py says which of --seq_len / --eval_tokens the run used when
+  they differ.
 - The run exported with --quantize fp8 next to the plain export: scripts/eval.py --model_name
   on each (nanochat dequantizes the FP8 one); the FP8 accuracy equals transformers' on the same
   export with its dequantizing route (the same weights, so the MARGIN argument above holds), and
@@ -51,6 +57,7 @@ pytest.importorskip("jinja2")
 from nanochat.data import instruct  # noqa: E402
 from nanochat.checkpoint import latest_checkpoint  # noqa: E402
 from nanochat.train.evaluation import choice_counts  # noqa: E402
+from tests.conftest import load_script, run_records, tiny_train_kwargs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "red green blue cat dog fish sun moon star tree rock sand water fire ice wind".split()
@@ -178,7 +185,7 @@ def test_flagship_run_reports_plan_fallback_and_accuracy(flagship):
     assert "memory plan (estimate)" in out and "fits" in out
     assert "fallback: " + instruct.PLAIN_FALLBACK in out
     assert "step 0: val loss" in out and "val accuracy" in out
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = run_records(run)
     acc = {r["step"]: r["val_accuracy"] for r in records if "val_accuracy" in r}
     assert sorted(acc) == [0, 10, 20]
     result = json.loads((run / "result.json").read_text())
@@ -223,9 +230,9 @@ def test_export_reloads_with_our_logits_template_and_accuracy(flagship, tmp_path
 def test_eval_script_reproduces_the_runs_accuracy(flagship):
     model_dir, data, run, out = flagship
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")}
-    final = json.loads((run / "result.json").read_text())["val_accuracy"]
-    step0 = next(json.loads(line)["val_accuracy"] for line in (run / "metrics.jsonl").read_text().splitlines()
-                 if json.loads(line).get("step") == 0)
+    result = json.loads((run / "result.json").read_text())
+    final = result["val_accuracy"]
+    step0 = next(r["val_accuracy"] for r in run_records(run) if r.get("step") == 0)
     newest = latest_checkpoint(run)
     evaluated = {str(run): (f"{newest.path} (step {newest.step})", newest.step), str(model_dir): (str(model_dir), None)}
     for source, expected in ((["--run_dir", str(run)], final), (["--model_name", str(model_dir)], step0)):
@@ -234,24 +241,50 @@ def test_eval_script_reproduces_the_runs_accuracy(flagship):
         assert r.returncode == 0, r.stderr[-3000:]
         report = json.loads(r.stdout.strip().splitlines()[-1])
         assert report["val_accuracy"] == expected and report["questions"] == 24
+        # the run's loss and bits per byte, at its end (the run's checkpoint) or its step 0 (the base model)
+        measured = result if source[0] == "--run_dir" else next(rec for rec in run_records(run) if rec.get("step") == 0)
+        for key in ("val_loss", "val_bpb"):
+            assert report[key] == pytest.approx(measured[key], rel=1e-5), (source[0], key)
         # which checkpoint (and step) was evaluated, in the report and the printed lines
         assert (report["evaluated"], report["step"]) == evaluated[source[1]]
         assert f"evaluated {report['evaluated']}" in r.stdout
         assert report["accuracy_scoring"] == "option log-likelihood (1-2 tokens per option)"
 
 
+def test_eval_script_reproduces_a_text_runs_loss_and_bpb(small_corpus, tmp_path, capsys, monkeypatch):
+    """Plain text: eval.py's val_loss and val_bpb are result.json's (rel 1e-5, module docstring),
+    with another --batch_size; without the run's --eval_tokens it says which the run used."""
+    from nanochat.common import logger
+    from nanochat.train.trainer import NanoChatTrainer
+
+    run = tmp_path / "run"
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, run, num_iterations=6, num_samples=0)).train()
+    main = load_script("eval").main
+    monkeypatch.setattr(logger, "handlers", [])  # eval.py logs to this test's stderr (capsys's)
+    capsys.readouterr()
+    common = ["--run_dir", str(run), "--dataset_path", str(small_corpus), "--device", "cpu", "--seq_len", "32"]
+    assert main([*common, "--eval_tokens", "2048", "--batch_size", "3"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["tokens"] > 1000 and report["val_accuracy"] is None and report["step"] == 6
+    assert report["val_loss"] == pytest.approx(result.val_loss, rel=1e-5)
+    assert report["val_bpb"] == pytest.approx(result.val_bpb, rel=1e-5)
+    assert main(common) == 0  # the default --eval_tokens: more windows, another figure, and a note
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["tokens"] > report["tokens"]
+    assert "the run evaluated with --eval_tokens 2048" in err
+
+
 def test_single_token_letters_score_as_their_logits(tmp_path):
     """A vocabulary with ` A` ... ` D` as single tokens: every prediction is the old rule's (the
     largest of the letters' logits after the prompt), and so is the accuracy. Exact: with
     batch_size 1 the row is the prompt alone, the very forward the old rule ran."""
-    from nanochat.train.evaluation import describe_scoring
     from nanochat.model.hf import load_hf_model
 
     model, tok = load_hf_model(write_base_llama(tmp_path / "m", merged_letters="ABCD"))
     model.eval()
     tok, _ = instruct.choose_chat_template(tok, None, records=True)
     items = instruct.choice_items(tok, [instruct.to_messages(r, "multiple choice") for r in arc_rows(24, "validation", 1)])
-    assert describe_scoring(items) == "option log-likelihood (1 token per option)"
+    assert instruct.describe_scoring(items) == "option log-likelihood (1 token per option)"
     with torch.no_grad():
         old = [int(model(torch.tensor([it.prompt]))[0, -1][[o[0] for o in it.options]].argmax()) for it in items]
     as_old = [it._replace(answer=pick) for it, pick in zip(items, old)]

@@ -24,7 +24,6 @@
 """
 
 import errno
-import importlib.util
 import json
 import os
 import random
@@ -43,7 +42,7 @@ from nanochat.common import NanoChatError, UsageError
 from nanochat.train.evaluation import Evaluator
 from nanochat.rundir import LOCK_NAME
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import load_script, run_records, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 8, 2
@@ -65,12 +64,8 @@ def _kw(corpus, run_dir, **over):
                                                  "num_samples": 0, **over})
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(run_dir) if "loss" in r}
+    return {r["step"]: r["loss"] for r in run_records(run_dir) if "loss" in r}
 
 
 def _contents(d: Path) -> dict[str, bytes]:
@@ -79,10 +74,7 @@ def _contents(d: Path) -> dict[str, bytes]:
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"script_{name}", ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name)
 
 
 def _argv(kw: dict) -> list[str]:
@@ -190,7 +182,7 @@ def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, refere
     # in the same order), also when the kill left no step to run, and is strict JSON
     result = json.loads((run_dir / "result.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert result["train_loss"] == ref_train_loss and result["tokens_per_sec"] > 0, (point, result)
-    steps = [rec["step"] for rec in _records(run_dir) if "loss" in rec]
+    steps = [rec["step"] for rec in run_records(run_dir) if "loss" in rec]
     assert steps == list(range(1, STEPS + 1)), (point, steps)  # each step logged once, in order
     assert _losses(run_dir) == ref_losses, point
     for name, value in trainer.model.state_dict().items():
@@ -223,7 +215,7 @@ def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
     else:
         NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True)).train()
     assert _losses(run_dir) == ref_losses
-    assert [rec["step"] for rec in _records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
+    assert [rec["step"] for rec in run_records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
 
 
 def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_corpus, tmp_path, reference, capsys):
@@ -244,7 +236,7 @@ def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_co
     newest.manifest.unlink()
     NanoChatTrainer(**{**kw, "resume": True}).train()
     assert _losses(run_dir) == reference[0]
-    assert [r["step"] for r in _records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in run_records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "zeroed", "foreign"])
@@ -327,7 +319,7 @@ def test_a_run_directory_is_never_clobbered(small_corpus, tmp_path, capsys):
     code, _ = _cli(capsys, {**kw, "num_iterations": 4}, "--overwrite")
     assert code == 0
     assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
-    assert [r["step"] for r in _records(run_dir) if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in run_records(run_dir) if "loss" in r] == [1, 2, 3, 4]
 
 
 def test_resume_compares_resolved_paths(small_corpus, tmp_path, monkeypatch):
@@ -571,8 +563,7 @@ def test_the_stop_names_a_checkpoint_that_is_finite_and_resume_refuses_nan(small
     with pytest.raises(NanoChatError, match=r"stopping at step 8.*checkpoint-000002\.pt \(step 2, verified, finite\)"):
         PlantedNaN(**kw).train()
     # metrics.jsonl is strict JSON: the skipped steps' non-finite losses are null, the field kept
-    strict = [json.loads(l, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
-              for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    strict = run_records(run_dir)
     skipped = [r for r in strict if r.get("skipped")]
     assert [r["step"] for r in skipped] == [6, 7] and all("loss" in r and r["loss"] is None for r in skipped)
     before = _contents(run_dir)
@@ -600,7 +591,7 @@ def test_a_skipped_last_step_still_ends_with_a_final_checkpoint(small_corpus, tm
     run_dir = tmp_path / "r"
     trainer = SkipLastStep(**_kw(small_corpus, run_dir, save_every=0))
     trainer.train()
-    assert [r["step"] for r in _records(run_dir) if r.get("skipped")] == [STEPS]
+    assert [r["step"] for r in run_records(run_dir) if r.get("skipped")] == [STEPS]
     assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]
     saved = load_checkpoint(run_dir)["model"]
     assert all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items())

@@ -8,10 +8,13 @@ calibration in a real training loop, the native-kernel rule, and choices survivi
 weights_only save and re-apply. --fp8_auto_recheck_every: the same rule on later measurements switches
 a role only after RECHECK_CONFIRM consecutive disagreements, never leaves a set CUDA cannot run,
 and a compiled model follows a switch (its output keeps FP8_SAME_CASTS_DB against the eager model's:
-inductor's vectorized C++ and eager ATen round differently, so never bit for bit).
+inductor's vectorized C++ and eager ATen round differently, so never bit for bit). The choice
+table: a row per layer up to 24 layers; past that grouped by Linear and formats, and read back
+it gives every layer's formats (the grouping loses nothing) with the count and block ranges.
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -21,11 +24,13 @@ import torch.nn.functional as F
 from nanochat.fp8 import (
     apply_fp8_choices, collect_fp8_stats, convert, fp8_choices, fp8_report, recheck_choices, start_auto_calibration,
 )
-from nanochat.fp8.auto import RECHECK_HYSTERESIS, UNDERFLOW_MARGIN_PCT, choose_format, make_native_legal, measure
+from nanochat.fp8.auto import (
+    RECHECK_HYSTERESIS, UNDERFLOW_MARGIN_PCT, block_ranges, choices_table, choose_format, make_native_legal, measure,
+)
 from nanochat.fp8.stats import CastCounts
 from nanochat.fp8.hardware import native_gemm_problem
 from nanochat.fp8.linear import FP8_DTYPES
-from tests.conftest import FP8_SAME_CASTS_DB, last_bits, sqnr_db
+from tests.conftest import FP8_SAME_CASTS_DB, last_bits, mlp, sqnr_db
 
 
 def _log_uniform(shape, lo=1e-6, hi=1e3, seed=0):
@@ -85,8 +90,7 @@ def test_native_rule_flips_the_cheapest_e5m2_role():
 
 
 def _mlp(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128))
+    return mlp(128, 128, 128, act=nn.GELU, seed=seed)
 
 
 def test_calibration_in_a_training_loop_then_reapply_from_a_checkpoint(tmp_path):
@@ -245,3 +249,34 @@ def test_recheck_measures_real_steps_and_a_compiled_model_follows_the_switch():
     eager = model(x)
     assert sqnr_db(after, eager) >= FP8_SAME_CASTS_DB, sqnr_db(after, eager)  # it follows the switch ...
     assert sqnr_db(before, eager) < 30, sqnr_db(before, eager)  # ... which re-cast layer 0's input
+
+
+def _table_rows(table: str) -> list[list[str]]:
+    """The rows of a printed table (its heading, column names and rule left out)."""
+    return [re.split(r"\s{2,}", line.strip()) for line in table.splitlines()[3:]]
+
+
+def test_choice_table_groups_past_24_layers_and_loses_nothing():
+    linears = ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    hybrid = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
+    choices = {f"transformer.h.{b}.{n}": dict(hybrid) for b in range(26) for n in linears}  # d26: 156 layers
+    for b in (3, 4, 5, 17):
+        choices[f"transformer.h.{b}.mlp.c_fc"]["grad_output"] = "e4m3"
+    choices["lm_head"] = dict(hybrid)  # a layer outside the blocks
+    table = choices_table(choices)
+    assert table.startswith("fp8 auto: formats chosen by measurement (157 layers), grouped by Linear and formats")
+    rows = _table_rows(table)
+    assert len(rows) == 8  # 6 Linears, c_fc twice (two format sets), lm_head
+    assert rows[4] == ["transformer.h.*.mlp.c_fc", "e4m3", "e4m3", "e5m2", "22", "0-2, 6-16, 18-25"]
+    assert rows[6] == ["transformer.h.*.mlp.c_fc", "e4m3", "e4m3", "e4m3", "4", "3-5, 17"]
+    read_back = {}
+    for pattern, *formats, count, blocks in rows:
+        numbers = [n for part in blocks.split(", ") if part != "-"
+                   for n in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
+        assert int(count) == max(1, len(numbers))
+        for name in [pattern.replace("*", str(n)) for n in numbers] or [pattern]:
+            read_back[name] = dict(zip(("input", "weight", "grad_output"), formats))
+    assert read_back == choices
+    few = {name: roles for name, roles in choices.items() if ".h.0." in name or ".h.1." in name}
+    assert [row[0] for row in _table_rows(choices_table(few))] == list(few)  # 12 layers: a row each
+    assert block_ranges([7, 1, 2, 3, 9, 8]) == "1-3, 7-9" and block_ranges([None]) == "-"

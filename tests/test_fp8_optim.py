@@ -45,7 +45,7 @@ import torch
 from nanochat.device import DeviceReads
 from nanochat.fp8.optim import FP8Optim
 from nanochat.fp8.tensor import FP8Tensor
-from tests.conftest import assert_close_but_few, last_bits
+from tests.conftest import assert_close_but_few, last_bits, load_script
 
 # Two implementations of the FP8-moment step (eager, compiled, the C kernel) compute the same
 # formulas in another order, so their parameters agree to fp32 rounding (ROUNDING_ATOL, 8 ulp of
@@ -501,13 +501,9 @@ def test_summary_logged_once():
 
 
 def test_bench_optim_quick_dry_run(tmp_path):
-    import importlib.util
     import json
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_optim.py"
-    spec = importlib.util.spec_from_file_location("bench_optim", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench_optim")
     out = tmp_path / "bench.json"
     assert bench.main(["--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

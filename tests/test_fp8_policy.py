@@ -55,7 +55,7 @@ from nanochat.fp8.policy import MARGIN, LayerPolicy
 from nanochat.fp8.speed import CACHE_FORMAT, LinearShape, Timing, default_cache_path
 from nanochat.model.gpt import GPT, preset_config
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs, train_until_first_save
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
 
 M = 4096
 ROOT = Path(__file__).resolve().parents[1]
@@ -367,7 +367,7 @@ def test_a_resume_converts_the_layers_its_checkpoint_converted(small_corpus, tmp
         return timer
 
     def losses(run: Path) -> list[float]:
-        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        return [r["loss"] for r in run_records(run) if "loss" in r]
 
     kw = dict(num_iterations=6, save_every=3, num_samples=0, fp8=True, fp8_emulate=True)
     timed_by({(128, 128): 0.7, (128, 512): 1.2, (512, 128): 0.95})  # the MLPs' c_fc: 1.2x, converted

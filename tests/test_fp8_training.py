@@ -12,11 +12,7 @@ import torch
 import torch.nn as nn
 
 from nanochat.fp8 import FP8Config, FP8Optim, FP8Tensor, FP8Training, fp8_choices
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+from tests.conftest import mlp
 
 
 def _steps(fp8: FP8Training, model: nn.Module, n: int) -> list[bool]:
@@ -33,18 +29,18 @@ def _steps(fp8: FP8Training, model: nn.Module, n: int) -> list[bool]:
 
 
 def test_auto_calibrates_then_says_compile_and_its_state_round_trips():
-    model = _mlp()
+    model = mlp(128, 256, 128)
     config = FP8Config(mode="auto", emulate=True, layers="all", auto_steps=3, stats_every=0)
     fp8 = FP8Training(model, config, torch.optim.AdamW(model.parameters()))
     assert fp8.report.converted == ["0", "2"]
     assert fp8.begin_step(0).eager and fp8.calibrating  # calibration runs on the eager model
-    fp8 = FP8Training(model := _mlp(), config, torch.optim.AdamW(model.parameters()))
+    fp8 = FP8Training(model := mlp(128, 256, 128), config, torch.optim.AdamW(model.parameters()))
     assert _steps(fp8, model, 5) == [False, False, True, False, False]  # fixed after step 3, once
     assert not fp8.calibrating
     assert fp8.choices == fp8_choices(model) and set(fp8.choices) == {"0", "2"}
 
     state = fp8.state_dict()
-    fresh = _mlp()
+    fresh = mlp(128, 256, 128)
     restored = FP8Training(fresh, config, torch.optim.AdamW(fresh.parameters()))
     restored.load_state_dict(state)
     assert restored.choices == fp8.choices and fp8_choices(fresh) == fp8.choices
@@ -52,14 +48,14 @@ def test_auto_calibrates_then_says_compile_and_its_state_round_trips():
 
 
 def test_state_names_the_converted_layers():
-    model = _mlp()
+    model = mlp(128, 256, 128)
     fp8 = FP8Training(model, FP8Config(emulate=True, layers="all", stats_every=0))
     assert fp8.state_dict()["fp8_converted"] == ["0", "2"] == fp8.report.converted
-    assert FP8Training(_mlp(), FP8Config(enabled=False)).state_dict()["fp8_converted"] is None
+    assert FP8Training(mlp(128, 256, 128), FP8Config(enabled=False)).state_dict()["fp8_converted"] is None
 
 
 def test_disabled_converts_nothing_and_opt_level_still_stores_fp8_moments():
-    model = _mlp()
+    model = mlp(128, 256, 128)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fp8 = FP8Training(model, FP8Config(enabled=False), opt)
     assert fp8.report is None and fp8.optimizer is opt
@@ -67,7 +63,7 @@ def test_disabled_converts_nothing_and_opt_level_still_stores_fp8_moments():
     step = fp8.begin_step(0)
     assert not step.eager and step.record() == {} and not fp8.end_step(0)
 
-    model = _mlp()
+    model = mlp(128, 256, 128)
     fp8 = FP8Training(model, FP8Config(enabled=False, opt_level=2), torch.optim.AdamW(model.parameters()))
     assert fp8.report is None and isinstance(fp8.optimizer, FP8Optim)
     model(torch.randn(16, 128)).square().mean().backward()

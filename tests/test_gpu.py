@@ -64,6 +64,7 @@ from torchao.float8.float8_utils import compute_error  # SQNR in dB: 20 log10(|r
 
 from nanochat.fp8 import FP8Config, convert, detect, fp8_choices, native_gemm_problem, start_auto_calibration
 from nanochat.fp8.linear import FP8_DTYPES
+from tests.conftest import mlp
 
 
 def _has_fp8_gpu() -> bool:
@@ -163,9 +164,7 @@ def test_auto_calibration_on_cuda_then_compiled(recipe):
 
 
 def _mlp(seed=0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(512, 2048, bias=False), nn.ReLU(),
-                         nn.Linear(2048, 512, bias=False)).cuda()
+    return mlp(512, 2048, 512, bias=False, seed=seed).cuda()
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

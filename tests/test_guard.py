@@ -21,11 +21,7 @@ from nanochat.common import NanoChatError
 from nanochat.device import DeviceReads
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.train.guard import StepGuard
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128))
+from tests.conftest import mlp
 
 
 def _backward(model: nn.Module) -> torch.Tensor:
@@ -35,7 +31,7 @@ def _backward(model: nn.Module) -> torch.Tensor:
 
 
 def test_nonfinite_steps_are_skipped_named_counted_and_stop_the_run():
-    model = _mlp()
+    model = mlp(128, 256, 128)
     guard = StepGuard(model, max_bad_steps=2)
     _backward(model)
     model[2].weight.grad[0, 0] = math.inf
@@ -51,7 +47,7 @@ def test_nonfinite_steps_are_skipped_named_counted_and_stop_the_run():
 
 
 def test_check_reads_once_clips_as_torch_and_skips_without_touching_the_weights():
-    model, reference = _mlp(), _mlp()
+    model, reference = mlp(128, 256, 128), mlp(128, 256, 128)
     loss = _backward(model)
     for p, q in zip(model.parameters(), reference.parameters()):
         q.grad = p.grad.clone()
@@ -72,7 +68,7 @@ def test_check_reads_once_clips_as_torch_and_skips_without_touching_the_weights(
 
 
 def test_the_guard_owns_its_counts_and_their_checkpoint_state():
-    model = _mlp()
+    model = mlp(128, 256, 128)
     fp8 = FP8Training(model, FP8Config(enabled=False))
     guard = StepGuard(model)
     assert guard.decide(0, math.inf, 1.0)["skipped"] is True
@@ -83,7 +79,7 @@ def test_the_guard_owns_its_counts_and_their_checkpoint_state():
     guard_keys = set(counts)
     assert not guard_keys & set(fp8.summary()) and fp8.state_dict()["counters"] == {"stats_samples": 0}
     checkpoint = json.loads(json.dumps({**fp8.state_dict(), **guard.state_dict()}))  # as trainer.json holds it
-    resumed = StepGuard(_mlp())
+    resumed = StepGuard(mlp(128, 256, 128))
     resumed.load_state_dict(checkpoint)
     assert resumed.counters == counts
 
@@ -91,7 +87,7 @@ def test_the_guard_owns_its_counts_and_their_checkpoint_state():
 def test_a_checkpoint_with_the_counts_in_fp8s_counters_still_resumes():
     old = {"counters": {"overflow_events": 2, "skipped_steps": 2, "clip_events": 7, "stats_samples": 3,
                         "min_clip_factor": 0.5}, "fp8_choices": None, "fp8_converted": None}
-    guard, fp8 = StepGuard(_mlp()), FP8Training(_mlp(), FP8Config(enabled=False))
+    guard, fp8 = StepGuard(mlp(128, 256, 128)), FP8Training(mlp(128, 256, 128), FP8Config(enabled=False))
     guard.load_state_dict(old)
     fp8.load_state_dict(old)
     assert guard.counters == {"overflow_events": 2, "skipped_steps": 2, "clip_events": 7, "min_clip_factor": 0.5}

@@ -50,6 +50,7 @@ from nanochat.model.export import export_hf  # noqa: E402
 from nanochat.model.hf import gpt_config_from_hf, load_hf_model  # noqa: E402
 from nanochat.model.hub import resolve_model  # noqa: E402
 from nanochat.tokenizer.hf import HFTokenizer  # noqa: E402
+from tests.conftest import load_script, run_records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320
@@ -527,15 +528,11 @@ def test_export_refuses_a_non_empty_out_dir_and_replaces_it_whole(saved, tmp_pat
     unchanged); with it, replaced whole (no shard or index left, which a loader would prefer),
     and transformers reloads the run's weights (logits within TOL). --overwrite of the run's own
     base model directory, or of a directory holding the run, is refused before any work."""
-    import importlib.util
-
     from nanochat.checkpoint import save_checkpoint
     from nanochat.common import logger
 
     logger.handlers.clear()  # log to this test's stderr (capsys replaces it per test)
-    spec = importlib.util.spec_from_file_location("export_hf", Path(__file__).parents[1] / "scripts" / "export_hf.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("export_hf")
     base = tmp_path / "base"  # a copy: a failing refusal must not damage the module's fixture
     shutil.copytree(saved["qwen2_tied"][0], base)
     model, tok = load_hf_model(base)
@@ -581,8 +578,6 @@ def test_trainer_fine_tunes_a_local_hf_model_with_fp8(saved, small_corpus, tmp_p
     """`--model_name <local HF dir> --fp8 --fp8_mode e5m2` trains through NanoChatTrainer: the
     checkpoint's tokenizer is used, the reported conversion names the converted layers, and
     the loss after a few steps is below the first step's (reference: the same run's step 1)."""
-    import json
-
     from nanochat.train.trainer import NanoChatTrainer
     from tests.conftest import tiny_train_kwargs
 
@@ -596,7 +591,7 @@ def test_trainer_fine_tunes_a_local_hf_model_with_fp8(saved, small_corpus, tmp_p
     assert "transformer.h.0.mlp.c_fc" in result.fp8_converted and "lm_head" in result.fp8_skipped
     # the 64-element RMSNorm weights cannot hold FP8 blocks: recorded, not silent
     assert any("keep fp32 moments (numel < 4096)" in f for f in result.fallbacks), result.fallbacks
-    records = [json.loads(l) for l in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()]
+    records = run_records(tmp_path / "ft")
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0]
     assert HFTokenizer.load(tmp_path / "ft" / "tokenizer").fingerprint == HFTokenizer.load(directory).fingerprint

@@ -36,10 +36,10 @@ pytest.importorskip("compressed_tensors")
 from nanochat.common import UsageError  # noqa: E402
 from nanochat.model.export import export_hf  # noqa: E402
 from nanochat.model.hf import load_hf_model  # noqa: E402
-from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, quantize_checkpoint, sqnr_db  # noqa: E402
+from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, sqnr_db  # noqa: E402
+from tests.conftest import load_script, run_records  # noqa: E402
 from tests.test_hf import TOL, _byte_level_tokenizer, _save_tokenizer  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320
 E4M3_WORST_DB = 20 * math.log10(17)  # 24.6: a value 1 + 1/16 (x 2^e) rounds to 1, off by 1/17 of itself
 N_MATMULS = 14  # 2 layers x (q, k, v, o, gate, up, down)
@@ -225,13 +225,9 @@ def test_export_script_keeps_the_runs_high_precision_layers(base, tmp_path, caps
     """A --fp8 run's checkpoint whose conversion skipped layer 1's MLP: those Linears stay bf16,
     with the run's reason from result.json; a run without --fp8 quantizes every Linear. A
     non-empty --out_dir is refused before any work, its bytes unchanged."""
-    import importlib.util
-
     from nanochat.checkpoint import save_checkpoint
 
-    spec = importlib.util.spec_from_file_location("export_hf", ROOT / "scripts" / "export_hf.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("export_hf")
     model, tok = load_hf_model(base)
     skipped = [f"transformer.h.1.mlp.{n}" for n in ("c_gate", "c_fc", "c_proj")]
     converted = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"
@@ -310,6 +306,5 @@ def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus,
     assert len(said) == 1 and "14 Linear layers dequantized to float32" in said[0], said
     codes, scale = stored["model.layers.0.mlp.down_proj.weight"], stored["model.layers.0.mlp.down_proj.weight_scale"]
     assert torch.equal(start["w"], codes.float() * scale)
-    losses = [json.loads(line)["loss"] for line in (tmp_path / "ft" / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+    losses = [r["loss"] for r in run_records(tmp_path / "ft") if "loss" in r]
     assert result.steps == 4 and losses[-1] < losses[0]

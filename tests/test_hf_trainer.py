@@ -18,7 +18,6 @@ the model is converted; importing nanochat.fp8 loads no transformers.
 
 import copy
 import json
-import importlib.util
 import logging
 import math
 import os
@@ -39,7 +38,7 @@ from nanochat.common import NanoChatError  # noqa: E402
 from nanochat.fp8 import FP8Config, FP8Tensor, restore_fp8  # noqa: E402
 from nanochat.hf_trainer import FP8Trainer, fp8_health  # noqa: E402
 from nanochat.train.stop import Stopped  # noqa: E402
-from tests.conftest import last_bits  # noqa: E402
+from tests.conftest import last_bits, load_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("input", "weight", "grad_output")
@@ -47,14 +46,7 @@ ROLES = ("input", "weight", "grad_output")
 AUTO = FP8Config(mode="auto", opt_level=2, emulate=True, layers="all", auto_steps=2, stats_every=3)
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", ROOT / "examples" / "hf_trainer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EXAMPLE = _example()
+EXAMPLE = load_script("hf_trainer", "examples")
 DATA = (ROOT / "examples" / "hf_trainer.py").read_bytes()
 
 
@@ -177,16 +169,17 @@ def test_fp8_health_reaches_the_trainers_log(eager_run):
         roles["grad_output"] == "e5m2" for roles in trainer.fp8.choices.values())
     for step in (3, 6, 9):
         for role in ROLES:
-            for key in (f"fp8/underflow_pct/{role}/max", f"fp8/saturation_pct/{role}/mean", f"fp8/sqnr_db/{role}/min"):
+            for key in (f"fp8/{role}_underflow_pct_worst", f"fp8/{role}_saturation_pct_mean",
+                        f"fp8/{role}_sqnr_db_worst"):
                 assert key in fp8_logs[step], (step, key)
-    # per layer only at every 2nd sample (log_layers_every=2); the per-role max is their max
-    layer_keys = {s: [k for k in r if k.startswith("fp8_layers/")] for s, r in fp8_logs.items()}
+    # per layer only at every 2nd sample (log_layers_every=2); the per-role worst is their max
+    layer_keys = {s: [k for k in r if k.startswith("fp8_") and not k.startswith("fp8/")] for s, r in fp8_logs.items()}
     assert [s for s, keys in layer_keys.items() if keys] == [6]
     assert len(layer_keys[6]) == 14 * 3 * 3  # layers x roles x (underflow, saturation, SQNR)
     log = fp8_logs[6]
     for role in ROLES:
-        per_layer = [v for k, v in log.items() if k.startswith("fp8_layers/underflow_pct/") and k.endswith(f"/{role}")]
-        assert log[f"fp8/underflow_pct/{role}/max"] == max(per_layer)
+        per_layer = [v for k, v in log.items() if k.startswith(f"fp8_{role}_underflow_pct/")]
+        assert len(per_layer) == 14 and log[f"fp8/{role}_underflow_pct_worst"] == max(per_layer)
     # the last sample (step 9) is what FP8Training kept
     health = {k: v for k, v in fp8_logs[9].items() if k.startswith("fp8/")}
     assert health == fp8_health(trainer.fp8.last_stats, layers=False)

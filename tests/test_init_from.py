@@ -18,7 +18,7 @@ from nanochat.checkpoint import latest_checkpoint, load_checkpoint, save_checkpo
 from nanochat.common import file_sha256
 from nanochat.common import NanoChatError, UsageError
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import load_script, run_records, tiny_train_kwargs
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_the_new_run_starts_from_the_source_weights(small_corpus, tmp_path, sour
 
     result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "ft2", init_from=str(src), seed=7,
                                                  num_iterations=4, lr=1e-3, num_samples=0)).train()
-    lines = [json.loads(line) for line in (tmp_path / "ft2" / "metrics.jsonl").read_text().splitlines()]
+    lines = run_records(tmp_path / "ft2")
     assert lines[0]["step"] == 0 and lines[0]["val_loss"] == src_result.val_loss  # same weights, same code
     assert [r["step"] for r in lines if "loss" in r] == [1, 2, 3, 4]  # the step count starts again
     assert result.steps == 4 and result.val_loss < 1.05 * src_result.val_loss
@@ -123,15 +123,10 @@ class _Payload:  # any class: unpickling it would run code of the file's choosin
 
 def _cli(capsys, kw: dict) -> tuple[int, list[str]]:
     """scripts/base_train.py in this process: (exit status, its error lines); never a traceback."""
-    import importlib.util
-    from pathlib import Path
-
     from nanochat.common import logger
 
     logger.handlers.clear()  # log to this test's stderr (capsys replaces it per test)
-    spec = importlib.util.spec_from_file_location("base_train", Path(__file__).parents[1] / "scripts" / "base_train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("base_train")
     argv = [a for k, v in kw.items() for a in ((f"--{k}",) if v is True else () if v is False else (f"--{k}", str(v)))]
     capsys.readouterr()
     code = module.main(argv)

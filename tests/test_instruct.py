@@ -1,5 +1,5 @@
-"""Instruction records (nanochat.data.instruct + the instruct path of nanochat.data.prepare), checked against
-the formats written out by hand here:
+"""Instruction records (nanochat.data.instruct, the instruct path of nanochat.data.corpus and
+nanochat.data.batches), checked against the formats written out by hand here:
 
 - shapes: prompt/completion, chat messages and ARC multiple choice, each in a tiny .jsonl and
   .parquet file, with our tokenizer and with a Hugging Face tokenizer and a ChatML template:
@@ -46,9 +46,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import nanochat.data.prepare as data
 from nanochat.data import instruct
-from nanochat.data.prepare import DataError, TokenBatches, load_corpus, pack_records, tokenize_records, val_batches
+from nanochat.data.batches import TokenBatches, val_batches
+from nanochat.data.corpus import load_corpus, pack_records, tokenize_records
+from nanochat.data.sources import DataError
 from nanochat.tokenizer import BPETokenizer
 
 tokenizers = pytest.importorskip("tokenizers")

@@ -15,7 +15,6 @@
 The C kernel against the Python step per mode: tests/test_fp8_optim_master.py.
 """
 
-import json
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from nanochat.config import TrainConfig
 from nanochat.optim import master as M
 from nanochat.fp8.optim import FP8Optim
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs, train_until_first_save
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
 from tests.test_trainer import _losses, count_reads_per_step
 
 MODES = ("bf16", "bf16_sr", "bf16_split")
@@ -308,8 +307,7 @@ def test_in_backward_step_with_some_nonfinite_gradients_is_not_a_skipped_step(sm
     t = NonFiniteGradients(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=5, num_samples=0,
                                                optimizer_in_backward=True, grad_clip=0.0, max_bad_steps=2))
     r = t.train()
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    records = {rec["step"]: rec for rec in map(json.loads, lines) if "loss" in rec and "step" in rec}
+    records = {rec["step"]: rec for rec in run_records(tmp_path / "run") if "loss" in rec and "step" in rec}
     names = list(t.weights[0])
     step = ONE_GRADIENT_NAN
     assert records[step]["skipped_params"] == 1 and records[step]["skipped_param_names"] == [POISONED]

@@ -13,7 +13,6 @@ table, the arithmetic, and what a run reports.
   flops_per_token / peak and TrainResult.mfu likewise (relative 1e-12: the same fp64 operations).
 """
 
-import json
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import torch
 from nanochat.train import mfu
 from nanochat.model.gpt import GPT, GPTConfig, preset_config
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import run_records, tiny_train_kwargs
 
 
 def _meta_model(config: GPTConfig) -> GPT:
@@ -84,8 +83,7 @@ def test_utilization_arithmetic():
 
 
 def _records(run_dir):
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if "tokens_per_sec" in r]
+    return [r for r in run_records(run_dir) if "tokens_per_sec" in r]
 
 
 def test_cpu_run_reports_no_mfu(small_corpus, tmp_path):

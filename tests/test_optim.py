@@ -28,12 +28,11 @@ from nanochat.fp8 import FP8Optim, FP8Tensor
 from nanochat.optim import OptimWrapper, QuantizedState, dense, optimizer_bytes, optimizer_state_bytes
 from nanochat.optim.backends import Backends
 from nanochat.optim.state import local
-from tests.conftest import last_bits
+from tests.conftest import last_bits, mlp
 
 
 def _mlp(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 32)).to(dtype)
+    return mlp(64, 128, 32, act=torch.nn.Tanh).to(dtype)
 
 
 def _loss(model: torch.nn.Module, step: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

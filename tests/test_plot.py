@@ -17,7 +17,6 @@
 No tolerances: every comparison is of values copied from the files (float64 both sides).
 """
 
-import importlib.util
 import json
 import logging
 import math
@@ -31,11 +30,10 @@ from nanochat.common import UsageError
 from nanochat.report.plot import (INSTALL, MAX_ROWS, SOFTWARE, draw, group_layers, health_map, plot_run, read_metrics,
                            read_run, read_tokens_per_step)
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import load_script, run_records, tiny_train_kwargs
 
 Image = pytest.importorskip("PIL.Image")  # comes with matplotlib: the `plots` and `dev` extras
 
-ROOT = Path(__file__).resolve().parents[1]
 CURVES = ["loss (nats per token)", "validation bits per byte", "throughput (tokens/s)",
           "MFU (% of the device's peak FLOP/s)"]
 KINDS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -70,10 +68,7 @@ def _llama_records(steps=(10, 20, 30)) -> list[dict]:
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("plot_run_script", ROOT / "scripts" / "plot_run.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plot_run")
 
 
 def _cli(capsys, *argv: str) -> tuple[int, list[str]]:
@@ -158,7 +153,7 @@ def test_read_metrics_skips_malformed_lines_with_one_warning(tmp_path, caplog):
 
 
 def test_series_and_tokens_axis_of_a_real_run(fp8_run):
-    records = [json.loads(line) for line in (fp8_run / "metrics.jsonl").read_text().splitlines()]
+    records = run_records(fp8_run)
     run = read_run(fp8_run)
     tokens = 8 * 32 * 1 * 1  # tiny_train_kwargs: batch_size 8, seq_len 32; one process, no accumulation
     assert run.tokens_per_step == tokens

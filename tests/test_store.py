@@ -47,12 +47,12 @@ import torch
 import nanochat.data.sources as sources
 import nanochat.data.store as store_mod
 from nanochat.common import UsageError, describe_error
-from nanochat.data.prepare import (
-    DataError, TokenBatches, load_corpus, pack_records, prepare_data, tokenize_docs, tokenize_records,
-)
-from nanochat.data.sources import list_sources, plan_sources, split_texts
+from nanochat.data.batches import TokenBatches
+from nanochat.data.corpus import load_corpus, pack_records, tokenize_docs, tokenize_records
+from nanochat.data.prepare import prepare_data
+from nanochat.data.sources import DataError, list_sources, plan_sources, split_texts
 from nanochat.tokenizer import BPETokenizer, take_chars
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import load_script, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("alpha", "beta", "gamma", "délta", "ε", "日本", "zeta", "eta", "theta", "\u2028iota", "kappa")
@@ -417,12 +417,7 @@ def test_truncated_or_missing_store_file_is_refused_and_verify_finds_a_changed_b
 
 
 def _script_main(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script(name).main
 
 
 # ------------------------------------------------------------------ bad input, before any work
@@ -471,7 +466,7 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tok_dir):
     (root / "b.txt").write_text(_text(2) * 5)
     os.mkfifo(root / "zz.txt")  # opening it to read would wait for a writer forever
     assert list_sources(root).skipped == {sources.SPECIAL: 1}
-    code = ("import sys; from nanochat.common import setup_logging; from nanochat.data.prepare import load_corpus, prepare_data;"
+    code = ("import sys; from nanochat.common import setup_logging; from nanochat.data.corpus import load_corpus; from nanochat.data.prepare import prepare_data;"
             " from nanochat.tokenizer import BPETokenizer; setup_logging(); c = load_corpus(sys.argv[1]);"
             " s = prepare_data(sys.argv[1], tokenizer=BPETokenizer.load(sys.argv[2]), cache_root=sys.argv[3]).store;"
             " print('OK', c.describe() == s.describe())")

@@ -8,7 +8,6 @@ invalid flag value and for a bad --dataset_path; a --tokenizer_dir that holds a 
 replaced only with --overwrite, a run's own never (its bytes before are the reference).
 """
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nanochat.tokenizer import BPETokenizer
+from tests.conftest import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tok_train.py"
 
@@ -39,10 +39,7 @@ def test_trains_saves_and_notes_fp8(small_corpus, tmp_path):
 
 
 def _main():
-    spec = importlib.util.spec_from_file_location("tok_train", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_script("tok_train").main
 
 
 def test_no_fp8_note_without_fp8_flags(small_corpus, tmp_path, capsys):

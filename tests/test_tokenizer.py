@@ -41,7 +41,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.data.prepare import get_or_train_tokenizer, load_corpus
+from nanochat.data.corpus import load_corpus
+from nanochat.data.prepare import get_or_train_tokenizer
 from nanochat.data.sources import list_sources, plan_sources
 import nanochat.tokenizer.patterns
 from nanochat.common import UsageError

@@ -8,7 +8,10 @@ tool's own reader and compared with the records themselves.
   step; the FP8 per-layer series per role and statistic, with the worst (numpy) and the mean over
   layers; the events as texts (an auto switch's as describe_switch prints it); the config as
   hyperparameters (TensorBoard's HPARAMS plugin data); result.json's figures as the final summary;
-- the names of a Llama-3-8B's 224 FP8 layers: nine sections of 224 charts, built by hand;
+- the names of a Llama-3-8B's 224 FP8 layers: nine sections of 224 charts, built by hand; they
+  are nanochat.fp8.health's, which FP8Trainer logs too (without the per-layer ones between its
+  `log_layers_every` samples); its five worst layers per statistic are numpy's sort's, an exact
+  SQNR (infinite) is left out;
 - resume: a real run wired to the trackers, killed after logging two steps past its checkpoint,
   then resumed: TensorBoard holds each step once, equal to metrics.jsonl, and W&B's second run
   has the first one's id; replayed, the steps logged after the checkpoint show the resumed run's
@@ -35,6 +38,7 @@ import numpy as np
 import pytest
 
 from nanochat.common import NanoChatError, UsageError
+from nanochat.fp8.health import fp8_health, worst_layers
 from nanochat.fp8.training import describe_switch
 from nanochat.report.plot import read_metrics
 from nanochat.report.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, Trackers, check_trackers, translate
@@ -223,6 +227,16 @@ def test_fp8_names_of_a_llama3_8b_stay_in_nine_sections_of_224():
             assert scalars[f"fp8/{role}_{stat}_worst"] == worst(values)
             assert scalars[f"fp8/{role}_{stat}_mean"] == pytest.approx(values.mean(), rel=1e-12)  # summation order
     assert scalars["train/loss"] == 2.0 and texts == {}
+    # the same names wherever FP8 health is logged (FP8Trainer: per layer only every few samples)
+    assert fp8_health(stats) == {k: v for k, v in scalars.items() if k.startswith("fp8")}
+    assert fp8_health(stats, layers=False) == {k: v for k, v in scalars.items() if k.startswith("fp8/")}
+    under = np.array([[stats[n][r]["underflow_pct"] for r in ROLES] for n in layers])
+    top = np.argsort(-under, axis=None, kind="stable")[:5]
+    assert worst_layers(stats, "underflow_pct") == [[layers[i // 3], ROLES[i % 3], under.flat[i]] for i in top]
+    stats[layers[0]]["weight"]["sqnr_db"] = float("inf")  # an exact cast
+    assert f"fp8_weight_sqnr_db/{layers[0]}" not in fp8_health(stats)
+    lowest = min(v["sqnr_db"] for roles in stats.values() for v in roles.values())
+    assert worst_layers(stats, "sqnr_db", n=1)[0][2] == lowest
 
 
 def test_events_are_texts_at_their_step(tmp_path):

@@ -4,11 +4,15 @@
 - resume: a run interrupted right after a checkpoint and resumed logs *bitwise* the same
   losses for the following steps as an uninterrupted run (CPU, no compile);
 - bad input fails before training, with a message that names the problem;
-- the CLI entrypoint trains and reports val bpb; FP8 on CPU falls back (recorded) or emulates.
+- the CLI entrypoint trains and reports val bpb; with its output in a file, one plain line per
+  --log_every steps and no `\r` (nanochat.train.progress: a bar on a terminal, lines elsewhere);
+  FP8 on CPU falls back (recorded) or emulates.
 """
 
 import contextlib
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,15 +24,15 @@ from nanochat import rundir as runlock
 from nanochat.checkpoint import latest_checkpoint
 from nanochat.device import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
+from nanochat.train.progress import Progress, format_eta
 from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
-from tests.conftest import perturbed_init, tiny_train_kwargs, train_until_first_save
+from tests.conftest import perturbed_init, run_records, tiny_train_kwargs, train_until_first_save
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}  # event lines carry no loss
+    return {r["step"]: r["loss"] for r in run_records(run_dir) if "loss" in r}  # event lines carry no loss
 
 
 def test_loss_falls_and_result_is_complete(small_corpus, tmp_path):
@@ -82,16 +86,59 @@ def test_lr_schedule_warmup_then_decay():
     assert ms[-1] == pytest.approx(0.1, abs=1e-3)
 
 
-def test_cli_trains_and_reports(small_corpus, tmp_path):
-    kw = tiny_train_kwargs(small_corpus, tmp_path / "cli", num_iterations=5)
-    argv = ["--no_compile"]
-    for k, v in kw.items():
-        if k != "compile":
-            argv += [f"--{k}", str(v)]
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), *argv],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "val bpb" in r.stdout
+def test_cli_log_in_a_file_is_one_plain_line_per_log_every(small_corpus, tmp_path):
+    """The CLI with stdout and stderr in a file (nohup, slurm): no `\r` anywhere, the tokenizer's
+    training and the token store's build included (a fresh cache makes both run); between the
+    header and the end-of-run summary, one line per --log_every steps (10, 20, ... 60) and the
+    evaluations, nothing else; each line's loss is metrics.jsonl's, with lr, tokens/s, MFU, ETA."""
+    run = tmp_path / "cli"
+    kw = tiny_train_kwargs(small_corpus, run, num_iterations=60, eval_every=30, log_every=10, num_samples=0)
+    argv = ["--no_compile", *(a for k, v in kw.items() if k != "compile" for a in (f"--{k}", str(v)))]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), *argv], stdout=f,
+                           stderr=subprocess.STDOUT, cwd=tmp_path, timeout=300,
+                           env={**os.environ, "NANOCHAT_CACHE": str(tmp_path / "cache")})
+    text = log.read_text()
+    assert r.returncode == 0, text[-3000:]
+    assert "\r" not in text
+    assert "tokenizer: training" in text and "building it" in text  # both progresses ran, here
+    lines = text.splitlines()
+    header_end = next(i for i, line in enumerate(lines) if line.startswith("mfu "))  # the run table's last row
+    summary = next(i for i, line in enumerate(lines) if line.startswith("step guard (end of training)"))
+    body = lines[header_end + 1:summary]
+    progress = [re.fullmatch(r"step (\d+)/60 \([\d.]+%\) \| loss ([\d.]+) \| lr [\d.e+-]+ \| [\d,]+ tok/s \| "
+                             r"mfu (-|[\d.]+%) \| eta \S+", line) for line in body]
+    evals = [re.fullmatch(r"step (\d+): val loss [\d.]+, val bpb [\d.]+", line) for line in body]
+    assert all(p or e for p, e in zip(progress, evals)), body
+    losses = _losses(run)
+    assert [(int(p[1]), p[2]) for p in progress if p] == [(s, f"{losses[s]:.4f}") for s in range(10, 61, 10)]
+    assert [int(e[1]) for e in evals if e] == [30, 60]
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
+    """Progress, both ways, against the lines written out here: on a terminal a bar redrawn on
+    stderr (`\r`) and nothing on stdout; elsewhere one line every `every` steps and the last,
+    nothing on stderr; a skipped step (no tokens/s) prints no line."""
+    record = {"loss": 1.5, "lr": 1e-3, "tokens_per_sec": 1000.0}
+    bar = Progress(22, 0, every=5, tokens_per_step=100, terminal=True)
+    for done in range(1, 23):
+        bar.update(done, dict(record), 0.25)
+    bar.close()
+    out, err = capsys.readouterr()
+    assert out == "" and "\r" in err and "loss=1.500" in err and "mfu=25.0%" in err
+    lines = Progress(22, 0, every=5, tokens_per_step=100, terminal=False)
+    for done in range(1, 23):
+        lines.update(done, {"loss": float("nan"), "lr": 1e-3, "skipped": True} if done == 10 else dict(record), None)
+    lines.write("step 22: val loss 1.0000, val bpb 2.0000")
+    out, err = capsys.readouterr()
+    assert err == "" and out.splitlines() == [
+        "step 5/22 (22.7%) | loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | mfu - | eta 2s",  # 17 x 100 / 1000 s
+        "step 15/22 (68.2%) | loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | mfu - | eta 1s",
+        "step 20/22 (90.9%) | loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | mfu - | eta 0s",
+        "step 22/22 (100.0%) | loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | mfu - | eta 0s",
+        "step 22: val loss 1.0000, val bpb 2.0000"]
+    assert [format_eta(s) for s in (7.4, 185, 3725, float("nan"))] == ["7s", "3m05s", "1h02m", "?"]
 
 
 def test_cli_missing_dataset_exits_2(tmp_path):

@@ -3,9 +3,9 @@
 - an inf injected into one layer's gradient skips exactly that step, is counted by the step guard
   (TrainResult.guard_stats, not fp8_stats), and the run names the layer; M such steps in a row
   stop the run and leave the last checkpoint loadable;
-- `--fp8_mode auto` fixes formats after --fp8_auto_steps, stores them in the checkpoint, and a
-  resumed run reuses them (no recalibration) and logs bitwise the same losses as a run that was
-  never interrupted;
+- `--fp8_mode auto` fixes formats after --fp8_auto_steps (their table printed once), stores them
+  in the checkpoint, and a resumed run reuses them (no recalibration) and logs bitwise the same
+  losses as a run that was never interrupted;
 - sampled statistics and the end-of-run summary reach TrainResult.fp8_stats and metrics.jsonl;
 - --fp8_auto_recheck_every switches a role after two disagreeing re-checks (here a doctored measurement:
   e4m3 flushing every gradient value), logs and reports the switch, keeps it in the checkpoint
@@ -23,8 +23,8 @@ The emulated runs pass --fp8_layers all: a d2 model is too small for FP8 to be f
 default would keep every layer in bf16 (that default is tests/test_fp8_policy.py's).
 """
 
-import json
 import logging
+import re
 
 import pytest
 import torch
@@ -32,13 +32,13 @@ import torch
 from nanochat.checkpoint import load_checkpoint
 from nanochat.fp8 import FP8Tensor
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs, train_until_first_save
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
 
 POISONED = "transformer.h.1.mlp.c_fc"
 
 
 def _records(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_records(run_dir)
 
 
 class PoisonedTrainer(NanoChatTrainer):
@@ -83,10 +83,13 @@ def test_consecutive_overflows_stop_and_keep_the_checkpoint(small_corpus, tmp_pa
     assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
 
 
-def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch):
+def test_auto_choices_survive_resume_bitwise(small_corpus, tmp_path, monkeypatch, capsys):
     kw = dict(num_iterations=6, save_every=3, fp8=True, fp8_emulate=True, fp8_layers="all", fp8_mode="auto",
               fp8_auto_steps=2, fp8_stats_every=2, num_samples=0)
     full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    out = capsys.readouterr().out
+    assert out.count("fp8 auto: formats chosen by measurement") == 1  # the table once, when fixed
+    assert re.search(rf"fp8 auto: {len(full.fp8_choices)} layers; input e[45]m[23] x\d+", out)  # summaries count them
     assert full.fp8_choices and set(full.fp8_choices) == set(full.fp8_converted)
     assert all(set(roles) == {"input", "weight", "grad_output"} for roles in full.fp8_choices.values())
 

@@ -14,6 +14,7 @@ tests hold the training step to the reads it is allowed.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import torch
@@ -69,6 +70,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise UsageError(f"unknown --dtype {name!r}; expected one of auto, {', '.join(_DTYPES)}") from None
+
+
+def autocast_context(device: torch.device, dtype: torch.dtype):
+    """The context a forward runs in at compute dtype `dtype` (resolve_dtype): bf16 autocast
+    over fp32 weights, or nothing for fp32. Training and evaluation use the same one."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def host_read(t: torch.Tensor) -> list:

@@ -36,7 +36,6 @@ import dataclasses
 import json
 import math
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -48,47 +47,19 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from nanochat.common import logger, print_last_line, publish_directory, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.config.fp8 import RESUME_FIELDS, ROLES
-from nanochat.fp8.optim import FP8Optim, wrap_optimizer
+from nanochat.fp8.health import fp8_health
+from nanochat.fp8.optim import wrap_optimizer
 from nanochat.train.guard import StepGuard
 from nanochat.model.export import check_export_dir
 from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
-from nanochat.optim import MASTER_WEIGHTS, MasterWeights, OptimWrapper, param_dtype
+from nanochat.optim import MASTER_WEIGHTS, MasterWeights, optimizer_fallbacks, param_dtype
 from nanochat.train.stop import StopNow, StopSignals, Stopped, signal_name, stop_line
 
 FP8_STATE_NAME = "fp8_state.json"
 """FP8Training.state_dict() (statistics samples, auto's choices), the step guard's counts and the
 FP8 settings, in each checkpoint."""
 
-HEALTH = ("underflow_pct", "saturation_pct", "sqnr_db")
-"""The per-layer figures logged (fp8.stats: share of non-zero values flushed to zero, share of
-values clamped at the format's maximum, signal-to-quantization-noise ratio in dB)."""
-
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)  # what nanochat.optim wraps
-
-
-def fp8_health(stats: dict[str, dict[str, dict]], *, layers: bool) -> dict[str, float]:
-    """Scalars for the trackers from one statistics sample (`FP8Training.last_stats`).
-
-    Per role, over the layers: `fp8/<figure>/<role>/max` and `/mean` for underflow and saturation,
-    `fp8/sqnr_db/<role>/min` (the worst). With `layers`, every layer's figures as
-    `fp8_layers/<figure>/<layer>/<role>`: a separate top-level group, so a tracker's `fp8` section
-    stays a short dashboard. An exact cast's SQNR (infinite) is left out."""
-    out: dict[str, float] = {}
-    by_role: dict[str, list[dict]] = defaultdict(list)
-    for layer, roles in stats.items():
-        for role, s in roles.items():
-            by_role[role].append(s)
-            if layers:
-                out.update({f"fp8_layers/{k}/{layer}/{role}": s[k] for k in HEALTH if math.isfinite(s[k])})
-    for role, figures in by_role.items():
-        for k in ("underflow_pct", "saturation_pct"):
-            values = [s[k] for s in figures]
-            out[f"fp8/{k}/{role}/max"] = max(values)
-            out[f"fp8/{k}/{role}/mean"] = sum(values) / len(values)
-        sqnr = [s["sqnr_db"] for s in figures if math.isfinite(s["sqnr_db"])]
-        if sqnr:
-            out[f"fp8/sqnr_db/{role}/min"] = min(sqnr)
-    return out
 
 
 class _EndStep(TrainerCallback):
@@ -313,10 +284,7 @@ class FP8Trainer(Trainer):
                 raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}",
                                     saved=folder if os.path.isdir(folder) else None)
         self.fp8.finish()
-        optimizer = self.fp8_optimizer
-        notes = ((optimizer.fp32_state_notes() if isinstance(optimizer, FP8Optim) else [])
-                 + (optimizer.fallbacks if isinstance(optimizer, OptimWrapper) else []))
-        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + notes
+        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + optimizer_fallbacks(self.fp8_optimizer)
         return output
 
     def _stopped(self, signum: int, what: str, *, saved: str | None) -> Stopped:

@@ -45,7 +45,7 @@ from nanochat.common import (
 from nanochat.config import RESUME_MUST_MATCH, TrainConfig, flag_text
 from nanochat.distributed import DCP_DIRNAME
 from nanochat.model.gpt import PRESETS
-from nanochat.tokenizer import BPETokenizer, Tokenizer
+from nanochat.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"checkpoint-(\d+)\.pt")
@@ -463,6 +463,22 @@ _INIT_KEYS = ("config.model_name", "step", "tokenizer_fingerprint")
 _TENSORS = ("model", "optimizer", "rng")
 
 
+def run_tokenizer(run_dir: str | os.PathLike, fingerprint: str | None, flag: str) -> Tokenizer:
+    """The tokenizer a run trained with, from its tokenizer/ (ours, or a Hugging Face model's
+    tokenizer.json with the chat template the records were rendered with), checked against the
+    `fingerprint` its checkpoint recorded: a checkpoint's weights mean something only with it."""
+    directory = Path(run_dir) / "tokenizer"
+    if not directory.is_dir():
+        raise UsageError(f"{flag} {run_dir}: its tokenizer/ directory is missing, and the weights only mean "
+                         "something with the tokenizer they were trained with; restore it from the run")
+    tokenizer = (HFTokenizer.load(directory) if (directory / "tokenizer.json").is_file()
+                 else BPETokenizer.load(directory))
+    if fingerprint is not None and tokenizer.fingerprint != fingerprint:
+        raise UsageError(f"{flag} {run_dir}: {directory} is not the tokenizer its checkpoint was trained with "
+                         "(fingerprints differ: its token ids mean other text); restore the run's own tokenizer/")
+    return tokenizer
+
+
 @dataclass
 class Saved:
     """A checkpoint found and verified for --resume or --init_from."""
@@ -693,13 +709,7 @@ class Checkpointer:
         if name != cfg.model_name:
             raise UsageError(f"--init_from {src} holds a {name} model, --model_name is {cfg.model_name}: "
                              f"pass --model_name {name}")
-        if not (src / "tokenizer").is_dir():
-            raise UsageError(f"--init_from {src}: its tokenizer/ directory is missing, and the weights only mean "
-                             "something with the tokenizer they were trained with; restore it from the run")
-        tokenizer = BPETokenizer.load(src / "tokenizer")
-        if tokenizer.fingerprint != meta["tokenizer_fingerprint"]:
-            raise UsageError(f"--init_from {src}: {src / 'tokenizer'} is not the tokenizer its checkpoint was "
-                             "trained with (fingerprints differ); restore the run's own tokenizer/")
+        tokenizer = run_tokenizer(src, meta["tokenizer_fingerprint"], "--init_from")
         return Saved(kind, path, int(meta["step"]), {k: v for k, v in meta.items() if k != "model"},
                      tokenizer=tokenizer, weights=meta["model"] if kind == "pt" else None)
 

@@ -80,6 +80,11 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     that follows W&B's own settings: WANDB_MODE, WANDB_PROJECT (default nanochat), ... (pip install
     -e '.[wandb]'). A resume continues both. docs/trackers.md"""
 
+    log_every: int = 10
+    """Where stdout is not a terminal (nohup, slurm, a pipe, a file): one plain line (step, loss,
+    lr, tokens/s, MFU, ETA) every N steps and at the last, instead of a progress bar that would
+    fill the log with refreshes. On a terminal the bar shows every step."""
+
     plot: bool = False
     """At the end of the run, draw <run_dir>/run.png: loss and validation bpb against tokens,
     tokens/s, MFU and the FP8 health map (what scripts/plot_run.py draws; pip install -e '.[plots]')."""
@@ -194,7 +199,7 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
                       "guard runs in every run, FP8 or not): use --max_bad_steps")
         if self.max_bad_steps < 1:
             raise ValueError(f"--max_bad_steps must be >= 1, got {self.max_bad_steps}")
-        positive(self, "grad_accum_steps")
+        positive(self, "grad_accum_steps", "log_every")
         non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
                       "temperature")
         if self.num_iterations == -1 and self.num_epochs < 1:

@@ -15,7 +15,7 @@ prefix-stable is an error naming the turn); a base model without a template gets
 format (`PLAIN_TEMPLATE`, recorded as a fallback). Only the assistant's tokens, and the token
 that closes its turn, are scored.
 
-Every problem is a ValueError saying what is wrong with the record; `nanochat.data.prepare` adds the
+Every problem is a ValueError saying what is wrong with the record; `nanochat.data.sources` adds the
 file and line. The formats in full, with the rejected alternatives: docs/instruct.md.
 """
 
@@ -33,7 +33,7 @@ SHAPES_HELP = (
     '{"question": "..." or {"stem", "choices"}, "choices": {"text": [...], "label": [...]} or '
     '[...], "answerKey": "<label>"} (multiple choice, the ARC shape)'
 )
-"""The record shapes `nanochat.data.prepare.load_corpus` reads, for error messages."""
+"""The record shapes a corpus may hold (nanochat.data.sources reads them), for error messages."""
 
 ROLES = ("system", "user", "assistant")
 MC_INSTRUCTION = "Answer with the letter of the correct option."
@@ -403,6 +403,14 @@ def choice_items(tokenizer: Tokenizer, records: list[list[Message]], max_tokens:
         items.append(ChoiceItem(rendered[0][:at], [r[at:len(r) - tail] for r in rendered], letters.index(key)))
     return items
 
+
+def describe_scoring(items: list[ChoiceItem]) -> str:
+    """How evaluation scores `items` (nanochat.train.evaluation.choice_counts), for a run's results
+    and summary: "option log-likelihood (1-2 tokens per option)"; with one token per option that
+    is the letters' logits compared."""
+    sizes = sorted({len(option) for it in items for option in it.options})
+    spread = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+    return f"option log-likelihood ({spread} token{'s' * (sizes[-1] > 1)} per option)"
 
 def _shared_length(seqs: list[list[int]]) -> int:
     """Length of the longest prefix all of `seqs` have."""

@@ -1,6 +1,6 @@
 """Token streams: a 1-D stream of token ids, read window by window, and records packed into windows.
 
-A `TokenStream` is what the batchers (nanochat.data.prepare) read: a token store's split, whose arrays are
+A `TokenStream` is what the batchers (nanochat.data.batches) read: a token store's split, whose arrays are
 numpy.memmap views of its files (nanochat.data.store), or a tensor in memory (tests, notebooks). A
 window of `size` tokens starting at `s` is gathered with one fancy index, so a batch reads only
 the pages it needs and a rank's memory does not grow with the corpus.

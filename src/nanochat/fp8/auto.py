@@ -259,5 +259,42 @@ def apply_fp8_choices(model: nn.Module, choices: dict[str, dict[str, str]]) -> N
         layer.config = with_dtypes(layer.config, choice)
 
 
-__all__ = ["AutoCalibration", "apply_fp8_choices", "choose_format", "fp8_choices", "make_native_legal",
-           "measure", "recheck_choices", "recipe_of", "start_auto_calibration"]
+CHOICES_TABLE_ROWS = 24
+"""Layers auto's choice table lists one per row; past this it groups them (a d26 has 156 FP8
+layers: a row each is a page no one reads, grouped it is one row per Linear of the block
+unless some blocks chose otherwise)."""
+
+
+def choices_table(choices: dict[str, dict[str, str]], max_rows: int = CHOICES_TABLE_ROWS) -> str:
+    """Auto's choices as the table a run prints once, when they are fixed: a row per layer up
+    to `max_rows` layers; beyond, a row per Linear of the block (the layer name with its block
+    number as `*`) and formats chosen, with how many layers chose them and which blocks."""
+    head = f"fp8 auto: formats chosen by measurement ({len(choices)} layers)"
+    if len(choices) <= max_rows:
+        rows = [[name, *(roles.get(r, "-") for r in ROLES)] for name, roles in choices.items()]
+        return head + "\n" + format_table(["layer", *ROLES], rows)
+    groups: dict[tuple[str, tuple[str, ...]], list[int | None]] = {}
+    for name, roles in choices.items():  # in model order: the first layer of a group places its row
+        parts = name.split(".")
+        at = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        pattern = name if at is None else ".".join(parts[:at] + ["*"] + parts[at + 1:])
+        groups.setdefault((pattern, tuple(roles.get(r, "-") for r in ROLES)), []).append(
+            None if at is None else int(parts[at]))
+    rows = [[pattern, *formats, len(blocks), block_ranges(blocks)] for (pattern, formats), blocks in groups.items()]
+    return (head + ", grouped by Linear and formats\n"
+            + format_table(["layer", *ROLES, "layers", "blocks"], rows))
+
+
+def block_ranges(blocks: list[int | None]) -> str:
+    """Block numbers as ranges, `0-11, 14, 16-25`; "-" for layers outside any block (None)."""
+    spans: list[list[int]] = []
+    for b in sorted({b for b in blocks if b is not None}):
+        if spans and b == spans[-1][1] + 1:
+            spans[-1][1] = b
+        else:
+            spans.append([b, b])
+    return ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in spans) or "-"
+
+__all__ = ["CHOICES_TABLE_ROWS", "AutoCalibration", "apply_fp8_choices", "block_ranges", "choices_table",
+           "choose_format", "fp8_choices", "make_native_legal", "measure", "recheck_choices", "recipe_of",
+           "start_auto_calibration"]

@@ -26,6 +26,7 @@ where its docstrings say so.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from typing import Any
 
 import torch
@@ -35,10 +36,12 @@ from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with i
 from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
 from nanochat.common import format_table, logger, print0
-from nanochat.fp8.auto import apply_fp8_choices, fp8_choices, recheck_choices, start_auto_calibration
+from nanochat.fp8.auto import apply_fp8_choices, choices_table, fp8_choices, recheck_choices, start_auto_calibration
+from nanochat.fp8.health import worst_layers
 from nanochat.config.fp8 import FP8Config
-from nanochat.fp8.linear import convert, fp8_disabled, is_fp8_model
-from nanochat.fp8.optim import FP8Optim, wrap_optimizer
+from nanochat.fp8.linear import ROLES, convert, fp8_disabled, is_fp8_model
+from nanochat.fp8.optim import wrap_optimizer
+from nanochat.optim import optimizer_fallbacks
 from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats
 
 
@@ -115,8 +118,7 @@ class FP8Training:
         master weights: call wrap_optimizer yourself). Build it on the parameters the loop trains
         (after FSDP wraps). Becomes `self.optimizer`."""
         self.optimizer = wrap_optimizer(optimizer, opt_level=self.config.opt_level)
-        if isinstance(self.optimizer, FP8Optim):  # tensors too small or of a size the blocks do not fit
-            self.fallbacks += self.optimizer.fp32_state_notes()
+        self.fallbacks += optimizer_fallbacks(self.optimizer)  # e.g. tensors too small for FP8 moments
         return self.optimizer
 
     def high_precision(self):
@@ -187,12 +189,8 @@ class FP8Training:
         """stats_samples, the five layers with most underflow and saturation in the last sample, the
         auto choices and switches, and the last sample's statistics (plain, JSON-ready)."""
         layers = self.last_stats or {}
-
-        def worst(key: str) -> list[list]:
-            flat = [[name, role, st[key]] for name, roles in layers.items() for role, st in roles.items()]
-            return sorted(flat, key=lambda t: -t[2])[:5]
-
-        return {**self.counters, "top_underflow": worst("underflow_pct"), "top_saturation": worst("saturation_pct"),
+        return {**self.counters, "top_underflow": worst_layers(layers, "underflow_pct"),
+                "top_saturation": worst_layers(layers, "saturation_pct"),
                 "choices": self.choices, "auto_switches": list(self.switches), "layers": layers}
 
     def summary_text(self, summary: dict[str, Any], label: str) -> str:
@@ -206,18 +204,16 @@ class FP8Training:
                 if not top:
                     rows.append([heading, "none: 0 % in every layer and role", ""])
             lines.append(format_table(["", "layer (role)", "share of values"], rows))
-        if self.choices:
-            lines.append(self.choices_table())
+        if self.choices:  # the table itself printed once, when the formats were fixed
+            lines.append(choices_line(self.choices))
         if self.config.auto_recheck_every:
             lines.append(f"fp8 auto re-check: {len(self.switches)} switch(es)"
                          + "".join(f"\n  step {sw['step']}: {describe_switch(sw)}" for sw in self.switches))
         return "\n".join(lines)
 
     def choices_table(self) -> str:
-        rows = [[name, *(roles.get(r, "-") for r in ("input", "weight", "grad_output"))]
-                for name, roles in (self.choices or {}).items()]
-        return "fp8 auto: formats chosen by measurement\n" + format_table(
-            ["layer", "input", "weight", "grad_output"], rows)
+        """Auto's choices as a table, grouped past fp8.auto.CHOICES_TABLE_ROWS layers."""
+        return choices_table(self.choices or {})
 
     # --------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -244,10 +240,17 @@ class FP8Training:
             logger.info("fp8 auto: formats restored from the checkpoint (no recalibration)")
 
 
+def choices_line(choices: dict[str, dict[str, str]]) -> str:
+    """Auto's choices counted per role, one line: `fp8 auto: 24 layers; input e4m3 x24; ...`."""
+    counts = {r: Counter(roles[r] for roles in choices.values() if r in roles) for r in ROLES}
+    return f"fp8 auto: {len(choices)} layers; " + "; ".join(
+        f"{r} " + ", ".join(f"{d} x{n}" for d, n in c.most_common()) for r, c in counts.items() if c)
+
+
 def describe_switch(sw: dict[str, Any]) -> str:
     m = sw.get("measured", {})
     figs = ", ".join(f"{d} {v['underflow_pct']:.2f}% underflow / {v['sqnr_db']:.1f} dB" for d, v in m.items())
     return f"{sw['layer']} {sw['role']} {sw['from']} -> {sw['to']} ({figs})"
 
 
-__all__ = ["FP8Step", "FP8Training", "describe_switch"]
+__all__ = ["FP8Step", "FP8Training", "choices_line", "describe_switch"]

@@ -21,7 +21,7 @@ needs. Nothing here imports nanochat.fp8: a quantized moment is recognized by wh
 from .master import MASTER_WEIGHTS, MasterWeights, param_dtype
 from .state import QuantizedState, dense
 from .state_bytes import optimizer_bytes, optimizer_state_bytes
-from .wrapper import OptimWrapper
+from .wrapper import OptimWrapper, optimizer_fallbacks
 
 __all__ = ["MASTER_WEIGHTS", "MasterWeights", "OptimWrapper", "QuantizedState", "dense", "optimizer_bytes",
-           "optimizer_state_bytes", "param_dtype"]
+           "optimizer_fallbacks", "optimizer_state_bytes", "param_dtype"]

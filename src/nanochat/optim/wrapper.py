@@ -82,7 +82,7 @@ class OptimWrapper(torch.optim.Optimizer):
         self.backends = Backends(type(self).__name__, backend, compile=compile)
         self.fallbacks: list[str] = self.backends.fallbacks
         """Each fallback this optimizer took (native kernel unavailable, compile failed), with its
-        reason; the trainer copies them into TrainResult.fallbacks."""
+        reason; a run's results read them through `optimizer_fallbacks`."""
         if master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}; got {master_weights!r}")
         if master_weights != "fp32" and self.is_sgd:
@@ -384,6 +384,11 @@ class OptimWrapper(torch.optim.Optimizer):
                                 moment_bytes=4 if quantized or self.steps_every_parameter else p.element_size())
                 + n * bytes_per_param(self.master_weights)[2])  # bf16_split's remainder
 
+    def fp32_state_notes(self) -> list[str]:
+        """Parameters whose moments stay fp32 although the format quantizes them, as fallback
+        lines with the reason; none here (a moment format's hook: FP8Optim)."""
+        return []
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: optimizer_state_bytes(self)."""
         return optimizer_state_bytes(self)
@@ -402,4 +407,13 @@ class OptimWrapper(torch.optim.Optimizer):
                 f"params with fp32 moments, {who}; {format_bytes(self.state_bytes())} of state")
 
 
-__all__ = ["SUPPORTED", "OptimWrapper"]
+def optimizer_fallbacks(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Every fallback `optimizer` took so far, with its reason: the parameters a moment format
+    keeps in fp32 and the steps that fell back to another backend; none for a plain torch
+    optimizer. What the trainer and FP8Trainer record in their results."""
+    if not isinstance(optimizer, OptimWrapper):
+        return []
+    return optimizer.fp32_state_notes() + list(optimizer.fallbacks)
+
+
+__all__ = ["SUPPORTED", "OptimWrapper", "optimizer_fallbacks"]

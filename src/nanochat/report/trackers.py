@@ -9,11 +9,11 @@ metrics.jsonl stays the run's own record (resume and plot_run read it); a tracke
 the same records, so nothing is measured twice. Names group by their first path component, as
 both TensorBoard and W&B lay out their panels: train/loss, train/lr, train/grad_norm,
 train/tokens_per_sec, train/mfu, val/loss, val/bpb, val/accuracy, events/..., final/... and
-memory/peak_gib. A statistics step (--fp8_stats_every) adds fp8_<role>_<stat>/<layer> for
-underflow_pct, saturation_pct and sqnr_db: a section per role and statistic with a chart per
-layer, so a 224-layer model makes nine sections of 224, under fp8/<role>_<stat>_worst and _mean
-over all layers, the charts to look at first. Events (skipped steps, auto's choices and
-switches, FP8 summaries) are texts under events/ at the last step logged before them.
+memory/peak_gib. A statistics step (--fp8_stats_every) adds FP8 health under the names
+nanochat.fp8.health gives every consumer: fp8/<role>_<stat>_worst and _mean over all layers,
+the charts to look at first, and fp8_<role>_<stat>/<layer>, a section per role and statistic.
+Events (skipped steps, auto's choices and switches, FP8 summaries) are texts under events/ at
+the last step logged before them.
 
 A resumed run continues the same TensorBoard run: SummaryWriter's `purge_step` hides what the
 interrupted run logged after its checkpoint, so each step shows once. It continues the same W&B
@@ -38,13 +38,11 @@ from typing import Any, get_args
 
 from nanochat.common import NanoChatError, UsageError, logger, write_atomic
 from nanochat.config.train import LogChoice
+from nanochat.fp8.health import fp8_health
 
 LOG_CHOICES: tuple[str, ...] = get_args(LogChoice)
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_id"
-STATS = {"underflow_pct": max, "saturation_pct": max, "sqnr_db": min}
-"""The per-layer FP8 statistics a tracker gets, each with how the worst layer is picked: the
-most values flushed to 0 or clipped, the least signal-to-noise."""
 HPARAM_METRICS = ("final/val_bpb", "final/val_loss", "final/train_loss", "final/tokens_per_sec", "final/mfu",
                   "memory/peak_gib")
 """The figures TensorBoard's HPARAMS tab shows beside each run's config."""
@@ -97,24 +95,6 @@ def _table(header: tuple[str, ...], rows: Iterable[Iterable[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _fp8_scalars(fp8_stats: Mapping[str, Any]) -> dict[str, float]:
-    """A statistics step's `fp8_stats` ({layer: {role: {stat: value}}}) as tracker scalars: one
-    per layer, role and statistic, and per role and statistic the worst and the mean over layers."""
-    out: dict[str, float] = {}
-    per: dict[tuple[str, str], list[float]] = {}
-    for layer, roles in fp8_stats.items():
-        for role, stats in (roles.items() if isinstance(roles, Mapping) else ()):
-            for stat in STATS:
-                v = _number(stats.get(stat)) if isinstance(stats, Mapping) else None
-                if v is not None:
-                    out[f"fp8_{role}_{stat}/{layer}"] = v
-                    per.setdefault((role, stat), []).append(v)
-    for (role, stat), values in per.items():
-        out[f"fp8/{role}_{stat}_worst"] = STATS[stat](values)
-        out[f"fp8/{role}_{stat}_mean"] = sum(values) / len(values)
-    return out
-
-
 _STEP_NAMES = {"skipped": "events/skipped", "skipped_params": "events/skipped_params",
                "clip_factor": "events/clip_factor", "calibrating": "fp8/calibrating"}
 
@@ -131,7 +111,7 @@ def translate(rec: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]
         if key in ("step", "event"):
             continue
         if key == "fp8_stats" and isinstance(value, Mapping):
-            scalars.update(_fp8_scalars(value))
+            scalars.update(fp8_health(value))  # the names every FP8 consumer uses
             continue
         v = _number(value)
         if v is None:

@@ -1,10 +1,13 @@
-"""Evaluation: validation loss and bits per byte, multiple-choice accuracy, samples, and
-evaluating a saved model on a dataset without training.
+"""Evaluation: validation loss and bits per byte, multiple-choice accuracy, samples; and a saved
+model evaluated on a dataset without training.
 
-`Evaluator` is what a training run measures with, in high precision on the uncompiled model (the
-figure is the model's quality, not FP8's inference noise): loss and bits per byte over the
-validation windows, accuracy over the multiple-choice items, and a few continuations of
-validation prompts. Under torchrun every rank scores its share and the sums are all-reduced.
+`loss_and_bpb` is the one validation loss: the run (`Evaluator`, at every evaluation) and
+`scripts/eval.py` (`evaluate_saved`) both call it, on the same windows (`val_batches`: the first
+--eval_tokens of the validation stream, records packed as training packs them), so eval.py on a
+finished run reproduces its result.json. Bits per byte divide the nats by the UTF-8 bytes the
+scored tokens stand for: comparable across tokenizers. A run measures in high precision on the
+uncompiled model (the figure is the model's quality, not FP8's inference noise); under torchrun
+every rank scores its share and the sums are all-reduced.
 
 Multiple choice: each option is scored by the log-likelihood of its answer tokens after the shared
 prompt (`instruct.choice_items`) and the best option is the prediction (lm-evaluation-harness's
@@ -15,9 +18,6 @@ logits compared (karpathy/nanochat's categorical evaluation) bit for bit. A row 
 plus an option's tokens but its last (shared by options equal but for their last token),
 right-padded (the model is causal); a row longer than the context keeps its last `seq_len`
 tokens. Deterministic. The long form: docs/instruct.md.
-
-`evaluate_saved` is `scripts/eval.py`: a run's checkpoint (or a Hugging Face directory as
-loaded), a dataset's validation split, its loss and its accuracy.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 from itertools import islice
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,15 +33,53 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from nanochat import distributed, engine
-from nanochat.data import instruct
+from nanochat.checkpoint import checkpoint_name, load_checkpoint, run_tokenizer
 from nanochat.common import DistEnv, UsageError, logger
-from nanochat.data.prepare import prepare_data, val_batches
+from nanochat.device import autocast_context, resolve_device, resolve_dtype
+from nanochat.data import instruct
+from nanochat.data.batches import split_stream, val_batches
+from nanochat.data.prepare import prepare_data
 from nanochat.data.sources import list_sources
+from nanochat.data.streams import TokenStream
+from nanochat.fp8.tensor import FP8Tensor  # noqa: F401  a checkpoint's FP8 moments load with weights_only
+from nanochat.model.gpt import GPT, preset_config
+from nanochat.model.export import model_from_state_dict
+from nanochat.model.hf import load_hf_model
+from nanochat.model.hub import resolve_model
 
 if TYPE_CHECKING:
-    from nanochat.config import TrainConfig
+    from nanochat.config import EvalConfig, TrainConfig
     from nanochat.fp8 import FP8Training
     from nanochat.train.run_data import RunData
+
+
+@torch.no_grad()
+def loss_and_bpb(model: torch.nn.Module, val: TokenStream, token_bytes: torch.Tensor, *, seq_len: int,
+                 batch_size: int, eval_tokens: int, device: torch.device, autocast: Any = None,
+                 dist: DistEnv | None = None) -> tuple[float, float, int]:
+    """Validation loss (nats per scored token), bits per byte and the tokens scored, over the
+    first `eval_tokens` of `val` in windows of `seq_len` (`val_batches`); the caller sets eval
+    mode and precision (`autocast`). Under `dist` each rank scores its batches and the sums are
+    all-reduced. `token_bytes`: each token id's UTF-8 bytes, on `device`."""
+    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # [nats, scored tokens, bytes]
+    with autocast if autocast is not None else contextlib.nullcontext():
+        for x, y in val_batches(val, seq_len, batch_size, eval_tokens, rank=rank, world_size=world_size):
+            x, y = x.to(device), y.to(device)
+            loss = model(x, y, reduction="none").view(-1).double()
+            y = y.view(-1)
+            scored = y >= 0  # -1: a position the loss mask excludes (instruction prompts)
+            nbytes = token_bytes[y.clamp(min=0)] * scored
+            # text: special tokens (BOS) carry no bytes and are not scored; records: every scored
+            # target counts, the closing <|end|>/eos included (stopping is part of the answer)
+            counted = scored if val.has_mask else nbytes > 0
+            totals[0] += torch.where(counted, loss, 0.0).sum()
+            totals[1] += counted.sum()
+            totals[2] += nbytes.sum()
+    total_nats, total_tokens, total_bytes = distributed.all_reduce_sum(totals).tolist()
+    if total_tokens == 0:
+        raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
+    return total_nats / total_tokens, total_nats / (math.log(2) * total_bytes), int(total_tokens)
 
 
 class Evaluator:
@@ -60,29 +97,14 @@ class Evaluator:
         val_loss, val_bpb = self.loss()
         return val_loss, val_bpb, self.accuracy()
 
-    @torch.no_grad()
     def loss(self) -> tuple[float, float]:
-        """Validation loss (nats/token) and bits per byte over --eval_tokens."""
-        cfg, data = self.cfg, self.data
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # [nats, scored tokens, bytes]
-        with self._model() as model, self.autocast:
-            for x, y in val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens,
-                                    rank=self.dist.rank, world_size=self.dist.world_size):
-                x, y = x.to(self.device), y.to(self.device)
-                loss = model(x, y, reduction="none").view(-1).double()
-                y = y.view(-1)
-                scored = y >= 0  # -1: a position the loss mask excludes (instruction prompts)
-                nbytes = data.token_bytes[y.clamp(min=0)] * scored
-                # text: special tokens (BOS) carry no bytes and are not scored; records: every scored
-                # target counts, the closing <|end|>/eos included (stopping is part of the answer)
-                counted = scored if data.val.has_mask else nbytes > 0
-                totals[0] += torch.where(counted, loss, 0.0).sum()
-                totals[1] += counted.sum()
-                totals[2] += nbytes.sum()
-        total_nats, total_tokens, total_bytes = distributed.all_reduce_sum(totals).tolist()
-        if total_tokens == 0:
-            raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
-        return total_nats / total_tokens, total_nats / (math.log(2) * total_bytes)
+        """Validation loss (nats/token) and bits per byte over --eval_tokens (`loss_and_bpb`)."""
+        cfg = self.cfg
+        with self._model() as model:
+            val_loss, val_bpb, _ = loss_and_bpb(model, self.data.val, self.data.token_bytes, seq_len=cfg.seq_len,
+                                                batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens,
+                                                device=self.device, autocast=self.autocast, dist=self.dist)
+        return val_loss, val_bpb
 
     @torch.no_grad()
     def accuracy(self) -> float | None:
@@ -119,8 +141,6 @@ class Evaluator:
         (unwrapped, so no collectives) with its FP8 layers in high precision. FSDP: a plain,
         unsharded copy gathered from the shards (collective: every rank enters; distributed.py)."""
         if self.dist.is_distributed and self.cfg.fsdp:
-            from nanochat.model.gpt import GPT
-
             with torch.device("meta"):
                 plain = GPT(self.model.config)
             plain = distributed.full_copy(self.model, plain.materialize(self.device))
@@ -196,26 +216,24 @@ def _row_batches(items: list[instruct.ChoiceItem], batch_size: int):
         yield batch
 
 
-def describe_scoring(items: list[instruct.ChoiceItem]) -> str:
-    """How `choice_counts` scores `items`, for a run's results and summary: "option log-likelihood
-    (1-2 tokens per option)"; with one token per option that is the letters' logits compared."""
-    sizes = sorted({len(option) for it in items for option in it.options})
-    spread = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
-    return f"option log-likelihood ({spread} token{'s' * (sizes[-1] > 1)} per option)"
-
-
+# ------------------------------------------------------------------ a saved model: scripts/eval.py
 @dataclass
 class EvalResult:
     """What `scripts/eval.py` reports."""
 
     val_loss: float
-    """Validation loss, nats per scored token (answer tokens only for instruction records)."""
+    """Validation loss, nats per scored token (answer tokens only for instruction records):
+    `loss_and_bpb`, as the run computes it."""
+    val_bpb: float
+    """Validation bits per byte (the run's `val_bpb`)."""
     val_accuracy: float | None
     """Multiple-choice accuracy; None when the validation split has no multiple-choice records."""
+    tokens: int = 0
+    """Validation tokens scored."""
     questions: int = 0
     """Multiple-choice questions scored."""
     accuracy_scoring: str | None = None
-    """How the options were scored (`describe_scoring`); None without multiple-choice records."""
+    """How the options were scored (`instruct.describe_scoring`); None without multiple-choice records."""
     fallbacks: list[str] = field(default_factory=list)
     source: str = ""
     """What was evaluated: a run's checkpoint file and its step, or a model directory."""
@@ -223,85 +241,68 @@ class EvalResult:
     """The step of the run's checkpoint that was evaluated; None for a model as loaded."""
 
 
-def load_saved(run_dir: str | None, model_name: str | None, device: torch.device, seq_len: int):
-    """(model, tokenizer, step) of a run directory's newest checkpoint, or of a Hugging Face
-    directory (step None)."""
-    from nanochat.model.gpt import GPT, preset_config
-    from nanochat.model.export import model_from_state_dict
-    from nanochat.model.hf import load_hf_model
-    from nanochat.model.hub import resolve_model
-    from nanochat.tokenizer import BPETokenizer
-
+def load_saved(run_dir: str | None, model_name: str | None, device: torch.device,
+               seq_len: int) -> tuple[GPT, Any, int | None, dict[str, Any]]:
+    """(model, tokenizer, step, the run's config) of a run directory's newest checkpoint, with the
+    tokenizer it trained with (checked: `run_tokenizer`); or of a Hugging Face directory as loaded
+    (step None, config {})."""
     if run_dir is None:
         resolved = resolve_model(model_name)
         if resolved.kind != "hf":
             raise UsageError(f"--model_name {model_name!r} is a nanochat preset, untrained; evaluate a "
                              "run of it instead (--run_dir)")
         model, tok = load_hf_model(resolved.path, device, torch.float32, seq_len=seq_len)
-        return model, tok, None
-    from nanochat.checkpoint import load_checkpoint
-
-    try:
-        import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer-state tensors for weights_only loading
-    except ImportError:
-        pass
+        return model, tok, None, {}
     ckpt = load_checkpoint(run_dir, keys=("config.model_name", "config.seq_len", "model"))
-    name, tok_dir = ckpt["config"]["model_name"], Path(run_dir) / "tokenizer"
-    if not tok_dir.is_dir():
-        raise UsageError(f"--run_dir {run_dir}: its tokenizer/ is missing, and the weights mean something only "
-                         "with the tokenizer they were trained with; restore it from the run")
-    model = None
-    if resolve_model(name).kind == "hf":
-        model, tok = model_from_state_dict(name, ckpt["model"], tokenizer_dir=tok_dir)
+    config, step = ckpt["config"], int(ckpt["step"])
+    tok = run_tokenizer(run_dir, ckpt.get("tokenizer_fingerprint"), "--run_dir")  # with its chat template
+    if resolve_model(config["model_name"]).kind == "hf":
+        model, _ = model_from_state_dict(config["model_name"], ckpt["model"], tokenizer_dir=Path(run_dir) / "tokenizer")
     else:
-        tok = BPETokenizer.load(tok_dir)
-    if tok.fingerprint != ckpt.get("tokenizer_fingerprint", tok.fingerprint):
-        raise UsageError(f"--run_dir {run_dir}: {tok_dir} is not the tokenizer its checkpoint was trained with "
-                         "(fingerprints differ: its token ids mean other text); restore the run's own tokenizer/")
-    if model is None:
         with torch.device("meta"):
-            model = GPT(preset_config(name, vocab_size=tok.vocab_size, seq_len=ckpt["config"]["seq_len"]))
+            model = GPT(preset_config(config["model_name"], vocab_size=tok.vocab_size, seq_len=config["seq_len"]))
         model.materialize("cpu")
-        model.load_state_dict({re.sub(r"^(_orig_mod\.|module\.)+", "", k): v for k, v in ckpt["model"].items()})
-    return model.to(device), tok, int(ckpt["step"])  # a run's tokenizer/ holds the chat template it trained with
+        model.load_state_dict(ckpt["model"])  # the run saves its GPT's own state dict
+    return model.to(device), tok, step, config
 
 
 @torch.no_grad()
-def evaluate_saved(cfg) -> EvalResult:
-    """`scripts/eval.py` with an `EvalConfig`: the validation split's loss and accuracy, read from
-    the corpus's token store for the model's tokenizer (built first if missing)."""
-    from nanochat.checkpoint import checkpoint_name
-    from nanochat.device import resolve_device, resolve_dtype
-
+def evaluate_saved(cfg: EvalConfig) -> EvalResult:
+    """`scripts/eval.py` with an `EvalConfig`: the validation split's loss, bits per byte and
+    accuracy as a run measures them, read from the corpus's token store for the model's
+    tokenizer (built first if missing)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     list_sources(cfg.dataset_path)  # a path that cannot be a corpus: one error before the model loads
-    model, tok, step = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
+    model, tok, step, trained = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
     source = f"{Path(cfg.run_dir) / checkpoint_name(step)} (step {step})" if step is not None else str(cfg.model_name)
     logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
+    seq_len = min(cfg.seq_len, model.config.seq_len)
+    asked = {"seq_len": seq_len, "eval_tokens": cfg.eval_tokens}
+    differ = [f"--{k} {trained[k]}" for k in asked if k in trained and trained[k] != asked[k]]
+    if differ:
+        logger.info("the run evaluated with %s: pass the same to reproduce its val_loss and val_bpb", " ".join(differ))
     prepared = prepare_data(cfg.dataset_path, tokenizer=tok, chat_template=cfg.chat_template,
                             cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")))
-    store, tok, fallbacks = prepared.store, prepared.tokenizer, prepared.fallbacks
+    store, tok, fallbacks = prepared.store, prepared.tokenizer, list(prepared.fallbacks)
     logger.info("corpus: %s", store.describe())
     for fallback in fallbacks:
         logger.warning("WARNING: %s", fallback)
     model.eval()
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    seq_len = min(cfg.seq_len, model.config.seq_len)
-    val = store.val.packed(seq_len, tok.bos_id)[0] if store.kind == "instruct" else store.val
-    nats, count = 0.0, 0
-    for x, y in val_batches(val, seq_len, cfg.batch_size, cfg.eval_tokens):
-        with autocast:
-            loss = model(x.to(device), y.to(device), reduction="none")
-        scored = y.to(device) >= 0
-        nats += float(loss[scored].double().sum())
-        count += int(scored.sum())
-    items = instruct.choice_items(tok, store.val_records(), cfg.eval_tokens)
+    context = autocast_context(device, dtype)
+    val = split_stream(store, "val", seq_len, tok.bos_id, fallbacks.append)
+    val_loss, val_bpb, tokens = loss_and_bpb(model, val, tok.token_bytes().to(device), seq_len=seq_len,
+                                             batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens,
+                                             device=device, autocast=context)
+    items = instruct.choice_items(tok, store.val_records(), cfg.eval_tokens) if store.kind == "instruct" else []
     accuracy = None
     if items:
         correct, total = choice_counts(model, items, batch_size=cfg.batch_size, seq_len=seq_len,
-                                       device=device, autocast=autocast)
+                                       device=device, autocast=context)
         accuracy = correct / total
-    return EvalResult(val_loss=nats / max(count, 1), val_accuracy=accuracy, questions=len(items),
-                      accuracy_scoring=describe_scoring(items) if items else None, fallbacks=fallbacks,
+    return EvalResult(val_loss=val_loss, val_bpb=val_bpb, val_accuracy=accuracy, tokens=tokens, questions=len(items),
+                      accuracy_scoring=instruct.describe_scoring(items) if items else None, fallbacks=fallbacks,
                       source=source, step=step)
+
+
+__all__ = ["EvalResult", "Evaluator", "choice_counts", "evaluate_saved", "load_saved", "loss_and_bpb"]

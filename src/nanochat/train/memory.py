@@ -37,15 +37,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from nanochat.common import format_bytes, format_table
+from nanochat.config import TrainConfig
 from nanochat.fp8.optim import fp8_size_problem
 from nanochat.fp8.tensor import DEFAULT_BLOCK_SIZE
 from nanochat.optim import optimizer_bytes
 from nanochat.optim.master import MASTER_WEIGHTS, bytes_per_param
+from nanochat.optim.state import local
 from nanochat.model.gpt import GPT, GPTConfig
 
 
@@ -56,6 +59,15 @@ def param_numels(config: GPTConfig) -> list[int]:
         model = GPT(config)
     return [p.numel() for p in model.parameters()]
 
+
+def held(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """(elements, bytes) of `tensors` as this rank holds them: a DTensor (FSDP2) counts its local
+    shard. Every count a run makes of its parameters, weights and gradients is this one."""
+    numel = nbytes = 0
+    for t in tensors:
+        n = local(t).numel()
+        numel, nbytes = numel + n, nbytes + n * t.element_size()
+    return numel, nbytes
 
 def activation_bytes(config: GPTConfig, tokens: int, *, autocast: bool, checkpointing: bool) -> int:
     """Estimated activation memory of one forward+backward over `tokens` tokens (batch x seq).
@@ -259,6 +271,18 @@ def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level
                                      autocast=autocast, checkpointing=activation_checkpointing),
         free_bytes=free_bytes)
 
+
+def plan_run(cfg: TrainConfig, config: GPTConfig, *, autocast: bool, shards: int, device: torch.device) -> MemoryPlan:
+    """`plan_training` for a run's flags (`cfg`) on `device`, checked: a run that does not fit
+    fails here, before a weight is allocated (ValueError naming what would make it fit)."""
+    plan = plan_training(
+        config, batch_size=cfg.batch_size, seq_len=cfg.seq_len, opt_level=cfg.fp8_opt_level,
+        activation_checkpointing=cfg.activation_checkpointing,
+        master_weights="fp32" if cfg.master_weights_emulate else cfg.master_weights,
+        optimizer_in_backward=cfg.optimizer_in_backward, autocast=autocast, shards=shards,
+        free_bytes=free_bytes(device))
+    plan.check()
+    return plan
 
 def free_bytes(device: torch.device) -> int | None:
     """Free memory of `device`: CUDA's free memory; on CPU the kernel's MemAvailable; None

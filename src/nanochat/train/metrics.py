@@ -195,10 +195,10 @@ class TrainResult:
     the letters' logits compared, or e.g. "(1-2 tokens per option)" where some letter takes two
     tokens. None without multiple-choice records."""
     state_bytes_per_param: float = 0.0
-    """Training state per parameter, measured from the live tensors after the first optimizer
-    step: weights + gradients (all of them before the step; the largest one alive at a time with
-    --optimizer_in_backward) + optimizer states (moments, FP8 scales, bf16_split's remainders),
-    divided by the parameters (this rank's under FSDP). Breakdown in state_bytes."""
+    """Training state per parameter, measured from the live tensors: weights + gradients (all of
+    them at the first optimizer step; the largest one alive at a time with --optimizer_in_backward)
+    + optimizer states (moments, FP8 scales, bf16_split's remainders: as the first step allocates
+    them), divided by the parameters (this rank's under FSDP). Breakdown in state_bytes."""
     state_bytes: dict[str, int] = field(default_factory=dict)
     """The bytes behind state_bytes_per_param: weights, gradients, optimizer."""
     planned_memory_bytes: int = 0

@@ -1,18 +1,21 @@
 """RunData: everything a training run reads, from the corpus to the batches of each rank.
 
-Built once, before any model exists, so that every data error comes before a weight is allocated:
-the token store of the corpus (nanochat.data.prepare.prepare_data: built once, memory-mapped by every
-run and rank), the tokenizer that goes with the model, the multiple-choice items evaluation
-scores, and the loader whose position checkpoints keep. Which tokenizer: a Hugging Face model
-brings its own (its embeddings know its ids); a run started with --init_from brings its source
-run's (`tokenizer`, given), and keeps it in its own run directory when resumed; otherwise
---tokenizer_dir's, or one trained on the corpus (cached). A base model has no chat template:
-instruction records are rendered in the plain format then.
+Built once, before any model exists, so that every data error comes before a weight is
+allocated. It goes one way, each step in its own module:
+  tokenizer       the one the model needs (`given_tokenizer`), or None: trained on the corpus
+  token store     nanochat.data.prepare.prepare_data: sources listed, tokenizer trained if none
+                  was given, the corpus tokenized once (memory-mapped by every run and rank)
+  batches         nanochat.data.batches: the streams (records packed into windows), the loader
+                  whose position checkpoints keep, one evaluation window checked
+  evaluation      the multiple-choice items (nanochat.data.instruct) and each token's bytes
+Which tokenizer: a Hugging Face model brings its own (its embeddings know its ids); a run
+started with --init_from brings its source run's (given), and keeps it in its own run directory
+when resumed; otherwise --tokenizer_dir's, or one trained on the corpus (cached). A base model
+has no chat template: instruction records are rendered in the plain format then.
 
 Plain text is scored on every token; instruction records on their answers only (the streams'
-loss masks), each record laid out whole inside the seq_len+1 windows (TokenStream.packed). A
---resume reads the listing of the corpus its run started on (`sources.json` in the run
-directory) and refuses a corpus that changed since, naming the file.
+loss masks). A --resume reads the listing of the corpus its run started on (`sources.json` in
+the run directory) and refuses a corpus that changed since, naming the file.
 """
 
 from __future__ import annotations
@@ -24,14 +27,15 @@ from typing import Callable
 
 import torch
 
-from nanochat.data import instruct
 from nanochat.common import DistEnv, UsageError, logger
 from nanochat.config import TrainConfig
-from nanochat.data.prepare import TokenBatches, TokenStream, prepare_data, recorded_sources, val_batches
-from nanochat.train.evaluation import describe_scoring
-from nanochat.model.hub import ResolvedModel
+from nanochat.data import instruct
+from nanochat.data.batches import TokenBatches, split_stream, val_batches
+from nanochat.data.prepare import prepare_data, recorded_sources
 from nanochat.data.sources import Sources
 from nanochat.data.store import TokenStore
+from nanochat.data.streams import TokenStream
+from nanochat.model.hub import ResolvedModel
 from nanochat.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
 
 
@@ -51,7 +55,7 @@ class RunData:
     num_choice_items: int
     """All ranks' items together."""
     accuracy_scoring: str | None
-    """How the items' options are scored (evaluation.describe_scoring); None without items."""
+    """How the items' options are scored (instruct.describe_scoring); None without items."""
     token_bytes: torch.Tensor
     """UTF-8 bytes of each token id, on the device: bits per byte."""
     loader: TokenBatches
@@ -65,21 +69,17 @@ class RunData:
         """The run's data. `tokenizer`: the --init_from source's (None otherwise); `fallback`
         records and logs a fallback (a vocabulary smaller than asked, the plain chat format, a
         record longer than a window)."""
-        tokenizer = tokenizer or _given_tokenizer(cfg, model)
-        prepared = prepare_data(cfg.dataset_path, tokenizer=tokenizer, vocab_size=cfg.vocab_size,
-                                chat_template=cfg.chat_template, cache_root=cache_root, resume=cfg.resume,
-                                recorded=recorded_sources(cfg.run_dir) if cfg.resume else None)
+        # tokenizer -> token store
+        prepared = prepare_data(cfg.dataset_path, tokenizer=tokenizer or given_tokenizer(cfg, model),
+                                vocab_size=cfg.vocab_size, chat_template=cfg.chat_template, cache_root=cache_root,
+                                resume=cfg.resume, recorded=recorded_sources(cfg.run_dir) if cfg.resume else None)
         store, tokenizer = prepared.store, prepared.tokenizer
         for message in prepared.fallbacks:
             fallback(message)
         logger.info("corpus: %s", store.describe())
-        instructions = store.kind == "instruct"
-        if instructions:  # loss on the assistant tokens only, each record inside one window
-            train = _packed(store.train, "train", cfg.seq_len, tokenizer.bos_id, fallback)
-            val = _packed(store.val, "val", cfg.seq_len, tokenizer.bos_id, fallback)
-        else:
-            train, val = store.train, store.val
-        items = instruct.choice_items(tokenizer, store.val_records(), cfg.eval_tokens) if instructions else []
+        # -> batches
+        train = split_stream(store, "train", cfg.seq_len, tokenizer.bos_id, fallback)
+        val = split_stream(store, "val", cfg.seq_len, tokenizer.bos_id, fallback)
         loader = TokenBatches(train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
                               rank=dist.rank, world_size=dist.world_size)
         steps_per_epoch = loader.steps_per_epoch // cfg.grad_accum_steps
@@ -90,15 +90,18 @@ class RunData:
         # names the fix), the prompts of the samples
         next(iter(val_batches(val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=dist.rank,
                               world_size=dist.world_size)), None)
-        for r in islice(store.val_records(), cfg.num_samples) if instructions else []:
+        records = store.kind == "instruct"
+        for r in islice(store.val_records(), cfg.num_samples) if records else []:
             instruct.generation_prompt(tokenizer, r)
+        # -> what evaluation scores
+        items = instruct.choice_items(tokenizer, store.val_records(), cfg.eval_tokens) if records else []
         return cls(sources=prepared.sources, store=store, tokenizer=tokenizer, train=train, val=val,
                    choice_items=items[dist.rank::dist.world_size], num_choice_items=len(items),
-                   accuracy_scoring=describe_scoring(items) if items else None,
+                   accuracy_scoring=instruct.describe_scoring(items) if items else None,
                    token_bytes=tokenizer.token_bytes().to(device), loader=loader, steps_per_epoch=steps_per_epoch)
 
 
-def _given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | None:
+def given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | None:
     """The tokenizer the run must use, loaded before the corpus; None: train one on it."""
     if cfg.init_from is not None and cfg.resume:  # the tokenizer this run started with (the source may be gone)
         return BPETokenizer.load(Path(cfg.run_dir) / "tokenizer")
@@ -109,18 +112,4 @@ def _given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | None
     return None
 
 
-def _packed(stream: TokenStream, split: str, seq_len: int, pad_id: int,
-            fallback: Callable[[str], None]) -> TokenStream:
-    """Instruction records laid out whole inside the seq_len+1 windows (no copy: a layout over
-    the store's memory map)."""
-    packed, packing = stream.packed(seq_len, pad_id)
-    logger.info("%s records: %d packed into windows of %d tokens, %.1f%% padding", split,
-                packing.records, seq_len + 1, packing.pad_pct)
-    if packing.long_records:
-        fallback(f"instruction data: {packing.long_records} of {packing.records} {split} records are "
-                 f"longer than a window (--seq_len {seq_len} + 1 tokens); their tokens past the first window "
-                 "are trained without the record's beginning. Raise --seq_len to keep them whole")
-    return packed
-
-
-__all__ = ["RunData"]
+__all__ = ["RunData", "given_tokenizer"]

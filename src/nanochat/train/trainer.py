@@ -4,7 +4,7 @@
 
 The CLI (`scripts/base_train.py`) builds the same TrainConfig from flags and calls the same code,
 so anything the command line can do, Python can do with the same names. `_setup` builds the
-parts in the order that makes errors come early, each attribute once:
+parts in the order that makes errors come early, each attribute once (declared on the class):
   checkpoint.Checkpointer       the run directory (claimed, never clobbered), --init_from,
                                 --resume (read before the model: its FP8 layer set), saves
   preflight.check_environment   the device, the process layout, the input paths: before any work
@@ -18,7 +18,8 @@ parts in the order that makes errors come early, each attribute once:
                                 next step compiles, whether compiling failed
   guard.StepGuard               non-finite steps skipped and named; clipping
   evaluation.Evaluator          loss, bits per byte, accuracy, samples, in high precision
-  metrics.MetricsLog            every record the run logs (metrics.jsonl)
+  metrics.MetricsLog            every record the run logs (metrics.jsonl); progress.Progress
+                                what it prints: a bar on a terminal, a line every --log_every
   stop.StopSignals              SIGTERM / Ctrl-C: stop after a step with a checkpoint (made first,
                                 in __init__: a signal during setup is handled too)
 A step (`train_step`) is `forward_backward` (the micro-batches, around FP8's calibration and
@@ -40,33 +41,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from nanochat import distributed
-from nanochat.train import memory
-from nanochat.train import mfu
-from nanochat.train import preflight
-from nanochat.train.compiled import Compiled
 from nanochat.checkpoint import Checkpointer, Saved
 from nanochat.common import (
-    NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, setup_logging,
+    DistEnv, NanoChatError, logger, print0, setup_logging,
 )
 from nanochat.config import TrainConfig, flag_text, flags_in_log
-from nanochat.device import resolve_device, resolve_dtype, seed_everything
-from nanochat.train.evaluation import Evaluator
+from nanochat.device import autocast_context, resolve_device, resolve_dtype, seed_everything
+from nanochat.data.prepare import write_sources
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.fp8.optim import FP8Optim, wrap_optimizer
+from nanochat.fp8.optim import wrap_optimizer
 from nanochat.fp8.training import FP8Step
-from nanochat.model.gpt import GPT, preset_config
-from nanochat.train.guard import StepGuard
+from nanochat.model.gpt import GPT, GPTConfig, preset_config
 from nanochat.model.hf import gpt_config_from_hf, load_hf_model
 from nanochat.model.hub import ResolvedModel
-from nanochat.train.metrics import MetricsLog, Throughput, TrainResult
-from nanochat.optim import OptimWrapper, optimizer_state_bytes, param_dtype
+from nanochat.optim import optimizer_fallbacks, optimizer_state_bytes, param_dtype
 from nanochat.report.plot import plot_after_run
-from nanochat.data.prepare import write_sources
+from nanochat.train import memory, mfu, preflight
+from nanochat.train.compiled import Compiled
+from nanochat.train.evaluation import Evaluator
+from nanochat.train.guard import StepGuard
+from nanochat.train.memory import MemoryPlan, held
+from nanochat.train.metrics import MetricsLog, Throughput, TrainResult
+from nanochat.train.progress import Progress, header
 from nanochat.train.run_data import RunData
-from nanochat.train.stop import StopNow, StopSignals, Stopped, resume_command, signal_name, stop_line
+from nanochat.train.stop import (
+    StopNow, StopSignals, Stopped, lost_peer_message, resume_command, signal_name, stopped,
+)
 
 
 def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac: float) -> float:
@@ -81,31 +83,41 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac:
 class NanoChatTrainer:
     """Train a GPT. `NanoChatTrainer(model_name="d4", fp8=True, fp8_mode="e5m2").train()`."""
 
-    # The parts of a run, each set once by _setup (declared here: one name to grep for).
+    # The run's facts and parts, in the order _setup sets each of them, once.
+    dist: DistEnv
+    device: torch.device
+    dtype: torch.dtype                 # the compute dtype: `autocast` runs the forward passes in it
+    run_dir: Path
+    checkpoints: Checkpointer          # claimed first: the run directory's lock makes this process the run's
+    fallbacks: list[str]               # the trainer's own, with their reasons (all: all_fallbacks)
+    init_source: Saved | None          # --init_from: the checkpoint whose weights the model starts from
+    data: RunData
+    total_steps: int
+    resumed: Saved | None              # --resume: the checkpoint it continues, read before the model exists
+    memory_plan: MemoryPlan            # planned and checked before a weight is allocated
     model: GPT
     """The model: what is saved, evaluated and sampled (FP8 layers converted in place)."""
+    fp8: FP8Training
     dist_model: torch.nn.Module
     """`model` wrapped for the world size (DDP), or `model` itself; eager steps call it."""
-    compiled: Compiled
-    fp8: FP8Training
-    guard: StepGuard
+    parallel: str                      # how the model is spread over processes (TrainResult.parallel)
     optimizer: torch.optim.Optimizer
+    optimizer_state_bytes: int         # this rank's, as the first step makes it
     params: list[torch.Tensor]
-    data: RunData
-    checkpoints: Checkpointer
+    num_params: int
+    local_params: int                  # this rank's (its FSDP shard): the denominator of bytes per parameter
+    compiled: Compiled
+    guard: StepGuard
+    autocast: Any
     evaluator: Evaluator
     metrics: MetricsLog
-    resumed: Saved | None
-    """--resume: the checkpoint it continues, read and checked before the model was built."""
-    init_source: Saved | None
-    """--init_from: the checkpoint whose weights the model starts from."""
-    fallbacks: list[str]
-    """Every fallback the run took, with its reason (TrainResult.fallbacks)."""
+    flops_per_token: int               # with `peak`, the two factors of MFU (nanochat.train.mfu)
+    peak: mfu.Peak | None
+    saved_step: int | None             # the step of the checkpoint this run saved last
+    state_bytes: dict[str, int]        # weights and optimizer at setup, gradients at the first update
     stop: StopSignals
     """SIGTERM and Ctrl-C while training: the run stops after a step, with a checkpoint (set in
     __init__: a signal during setup is handled too)."""
-    saved_step: int | None
-    """The step of the checkpoint this run saved last (None: none yet)."""
 
     def __init__(self, config: TrainConfig | None = None, **kwargs: Any):
         if config is not None and kwargs:
@@ -136,7 +148,8 @@ class NanoChatTrainer:
                         raise
                     self.stop.ignore()  # torchrun's SIGTERM to the survivors must not cut this message short
                     lost = True
-                    raise NanoChatError(self._lost_peer_message(reason)) from e
+                    raise NanoChatError(lost_peer_message(reason, self._newest_checkpoint(),
+                                                          resume_command(self.config))) from e
             return result
         finally:
             if getattr(self, "metrics", None) is not None:
@@ -162,8 +175,6 @@ class NanoChatTrainer:
         self.checkpoints.claim()  # the run directory first: its lock makes this process the run's
         model_source = preflight.check_environment(cfg, self.dist, self.device, self.dtype)
         self.fallbacks = []
-        self.saved_step = None
-        self.state_bytes: dict[str, int] = {}
         seed_everything(cfg.seed)
         self.init_source = self.checkpoints.read_init_source() if cfg.init_from and not cfg.resume else None
         self.data = RunData.load(cfg, dist=self.dist, device=self.device, model=model_source,
@@ -171,68 +182,74 @@ class NanoChatTrainer:
                                  cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")), fallback=self._fallback)
         self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.data.steps_per_epoch
         self.resumed = self.checkpoints.read_resume(self.total_steps, self.data.tokenizer) if cfg.resume else None
-        self._build_model(model_source)
-        self.dist_model = self._parallelize()  # before the optimizer: FSDP replaces the parameters
+        model_config = self._model_config(model_source)
+        self.memory_plan = memory.plan_run(cfg, model_config, autocast=self.dtype != torch.float32, device=self.device,
+                                           shards=self.dist.world_size if self.dist.is_distributed and cfg.fsdp else 1)
+        print0(self.memory_plan.table())
+        self.model = self._build_model(model_source, model_config)
+        fp8_config, all_gather_problem = self._fp8_config()
+        self.fp8 = FP8Training(self.model, fp8_config)
+        if self.device.type == "cuda" and self.fp8.report is not None and self.fp8.report.shapes_measured:
+            torch.cuda.reset_peak_memory_stats(self.device)  # the timing buffers are gone: not the run's peak
+        # before the optimizer: FSDP replaces the parameters
+        self.dist_model, self.parallel = self._parallelize(all_gather_problem)
         self.optimizer = self._build_optimizer()
-        self.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)  # this rank's, as the first step makes it
+        self.optimizer_state_bytes = optimizer_state_bytes(self.optimizer)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.num_params = self.model.num_params()
+        self.local_params, weight_bytes = held(self.model.parameters())
         self.compiled = Compiled(self.dist_model, self.model.transformer.h, enabled=cfg.compile,
                                  scope=cfg.compile_scope)
         self.guard = StepGuard(self.model, max_bad_steps=cfg.max_bad_steps)
-        self.autocast = (torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32
-                         else contextlib.nullcontext())
+        self.autocast = autocast_context(self.device, self.dtype)
         self.evaluator = Evaluator(self.model, self.data, cfg, dist=self.dist, device=self.device,
                                    autocast=self.autocast, fp8=self.fp8, eager=self.compiled.eager)
         self.metrics = MetricsLog(self.run_dir, rank=self.dist.rank)
-        # the two factors of MFU (nanochat.train.mfu): the model's FLOPs per token, the device's peaks
         self.flops_per_token = self.model.flops_per_token(cfg.seq_len)
         self.peak = mfu.device_peak(self.device)
+        self.saved_step = None
+        self.state_bytes = {"weights": weight_bytes, "optimizer": self.optimizer_state_bytes}  # gradients: step 1
         self.checkpoints.prepare()  # the run directory, created last: an error until here leaves nothing
         if cfg.save_checkpoints:  # room for one more checkpoint (--overwrite has made room first)
-            preflight.check_disk(self.run_dir, self.optimizer_state_bytes + sum(
-                distributed.local_numel(t) * t.element_size() for t in self.model.state_dict().values()))
+            preflight.check_disk(self.run_dir, self.optimizer_state_bytes + held(self.model.state_dict().values())[1])
 
     def _fallback(self, message: str) -> None:
         """Record a fallback in the run's results and say it once, now."""
         self.fallbacks.append(message)
         logger.warning("WARNING: %s", message)
 
-    def _build_model(self, source: ResolvedModel) -> None:
-        """The memory plan first (a run that does not fit fails before a weight is allocated), then
-        the model in its master weights, then FP8 conversion (before compile; a resumed run
-        converts the layers its checkpoint did)."""
+    def all_fallbacks(self) -> list[str]:
+        """Every fallback the run took so far, with its reason (TrainResult.fallbacks): the
+        trainer's own, FP8's, the optimizer's and the trackers' (those failed mid-run)."""
+        parts = self.fp8.fallbacks + optimizer_fallbacks(self.optimizer)
+        trackers = self.metrics.trackers.fallbacks if self.metrics.trackers is not None else []
+        return self.fallbacks + [flag_text(f) for f in parts] + trackers
+
+    def _model_config(self, source: ResolvedModel) -> GPTConfig:
         cfg = self.config
         if source.kind == "hf":
-            model_config = gpt_config_from_hf(json.loads((source.path / "config.json").read_text()), seq_len=cfg.seq_len)
-        else:
-            model_config = preset_config(cfg.model_name, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
+            return gpt_config_from_hf(json.loads((source.path / "config.json").read_text()), seq_len=cfg.seq_len)
+        return preset_config(cfg.model_name, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
+
+    def _build_model(self, source: ResolvedModel, model_config: GPTConfig) -> GPT:
+        """The model in its master weights: a Hugging Face model's, the --init_from source's or
+        freshly initialized (FP8 conversion follows, before compile)."""
+        cfg = self.config
         weights_dtype = torch.float32 if cfg.master_weights_emulate else param_dtype(cfg.master_weights)
-        self.memory_plan = memory.plan_training(
-            model_config, batch_size=cfg.batch_size, seq_len=cfg.seq_len, opt_level=cfg.fp8_opt_level,
-            activation_checkpointing=cfg.activation_checkpointing,
-            master_weights="fp32" if cfg.master_weights_emulate else cfg.master_weights,
-            optimizer_in_backward=cfg.optimizer_in_backward, autocast=self.dtype != torch.float32,
-            shards=self.dist.world_size if self.dist.is_distributed and cfg.fsdp else 1,
-            free_bytes=memory.free_bytes(self.device))
-        self.memory_plan.check()
-        print0(self.memory_plan.table())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         if source.kind == "hf":  # built on the meta device and filled from memory-mapped safetensors
-            self.model, _ = load_hf_model(source.path, self.device, weights_dtype, seq_len=cfg.seq_len)
+            model, _ = load_hf_model(source.path, self.device, weights_dtype, seq_len=cfg.seq_len)
         else:
-            self.model = GPT(model_config).to(self.device)
-            self.model.init_weights()
+            model = GPT(model_config).to(self.device)
+            model.init_weights()
             if self.init_source is not None:
-                self.checkpoints.load_init_weights(self.init_source, self.model)
+                self.checkpoints.load_init_weights(self.init_source, model)
         if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
-            for p in self.model.parameters():  # emulated: fp32 tensors holding the bf16 values
+            for p in model.parameters():  # emulated: fp32 tensors holding the bf16 values
                 p.data = p.data.to(torch.bfloat16).to(weights_dtype)
-        self.model.activation_checkpointing = cfg.activation_checkpointing
-        fp8_config, self.fp8_all_gather_problem = self._fp8_config()
-        self.fp8 = FP8Training(self.model, fp8_config)
-        if self.device.type == "cuda" and self.fp8.report is not None and self.fp8.report.shapes_measured:
-            torch.cuda.reset_peak_memory_stats(self.device)  # the timing buffers are gone: not the run's peak
+        model.activation_checkpointing = cfg.activation_checkpointing
+        return model
 
     def _fp8_config(self) -> tuple[FP8Config, str | None]:
         """The FP8 flags plus what only the trainer knows: the tokens per micro-batch (the M at
@@ -250,24 +267,22 @@ class NanoChatTrainer:
             config = dataclasses.replace(config, fsdp_float8_all_gather=problem is None)
         return config, problem
 
-    def _parallelize(self) -> torch.nn.Module:
-        """Wrap the model for this world size; returns the module the training step calls (DDP
-        around self.model, or self.model itself: one process, or sharded in place by FSDP)."""
+    def _parallelize(self, fp8_all_gather_problem: str | None) -> tuple[torch.nn.Module, str]:
+        """The module the training step calls for this world size (DDP around self.model, or
+        self.model itself: one process, or sharded in place by FSDP) and how it is spread."""
         cfg = self.config
-        self.parallel = "none"
         if not self.dist.is_distributed:
             if cfg.fsdp:
                 self._fallback("fsdp: --fsdp ignored in a single process (launch with torchrun "
                                "--nproc_per_node=N to shard)")
-            return self.model
-        self.parallel = f"{'fsdp' if cfg.fsdp else 'ddp'} x{self.dist.world_size} ({distributed.backend_name()})"
+            return self.model, "none"
+        parallel = f"{'fsdp' if cfg.fsdp else 'ddp'} x{self.dist.world_size} ({distributed.backend_name()})"
         if cfg.fsdp and self.fp8.has_fp8_layers:
-            if self.fp8.config.fsdp_float8_all_gather:
-                self.parallel += (f", fp8 all-gather on ({len(self.fp8.report.converted)} layers' weights "
-                                  f"all-gathered in {cfg.fp8_mode}, scales precomputed after each optimizer step)")
-            else:
-                self.parallel += f", fp8 all-gather off: {self.fp8_all_gather_problem}"
-        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device, blocks=self.model.transformer.h)
+            parallel += (f", fp8 all-gather on ({len(self.fp8.report.converted)} layers' weights all-gathered in "
+                         f"{cfg.fp8_mode}, scales precomputed after each optimizer step)"
+                         if self.fp8.config.fsdp_float8_all_gather else f", fp8 all-gather off: {fp8_all_gather_problem}")
+        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device,
+                                      blocks=self.model.transformer.h), parallel
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it for FP8
@@ -351,26 +366,18 @@ class NanoChatTrainer:
         # every rank: the global batch's statistics
         record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm,
                   **fp8_step.record(), **verdict.flags}
-        if cfg.optimizer_in_backward:
-            gradient_bytes = self.optimizer.max_live_grad_bytes
+        measured = "gradients" in self.state_bytes  # at the first update: the gradients it held
+        if cfg.optimizer_in_backward:  # the backward was the update
+            gradients = self.optimizer.max_live_grad_bytes
         elif verdict.skipped:  # the weights stay as they were
             return record
         else:
-            gradient_bytes = sum(distributed.local_numel(p.grad) * p.grad.element_size()
-                                 for p in self.params if p.grad is not None) if not self.state_bytes else 0
+            gradients = 0 if measured else held(p.grad for p in self.params if p.grad is not None)[1]
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self._measure_state(gradient_bytes)
+        self.state_bytes.setdefault("gradients", gradients)
         self._after_optimizer_step(step)
         return record
-
-    def _measure_state(self, gradient_bytes: int) -> None:
-        """After the first optimizer step: the bytes of weights, gradients and optimizer states
-        held for training (TrainResult.state_bytes)."""
-        if self.state_bytes:
-            return
-        weights = sum(distributed.local_numel(p) * p.element_size() for p in self.model.parameters())
-        self.state_bytes.update(weights=weights, gradients=gradient_bytes, optimizer=optimizer_state_bytes(self.optimizer))
 
     def _after_optimizer_step(self, step: int) -> None:
         """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""
@@ -389,40 +396,40 @@ class NanoChatTrainer:
         rank0 = self.dist.rank == 0
         meter = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size,
                            history=self._start_files(start_step))
-        self._print_header()
+        print0(header(self))
         if start_step == 0 and (self.data.num_choice_items or cfg.init_from):
-            self._evaluate_start()  # the starting point fine-tuning improves on
+            self._evaluate(start := {"step": 0})  # the starting point fine-tuning improves on
+            self.metrics.log(start)
         final = None  # the last evaluation: (val_loss, val_bpb, val_accuracy)
         self.model.train()
-        bar = tqdm(total=self.total_steps, initial=start_step, disable=not rank0, dynamic_ncols=True, desc="train")
+        progress = Progress(self.total_steps, start_step, every=cfg.log_every, tokens_per_step=meter.tokens_per_step,
+                            enabled=rank0)
         for step in self.stop.steps(start_step, self.total_steps, on_stop=self._stop):  # until a signal
             t0, epoch, compiles = time.perf_counter(), int(self.data.loader.epoch), self.compiled.pending
             record = self.train_step(step)
             seconds = time.perf_counter() - t0
-            bar.update(1)
             done = step + 1
             is_last = done == self.total_steps
             if record.get("skipped"):
+                progress.update(done, record, None)
                 self.metrics.log(record)
                 if is_last and cfg.save_checkpoints:  # the last update's weights are the result
                     self._save(done)
                 continue
-            tok_s = meter.add(record, seconds, compiled=compiles)
-            utilization = self._mfu(tok_s)
+            utilization = self._mfu(meter.add(record, seconds, compiled=compiles))
             if utilization is not None:
                 record["mfu"] = utilization
-            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{record['lr']:.2e}",
-                            **({"mfu": f"{utilization:.1%}"} if utilization is not None else {}))
+            progress.update(done, record, utilization)
             if is_last and cfg.save_checkpoints:  # before the final evaluation, which could fail
                 self._save(done, record)
             if (cfg.eval_every and done % cfg.eval_every == 0) or is_last:
-                final = self._evaluate(record, bar)
+                final = self._evaluate(record, progress)
             self.metrics.log(record)
             if int(self.data.loader.epoch) > epoch and not is_last:
                 self._summaries(f"epoch {int(self.data.loader.epoch)}")
             if cfg.save_checkpoints and cfg.save_every and done % cfg.save_every == 0 and not is_last:
                 self._save(done)
-        bar.close()
+        progress.close()
         self.fp8.finish()  # a calibration the run did not complete keeps the hybrid (recorded)
         if final is None or not math.isfinite(final[1]):  # resumed at the end, or the last step was skipped
             final = self.evaluator.all()
@@ -432,7 +439,7 @@ class NanoChatTrainer:
             self.metrics.trackers.record_result(result.to_dict())
             if cfg.plot and (problem := plot_after_run(self.run_dir, meter.tokens_per_step)):
                 self._fallback(problem)  # the run's results stand: recorded, not raised
-                result.fallbacks.append(problem)
+                result.fallbacks = self.all_fallbacks()
                 result.write(self.run_dir)
         return result
 
@@ -467,32 +474,12 @@ class NanoChatTrainer:
             return self.checkpoints.find(self.run_dir, "--resume")
         return None
 
-    def _lost_peer_message(self, reason: str) -> str:
-        rank = dist_env().rank
-        newest = self._newest_checkpoint()
-        resume = (f"the newest checkpoint is {newest[1]} (step {newest[2]}); once every rank can run again, "
-                  f"resume: {resume_command(self.config)}" if newest is not None
-                  else "no checkpoint of this run was saved")
-        return (f"rank {rank} lost its connection to another rank of this run ({reason}): that rank's process died "
-                f"or was killed, and its own output says why; {resume}")
-
     def _stopped(self, signum: int, what: str, *, saved: bool = False) -> Stopped:
-        """The Stopped that ends a run on `signum`, its line printed by rank 0: `what` stopped
-        it, the checkpoint that holds the run (the one just saved, with `saved`) and the command
-        that resumes it."""
+        """The Stopped that ends a run on `signum` (nanochat.train.stop.stopped): `what` stopped
+        it, the checkpoint that holds the run (the one just saved, with `saved`), how to resume."""
         self.stop.ignore()  # the run is ending: a late signal must not cut this short
-        cfg = self.config
-        newest = self._newest_checkpoint()
-        where = None if newest is None else str(newest[1])
-        if saved and newest is not None:
-            line = stop_line(what, saved=where, resume=resume_command(cfg))
-        elif not cfg.save_checkpoints:
-            line = stop_line(what, unsaved="no checkpoint saved (--no_save_checkpoints): this run cannot be resumed")
-        else:
-            line = stop_line(what, newest=where and f"{where} (step {newest[2]})", resume=resume_command(cfg))
-        if dist_env().rank == 0:
-            print_last_line(line)
-        return Stopped(signum, line)
+        return stopped(signum, what, self._newest_checkpoint(), resume_command(self.config), saved=saved,
+                       saving=self.config.save_checkpoints)
 
     def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
         """A checkpoint of `step` (checkpoint.Checkpointer.save) holding this loop's state too:
@@ -506,22 +493,17 @@ class NanoChatTrainer:
             **self.fp8.state_dict(), **self.guard.state_dict(), "record": record})
         self.saved_step = step
 
-    def _evaluate_start(self) -> None:
-        val_loss, val_bpb, val_accuracy = self.evaluator.all()
-        self.metrics.log({"step": 0, "val_loss": val_loss, "val_bpb": val_bpb, "val_accuracy": val_accuracy})
-        acc = (f", val accuracy {val_accuracy:.4f} ({self.data.num_choice_items} questions, "
-               f"{self.data.accuracy_scoring})" if val_accuracy is not None else "")
-        print0(f"step 0: val loss {val_loss:.4f}{acc}")
-
-    def _evaluate(self, record: dict[str, Any], bar: tqdm) -> tuple[float, float, float | None]:
-        """The evaluation of a step: added to its record and printed."""
+    def _evaluate(self, record: dict[str, Any], progress: Progress | None = None) -> tuple[float, float, float | None]:
+        """An evaluation, added to `record` and printed: a step's, or without `progress` the
+        starting point a fine-tune improves on (step 0, with the questions it scored)."""
         val_loss, val_bpb, val_accuracy = self.evaluator.all()
         record.update(val_loss=val_loss, val_bpb=val_bpb)
         if val_accuracy is not None:
             record["val_accuracy"] = val_accuracy
-        if self.dist.rank == 0:
-            bar.write(f"step {record['step']}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}"
-                      + (f", val accuracy {val_accuracy:.4f}" if val_accuracy is not None else ""))
+        questions = "" if progress else f" ({self.data.num_choice_items} questions, {self.data.accuracy_scoring})"
+        (progress.write if progress is not None else print0)(
+            f"step {record['step']}: val loss {val_loss:.4f}, val bpb {val_bpb:.4f}"
+            + (f", val accuracy {val_accuracy:.4f}{questions}" if val_accuracy is not None else ""))
         return val_loss, val_bpb, val_accuracy
 
     def _summaries(self, label: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -538,41 +520,6 @@ class NanoChatTrainer:
         return guard, fp8
 
     # ---------------------------------------------------------------- report
-    def _print_header(self) -> None:
-        cfg, m, data = self.config, self.model, self.data
-        n_local = sum(distributed.local_numel(p) for p in m.parameters())  # this rank's (FSDP shard)
-        rows = [
-            ["model", f"{cfg.model_name}: {m.config.n_layer} layers, width {m.config.n_embd}, "
-                      f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {m.num_params() / 1e6:.2f}M params"],
-            *([["init", f"weights of {self.init_source.path} (step {self.init_source.step})"]]
-              if self.init_source is not None else []),
-            ["data", data.store.describe()],
-            ["tokens", f"{len(data.train):,} train / {len(data.val):,} val, vocab {data.tokenizer.vocab_size}"],
-            ["store", data.store.summary()],
-            ["schedule", f"{self.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * self.dist.world_size}"
-                         f" x {cfg.seq_len} tokens ({data.steps_per_epoch} steps/epoch)"],
-            ["device", f"{self.device} ({self.dtype}), world size {self.dist.world_size}, "
-                       f"compile {(cfg.compile_scope if cfg.compile else 'off')}"],
-            ["parallel", self.parallel],
-            ["optimizer", f"AdamW, {format_bytes(self.optimizer_state_bytes)} of state"
-                          f"{' on each rank' if self.dist.is_distributed else ''} "
-                          f"({self.optimizer_state_bytes / n_local:.3f} bytes/param)"],
-        ]
-        if not cfg.save_checkpoints:
-            rows.append(["checkpoints", "none (--no_save_checkpoints): this run cannot be resumed or exported"])
-        if self.fp8.report is not None:
-            rows.append(["fp8", flag_text(self.fp8.report.summary())])
-        rows.append(["mfu", mfu.describe(self.peak, self.device, self.flops_per_token)])
-        print0(format_table(["run", ""], rows))
-        if self.fp8.report is not None:
-            print0(self.fp8.report.table(flag_text))
-        if isinstance(self.optimizer, FP8Optim):
-            print0(self.optimizer.summary())
-        if self.fp8.report is not None:
-            print0("fp8: evaluation and sampling run in high precision ("
-                   + ("an unsharded copy of the FSDP shards)" if self.dist.is_distributed and cfg.fsdp
-                      else "fp8_disabled)"))
-
     def _mfu(self, tokens_per_sec: float, *, fp8: bool = False) -> float | None:
         """MFU against the dense bf16 peak, or with `fp8` the FP8 peak (native FP8 layers only)."""
         native = self.fp8.report is not None and self.fp8.report.backend == "native" and bool(self.fp8.report.converted)
@@ -585,15 +532,12 @@ class NanoChatTrainer:
         samples first."""
         cfg, report = self.config, self.fp8.report
         guard_stats, fp8_stats = self._summaries("end of training")
-        optimizer_notes = ((self.optimizer.fp32_state_notes() if isinstance(self.optimizer, FP8Optim) else [])
-                           + (self.optimizer.fallbacks if isinstance(self.optimizer, OptimWrapper) else []))
         return TrainResult(
             train_loss=meter.train_loss, val_loss=val_loss, val_bpb=val_bpb, val_accuracy=val_accuracy,
             tokens_per_sec=meter.tokens_per_sec, wall_time_s=wall_time_s, steps=self.total_steps,
             epochs=self.data.loader.epoch, compile_time_s=meter.compile_time_s,
-            fallbacks=(self.fallbacks + [flag_text(f) for f in self.fp8.fallbacks + optimizer_notes]
-                       + (self.metrics.trackers.fallbacks if self.metrics.trackers is not None else [])),
-            optimizer_state_bytes=self.optimizer_state_bytes, num_params=self.model.num_params(),
+            fallbacks=self.all_fallbacks(), optimizer_state_bytes=self.optimizer_state_bytes,
+            num_params=self.num_params,
             fp8_backend=report.backend if report is not None else "off",
             fp8_converted=list(report.converted) if report is not None else [],
             fp8_skipped={n: flag_text(why) for n, why in report.skipped.items()} if report is not None else {},
@@ -603,8 +547,7 @@ class NanoChatTrainer:
             accuracy_scoring=self.data.accuracy_scoring,
             samples=self.evaluator.samples(cfg.num_samples) if cfg.num_samples else [],
             run_dir=str(self.run_dir), parallel=self.parallel,
-            state_bytes_per_param=sum(self.state_bytes.values()) / max(1, sum(
-                distributed.local_numel(p) for p in self.model.parameters())),
+            state_bytes_per_param=sum(self.state_bytes.values()) / max(1, self.local_params),
             state_bytes=dict(self.state_bytes), planned_memory_bytes=self.memory_plan.total,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             flops_per_token=self.flops_per_token, peak_tflops=None if self.peak is None else self.peak.bf16_tflops,

@@ -1,0 +1,191 @@
+"""Batches: deterministic, resumable, rank-aware (x, y) windows cut from a token stream.
+
+    train = split_stream(store, "train", seq_len, pad_id)      # records packed into windows
+    loader = TokenBatches(train, seq_len=256, batch_size=16, seed=0, rank=r, world_size=n)
+    x, y = loader.next_batch(device)                           # [16, 256] int64 each
+    for x, y in val_batches(split_stream(store, "val", ...), 256, 16, eval_tokens): ...
+
+Window k of a stream is tokens[k*seq_len : k*seq_len + seq_len + 1]: x its first seq_len
+tokens, y its last seq_len (consecutive windows share one token, so every token is a target
+once). `TokenBatches` visits the windows in an order seeded by (seed, epoch), gives rank r its
+slice of each global batch and resumes from two ints (epoch, step): a resumed run reads exactly
+the batches of an uninterrupted one. `val_batches` reads the first windows of the validation
+stream in order, the same windows for every evaluation and for `scripts/eval.py`.
+
+Instruction records are scored on their answers only (the stream's loss mask: y is -1 where a
+target is not scored) and packed so that none crosses a window boundary (`split_stream`); a
+window without a scored target is left out. Alternative rejected: padding every record to its
+own window, which wastes most of each window on short records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+
+from nanochat.common import logger
+from nanochat.data.sources import VAL_FRACTION, DataError
+from nanochat.data.store import TokenStore
+from nanochat.data.streams import TokenStream
+
+
+def split_stream(store: TokenStore, split: Literal["train", "val"], seq_len: int, pad_id: int,
+                 fallback: Callable[[str], None] | None = None) -> TokenStream:
+    """The stream a split's batches read. Plain text: the store's split as it is. Instruction
+    records: laid out whole inside the seq_len+1 windows (`TokenStream.packed`: a layout over the
+    memory map, no copy), the packing logged; records longer than a window are a fallback, given
+    to `fallback` (a run records it) or else logged."""
+    stream = store.train if split == "train" else store.val
+    if store.kind != "instruct":
+        return stream
+    packed, packing = stream.packed(seq_len, pad_id)
+    logger.info("%s records: %d packed into windows of %d tokens, %.1f%% padding", split,
+                packing.records, seq_len + 1, packing.pad_pct)
+    if packing.long_records:
+        message = (f"instruction data: {packing.long_records} of {packing.records} {split} records are longer "
+                   f"than a window (--seq_len {seq_len} + 1 tokens); their tokens past the first window are "
+                   f"{'trained' if split == 'train' else 'scored'} without the record's beginning. Raise --seq_len "
+                   "to keep them whole")
+        if fallback is not None:
+            fallback(message)
+        else:
+            logger.warning("WARNING: %s", message)
+    return packed
+
+
+def _window_batch(stream: TokenStream, windows: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, y [len(windows), seq_len] int64 (contiguous) of the stream's windows numbered `windows`;
+    y is -1 (GPT.forward's ignore_index) where the mask does not score the target."""
+    starts = windows.astype(np.int64) * seq_len
+    w = torch.from_numpy(stream.window_tokens(starts, seq_len + 1))  # [B, T+1], a copy
+    # y its own copy: for B == 1 both slices are already contiguous views of w, and masking
+    # y in place would write -1 into x as well
+    x, y = w[:, :-1].contiguous(), w[:, 1:].clone(memory_format=torch.contiguous_format)
+    mask = stream.window_mask(starts, seq_len + 1)
+    if mask is not None:
+        y.masked_fill_(~torch.from_numpy(np.ascontiguousarray(mask[:, 1:])), -1)
+    return x, y
+
+
+class TokenBatches:
+    """Deterministic, resumable, rank-aware (x, y) batches from a token stream.
+
+    `tokens` is a TokenStream (a token store's split, memory-mapped) or a [N] int tensor; window k
+    is tokens[k*seq_len : k*seq_len + seq_len + 1], x its first seq_len tokens and y its last
+    seq_len. `steps_per_epoch` counts global batches of batch_size * world_size windows; the
+    windows left over at the end of an epoch's order are skipped that epoch (a different set each
+    epoch, because the order is reshuffled).
+
+    A loss mask (the stream's, or `loss_mask` [N] bool with a tensor, from `nanochat.data.corpus.tokenize_records`)
+    sets y to -1 where the target is not scored and leaves out the windows with no scored target
+    (`num_windows` counts the rest). Without it every target is scored and every window is used.
+    """
+
+    def __init__(self, tokens: TokenStream | torch.Tensor, *, seq_len: int, batch_size: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, loss_mask: torch.Tensor | None = None) -> None:
+        if seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need seq_len, batch_size, world_size >= 1 and 0 <= rank < world_size; got "
+                             f"seq_len={seq_len} batch_size={batch_size} rank={rank} world_size={world_size}")
+        self.stream = TokenStream.of(tokens, loss_mask)
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.global_batch = batch_size * world_size
+        all_windows = max(0, (len(self.stream) - 1) // seq_len)
+        self._kept = self.stream.scored_windows(seq_len)  # None: every window
+        self.num_windows = all_windows if self._kept is None else len(self._kept)
+        self.steps_per_epoch = self.num_windows // self.global_batch
+        if self.steps_per_epoch == 0:
+            scored = "" if self._kept is None else f" ({self.num_windows} with a scored target)"
+            raise DataError(
+                f"the training stream has {len(self.stream):,} tokens = {all_windows} windows{scored} of "
+                f"seq_len+1 = {seq_len + 1} tokens (consecutive windows share one token), but one "
+                f"global batch needs batch_size*world_size = {self.global_batch} windows = "
+                f"{self.global_batch * seq_len + 1:,} tokens. Use a smaller --seq_len or "
+                "--batch_size, or a larger corpus"
+            )
+        self._epoch, self._step = 0, 0
+        self._order: tuple[int, torch.Tensor] | None = None
+
+    def _order_of(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            # One generator seed per (seed, epoch) pair, via a hash so nearby pairs do not collide.
+            mixed = int.from_bytes(hashlib.sha256(f"{self.seed}:{epoch}".encode()).digest()[:8], "little") >> 1
+            g = torch.Generator().manual_seed(mixed)
+            self._order = (epoch, torch.randperm(self.num_windows, generator=g))
+        return self._order[1]
+
+    def next_batch(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y: [batch_size, seq_len] int64 (contiguous), this rank's share of the next global batch."""
+        if self._step == self.steps_per_epoch:
+            self._epoch, self._step = self._epoch + 1, 0
+        start = self._step * self.global_batch + self.rank * self.batch_size
+        idx = self._order_of(self._epoch)[start:start + self.batch_size].numpy()
+        if self._kept is not None:
+            idx = self._kept[idx]  # position among scored windows -> window number in the stream
+        x, y = _window_batch(self.stream, idx, self.seq_len)
+        self._step += 1
+        if device is not None and torch.device(device).type != "cpu":
+            pin = torch.device(device).type == "cuda"
+            x = (x.pin_memory() if pin else x).to(device, non_blocking=pin)
+            y = (y.pin_memory() if pin else y).to(device, non_blocking=pin)
+        return x, y
+
+    @property
+    def epoch(self) -> float:
+        """Epochs of progress: completed epochs + fraction of the current one (1.0 = one pass)."""
+        return self._epoch + self._step / self.steps_per_epoch
+
+    def state_dict(self) -> dict[str, int]:
+        """Only ints (torch.load(weights_only=True)-safe); the shape fields guard the resume."""
+        return {"epoch": self._epoch, "step": self._step, "seed": self.seed, "seq_len": self.seq_len,
+                "global_batch": self.global_batch, "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue at the batch after the one `state` was taken at. world_size may change as
+        long as the global batch (batch_size * world_size) does not."""
+        mine = self.state_dict()
+        diff = {k: (state.get(k), mine[k]) for k in ("seed", "seq_len", "global_batch", "num_windows")
+                if state.get(k) != mine[k]}
+        if diff:
+            raise DataError(
+                "the data position in the checkpoint was saved for a different stream or batch "
+                f"shape ({', '.join(f'{k}: saved {a} vs now {b}' for k, (a, b) in diff.items())}); "
+                "resume with the same corpus, tokenizer, --seq_len, --seed and global batch size"
+            )
+        self._epoch, self._step = int(state["epoch"]), int(state["step"])
+
+
+def val_batches(tokens: TokenStream | torch.Tensor, seq_len: int, batch_size: int, max_tokens: int, *,
+                rank: int = 0, world_size: int = 1,
+                loss_mask: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first max(1, max_tokens // seq_len) windows of the validation stream, in order.
+
+    Same windows as TokenBatches (stride seq_len), so every scored token is scored once. Batches
+    hold up to batch_size windows (the last may be smaller); rank r takes batches r, r+world_size...
+    Fewer windows than asked for are evaluated when the stream is short. With a loss mask, as in
+    TokenBatches: y is -1 at unscored targets and only windows with a scored target count.
+    """
+    stream = TokenStream.of(tokens, loss_mask)
+    num_windows = max(0, (len(stream) - 1) // seq_len)
+    if num_windows == 0:
+        raise DataError(f"the validation stream has {len(stream):,} tokens; one evaluation window needs "
+                        f"seq_len+1 = {seq_len + 1}. Use a smaller --seq_len or a corpus with more "
+                        f"validation text (about {VAL_FRACTION:.0%} of the documents)")
+    want = max(1, max_tokens // seq_len)
+    kept = stream.scored_windows(seq_len)
+    if kept is None:
+        kept = np.arange(min(num_windows, want), dtype=np.int64)
+    elif len(kept) == 0:
+        raise DataError("the validation records have no scored (assistant) token in any window of "
+                        f"seq_len+1 = {seq_len + 1} tokens; the validation split is too small or its "
+                        "records have empty answers")
+    kept = kept[:want]
+    for start in range(rank * batch_size, len(kept), batch_size * world_size):
+        yield _window_batch(stream, kept[start:start + batch_size], seq_len)
+
+
+__all__ = ["TokenBatches", "split_stream", "val_batches"]
