@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanochat import rundir as runlock
+from nanochat import rundir
 from nanochat.checkpoint import load_checkpoint
 from nanochat.common import UsageError, format_bytes, logger, print0, run_main, setup_logging
 from nanochat.config import ExportConfig, parse_cli
@@ -61,7 +61,7 @@ def export(cfg: ExportConfig) -> int:
     if cfg.run_dir is not None:
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
         ckpt = load_checkpoint(cfg.run_dir, keys=("model", "config.model_name"), mmap=True)
-        training = runlock.holder(cfg.run_dir)
+        training = rundir.holder(cfg.run_dir)
         if training is not None:
             logger.warning("WARNING: the run in %s is still in progress (%s): exporting its newest checkpoint, "
                            "step %d; what it trains after that is not in this export", cfg.run_dir, training,

@@ -49,7 +49,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("jinja2")
 
 from nanochat.data import instruct  # noqa: E402
-from nanochat.checkpoint import latest_checkpoint  # noqa: E402
+from nanochat.checkpoint import committed  # noqa: E402
 from nanochat.train.evaluation import choice_counts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +226,7 @@ def test_eval_script_reproduces_the_runs_accuracy(flagship):
     final = json.loads((run / "result.json").read_text())["val_accuracy"]
     step0 = next(json.loads(line)["val_accuracy"] for line in (run / "metrics.jsonl").read_text().splitlines()
                  if json.loads(line).get("step") == 0)
-    newest = latest_checkpoint(run)
+    newest = committed(run)[-1]
     evaluated = {str(run): (f"{newest.path} (step {newest.step})", newest.step), str(model_dir): (str(model_dir), None)}
     for source, expected in ((["--run_dir", str(run)], final), (["--model_name", str(model_dir)], step0)):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), *source, "--dataset_path", str(data),

@@ -47,7 +47,7 @@ from nanochat.train import memory
 from nanochat.train import mfu
 from nanochat.train import preflight
 from nanochat.train.compiled import Compiled
-from nanochat.checkpoint import Checkpointer, Saved
+from nanochat.checkpoint import Checkpoint, Checkpointer, Saved
 from nanochat.common import (
     NanoChatError, dist_env, format_bytes, format_table, logger, print0, print_last_line, resolve_device,
     resolve_dtype, seed_everything, setup_logging,
@@ -457,19 +457,19 @@ class NanoChatTrainer:
             self._save(step)
         raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}", saved=cfg.save_checkpoints)
 
-    def _newest_checkpoint(self) -> tuple[str, Path, int] | None:
+    def _newest_checkpoint(self) -> Checkpoint | None:
         """The checkpoint a --resume would start from now (not re-verified: this runs on the way
         out), or None."""
         if getattr(self, "checkpoints", None) is None:
             return None
         with contextlib.suppress(NanoChatError, OSError):  # a loose newest checkpoint: --resume will say so
-            return self.checkpoints.find(self.run_dir, "--resume")
+            return self.checkpoints.newest()
         return None
 
     def _lost_peer_message(self, reason: str) -> str:
         rank = dist_env().rank
         newest = self._newest_checkpoint()
-        resume = (f"the newest checkpoint is {newest[1]} (step {newest[2]}); once every rank can run again, "
+        resume = (f"the newest checkpoint is {newest.path} (step {newest.step}); once every rank can run again, "
                   f"resume: {resume_command(self.config)}" if newest is not None
                   else "no checkpoint of this run was saved")
         return (f"rank {rank} lost its connection to another rank of this run ({reason}): that rank's process died "
@@ -482,13 +482,13 @@ class NanoChatTrainer:
         self.stop.ignore()  # the run is ending: a late signal must not cut this short
         cfg = self.config
         newest = self._newest_checkpoint()
-        where = None if newest is None else str(newest[1])
+        where = None if newest is None else str(newest.path)
         if saved and newest is not None:
             line = stop_line(what, saved=where, resume=resume_command(cfg))
         elif not cfg.save_checkpoints:
             line = stop_line(what, unsaved="no checkpoint saved (--no_save_checkpoints): this run cannot be resumed")
         else:
-            line = stop_line(what, newest=where and f"{where} (step {newest[2]})", resume=resume_command(cfg))
+            line = stop_line(what, newest=where and f"{where} (step {newest.step})", resume=resume_command(cfg))
         if dist_env().rank == 0:
             print_last_line(line)
         return Stopped(signum, line)
