@@ -112,7 +112,9 @@ class DcpStorage(Storage):
             meta = read_meta(c.path)
         except (OSError, ValueError) as e:
             return None, f"its {META_NAME} does not read ({e})"
-        missing = missing_keys(meta, keys) if isinstance(meta, dict) else list(keys)
+        if not isinstance(meta, dict):
+            return None, f"its {META_NAME} is not a JSON object"
+        missing = missing_keys(meta, keys)
         if missing:
             return None, f"its {META_NAME} lacks {', '.join(map(repr, missing))}"
         if "step" in meta and meta["step"] != c.step:
