@@ -51,7 +51,7 @@ def run_kept_layers(run_dir: str, ckpt: dict, model) -> dict[str, str]:
 
 
 def export(cfg: ExportConfig) -> int:
-    from nanochat import rundir as runlock  # after parsing: --help stays fast
+    from nanochat import rundir  # after parsing: --help stays fast
     from nanochat.checkpoint import load_checkpoint
     from nanochat.model.export import check_export_dir, export_hf, model_from_state_dict
     from nanochat.model.hf import load_hf_model
@@ -65,7 +65,7 @@ def export(cfg: ExportConfig) -> int:
     if cfg.run_dir is not None:
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
         ckpt = load_checkpoint(cfg.run_dir, keys=("model", "config.model_name"), mmap=True)
-        training = runlock.holder(cfg.run_dir)
+        training = rundir.holder(cfg.run_dir)
         if training is not None:
             logger.warning("WARNING: the run in %s is still in progress (%s): exporting its newest checkpoint, "
                            "step %d; what it trains after that is not in this export", cfg.run_dir, training,

@@ -1,4 +1,5 @@
-"""Verified atomic checkpoints, checked against the tensors that were saved:
+"""Verified atomic .pt checkpoints (nanochat.checkpoint.pt, store and state), checked against the
+tensors that were saved:
 
 - what is saved loads with plain `torch.load(weights_only=True)` and equals the saved tensors;
 - a save interrupted midway leaves the previous checkpoint loadable and no temporary file;
@@ -12,7 +13,7 @@
   is refused, and rotation neither counts nor deletes it;
 - a pickle payload and a checkpoint lacking keys are one-line errors naming the reason; a
   NaN in a weight or a moment is named by `nonfinite_tensors` and skipped by
-  `last_good_checkpoint(finite=True)`;
+  `newest_verified(finite=True)`;
 - a write failing with ENOSPC raises a clear error and leaves the previous checkpoint intact.
 """
 
@@ -25,8 +26,7 @@ import torch
 
 from nanochat import checkpoint
 from nanochat.checkpoint import (
-    clean_interrupted, latest_checkpoint, list_checkpoints, load_checkpoint, rng_state, save_checkpoint,
-    set_rng_state,
+    clean_interrupted, committed, load_checkpoint, newest_verified, pt, rng_state, save_checkpoint, set_rng_state,
 )
 from nanochat.common import NanoChatError, UsageError, file_sha256
 from nanochat.rundir import LOCK_NAME
@@ -58,10 +58,10 @@ def test_interrupted_save_keeps_previous(tmp_path, monkeypatch):
         f.write(b"PK\x03\x04 partial")  # some bytes reach the temp file, then the process "dies"
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(checkpoint.torch, "save", half_write)
+    monkeypatch.setattr(pt.torch, "save", half_write)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path, {"model": {"w": torch.zeros(8)}, "step": 2})
-    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    monkeypatch.setattr(pt.torch, "save", real_save)
     loaded = load_checkpoint(tmp_path)
     assert loaded["step"] == 1 and torch.equal(loaded["model"]["w"], torch.ones(8))
     assert _files(tmp_path) == ["checkpoint-000001.json", "checkpoint-000001.pt"]
@@ -70,14 +70,14 @@ def test_interrupted_save_keeps_previous(tmp_path, monkeypatch):
 def test_keeps_the_newest_k(tmp_path):
     for step in range(1, 5):
         save_checkpoint(tmp_path, {"model": {"w": torch.full((4,), float(step))}, "step": step}, keep=2)
-    assert [c.step for c in list_checkpoints(tmp_path)] == [3, 4]
+    assert [c.step for c in committed(tmp_path)] == [3, 4]
     assert len(_files(tmp_path)) == 4  # two .pt and two manifests, nothing else
 
 
 def test_flipped_bytes_are_refused_naming_the_good_one(tmp_path):
     for step in (2, 4):
         save_checkpoint(tmp_path, {"model": {"w": torch.randn(256)}, "step": step})
-    newest = latest_checkpoint(tmp_path).path
+    newest = committed(tmp_path)[-1].path
     data = bytearray(newest.read_bytes())
     for i in range(len(data) // 2, len(data) // 2 + 200):  # 200 flipped bytes mid-file
         data[i] ^= 0xFF
@@ -116,7 +116,7 @@ def test_killed_save_leftovers_ours_removed_others_kept(tmp_path):
     with pytest.raises(UsageError, match=r"newest checkpoint .*checkpoint-000003\.pt has no manifest.*restore its "
                                          r"manifest.*continue from step 1"):
         load_checkpoint(tmp_path)  # never silently the older one
-    assert latest_checkpoint(tmp_path).step == 1 and load_checkpoint(tmp_path / "checkpoint-000001.pt")["step"] == 1
+    assert committed(tmp_path)[-1].step == 1 and load_checkpoint(tmp_path / "checkpoint-000001.pt")["step"] == 1
 
 
 def test_save_killed_between_its_renames_is_completed(tmp_path):
@@ -136,7 +136,7 @@ def test_save_killed_between_its_renames_is_completed(tmp_path):
     (tmp_path / "checkpoint-000002.pt").write_bytes(b"not what the manifest hashed")
     notes = clean_interrupted(tmp_path)
     assert not pending.exists() and (tmp_path / "checkpoint-000002.pt").exists(), notes
-    assert latest_checkpoint(tmp_path).step == 1
+    assert committed(tmp_path)[-1].step == 1
 
 
 def test_renamed_or_planted_checkpoints_are_refused_and_never_rotated(tmp_path):
@@ -150,7 +150,7 @@ def test_renamed_or_planted_checkpoints_are_refused_and_never_rotated(tmp_path):
         load_checkpoint(tmp_path)
     save_checkpoint(tmp_path, {"model": {"w": torch.full((4,), 3.0)}, "step": 3}, keep=2)
     # the planted pair is neither one of the 2 kept nor deleted: steps 2 and 3 are the newest real ones
-    assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3, 10]
+    assert [c.step for c in committed(tmp_path)] == [2, 3, 10]
     (tmp_path / "checkpoint-000010.pt").unlink()
     (tmp_path / "checkpoint-000010.json").unlink()
     # a manifest that matches, around a payload of another step (saved so on purpose here)
@@ -189,13 +189,13 @@ def test_nonfinite_tensors_are_named_and_skipped(tmp_path):
     save_checkpoint(tmp_path, {"model": {"w": torch.tensor([1.0, float("nan")])},
                                "optimizer": {"state": {0: {"exp_avg": bad_moment}}}, "step": 2})
     assert checkpoint.nonfinite_tensors(load_checkpoint(tmp_path)) == ["w", "optimizer state 0.exp_avg"]
-    assert checkpoint.last_good_checkpoint(tmp_path).step == 2  # the bytes verify...
-    assert checkpoint.last_good_checkpoint(tmp_path, finite=True).step == 1  # ...the values do not
+    assert newest_verified(tmp_path).step == 2  # the bytes verify...
+    assert newest_verified(tmp_path, finite=True).step == 1  # ...the values do not
 
 
 def test_enospc_keeps_previous_and_says_so(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, {"model": {"w": torch.ones(4096)}, "step": 1})
-    real_write = checkpoint._HashingWriter.write
+    real_write = pt._HashingWriter.write
 
     def full_disk(self, data):
         if self.size > 1000:
@@ -203,7 +203,7 @@ def test_enospc_keeps_previous_and_says_so(tmp_path, monkeypatch):
             raise self.error
         return real_write(self, data)
 
-    monkeypatch.setattr(checkpoint._HashingWriter, "write", full_disk)
+    monkeypatch.setattr(pt._HashingWriter, "write", full_disk)
     with pytest.raises(NanoChatError, match=r"no space left.*checkpoint-000002\.pt.*checkpoint-000001\.pt is intact"):
         save_checkpoint(tmp_path, {"model": {"w": torch.zeros(4096)}, "step": 2})
     monkeypatch.undo()

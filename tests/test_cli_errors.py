@@ -137,8 +137,8 @@ def test_a_run_in_progress_without_a_checkpoint_says_so(paths, tmp_path, script)
     first checkpoint: not only "holds no checkpoint", but that a run is in progress, and whose."""
     run_dir = tmp_path / "running"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir as runlock\n"
-                               "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir\n"
+                               "rundir.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:

@@ -23,11 +23,11 @@ What is checked against what:
   resume on every rank (naming the file and the previous step), and the temporary directory of
   a killed save is removed and the run resumes from the previous step with the uninterrupted
   run's losses.
-- Without processes: DCP save/load round trip in one process is bitwise; an interrupted save
-  leaves the previous checkpoint loadable, its temporary directory is removed while a step
-  directory nanochat did not commit is kept (and --overwrite's removal keeps it too); a flipped
-  byte is refused; a NaN weight is named, and passed over by the last good finite step; --fsdp
-  in one process is a recorded fallback.
+- Without processes (nanochat.checkpoint.dcp): DCP save/load round trip in one process is
+  bitwise; an interrupted save leaves the previous checkpoint loadable, its temporary directory
+  is removed while a step directory nanochat did not commit is kept (and --overwrite's removal
+  keeps it too); a flipped byte is refused; a NaN weight is named, and passed over by the last
+  good finite step; --fsdp in one process is a recorded fallback.
 
 The fast multi-process runs share one torchrun launch (`_worker` below, this file run as
 a script): on 2 shared cores each launch costs ~10 s of startup.
@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.checkpoint import latest_checkpoint
+from nanochat.checkpoint import PT, committed
 from tests.conftest import perturbed_init, run_launch, run_records, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +168,7 @@ def test_two_ranks_match_one_process(two_ranks, single, name):
     result = json.loads((two_ranks[name] / "result.json").read_text())
     assert result["parallel"].startswith(f"{name} x2 (gloo)"), result["parallel"]
     assert (two_ranks[name] / "checkpoint_dcp" / "LATEST").is_file()
-    assert latest_checkpoint(two_ranks[name]) is None
+    assert not committed(two_ranks[name], (PT,))
 
 
 @pytest.mark.two_computations
@@ -283,7 +283,7 @@ def test_auto_decides_the_same_on_every_rank_from_global_counts(two_ranks, name)
 
 @pytest.mark.two_computations
 def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
-    from nanochat import distributed
+    from nanochat import checkpoint
     from nanochat.train.trainer import NanoChatTrainer
 
     cut = two_ranks["cut"]
@@ -291,7 +291,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     # Resharding is exact: loaded into one process, every parameter and every FP8 moment (codes
     # and block scales) is the two ranks' shards stacked, bit for bit, without requantization.
     model, opt = _tiny_model_and_optimizer(1, seq_len=32)  # the same names as the FP8 model's
-    distributed.load_dcp(distributed.latest_dcp(cut), model, opt)
+    checkpoint.load_dcp(checkpoint.newest(cut).path, model, opt)
     shards = [torch.load(cut / f"shards-rank{r}.pt") for r in (0, 1)]
     loaded = _flat_state(model, opt)
     assert sorted(shards[0]) == sorted(k for k in loaded if "/step" not in k)
@@ -305,7 +305,7 @@ def test_checkpoint_from_two_ranks_resumes_in_one_process(two_ranks):
     resumed, full = _losses(cut), _losses(two_ranks["fsdp_fp8"])  # steps 1-4: the 2-rank run's
     _assert_close({s: resumed[s] for s in range(5, STEPS + 1)},
                   {s: full[s] for s in range(5, STEPS + 1)}, FP8_LOSS_TOL, "resumed at ws 1")
-    assert latest_checkpoint(cut) is not None and not (cut / "checkpoint_dcp").exists()
+    assert committed(cut, (PT,)) and not (cut / "checkpoint_dcp").exists()
 
 
 @pytest.mark.two_computations
@@ -325,7 +325,7 @@ def test_damaged_or_interrupted_dcp_step_at_resume(two_ranks, single, tmp_path, 
     of step 8 is refused on every rank, naming the file and step 6; step 8's temporary directory
     without its manifest (a save killed after the shards: LATEST still names step 6) is removed at
     the start, and the run resumes from step 6 with the uninterrupted run's losses."""
-    from nanochat.distributed import MANIFEST_NAME
+    from nanochat.checkpoint.dcp import MANIFEST_NAME
 
     cfg = json.loads((two_ranks["kept"] / "config.json").read_text())
     runs = {}
@@ -426,15 +426,15 @@ def _flat_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def test_dcp_round_trip_in_one_process_is_bitwise(tmp_path):
-    from nanochat import distributed
+    from nanochat import checkpoint
 
     model, opt = _tiny_model_and_optimizer(0)
     _train_steps(model, opt, 2)
     rng = torch.get_rng_state()
-    distributed.save_dcp(tmp_path, model, opt, step=2, meta={"note": "x"}, tensors={"rng_cpu": rng})
+    checkpoint.save_dcp(tmp_path, model, opt, step=2, meta={"note": "x"}, tensors={"rng_cpu": rng})
     fresh, fresh_opt = _tiny_model_and_optimizer(1)  # different weights, no optimizer state yet
     tensors = {"rng_cpu": torch.zeros_like(torch.get_rng_state())}
-    meta = distributed.load_dcp(distributed.latest_dcp(tmp_path), fresh, fresh_opt, tensors=tensors)
+    meta = checkpoint.load_dcp(checkpoint.newest(tmp_path).path, fresh, fresh_opt, tensors=tensors)
     assert meta == {"note": "x", "step": 2}
     assert torch.equal(tensors["rng_cpu"], rng)
     want, got = _flat_state(model, opt), _flat_state(fresh, fresh_opt)
@@ -446,11 +446,11 @@ def test_dcp_round_trip_in_one_process_is_bitwise(tmp_path):
 def test_interrupted_dcp_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from nanochat import distributed
+    from nanochat import checkpoint
 
     model, opt = _tiny_model_and_optimizer(0)
     _train_steps(model, opt, 1)
-    distributed.save_dcp(tmp_path, model, opt, step=1, meta={})
+    checkpoint.save_dcp(tmp_path, model, opt, step=1, meta={})
     saved = _flat_state(model, opt)
     _train_steps(model, opt, 1)
     real_save = dcp.save
@@ -461,60 +461,60 @@ def test_interrupted_dcp_save_keeps_the_previous_checkpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(dcp, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        distributed.save_dcp(tmp_path, model, opt, step=2, meta={})
+        checkpoint.save_dcp(tmp_path, model, opt, step=2, meta={})
     monkeypatch.setattr(dcp, "save", real_save)
-    latest = distributed.latest_dcp(tmp_path)
+    latest = checkpoint.newest(tmp_path).path
     assert latest.name == "step-000001"
     fresh, fresh_opt = _tiny_model_and_optimizer(1)
-    assert distributed.load_dcp(latest, fresh, fresh_opt)["step"] == 1
+    assert checkpoint.load_dcp(latest, fresh, fresh_opt)["step"] == 1
     got = _flat_state(fresh, fresh_opt)
     assert all(torch.equal(got[k], saved[k]) for k in saved)
-    root = distributed.dcp_root(tmp_path)
+    root = tmp_path / "checkpoint_dcp"
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000001"]  # its own temporary removed
     # what a kill -9 at that instant leaves: the temporary directory of the save, shards written
     killed = root / ".tmp-step-000002-4242-0badc0de"
     shutil.copytree(latest, killed)
-    (killed / distributed.MANIFEST_NAME).unlink()
+    (killed / "manifest.json").unlink()
     foreign = root / "step-000005"  # a step directory nanochat did not commit (no manifest)
     shutil.copytree(killed, foreign)
-    notes = distributed.clean_interrupted_dcp(tmp_path)
+    notes = checkpoint.clean_interrupted(tmp_path)
     assert not killed.exists() and foreign.is_dir() and len(notes) == 2, notes
     assert "removed" in notes[0] and "step-000005 alone" in notes[1], notes
-    assert [f.split(" ")[0] for f in distributed.foreign_dcp(tmp_path)] == ["checkpoint_dcp/step-000005"]
-    distributed.save_dcp(tmp_path, model, opt, step=2, meta={})
-    distributed.save_dcp(tmp_path, model, opt, step=3, meta={}, keep=2)
+    assert [f.split(" ")[0] for f in checkpoint.foreign(tmp_path)] == ["checkpoint_dcp/step-000005"]
+    checkpoint.save_dcp(tmp_path, model, opt, step=2, meta={})
+    checkpoint.save_dcp(tmp_path, model, opt, step=3, meta={}, keep=2)
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000002", "step-000003", "step-000005"]
-    distributed.remove_dcp(tmp_path)  # --overwrite: the committed steps go, the foreign one stays
+    checkpoint.remove(tmp_path)  # --overwrite: the committed steps go, the foreign one stays
     assert sorted(p.name for p in root.iterdir()) == ["LATEST", "step-000005"]
 
 
 def test_dcp_flipped_byte_is_refused_naming_the_file_and_the_previous_step(tmp_path):
-    from nanochat import distributed
+    from nanochat import checkpoint
     from nanochat.common import NanoChatError
 
     model, opt = _tiny_model_and_optimizer(0)
     for step in (1, 2):
         _train_steps(model, opt, 1)
-        distributed.save_dcp(tmp_path, model, opt, step=step, meta={})
-    latest = distributed.latest_dcp(tmp_path)
+        checkpoint.save_dcp(tmp_path, model, opt, step=step, meta={})
+    latest = checkpoint.newest(tmp_path).path
     shard = next(latest.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     fresh, fresh_opt = _tiny_model_and_optimizer(1)
     with pytest.raises(NanoChatError) as e:
-        distributed.load_dcp(latest, fresh, fresh_opt)
+        checkpoint.load_dcp(latest, fresh, fresh_opt)
     msg = str(e.value)
     assert str(shard) in msg and "corrupted" in msg and "step-000001 (step 1) verifies" in msg, msg
     shutil.rmtree(latest)  # the fix the message gives: the previous step is the latest again
-    assert distributed.latest_dcp(tmp_path).name == "step-000001"
-    assert distributed.load_dcp(distributed.latest_dcp(tmp_path), fresh, fresh_opt)["step"] == 1
+    assert checkpoint.newest(tmp_path).path.name == "step-000001"
+    assert checkpoint.load_dcp(checkpoint.newest(tmp_path).path, fresh, fresh_opt)["step"] == 1
 
 
 def test_dcp_nonfinite_names_the_tensor_and_the_good_step_skips_it(tmp_path):
-    """A NaN weight saved at step 2 (FP8 moments in both steps): dcp_nonfinite names it, read one
+    """A NaN weight saved at step 2 (FP8 moments in both steps): checkpoint.dcp.nonfinite names it, read one
     tensor at a time, and the last good step that is also finite is step 1."""
-    from nanochat import distributed
+    from nanochat import checkpoint
 
     model, opt = _tiny_model_and_optimizer(0)
     for step in (1, 2):
@@ -522,11 +522,11 @@ def test_dcp_nonfinite_names_the_tensor_and_the_good_step_skips_it(tmp_path):
         if step == 2:
             with torch.no_grad():
                 model.lm_head.weight[0, 0] = float("nan")
-        distributed.save_dcp(tmp_path, model, opt, step=step, meta={})
-    latest = distributed.latest_dcp(tmp_path)
-    assert distributed.dcp_nonfinite(latest) == ["model.lm_head.weight"]
-    assert distributed.last_good_dcp(tmp_path) == latest
-    assert distributed.last_good_dcp(tmp_path, finite=True).name == "step-000001"
+        checkpoint.save_dcp(tmp_path, model, opt, step=step, meta={})
+    latest = checkpoint.newest(tmp_path).path
+    assert checkpoint.dcp.nonfinite(latest) == ["model.lm_head.weight"]
+    assert checkpoint.newest_verified(tmp_path).path == latest
+    assert checkpoint.newest_verified(tmp_path, finite=True).path.name == "step-000001"
 
 
 def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
@@ -536,7 +536,7 @@ def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
                                        num_samples=0)).train()
     assert result.parallel == "none"
     assert any("--fsdp ignored" in f for f in result.fallbacks), result.fallbacks
-    assert latest_checkpoint(tmp_path / "r").step == 1
+    assert committed(tmp_path / "r")[-1].step == 1
 
 
 # ----------------------------------------------------------------------- worker (torchrun)

@@ -55,7 +55,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 pytest.importorskip("jinja2")
 
 from nanochat.data import instruct  # noqa: E402
-from nanochat.checkpoint import latest_checkpoint  # noqa: E402
+from nanochat.checkpoint import committed  # noqa: E402
 from nanochat.train.evaluation import choice_counts  # noqa: E402
 from tests.conftest import load_script, run_records, tiny_train_kwargs  # noqa: E402
 
@@ -233,7 +233,7 @@ def test_eval_script_reproduces_the_runs_accuracy(flagship):
     result = json.loads((run / "result.json").read_text())
     final = result["val_accuracy"]
     step0 = next(r["val_accuracy"] for r in run_records(run) if r.get("step") == 0)
-    newest = latest_checkpoint(run)
+    newest = committed(run)[-1]
     evaluated = {str(run): (f"{newest.path} (step {newest.step})", newest.step), str(model_dir): (str(model_dir), None)}
     for source, expected in ((["--run_dir", str(run)], final), (["--model_name", str(model_dir)], step0)):
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), *source, "--dataset_path", str(data),

@@ -1,4 +1,5 @@
-"""Faults a run must survive or report, each checked against a reference that cannot be faked:
+"""Faults a run must survive or report, each checked against a reference that cannot be faked
+(the trainer's Checkpointer, nanochat.checkpoint.checkpointer, and the run directory's rules):
 
 - kill -9 at seeded random points of training and of saving (mid-write, between the file's and
   its manifest's rename), in a subprocess: `--resume` continues from a complete checkpoint and
@@ -37,7 +38,7 @@ import pytest
 import torch
 
 from nanochat import checkpoint
-from nanochat.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from nanochat.checkpoint import committed, load_checkpoint, pt
 from nanochat.common import NanoChatError, UsageError
 from nanochat.train.evaluation import Evaluator
 from nanochat.rundir import LOCK_NAME
@@ -111,25 +112,25 @@ def reference(small_corpus, tmp_path_factory):
 # A child that trains and SIGKILLs itself at a chosen point (deterministic per seed).
 CHILD = r"""
 import json, os, signal, sys
-from nanochat import checkpoint
+from nanochat.checkpoint import pt, store
 from nanochat.train.trainer import NanoChatTrainer
 kw, point, save_no, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 saves = {"n": 0}
-real_save = checkpoint.save_checkpoint
+real_save = store.save_checkpoint
 def counting_save(*a, **k):
     saves["n"] += 1
     return real_save(*a, **k)
-checkpoint.save_checkpoint = counting_save
+store.save_checkpoint = counting_save
 if point == "write":      # the n-th write of torch.save in save number save_no
-    real_write, calls = checkpoint._HashingWriter.write, {"n": 0}
+    real_write, calls = pt._HashingWriter.write, {"n": 0}
     def write(self, data):
         if saves["n"] == save_no:
             calls["n"] += 1
             if calls["n"] == n:
                 die()
         return real_write(self, data)
-    checkpoint._HashingWriter.write = write
+    pt._HashingWriter.write = write
 elif point == "rename":   # before the n-th rename (1: the .pt, 2: its manifest) of save save_no
     real_replace, calls = os.replace, {"n": 0}
     def replace(src, dst):
@@ -138,7 +139,7 @@ elif point == "rename":   # before the n-th rename (1: the .pt, 2: its manifest)
             if calls["n"] == n:
                 die()
         return real_replace(src, dst)
-    checkpoint.os.replace = replace
+    pt.os.replace = replace
 elif point == "step":     # after step n's update, before it is logged
     from nanochat.train.metrics import MetricsLog
     real_log = MetricsLog.log
@@ -173,7 +174,7 @@ def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, refere
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})
     assert r.returncode == -signal.SIGKILL, (point, r.returncode, r.stderr[-3000:])
-    before = {c.step for c in list_checkpoints(run_dir)}
+    before = {c.step for c in committed(run_dir)}
     assert before, point  # every kill point comes after the first complete save
 
     trainer = NanoChatTrainer(**_kw(small_corpus, run_dir, resume=True))
@@ -204,7 +205,7 @@ def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     # wait for the first checkpoint, then kill within the next ~0.5 s (the run's remaining steps)
     deadline = time.monotonic() + 120
-    while latest_checkpoint(run_dir) is None and proc.poll() is None and time.monotonic() < deadline:
+    while not committed(run_dir) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(random.Random(7).uniform(0, 0.5))
     proc.send_signal(signal.SIGKILL)
@@ -222,7 +223,7 @@ def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_co
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir)
     NanoChatTrainer(**kw).train()
-    newest = latest_checkpoint(run_dir)
+    newest = committed(run_dir)[-1]
     data = bytearray(newest.path.read_bytes())
     for i in range(len(data) // 3, len(data) // 3 + 200):
         data[i] ^= 0xFF
@@ -244,7 +245,7 @@ def test_damaged_checkpoint_is_one_error_line(small_corpus, tmp_path, capsys, da
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir, num_iterations=2)
     NanoChatTrainer(**kw).train()
-    path = latest_checkpoint(run_dir).path
+    path = committed(run_dir)[-1].path
     size = path.stat().st_size
     if damage == "truncated":
         path.write_bytes(path.read_bytes()[: size // 2])
@@ -275,7 +276,7 @@ def test_nan_in_a_weight_is_never_saved(small_corpus, tmp_path):
     with pytest.raises(NanoChatError, match=r"step 4: not saving.*c_q\.weight.*checkpoint-000002\.pt \(step 2, "
                                             r"verified, finite\)"):
         NaNWriter(**_kw(small_corpus, run_dir)).train()
-    assert [c.step for c in list_checkpoints(run_dir)] == [2]
+    assert [c.step for c in committed(run_dir)] == [2]
     assert all(torch.isfinite(t).all() for t in load_checkpoint(run_dir)["model"].values())
 
 
@@ -284,21 +285,21 @@ def test_overflow_stop_names_the_bad_steps_and_a_good_checkpoint(small_corpus, t
     run_dir = tmp_path / "r"
     with pytest.raises(NanoChatError, match=r"steps 6-8.*stopping at step 8.*checkpoint-000004\.pt \(step 4, verified"):
         NaNWriter(**_kw(small_corpus, run_dir, max_bad_steps=3, num_iterations=20)).train()
-    assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
+    assert [c.step for c in committed(run_dir)] == [2, 4]
 
 
 def test_enospc_keeps_the_previous_checkpoint(small_corpus, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir)
-    real_write = checkpoint._HashingWriter.write
+    real_write = pt._HashingWriter.write
 
     def full_after_first_save(self, data):
-        if latest_checkpoint(run_dir) is not None and self.size > 4096:
+        if committed(run_dir) and self.size > 4096:
             self.error = OSError(errno.ENOSPC, "No space left on device")
             raise self.error
         return real_write(self, data)
 
-    monkeypatch.setattr(checkpoint._HashingWriter, "write", full_after_first_save)
+    monkeypatch.setattr(pt._HashingWriter, "write", full_after_first_save)
     code, errors = _cli(capsys, kw)
     assert code == 1 and len(errors) == 1, errors
     assert "no space left" in errors[0] and "checkpoint-000004.pt" in errors[0]
@@ -318,7 +319,7 @@ def test_a_run_directory_is_never_clobbered(small_corpus, tmp_path, capsys):
     assert _contents(run_dir) == before
     code, _ = _cli(capsys, {**kw, "num_iterations": 4}, "--overwrite")
     assert code == 0
-    assert [c.step for c in list_checkpoints(run_dir)] == [2, 4]
+    assert [c.step for c in committed(run_dir)] == [2, 4]
     assert [r["step"] for r in run_records(run_dir) if "loss" in r] == [1, 2, 3, 4]
 
 
@@ -331,7 +332,7 @@ def test_resume_compares_resolved_paths(small_corpus, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     NanoChatTrainer(**_kw(small_corpus, tmp_path / "r", num_iterations=2, tokenizer_dir="tok/")).train()
     NanoChatTrainer(**_kw(small_corpus, "r", num_iterations=3, tokenizer_dir=str(tok), resume=True)).train()
-    assert latest_checkpoint(tmp_path / "r").step == 3
+    assert committed(tmp_path / "r")[-1].step == 3
 
 
 def test_errors_before_work_are_one_line(small_corpus, tmp_path, capsys, monkeypatch):
@@ -443,7 +444,7 @@ def test_final_checkpoint_is_saved_before_the_final_evaluation(small_corpus, tmp
     run_dir = tmp_path / "r"
     with pytest.raises(NanoChatError, match="evaluation failed"):
         NanoChatTrainer(**_kw(small_corpus, run_dir, save_every=0, eval_every=0)).train()
-    assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]  # the trained weights survive
+    assert [c.step for c in committed(run_dir)] == [STEPS]  # the trained weights survive
 
 
 def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys):
@@ -507,8 +508,8 @@ def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_co
     lock, and a start succeeds."""
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir as runlock\n"
-                               "runlock.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir\n"
+                               "rundir.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:
@@ -522,7 +523,7 @@ def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_co
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     code, errors = _cli(capsys, kw)
-    assert code == 0 and [c.step for c in list_checkpoints(run_dir)] == [2], errors
+    assert code == 0 and [c.step for c in committed(run_dir)] == [2], errors
 
 
 def test_resuming_a_finished_run_or_below_its_step_is_refused(small_corpus, tmp_path, capsys):
@@ -592,7 +593,7 @@ def test_a_skipped_last_step_still_ends_with_a_final_checkpoint(small_corpus, tm
     trainer = SkipLastStep(**_kw(small_corpus, run_dir, save_every=0))
     trainer.train()
     assert [r["step"] for r in run_records(run_dir) if r.get("skipped")] == [STEPS]
-    assert [c.step for c in list_checkpoints(run_dir)] == [STEPS]
+    assert [c.step for c in committed(run_dir)] == [STEPS]
     saved = load_checkpoint(run_dir)["model"]
     assert all(torch.equal(saved[k], v) for k, v in trainer.model.state_dict().items())
 

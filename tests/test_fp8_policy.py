@@ -15,7 +15,6 @@ a function of the shape returning chosen FP8 and bf16 seconds) and a fake clock;
 * d12 emulated with the default converts exactly its 12 `mlp.c_fc`, `all` converts 72;
 * a caller's module_filter_fn replaces the size rules; LayerPolicy works as torchao's filter;
 * under torch.distributed (2 gloo processes) every rank converts what rank 0 measured;
-* resuming a checkpoint saved before `--fp8_layers` existed (it converted `all`);
 * a resumed run converts the layers its checkpoint converted, though its own timer (and no
   timing cache) would decide otherwise: nothing is timed, and the losses equal the
   uninterrupted run's bit for bit (the same code on the same layers, eager).
@@ -46,8 +45,6 @@ import nanochat.common as common
 import nanochat.fp8.linear as linear
 import nanochat.fp8.policy as policy
 import nanochat.fp8.speed as speed
-from nanochat.checkpoint import load_checkpoint, save_checkpoint
-from nanochat.common import UsageError
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.fp8 import FP8Config, FP8Training, convert, detect
 from nanochat.fp8.hardware import FP8Backend
@@ -329,30 +326,6 @@ def test_flag_config_and_help():
                          capture_output=True, text=True, check=True,
                          env={"COLUMNS": "200", "PATH": "", "PYTHONPATH": str(ROOT / "src")}).stdout
     assert "--fp8_layers {faster,all}" in out and "activation-memory saving" in " ".join(out.split())
-
-
-def test_resume_of_a_checkpoint_saved_before_fp8_layers(small_corpus, tmp_path):
-    """Such a checkpoint converted every eligible layer: resuming asks for --fp8_layers all, and a
-    run without FP8 resumes under the new default."""
-    def train_then_forget_fp8_layers(run, **kw):
-        NanoChatTrainer(**tiny_train_kwargs(small_corpus, run, num_iterations=2, num_samples=0, **kw)).train()
-        ckpt = load_checkpoint(run)
-        del ckpt["config"]["fp8_layers"]
-        save_checkpoint(run, ckpt)
-
-    fp8 = dict(fp8=True, fp8_emulate=True)
-    train_then_forget_fp8_layers(tmp_path / "fp8", fp8_layers="all", **fp8)
-    with pytest.raises(UsageError, match="--fp8_layers: checkpoint 'all' vs now 'faster'"):
-        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fp8", num_iterations=3, resume=True,
-                                            **fp8)).train()
-    resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fp8", num_iterations=3, resume=True,
-                                                  num_samples=0, fp8_layers="all", **fp8)).train()
-    assert resumed.steps == 3 and len(resumed.fp8_converted) == 12
-
-    train_then_forget_fp8_layers(tmp_path / "plain")
-    plain = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "plain", num_iterations=3, resume=True,
-                                                num_samples=0)).train()
-    assert plain.steps == 3
 
 
 def test_a_resume_converts_the_layers_its_checkpoint_converted(small_corpus, tmp_path, cache, monkeypatch):

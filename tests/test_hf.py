@@ -484,7 +484,7 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     import logging
     import runpy
 
-    from nanochat import rundir as runlock
+    from nanochat import rundir
     from nanochat.checkpoint import save_checkpoint
     from nanochat.common import logger
     from nanochat.model.export import model_from_state_dict
@@ -503,12 +503,12 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
     logger.addHandler(handler)
-    runlock.acquire(run_dir)  # a training run still in progress there: its lock is held
+    rundir.acquire(run_dir)  # a training run still in progress there: its lock is held
     try:
         with pytest.raises(SystemExit) as exit_status:
             runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
     finally:
-        runlock.release(run_dir)
+        rundir.release(run_dir)
         logger.removeHandler(handler)
     assert exit_status.value.code == 0
     assert [w for w in warnings if "still in progress" in w and "exporting its newest checkpoint, step 1" in w]

@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from nanochat import distributed
-from nanochat.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from nanochat import checkpoint
+from nanochat.checkpoint import DCP, PT, committed, load_checkpoint, save_checkpoint
 from nanochat.common import file_sha256
 from nanochat.common import NanoChatError, UsageError
 from nanochat.train.trainer import NanoChatTrainer
@@ -64,8 +64,8 @@ def test_a_dcp_source_loads_the_same_weights(small_corpus, tmp_path, source):
     dcp_run = tmp_path / "dcp_source"
     shutil.copytree(src / "tokenizer", dcp_run / "tokenizer")
     meta = {k: saved[k] for k in ("config", "step", "tokenizer_fingerprint")}
-    distributed.save_dcp(dcp_run, donor.model, donor.optimizer, step=saved["step"], meta=meta)
-    assert latest_checkpoint(dcp_run) is None and distributed.latest_dcp(dcp_run) is not None
+    checkpoint.save_dcp(dcp_run, donor.model, donor.optimizer, step=saved["step"], meta=meta)
+    assert not committed(dcp_run, (PT,)) and committed(dcp_run, (DCP,))
 
     t = _setup(small_corpus, tmp_path / "ft", init_from=str(dcp_run))
     assert _same_weights(t.model, saved["model"])
@@ -108,7 +108,7 @@ def test_bad_sources_are_refused_before_training(small_corpus, tmp_path, source)
     with pytest.raises(UsageError, match="export_hf.py --run_dir"):
         NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "ft", init_from=str(hf_run))).train()
 
-    ckpt = latest_checkpoint(src).path
+    ckpt = committed(src)[-1].path
     data = bytearray(ckpt.read_bytes())
     data[len(data) // 2] ^= 0xFF
     ckpt.write_bytes(bytes(data))
@@ -140,7 +140,7 @@ def test_unloadable_or_incomplete_sources_are_one_line(small_corpus, tmp_path, s
     checkpoint lacking its config, then without its manifest: one error line each, naming why,
     never torch's advice to unpickle, never a silent fall back to an older checkpoint."""
     src, _ = source
-    newest = latest_checkpoint(src)
+    newest = committed(src)[-1]
     kw = tiny_train_kwargs(small_corpus, tmp_path / "ft", init_from=str(src), num_samples=0, num_iterations=2)
 
     torch.save({"format_version": 1, "step": newest.step, "model": _Payload()}, newest.path)

@@ -169,7 +169,7 @@ def test_series_and_tokens_axis_of_a_real_run(fp8_run):
 
 
 def test_tokens_per_step_of_a_distributed_run_from_its_dcp_meta(tmp_path):
-    """A DCP checkpoint's trainer.json as distributed.save_dcp writes it (config and world size)."""
+    """A DCP checkpoint's trainer.json as checkpoint.save_dcp writes it (config and world size)."""
     run_dir = _write(tmp_path / "ddp", [{"step": 1, "loss": 5.0}])
     step_dir = run_dir / "checkpoint_dcp" / "step-000008"
     step_dir.mkdir(parents=True)

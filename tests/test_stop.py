@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.checkpoint import latest_checkpoint, load_checkpoint
+from nanochat.checkpoint import committed, load_checkpoint
 from nanochat.common import DistEnv
 from nanochat.device import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
@@ -133,7 +133,7 @@ def test_a_signal_finishes_the_step_saves_it_and_the_printed_command_resumes_exa
     assert m and m[1] == signal.Signals(signum).name, err[-2000:]
     step = int(m[2])
     assert 3 <= step < STEPS
-    assert m[3] == str(run_dir / f"checkpoint-{step:06d}.pt") and latest_checkpoint(run_dir).step == step
+    assert m[3] == str(run_dir / f"checkpoint-{step:06d}.pt") and committed(run_dir)[-1].step == step
     assert sorted(_losses(run_dir)) == list(range(1, step + 1))  # the step in flight finished, logged once
 
     r = _run_printed(m[4], timeout=300)
@@ -172,7 +172,7 @@ def test_a_second_sigint_stops_at_once_leaving_the_newest_checkpoint(small_corpu
     assert last.startswith(f"stopped at once by a second SIGINT during step 7; the newest checkpoint is "
                            f"{run_dir / 'checkpoint-000005.pt'} (step 5); resume: "), last
     assert "SIGINT received: finishing the step in flight" in r.stderr  # what the first one said
-    assert latest_checkpoint(run_dir).step == 5 and sorted(_losses(run_dir)) == list(range(1, 7))
+    assert committed(run_dir)[-1].step == 5 and sorted(_losses(run_dir)) == list(range(1, 7))
     NanoChatTrainer(**{**kw, "resume": True}).train()
     assert _losses(run_dir) == reference[0]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat import rundir as runlock
-from nanochat.checkpoint import latest_checkpoint
+from nanochat import rundir
+from nanochat.checkpoint import committed
 from nanochat.device import DeviceReads
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.train.progress import Progress, format_eta
@@ -46,7 +46,7 @@ def test_loss_falls_and_result_is_complete(small_corpus, tmp_path):
     assert result.fallbacks == [] and result.fp8_backend == "off"
     assert len(result.samples) == 1
     assert result.optimizer_state_bytes == 8 * result.num_params
-    assert latest_checkpoint(tmp_path / "run").step == 30
+    assert committed(tmp_path / "run")[-1].step == 30
     assert json.loads((tmp_path / "run" / "result.json").read_text())["steps"] == 30
 
 
@@ -280,7 +280,7 @@ def test_no_save_checkpoints_writes_none(small_corpus, tmp_path):
     kw = dict(num_iterations=4, save_every=2, num_samples=0)
     result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", save_checkpoints=False, **kw)).train()
     assert result.steps == 4
-    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name != runlock.LOCK_NAME) == [
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name != rundir.LOCK_NAME) == [
         "metrics.jsonl", "result.json", "sources.json", "tokenizer"]
     with pytest.raises(ValueError, match="--resume: no checkpoint"):
         NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw)).train()

@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from nanochat.checkpoint.resume import setting_differences
 from nanochat.common import logger, print_last_line, publish_directory, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.config.fp8 import RESUME_FIELDS, ROLES
@@ -391,10 +392,10 @@ class FP8Trainer(Trainer):
             self.fp8.fallbacks.append(message)
 
     def _check_resume(self, state: dict[str, Any], checkpoint: str) -> None:
-        saved, now = state.get("fp8_config") or {}, self._fp8_state()["fp8_config"]
-        differ = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_FIELDS if saved.get(k) != now[k]]
-        if state.get("master_weights") != self.master_weights:
-            differ.append(f"master_weights {state.get('master_weights')!r} -> {self.master_weights!r}")
+        saved = {**(state.get("fp8_config") or {}), "master_weights": state.get("master_weights")}
+        now = {**self._fp8_state()["fp8_config"], "master_weights": self.master_weights}
+        diff = setting_differences(saved, now, (*RESUME_FIELDS, "master_weights"))
+        differ = [f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()]
         if differ:
             raise ValueError(f"{checkpoint} was trained with other FP8 settings ({'; '.join(differ)}): resume "
                              "with the checkpoint's settings, or start a new run from its weights")

@@ -1,23 +1,27 @@
-"""One nanochat process per run directory: an OS file lock on `<run_dir>/.nanochat.lock`.
+"""A run directory: what it holds, and which process owns it.
 
-Two trainers on one --run_dir would log every step twice and write the same checkpoint names.
-The trainer takes `fcntl.flock(LOCK_EX | LOCK_NB)` on a lock file inside the directory before
-anything there is written or cleaned, and holds it for the run's life. The kernel drops the lock
-when the process ends, however it ends (kill -9 included), so a stale lock cannot exist: the
-file stays, only the lock on it counts. (Deleting lock files races: a process could lock a file
-that another one has just unlinked.) The holder writes its pid, host and start time into the
-file so that the process it refuses can name it. flock locks a local file system and, on Linux,
-NFS (emulated there with byte-range locks); Windows has no fcntl: importing this module works,
-locking raises a clear error.
+    <run_dir>/.nanochat.lock             the lock of the process that runs here
+    <run_dir>/checkpoint-000200.pt       one process's checkpoints, each with its .json manifest
+    <run_dir>/checkpoint_dcp/step-.../   a torchrun run's checkpoints (nanochat.checkpoint.dcp)
+    <run_dir>/metrics.jsonl, result.json the run's records;  <run_dir>/tokenizer/  its tokenizer
 
-The lock is held per process and counted: trainers built one after another in one process
-(tests, notebooks) share it instead of refusing each other.
+One process per run directory: an OS file lock, `fcntl.flock(LOCK_EX | LOCK_NB)` on
+`.nanochat.lock`, taken before anything there is written or cleaned and held for the run's life.
+The kernel drops it when the process ends, however it ends (kill -9 included), so a stale lock
+cannot exist: the file stays, only the lock on it counts (deleting lock files races: a process
+could lock a file another has just unlinked). The holder writes its pid, host and start time
+into the file so that the process it refuses can name it. flock works on local file systems and,
+on Linux, NFS; Windows has no fcntl (importing works, locking is a clear error). Holds are counted
+per process: trainers built one after another in one process (tests, notebooks) share the lock.
 
-Why the lock is also a proof: every nanochat writer of checkpoint temporaries holds it (a bare
-`save_checkpoint` takes it for the save), and one process saves one checkpoint at a time. So a
-temporary file of nanochat's own naming found by the holder outside a save was left by a save
-that is over, killed or failed, and may be removed; pids are not needed for that, and could not
-prove it (they are reused). Anything else is reported and left alone.
+The lock is also a proof: every nanochat writer of checkpoint temporaries holds it, one save at a
+time, so a temporary of nanochat's own naming that the holder finds outside a save was left by a
+save that is over, and may be removed (pids could not prove that: they are reused). Anything else
+is reported and left alone.
+
+Claiming: a directory that holds a run (`run_contents`) is continued with --resume or replaced
+with --overwrite, never clobbered, and --overwrite deletes only checkpoints whose manifests say
+nanochat wrote them (the checkpoint store tells which are not: `nanochat.checkpoint.foreign`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
@@ -39,10 +45,28 @@ except ImportError:  # Windows
     fcntl = None
 
 LOCK_NAME = ".nanochat.lock"
+RUN_FILES = ("metrics.jsonl", "result.json")
+"""The run's records: with checkpoints, what makes a directory a run's (and what --overwrite deletes)."""
+PT_NAME = re.compile(r"checkpoint-(\d+)\.pt")
+"""A one-process checkpoint's file name (its manifest: the same name, .json)."""
+DCP_DIRNAME = "checkpoint_dcp"
+"""Where distributed runs keep their DCP step directories."""
 
 _held: dict[str, list[int]] = {}  # realpath of a run directory -> [lock file descriptor, count]
 
 
+def run_contents(run_dir: str | os.PathLike) -> list[str]:
+    """What in `run_dir` belongs to a training run (checkpoint files with or without manifest,
+    the DCP directory, metrics, result); empty for any other directory."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        return []
+    pts = sorted((int(m.group(1)), p.name) for p in d.glob("checkpoint-*.pt") if (m := PT_NAME.fullmatch(p.name)))
+    found = [name for _, name in pts] + [n for n in RUN_FILES if (d / n).exists()]
+    return found + ([DCP_DIRNAME + "/"] if (d / DCP_DIRNAME).exists() else [])
+
+
+# ------------------------------------------------------------------------------ the lock
 def _key(run_dir: str | os.PathLike) -> str:
     return os.path.realpath(run_dir)
 
@@ -125,3 +149,78 @@ def _holder(fd: int) -> str:
         return f"pid {info['pid']} on {info['host']}, started {info['started']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "it has not written its pid yet"
+
+
+# ------------------------------------------------------------------------- claiming a run
+def check_path(run_dir: str | os.PathLike) -> None:
+    """A UsageError when --run_dir cannot be a directory: a symbolic link (itself or above it)
+    that loops or leads nowhere (mkdir would say only "File exists"), or a file."""
+    path = Path(run_dir)
+    for p in (path, *path.parents):
+        if not os.path.islink(p):
+            continue
+        try:
+            os.stat(p)
+        except OSError as e:
+            what = (f"is a symbolic link that loops (to {os.readlink(p)}, which leads back to it)"
+                    if e.errno == errno.ELOOP else f"is a symbolic link to {os.readlink(p)}, which does not exist")
+            raise UsageError(f"--run_dir {path}: {p} {what}; point --run_dir at a directory, or repair "
+                             "the link") from None
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--run_dir {path} exists and is not a directory; give a directory path")
+
+
+def own(run_dir: str | os.PathLike) -> None:
+    """Take `run_dir`'s lock for a run, held until `release`: a UsageError when another process
+    holds it or the lock file cannot be written there."""
+    try:
+        acquire(run_dir)
+    except OSError as e:
+        raise UsageError(f"--run_dir {run_dir} is not writable ({e.strerror or e}); fix its permissions or "
+                         "choose another --run_dir") from None
+
+
+def check_claim(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, resumable: bool,
+                foreign: Sequence[str]) -> None:
+    """The claim rules, before any work: --resume needs a checkpoint to continue (`resumable`); a
+    fresh start needs a directory without a run, or --overwrite and no checkpoint nanochat cannot
+    tell it wrote (`foreign`, each with its reason: the only ones --overwrite would not delete)."""
+    d, existing = Path(run_dir), run_contents(run_dir)
+    if resume:
+        if not resumable:
+            raise UsageError(
+                f"--resume: no checkpoint in {d} (no checkpoint-<step>.pt with its .json manifest, no "
+                f"{DCP_DIRNAME}/). Start a fresh run without --resume, or point --run_dir at the directory of "
+                "the run you want to continue.")
+    elif existing and not overwrite:
+        raise UsageError(
+            f"--run_dir {d} already holds a run ({', '.join(existing[:4])}); continue it with --resume, "
+            "replace it with --overwrite (deletes its checkpoints and metrics), or choose a new --run_dir")
+    elif existing and foreign:
+        raise UsageError(
+            f"--overwrite: {d} holds checkpoints nanochat cannot tell it wrote ({'; '.join(foreign[:3])}), "
+            "and it deletes only its own; move them out of the directory and run again")
+
+
+def create(run_dir: str | os.PathLike, rank: int = 0) -> None:
+    """Create `run_dir` and prove it writable (a probe file written and removed; every rank
+    probes, since each writes there): a UsageError naming the fix otherwise."""
+    d = Path(run_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write-probe-{os.getpid()}-{rank}"
+        probe.write_bytes(b"nanochat")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--run_dir {d} is not writable ({e.strerror or e}); fix its permissions or "
+                         "choose another --run_dir") from None
+
+
+def remove_records(run_dir: str | os.PathLike) -> None:
+    """--overwrite: delete the previous run's records (its checkpoints go through the store)."""
+    for name in RUN_FILES:
+        (Path(run_dir) / name).unlink(missing_ok=True)
+
+
+__all__ = ["LOCK_NAME", "RUN_FILES", "PT_NAME", "DCP_DIRNAME", "run_contents", "acquire", "release", "holder",
+           "holding", "check_path", "own", "check_claim", "create", "remove_records"]

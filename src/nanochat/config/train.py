@@ -212,14 +212,30 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
         if self.master_weights_emulate and self.master_weights == "fp32":
             raise ValueError("--master_weights_emulate emulates bf16 master weights: give --master_weights bf16, "
                              "bf16_sr or bf16_split with it")
-        if self.optimizer_in_backward and self.grad_accum_steps > 1:
-            raise ValueError(f"--optimizer_in_backward steps at every backward, so it cannot accumulate "
-                             f"{self.grad_accum_steps} micro-batches: use --grad_accum_steps 1 (a larger "
-                             "--batch_size, or activation checkpointing to afford one), or drop --optimizer_in_backward")
-        if self.optimizer_in_backward and self.grad_clip > 0:
-            raise ValueError(f"--optimizer_in_backward steps each parameter before the global gradient norm "
-                             f"exists, so --grad_clip {self.grad_clip:g} cannot be applied: pass --grad_clip 0, "
-                             "or drop --optimizer_in_backward")
+        problem = self.in_backward_problem()
+        if problem is not None:
+            raise ValueError(problem)
+
+    def in_backward_problem(self, torchrun: str | None = None) -> str | None:
+        """Why --optimizer_in_backward cannot run with these settings, or under torchrun with the
+        process layout `torchrun` (e.g. "ddp x2 (gloo)"; the trainer asks once the processes
+        exist), else None. It steps each parameter inside the backward, so there is one
+        micro-batch, no global gradient norm, and no gradient reduction after the steps."""
+        if not self.optimizer_in_backward:
+            return None
+        if self.grad_accum_steps > 1:
+            return (f"--optimizer_in_backward steps at every backward, so it cannot accumulate "
+                    f"{self.grad_accum_steps} micro-batches: use --grad_accum_steps 1 (a larger "
+                    "--batch_size, or activation checkpointing to afford one), or drop --optimizer_in_backward")
+        if self.grad_clip > 0:
+            return (f"--optimizer_in_backward steps each parameter before the global gradient norm "
+                    f"exists, so --grad_clip {self.grad_clip:g} cannot be applied: pass --grad_clip 0, "
+                    "or drop --optimizer_in_backward")
+        if torchrun is not None:
+            return (f"--optimizer_in_backward under torchrun ({torchrun}): DDP and FSDP reduce gradients "
+                    "after the per-parameter steps would have run; train in one process or drop "
+                    "--optimizer_in_backward")
+        return None
 
     def to_dict(self) -> dict:
         """Plain dict (JSON- and weights_only-safe) for checkpoints and metrics."""

@@ -111,26 +111,20 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def read_tokens_per_step(run_dir: str | os.PathLike) -> tuple[int | None, str]:
     """(tokens of one optimizer step, how they were found) from the config of the run's newest
     checkpoint; (None, why not) when there is none or it does not load."""
-    from nanochat import checkpoint, distributed
+    from nanochat import checkpoint
 
-    run_dir = Path(run_dir)
-    dcp, pt = distributed.latest_dcp(run_dir), checkpoint.latest_checkpoint(run_dir)
+    found = checkpoint.committed(run_dir)
+    if not found:
+        return None, "no checkpoint to read the batch size from"
+    newest = found[-1]
+    meta, why = newest.storage.read(newest, ())  # a .pt memory-mapped (its weights are not read), a DCP trainer.json
     try:
-        if dcp is not None and (pt is None or distributed.dcp_step(dcp) >= pt.step):
-            meta, source = distributed.read_dcp_meta(dcp), dcp
-        elif pt is not None:
-            import torch
-
-            import nanochat.fp8.tensor  # noqa: F401  registers FP8 optimizer states for weights_only loading
-
-            # memory-mapped: the config is read, the weights are not
-            meta, source = torch.load(pt.path, map_location="cpu", weights_only=True, mmap=True), pt.path
-        else:
-            return None, "no checkpoint to read the batch size from"
+        if why is not None:
+            raise ValueError(why)
         c, world = meta["config"], int(meta.get("world_size", 1))
         sizes = [int(c["batch_size"]), int(c["seq_len"]), int(c.get("grad_accum_steps", 1)), world]
     except Exception as e:  # noqa: BLE001 -- any unreadable checkpoint: the plot falls back to steps
-        return None, f"checkpoint {Path(source).name} does not give the batch size ({type(e).__name__}: {e})"
+        return None, f"checkpoint {newest.path.name} does not give the batch size ({type(e).__name__}: {e})"
     names = ("batch_size", "seq_len", "grad_accum_steps", "world size")
     return math.prod(sizes), " x ".join(f"{n} {v}" for n, v in zip(names, sizes))
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from nanochat.common import UsageError
 from nanochat.tokenizer.bpe import (
     BOS, META_FILE, RANKS_FILE, SPECIAL_TOKENS, SPLIT_PATTERN, BPETokenizer, check_tokenizer_dir, take_chars,
 )
@@ -90,8 +91,25 @@ class ChatTokenizer(Tokenizer, Protocol):
         """Whether `token` is one token of the vocabulary (a template's <|im_start|>)."""
 
 
+
+def run_tokenizer(run_dir: str | os.PathLike, fingerprint: str | None, flag: str) -> Tokenizer:
+    """The tokenizer a run trained with, from `<run_dir>/tokenizer` (ours, or a Hugging Face
+    model's tokenizer.json with the chat template its records were rendered with), checked against
+    the `fingerprint` its checkpoint recorded: a checkpoint's weights mean something only with it.
+    `flag` (--resume, --init_from, --run_dir) names the source in the errors."""
+    directory = Path(run_dir) / "tokenizer"
+    if not directory.is_dir():
+        raise UsageError(f"{flag} {run_dir}: its tokenizer/ directory is missing, and the weights only mean "
+                         "something with the tokenizer they were trained with; restore it from the run")
+    tokenizer = (HFTokenizer.load(directory) if (directory / "tokenizer.json").is_file()
+                 else BPETokenizer.load(directory))
+    if fingerprint is not None and tokenizer.fingerprint != fingerprint:
+        raise UsageError(f"{flag} {run_dir}: {directory} is not the tokenizer its checkpoint was trained with "
+                         "(fingerprints differ: its token ids mean other text); restore the run's own tokenizer/")
+    return tokenizer
+
 __all__ = [
     "BOS", "META_FILE", "RANKS_FILE", "SPECIAL_TOKENS", "SPLIT_PATTERN", "BPETokenizer",
-    "ChatTokenizer", "HFTokenizer", "Tokenizer", "check_tokenizer_dir", "panics_as_errors", "probe",
+    "ChatTokenizer", "HFTokenizer", "Tokenizer", "check_tokenizer_dir", "run_tokenizer", "panics_as_errors", "probe",
     "take_chars",
 ]

@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from nanochat.common import UsageError, read_json_object, write_atomic
+from nanochat.rundir import run_contents
 from nanochat.tokenizer.patterns import panics_as_errors, preview, probe
 
 # GPT-4's cl100k split pattern with \p{N}{1,3} -> \p{N}{1,2} (docs/tokenizer.md).
@@ -270,8 +271,6 @@ def check_tokenizer_dir(directory: str | os.PathLike, *, overwrite: bool,
     `directory` would replace a tokenizer (one of the files `names` is there): one it holds, unless
     `overwrite`; a run's (`<run_dir>/tokenizer`, next to checkpoints or metrics), always: its
     checkpoints only mean something with that tokenizer."""
-    from nanochat.checkpoint import run_contents
-
     d = Path(directory)
     if not any((d / name).exists() for name in names):
         return

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from nanochat import distributed, engine
-from nanochat.checkpoint import checkpoint_name, load_checkpoint, run_tokenizer
+from nanochat.checkpoint import checkpoint_name, load_checkpoint
 from nanochat.common import DistEnv, UsageError, logger
 from nanochat.device import autocast_context, resolve_device, resolve_dtype
 from nanochat.data import instruct
@@ -46,6 +46,7 @@ from nanochat.model.gpt import GPT, preset_config
 from nanochat.model.export import model_from_state_dict
 from nanochat.model.hf import load_hf_model
 from nanochat.model.hub import resolve_model
+from nanochat.tokenizer import run_tokenizer
 
 if TYPE_CHECKING:
     from nanochat.config import EvalConfig, TrainConfig

@@ -38,11 +38,10 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
             f"--fp8 with --dtype {cfg.dtype} on {device.type}: torchao's FP8 layers only support bf16 "
             "autocast on CUDA (elsewhere they would round outputs to the wrong dtype). Use --dtype float32 "
             "(the default off CUDA) with --fp8; --fp8_opt_level alone works with any dtype.")
-    if cfg.optimizer_in_backward and dist.is_distributed:
-        layout = f"{'fsdp' if cfg.fsdp else 'ddp'} x{dist.world_size} ({backend_name()})"
-        raise UsageError(f"--optimizer_in_backward under torchrun ({layout}): DDP and FSDP reduce gradients "
-                         "after the per-parameter steps would have run; train in one process or drop "
-                         "--optimizer_in_backward")
+    layout = f"{'fsdp' if cfg.fsdp else 'ddp'} x{dist.world_size} ({backend_name()})" if dist.is_distributed else None
+    problem = cfg.in_backward_problem(torchrun=layout)
+    if problem is not None:
+        raise UsageError(problem)
     resolved = resolve_model(cfg.model_name)
     if resolved.kind == "hf" and cfg.tokenizer_dir:
         raise UsageError(f"--tokenizer_dir cannot be combined with the Hugging Face model {cfg.model_name!r}: "

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from nanochat import distributed
-from nanochat.checkpoint import Checkpointer, Saved
+from nanochat.checkpoint import Checkpoint, Checkpointer, Saved
 from nanochat.common import (
     DistEnv, NanoChatError, logger, print0, setup_logging,
 )
@@ -465,13 +465,13 @@ class NanoChatTrainer:
             self._save(step)
         raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}", saved=cfg.save_checkpoints)
 
-    def _newest_checkpoint(self) -> tuple[str, Path, int] | None:
+    def _newest_checkpoint(self) -> Checkpoint | None:
         """The checkpoint a --resume would start from now (not re-verified: this runs on the way
         out), or None."""
         if getattr(self, "checkpoints", None) is None:
             return None
         with contextlib.suppress(NanoChatError, OSError):  # a loose newest checkpoint: --resume will say so
-            return self.checkpoints.find(self.run_dir, "--resume")
+            return self.checkpoints.newest()
         return None
 
     def _stopped(self, signum: int, what: str, *, saved: bool = False) -> Stopped:

@@ -1,0 +1,243 @@
+"""The trainer's checkpoint component: one object, built once, called at fixed points of a run.
+
+    claim()            before any work: --run_dir checked, locked (rank 0), not clobbered (rundir.py)
+    read_init_source() --init_from: the source run's newest checkpoint, verified, and its tokenizer
+    read_resume()      --resume, before the model is built: verified and compatible (resume.py)
+    prepare()          just before the first step: the directory created, --overwrite's room made
+    restore()          the --resume checkpoint into the built model, optimizer, data position, FP8
+    save(step)         every --save_every steps and at the end: a .pt in one process, a DCP step
+                       under torchrun (every rank), the newest --keep_checkpoints kept
+    release()          the run lock, when the run ends
+
+Which checkpoint is the newest, whether it verifies and what is kept is the store's (store.py),
+the same for both storages. Inf/nan is never saved, and never resumed (state.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from nanochat import distributed, rundir
+from nanochat.checkpoint import dcp, pt, resume, store
+from nanochat.checkpoint.dcp import DCP
+from nanochat.checkpoint.pt import PT
+from nanochat.checkpoint.state import nonfinite_state, rng_state, set_rng_state
+from nanochat.checkpoint.storage import Checkpoint
+from nanochat.common import DistEnv, NanoChatError, UsageError, logger
+from nanochat.config import TrainConfig, flag_text
+from nanochat.rundir import DCP_DIRNAME
+
+
+@dataclass
+class Saved:
+    """A checkpoint found, verified and checked for --resume or --init_from."""
+
+    checkpoint: Checkpoint
+    meta: dict[str, Any]
+    """Everything it holds but the tensors (a DCP step's trainer.json)."""
+    tokenizer: Any = None
+    """--init_from: the source run's tokenizer, checked against the checkpoint."""
+    weights: dict[str, torch.Tensor] | None = None
+    """--init_from of a .pt: its model state, memory-mapped until loaded."""
+
+    @property
+    def path(self) -> Path:
+        return self.checkpoint.path
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+
+class Checkpointer:
+    """A training run's checkpoints and its claim on --run_dir (module docstring)."""
+
+    def __init__(self, config: TrainConfig, dist: DistEnv):
+        self.config, self.dist = config, dist
+        self.run_dir = Path(config.run_dir)
+        self._locked = False
+
+    # ---------------------------------------------------------------- the directory
+    def claim(self) -> None:
+        """Before any work: lock a --run_dir that exists (rank 0; the lock also lets it finish or
+        remove what a killed save left there) and refuse to clobber a run in it. One that does not
+        exist yet is created and locked by `prepare`, so an error before the first step leaves
+        nothing behind."""
+        rundir.check_path(self.run_dir)
+        if self.run_dir.is_dir():
+            self._lock()
+        distributed.barrier()  # the other ranks look at what rank 0 finished or removed
+        self._check_claim()
+
+    def prepare(self) -> None:
+        """Just before the first step: create --run_dir and prove it writable (every rank); rank 0
+        locks a directory created just now and looks at it again (another process may have started
+        there meanwhile), and makes room for --overwrite: the previous run's checkpoints that their
+        manifests describe, and its records, are deleted (anything else was refused), with no
+        barrier: the other ranks only write there later."""
+        rundir.create(self.run_dir, self.dist.rank)
+        if self.dist.rank != 0:
+            return
+        if not self._locked:
+            self._lock()
+            self._check_claim()
+        if self.config.overwrite and rundir.run_contents(self.run_dir):
+            logger.info("--overwrite: deleting the previous run's checkpoints and metrics in %s", self.run_dir)
+            store.remove(self.run_dir)
+            rundir.remove_records(self.run_dir)
+
+    def release(self) -> None:
+        if self._locked:
+            rundir.release(self.run_dir)
+            self._locked = False
+
+    def _lock(self) -> None:
+        """Rank 0: take --run_dir's lock, held until `release`, then finish or remove what a killed
+        save left there and report what is not provably nanochat's."""
+        if self.dist.rank != 0:
+            return
+        rundir.own(self.run_dir)
+        self._locked = True
+        for note in store.clean_interrupted(self.run_dir):
+            logger.info("%s", note)
+
+    def _check_claim(self) -> None:
+        cfg = self.config
+        resumable = cfg.resume and self.newest() is not None
+        foreign = store.foreign(self.run_dir) if cfg.overwrite else []
+        rundir.check_claim(self.run_dir, resume=cfg.resume, overwrite=cfg.overwrite, resumable=resumable,
+                           foreign=foreign)
+
+    # ------------------------------------------------------------------- reading
+    def newest(self) -> Checkpoint | None:
+        """The checkpoint a --resume of this run starts from (store.newest: not verified here)."""
+        return store.newest(self.run_dir, "--resume")
+
+    def read_resume(self, total_steps: int, tokenizer: Any) -> Saved:
+        """--resume, before the model is built: the newest checkpoint, with steps left to train,
+        verified, whose settings and tokenizer this run shares (resume.py). Collective."""
+        c = self.newest()
+        resume.check_budget(c, self.config, total_steps)
+        tensors = resume.TENSORS if c.kind == "pt" else ()  # a DCP step's tensors are outside trainer.json
+        meta = store.read(c, "--resume", resume.RESUME_KEYS + tensors)
+        meta = {k: v for k, v in meta.items() if k not in resume.TENSORS}  # `restore` reads the tensors
+        resume.check_resume(meta, self.config, world_size=self.dist.world_size, tokenizer=tokenizer)
+        return Saved(c, meta)
+
+    def read_init_source(self) -> Saved:
+        """--init_from: the source run's newest checkpoint (.pt or DCP), verified, and its tokenizer,
+        checked against this run before any weight is read (resume.check_init_source). A .pt
+        checkpoint is memory-mapped: only the weights are read."""
+        src = Path(self.config.init_from)
+        c = store.newest(src, "--init_from")
+        if c is None:
+            raise UsageError(f"--init_from {src}: no checkpoint there (no checkpoint-<step>.pt with its .json "
+                             f"manifest, no {DCP_DIRNAME}/); give the --run_dir of a run that saved one")
+        meta = store.read(c, "--init_from", resume.INIT_KEYS + (("model",) if c.kind == "pt" else ()))
+        tokenizer = resume.check_init_source(meta, self.config, src)
+        return Saved(c, {k: v for k, v in meta.items() if k != "model"}, tokenizer=tokenizer,
+                     weights=meta["model"] if c.kind == "pt" else None)
+
+    # ------------------------------------------------------------------- loading
+    def restore(self, saved: Saved, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, fp8: Any,
+                device: torch.device) -> int:
+        """The checkpoint `read_resume` found, into the built parts: the weights and optimizer
+        states (checked finite), the RNG states, the data `loader`'s position and `fp8`'s state
+        (FP8Training: counters, auto's formats). Returns its step."""
+        c = saved.checkpoint
+        if c.kind == "dcp":
+            tensors = {"rng_cpu": torch.get_rng_state()}
+            dcp.load(c.path, model, optimizer, tensors=tensors)  # verified by read_resume
+            rng = {"cpu": tensors["rng_cpu"]}
+        else:  # verified by read_resume; read again onto the device, tensors only
+            payload, why = pt.load_payload(c, device, keys=resume.TENSORS)
+            if why is not None:
+                raise NanoChatError(f"--resume: checkpoint {c.path} is not usable: {why}")
+            if self.dist.is_distributed and self.config.fsdp:
+                pt.load_full_state_dicts(model, optimizer, payload["model"], payload["optimizer"])
+            else:
+                model.load_state_dict(payload["model"])
+                optimizer.load_state_dict(payload["optimizer"])
+            rng = payload["rng"]
+        bad = nonfinite_state(model, optimizer)
+        if bad:
+            raise NanoChatError(f"--resume: checkpoint {c.path} holds inf/nan ({bad}), so training cannot "
+                                f"continue from it; move it out of {c.path.parent} to resume from the previous "
+                                "checkpoint")
+        loader.load_state_dict(saved.meta["data"])
+        set_rng_state(rng)
+        try:
+            fp8.load_state_dict(saved.meta)
+        except ValueError as e:  # FP8 choices that do not fit this model: say it in flags
+            raise ValueError(flag_text(str(e))) from None
+        logger.info("resumed from %s at step %d", c.path, c.step)
+        return c.step
+
+    @torch.no_grad()
+    def load_init_weights(self, source: Saved, model: nn.Module) -> None:
+        """The --init_from source's weights into the freshly built model (before the master-weight
+        cast and FP8 conversion, which then treat them as any initial weights)."""
+        try:
+            if source.checkpoint.kind == "dcp":
+                dcp.load_model(source.path, model)
+            else:
+                model.load_state_dict(source.weights)
+        except (RuntimeError, KeyError) as e:
+            raise UsageError(f"--init_from {self.config.init_from}: its weights do not fit this {self.config.model_name} "
+                             f"model ({str(e).splitlines()[0]}); it was saved by another version of the model") from None
+        source.weights = None  # the memory-mapped checkpoint is closed with its last reference
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise NanoChatError(f"--init_from {self.config.init_from}: its checkpoint {source.path} holds inf/nan in "
+                                f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}; start from one of its earlier "
+                                "checkpoints (move this one away)")
+        logger.info("initialized from %s (step %d of that run)", source.path, source.step)
+
+    # ------------------------------------------------------------------- writing
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """A checkpoint of `step`: the weights, the optimizer, RNG states, the config and `state`
+        (the loop's: data position, tokenizer fingerprint, FP8 state, the step's record). In one
+        process a .pt, distributed a DCP step (every rank); both verified, the newest
+        --keep_checkpoints kept, the other storage's checkpoints deleted afterwards so a resume
+        finds one. A model or optimizer state holding inf/nan is never written: the run stops,
+        naming the last checkpoint that is good."""
+        bad = nonfinite_state(model, optimizer)
+        if bad:
+            raise NanoChatError(
+                f"step {step}: not saving, {bad} hold inf/nan. Step {step}'s loss and gradients were "
+                f"finite, so its update made them so (or an earlier update, in weights no batch since "
+                f"used). {self.good_checkpoint_note()}: lower --lr, check the data, or try "
+                "--fp8_mode e5m2 / auto")
+        meta = {"config": self.config.to_dict(), "resolved_paths": resume.resolved_paths(self.config), "step": step,
+                "world_size": self.dist.world_size, **state}
+        keep = self.config.keep_checkpoints
+        if self.dist.is_distributed:
+            rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
+            store.save_dcp(self.run_dir, model, optimizer, step=step, meta=meta, tensors=rng, keep=keep)
+            if self.dist.rank == 0:
+                store.remove(self.run_dir, (PT,))
+            return
+        store.save_checkpoint(self.run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                                             "rng": rng_state(), **meta}, step=step, keep=keep)
+        store.remove(self.run_dir, (DCP,))
+
+    def good_checkpoint_note(self) -> str:
+        """Which checkpoint a resume would start from, checked now: its checksums, and its weights
+        and optimizer states loaded and found finite (under torchrun by rank 0 only, without
+        communication: this runs on error paths, where ranks may diverge)."""
+        if self.dist.rank == 0:
+            good, checked = store.newest_verified(self.run_dir, finite=True), "verified, finite"
+        else:
+            found = store.committed(self.run_dir)
+            good, checked = (found[-1] if found else None), "rank 0 checks it"
+        if good is None:
+            return f"No good checkpoint of this run is in {self.run_dir}"
+        return f"The last good checkpoint is {good.path} (step {good.step}, {checked})"
+
+
+__all__ = ["Checkpointer", "Saved"]

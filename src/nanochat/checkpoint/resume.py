@@ -1,0 +1,120 @@
+"""The resume policy: what a checkpoint must share with the run that continues it (--resume), and
+what a new run may start from (--init_from). Each rule is checked here, once, before the model
+is built, and a mismatch is one UsageError naming the flag and the fix.
+
+--resume continues a run as if it had never stopped, so what changes the model, the data stream
+or the optimizer's meaning must be as the checkpoint has it: the flags config marks as kept
+(`RESUME_MUST_MATCH`), compared as resolved paths where they are paths (`tok/` and its absolute
+form name one directory); the
+global batch (batch_size x ranks, so 2 ranks of 8 resume in 1 process of 16); and the tokenizer
+(its fingerprint). Everything else (--num_iterations, --eval_every, ...) may differ, so a run can
+be extended, but not to nothing: a checkpoint at or past the last step is refused.
+`setting_differences` is the comparison itself; FP8Trainer uses it for the FP8 settings of a
+Hugging Face Trainer checkpoint.
+
+--init_from starts a new run (step 0, a fresh optimizer) from another run's newest checkpoint: a
+nanochat preset of the same name, read with the tokenizer it was trained with (checked by
+fingerprint before any weight is read). A Hugging Face model continues from its export instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from nanochat.checkpoint.storage import Checkpoint
+from nanochat.common import UsageError
+from nanochat.config import RESUME_MUST_MATCH, TrainConfig
+from nanochat.model.gpt import PRESETS
+from nanochat.tokenizer import Tokenizer, run_tokenizer
+
+RESUME_KEYS = ("config.batch_size", "step", "data", "tokenizer_fingerprint")
+"""What a checkpoint must hold to be resumed (dotted: nested), besides the tensors: a .pt's
+"model", "optimizer" and "rng" (TENSORS), which a DCP step holds outside its trainer.json."""
+INIT_KEYS = ("config.model_name", "step", "tokenizer_fingerprint")
+"""What a checkpoint must hold to start another run from (--init_from), besides "model"."""
+TENSORS = ("model", "optimizer", "rng")
+PATH_FIELDS = ("model_name", "dataset_path", "tokenizer_dir", "init_from")
+
+
+def resolved_paths(config: TrainConfig) -> dict[str, str | None]:
+    """The path-valued fields as absolute, symlink-free paths: what resume compares (so `tok/`
+    and `tok`, relative and absolute, name the same directory). Saved with every checkpoint."""
+    out = {}
+    for k in PATH_FIELDS:
+        v = getattr(config, k)
+        out[k] = None if v is None else (os.path.realpath(v) if os.path.exists(v) else v)
+    return out
+
+
+def setting_differences(saved: Mapping[str, Any], now: Mapping[str, Any],
+                        keys: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+    """{key: (the checkpoint's value, this run's)} for each of `keys` on which they differ."""
+    return {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
+
+
+def check_budget(c: Checkpoint, config: TrainConfig, total_steps: int) -> None:
+    """--resume from `c` must leave steps to train: refused, before anything is read, at or past
+    the last step (one whose run died before its result.json does resume, to finish)."""
+    more = f"pass a larger --num_iterations (more than {c.step}) to train on"
+    if c.step > total_steps:
+        budget = (f"--num_iterations {config.num_iterations}" if config.num_iterations > 0
+                  else f"--num_epochs {config.num_epochs} ({total_steps} steps)")
+        raise UsageError(f"--resume: {c.run_dir} is already at step {c.step} ({c.path.name}); {budget} would train "
+                         f"nothing: {more}")
+    if c.step == total_steps and _finished(c.run_dir, c.step):
+        raise UsageError(f"--resume: the run in {c.run_dir} already finished at step {c.step} (its result.json); "
+                         f"{more}, or start it over with --overwrite")
+
+
+def _finished(run_dir: Path, step: int) -> bool:
+    """Whether the run's result.json says it finished at `step`."""
+    try:
+        return json.loads((run_dir / "result.json").read_text()).get("steps") == step
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_resume(meta: dict[str, Any], config: TrainConfig, *, world_size: int, tokenizer: Any) -> None:
+    """Whether the checkpoint `meta` (its config, world size and tokenizer fingerprint) can
+    continue this run (module docstring); a UsageError listing every difference otherwise."""
+    saved, now = meta["config"], config.to_dict()
+    saved_paths, paths_now = meta.get("resolved_paths") or {}, resolved_paths(config)
+    diff = setting_differences(saved, now, RESUME_MUST_MATCH)
+    for k in PATH_FIELDS:
+        if k in diff and saved_paths.get(k, saved.get(k)) == paths_now[k]:
+            del diff[k]
+    saved_ranks = meta.get("world_size", 1)
+    if saved["batch_size"] * saved_ranks != now["batch_size"] * world_size:
+        diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks", f"{now['batch_size']} x {world_size} ranks")
+    if diff:
+        lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        level = (". FP8Optim loads moments saved at another --fp8_opt_level, but a resumed run keeps its "
+                 "checkpoint's level (its optimizer state continues as saved); to change the level, start a "
+                 "new run from these weights with --init_from" if "fp8_opt_level" in diff else "")
+        raise UsageError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
+                         f"use the checkpoint's values or a new --run_dir{level}")
+    if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
+        raise UsageError("--resume: the tokenizer differs from the one the checkpoint was trained "
+                         "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
+
+
+def check_init_source(meta: dict[str, Any], config: TrainConfig, src: Path) -> Tokenizer:
+    """Whether the checkpoint `meta` of run directory `src` can start this run (--init_from): a
+    preset of the same name and the tokenizer it trained with, which is returned."""
+    name = meta["config"]["model_name"]
+    if name not in PRESETS:
+        raise UsageError(f"--init_from {src} trained the Hugging Face model {name}: continue from its export "
+                         f"(python scripts/export_hf.py --run_dir {src} --out_dir <dir>, then --model_name <dir>)")
+    if name != config.model_name:
+        raise UsageError(f"--init_from {src} holds a {name} model, --model_name is {config.model_name}: "
+                         f"pass --model_name {name}")
+    tokenizer = run_tokenizer(src, meta["tokenizer_fingerprint"], "--init_from")
+    return tokenizer
+
+
+__all__ = ["RESUME_KEYS", "INIT_KEYS", "TENSORS", "resolved_paths", "setting_differences", "check_budget",
+           "check_resume", "check_init_source"]
