@@ -26,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: TokTrainConfig) -> int:
     from nanochat.common import format_bytes, setup_logging
-    from nanochat.data.sources import list_sources, plan_sources, split_texts
+    from nanochat.data.plan import plan_sources
+    from nanochat.data.sources import list_sources
+    from nanochat.data.split import split_texts
     from nanochat.tokenizer import BPETokenizer, check_tokenizer_dir
 
     setup_logging()

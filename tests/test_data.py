@@ -1,5 +1,7 @@
 """Data: corpora, splits, token streams and batches, checked against independent references
-(nanochat.data.sources, nanochat.data.corpus: the in-memory path, nanochat.data.batches).
+(nanochat.data.sources: the listing; nanochat.data.read: a unit's documents; nanochat.data.plan:
+the checks before any work; nanochat.data.split: the validation split; nanochat.data.corpus: the
+in-memory path; nanochat.data.batches).
 
 - corpora: the documents read back equal the files written (jsonl lines, parquet rows); order is
   sorted relative paths; hidden entries are ignored; binary / empty / other-extension files are
@@ -33,8 +35,8 @@ import torch
 import nanochat.data.corpus as corpus_mod
 from nanochat.data.batches import TokenBatches, val_batches
 from nanochat.data.corpus import load_corpus, tokenize_docs
-from nanochat.data.sources import VAL_FRACTION, DataError
-from nanochat.data.sources import val_hash
+from nanochat.data.sources import DataError
+from nanochat.data.split import VAL_FRACTION, val_hash
 from nanochat.tokenizer import BPETokenizer
 
 

@@ -1,4 +1,5 @@
-"""The token store against the in-memory path and against references built here.
+"""The token store (nanochat.data.store: open, map, verify; nanochat.data.build: the parallel,
+resumable build under one lock) against the in-memory path and against references built here.
 
 - streams: a store built by a process pool from parquet shards (several row groups per shard),
   a .jsonl file cut into several ranges and text files equals, token for token, both
@@ -21,8 +22,8 @@
   refused naming it (against the run's own record, and against the store's when there is none),
   also through the trainer;
 - a store file truncated or missing is refused at start; a changed byte fails --verify;
-- errors before any work (nothing tokenized, no tokenizer trained): a parquet without "text", a
-  0-byte shard, a non-UTF-8 or NUL-holding .jsonl (one `error:` line from base_train);
+- errors before any work (nanochat.data.plan; nothing tokenized, no tokenizer trained): a parquet
+  without "text", a 0-byte shard, a non-UTF-8 or NUL-holding .jsonl (one `error:` line from base_train);
 - a FIFO in the corpus is skipped (said once) instead of blocking the start; a run directory
   inside --dataset_path is refused; a .jsonl with a UTF-8 byte-order mark reads as without one.
 Comparisons are exact: tokens are integers.
@@ -44,13 +45,16 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+import nanochat.data.build as build_mod
+import nanochat.data.plan as plan_mod
 import nanochat.data.sources as sources
-import nanochat.data.store as store_mod
 from nanochat.common import UsageError, describe_error
 from nanochat.data.batches import TokenBatches
 from nanochat.data.corpus import load_corpus, pack_records, tokenize_docs, tokenize_records
+from nanochat.data.plan import plan_sources
 from nanochat.data.prepare import prepare_data
-from nanochat.data.sources import DataError, list_sources, plan_sources, split_texts
+from nanochat.data.sources import DataError, list_sources
+from nanochat.data.split import VAL_FRACTION, split_texts
 from nanochat.tokenizer import BPETokenizer, take_chars
 from tests.conftest import load_script, tiny_train_kwargs
 
@@ -73,7 +77,7 @@ def _text(i: int) -> str:
 
 
 def _is_val(doc_id: str) -> bool:
-    return int(hashlib.sha1(doc_id.encode()).hexdigest()[:16], 16) / 2**64 < sources.VAL_FRACTION
+    return int(hashlib.sha1(doc_id.encode()).hexdigest()[:16], 16) / 2**64 < VAL_FRACTION
 
 
 def write_mixed(root: Path) -> list[tuple[str, str]]:
@@ -113,7 +117,7 @@ def mixed(tmp_path_factory, tok):
     docs = write_mixed(root)
     assert any(_is_val(i) for i, _ in docs) and not all(_is_val(i) for i, _ in docs)  # the plain hash split
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(sources, "JSONL_RANGE_BYTES", 300)
+        m.setattr(plan_mod, "JSONL_RANGE_BYTES", 300)
         prepared = prepare_data(root, tokenizer=tok, cache_root=root.parent / "cache", workers=2, piece_bytes=2000)
     return root, docs, prepared
 
@@ -258,18 +262,18 @@ def test_batches_equal_the_tensor_path_and_resume_exactly_across_openings(mixed,
 SLOW_BUILD = """
 import json, os, sys, time
 from pathlib import Path
-import nanochat.data.store as store
+import nanochat.data.build as build
 from nanochat.common import setup_logging
 from nanochat.data.prepare import prepare_data
 from nanochat.tokenizer import BPETokenizer
 root, tok_dir, cache, ready = sys.argv[1:5]
-real = store._tokenize_piece
+real = build._tokenize_piece
 def slow(job, tokenizer=None):
     record = real(job, tokenizer)
     print("piece", job.index, flush=True)
     time.sleep(0.3)
     return record
-store._tokenize_piece = slow
+build._tokenize_piece = slow
 setup_logging()
 Path(ready + f".{os.getpid()}").touch()
 while len(list(Path(ready).parent.glob(Path(ready).name + ".*"))) < int(sys.argv[5]):  # start together
@@ -306,8 +310,8 @@ def test_a_killed_build_continues_where_it_stopped(mixed, tok, tok_dir, tmp_path
     done = {p.name for p in (path / "pieces").glob("*.json")}
     assert len(done) >= 3
     tokenized = []
-    real = store_mod._tokenize_piece
-    monkeypatch.setattr(store_mod, "_tokenize_piece", lambda job, t=None: tokenized.append(job.index) or real(job, t))
+    real = build_mod._tokenize_piece
+    monkeypatch.setattr(build_mod, "_tokenize_piece", lambda job, t=None: tokenized.append(job.index) or real(job, t))
     caplog.set_level(logging.INFO, logger="nanochat")
     resumed = prepare_data(root, tokenizer=tok, cache_root=tmp_path / "cache", workers=1, piece_bytes=2000).store
     assert any("continuing an interrupted build" in r.message and f"{len(done)} of" in r.message for r in caplog.records)

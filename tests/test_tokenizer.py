@@ -43,7 +43,8 @@ import torch
 
 from nanochat.data.corpus import load_corpus
 from nanochat.data.prepare import get_or_train_tokenizer
-from nanochat.data.sources import list_sources, plan_sources
+from nanochat.data.plan import plan_sources
+from nanochat.data.sources import list_sources
 import nanochat.tokenizer.patterns
 from nanochat.common import UsageError
 from nanochat.tokenizer import SPECIAL_TOKENS, BPETokenizer, ChatTokenizer, HFTokenizer, Tokenizer, take_chars

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from nanochat.common import logger
-from nanochat.data.sources import VAL_FRACTION, DataError
+from nanochat.data.sources import DataError
+from nanochat.data.split import VAL_FRACTION
 from nanochat.data.store import TokenStore
 from nanochat.data.streams import TokenStream
 

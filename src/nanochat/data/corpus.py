@@ -9,7 +9,8 @@ This is the reference the token store (nanochat.data.store) is tested against, t
 and what tools, notebooks and benchmarks use on a corpus that fits in memory. A run never uses
 it: holding a 40 GB corpus as Python strings and its tokens as one tensor per process is what
 the memory-mapped store replaced (BENCHMARKS.md section 8). The split, the document ids and
-the record rendering are the store's own (nanochat.data.sources, nanochat.data.instruct).
+the record rendering are the store's own (nanochat.data.split, nanochat.data.read,
+nanochat.data.instruct).
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from tqdm import tqdm
 
 from nanochat.common import warn_once, write_atomic
 from nanochat.data import instruct
-from nanochat.data.sources import (
-    VAL_FRACTION, DataError, Doc, SplitRule, describe, empty_corpus_message, iter_documents, list_sources,
-    plan_sources, unreadable, val_hash,
-)
+from nanochat.data.plan import iter_documents, plan_sources
+from nanochat.data.read import Doc
+from nanochat.data.sources import DataError, list_sources, unreadable
+from nanochat.data.split import VAL_FRACTION, SplitRule, describe, empty_corpus_message, val_hash
 from nanochat.data.streams import Packing, pack_layout
 from nanochat.tokenizer import Tokenizer
 

@@ -15,7 +15,7 @@ prefix-stable is an error naming the turn); a base model without a template gets
 format (`PLAIN_TEMPLATE`, recorded as a fallback). Only the assistant's tokens, and the token
 that closes its turn, are scored.
 
-Every problem is a ValueError saying what is wrong with the record; `nanochat.data.sources` adds the
+Every problem is a ValueError saying what is wrong with the record; `nanochat.data.read` adds the
 file and line. The formats in full, with the rejected alternatives: docs/instruct.md.
 """
 
@@ -33,7 +33,7 @@ SHAPES_HELP = (
     '{"question": "..." or {"stem", "choices"}, "choices": {"text": [...], "label": [...]} or '
     '[...], "answerKey": "<label>"} (multiple choice, the ARC shape)'
 )
-"""The record shapes a corpus may hold (nanochat.data.sources reads them), for error messages."""
+"""The record shapes a corpus may hold (nanochat.data.read reads them), for error messages."""
 
 ROLES = ("system", "user", "assistant")
 MC_INSTRUCTION = "Answer with the letter of the correct option."

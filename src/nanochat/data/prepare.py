@@ -10,8 +10,9 @@ A run's data goes one way: sources -> tokenizer -> token store -> batches.
 2. The tokenizer is given (a model's, a run's) or trained on the corpus's first training
    characters, cached by that listing (`get_or_train_tokenizer`: a start reads no document).
 3. The corpus is tokenized once into a token store (nanochat.data.store) that every later run
-   and every rank memory-maps; one process builds while the others wait on a file lock. A
-   source that changed rebuilds the store for a new run and stops a --resume, naming the file.
+   and every rank memory-maps; one process builds (nanochat.data.build) while the others wait
+   on a file lock. A source that changed rebuilds the store for a new run and stops a --resume,
+   naming the file.
 4. Batches: nanochat.data.batches.
 
 The in-memory path (nanochat.data.corpus) reads the same documents without a store; it is the
@@ -32,8 +33,11 @@ from typing import Any
 
 from nanochat.common import UsageError, logger, umask, warn_once, write_atomic
 from nanochat.data import instruct
-from nanochat.data.sources import DataError, Plan, Sources, list_sources, split_texts
-from nanochat.data.store import TokenStore, build_store, dataset_dir, load_plan, locked, open_store, report, store_dir
+from nanochat.data.build import build_store, load_plan, locked, report
+from nanochat.data.plan import Plan
+from nanochat.data.sources import DataError, Sources, list_sources
+from nanochat.data.split import split_texts
+from nanochat.data.store import TokenStore, dataset_dir, open_store, store_dir
 from nanochat.tokenizer import META_FILE, BPETokenizer, Tokenizer
 
 DEFAULT_MAX_CHARS = 20_000_000
@@ -127,7 +131,7 @@ def recorded_sources(run_dir: str | os.PathLike) -> dict[str, Any] | None:
 def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.PathLike,
                            max_chars: int = DEFAULT_MAX_CHARS, *, progress: bool = True, train: bool = True) -> BPETokenizer:
     """The tokenizer trained on the first `max_chars` characters of the corpus's training
-    documents (`sources.split_texts`), from `cache_root/tokenizer-<listing>-<vocab>-<chars>/`
+    documents (`nanochat.data.split.split_texts`), from `cache_root/tokenizer-<listing>-<vocab>-<chars>/`
     when already trained there (keyed by the sources' listing: a start reads no document).
 
     The directory appears atomically (written to a temp dir, then renamed), so an interrupted run

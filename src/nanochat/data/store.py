@@ -8,17 +8,11 @@ A store directory, one per corpus and tokenizer (`$NANOCHAT_CACHE/stores/<corpus
     val.records.jsonl             instruction records only: the validation records (accuracy, samples)
     manifest.json                 written last: the sources listing the store was built from, the
                                   split, and each file's size and sha256
-A store without its manifest is never read. Opening one costs a stat per source file (the listing
-must equal the manifest's), a stat per store file (a wrong size is refused) and a few maps: start-up
-and memory do not grow with the corpus, and the ranks of a node share the page cache.
-
-`build_store` cuts the corpus's units (nanochat.data.sources) into pieces (at most 32 MiB) and tokenizes them in
-a process pool (stdlib), each worker streaming documents into its own piece files; a piece is
-recorded once complete, so a killed build keeps what it finished and continues. Then the split is
-decided from the per-document tables (`SplitRule`) and the pieces are concatenated, reading and
-writing in chunks: memory is bounded by the largest document, not the corpus. `locked` makes one
-process build while the others (ranks, nodes on a shared file system) wait, then map the result;
-the files are read through nanochat.data.streams.
+A store without its manifest is never read. Opening one (`open_store`) costs a stat per source
+file (the listing must equal the manifest's), a stat per store file (a wrong size is refused) and a
+few maps: start-up and memory do not grow with the corpus, and the ranks of a node share the page
+cache. `verify_store` re-reads every byte against the manifest's sha256. The files are read
+through nanochat.data.streams; nanochat.data.build makes them.
 Not used (docs/data.md): Hugging Face `datasets` (an Arrow cache of int32/int64 token lists, 2-4x
 these bytes, and its own dependency tree) and mosaicml-streaming (its own shard format and a
 download layer for object stores): pyarrow, numpy.memmap and the stdlib do the job.
@@ -26,69 +20,29 @@ download layer for object stores): pyarrow, numpy.memmap and the stdlib do the j
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import hashlib
-import io
 import json
-import logging
-import multiprocessing
 import os
-import shutil
-import signal
-import socket
-import sys
-import time
-from array import array
-from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
-from nanochat.data import instruct
-from nanochat.common import NanoChatError, file_sha256, format_bytes, logger, warn_once, write_atomic
-from nanochat.data.sources import (
-    VAL_FRACTION, DataError, Plan, Sources, SplitRule, Unit, cut_point, describe, empty_corpus_message,
-    plan_sources, read_unit, unreadable, val_hash,
-)
+from nanochat.common import file_sha256, format_bytes, warn_once
+from nanochat.data.sources import DataError, Sources, unreadable
+from nanochat.data.split import describe
 from nanochat.data.streams import TokenStream
 
 if TYPE_CHECKING:
     from nanochat.tokenizer import Tokenizer
 
-try:
-    import fcntl
-except ImportError:  # Windows: builds run unlocked
-    fcntl = None
-
 FORMAT = "nanochat-token-store"
 VERSION = 1
 MANIFEST = "manifest.json"
-PLAN = "plan.json"
-LOCK = ".lock"
-PIECE_BYTES = 32 << 20
-"""Most text per piece: a few seconds of one worker (~10 MB/s of text per core, BENCHMARKS.md §9), so
-the progress bar moves and a killed build loses little; a 40 GB corpus makes ~1,300 pieces."""
-MIN_PIECES = 64
-"""A smaller corpus is cut into about this many pieces (of at least 1 MiB) so that every core
-has work: the standard library's 11.6 MiB make 12."""
-COPY_CHUNK = 1 << 24  # bytes per read when pieces are concatenated
-_ROLE_CODE = {"": 0, "train": 1, "validation": 2}
 
 
-def report(message: str, *args: Any) -> None:
-    """A line about a build, shown by whichever process builds: the lock decides which rank that
-    is, and ranks other than 0 log only warnings (common.setup_logging)."""
-    logger.log(max(logging.INFO, logger.getEffectiveLevel()), message, *args)
-
-
-# ------------------------------------------------------------------ the store
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
@@ -162,10 +116,12 @@ def open_store(path: Path, sources: Sources) -> tuple[TokenStore | None, str]:
     if changes:
         return None, "its sources changed: " + "; ".join(changes[:3]) + (
             f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
-    return _map(path, m), ""
+    return map_store(path, m), ""
 
 
-def _map(path: Path, m: dict[str, Any]) -> TokenStore:
+def map_store(path: Path, m: dict[str, Any]) -> TokenStore:
+    """The store at `path` that its manifest `m` describes, mapped: every file of the size `m`
+    records (else a DataError), then its streams."""
     for name, f in m["files"].items():
         try:
             size = (path / name).stat().st_size
@@ -213,456 +169,4 @@ def verify_store(path: Path) -> list[str]:
     return problems
 
 
-# ------------------------------------------------------------------ locking
-@contextlib.contextmanager
-def locked(directory: Path, what: str) -> Iterator[None]:
-    """Hold `directory`'s build lock (`fcntl.flock` on `.lock`): one process builds, the others
-    wait here, then find the result. The kernel drops the lock when its holder dies (kill -9
-    included). flock works on local file systems and, on Linux, NFS; where it does not (or the
-    directory is read-only) the block runs unlocked, once said: every file is still written
-    under a temporary name and renamed, so concurrent builders only repeat work."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e:
-        warn_once(f"store-lock:{directory}", f"{what}: cannot create {directory / LOCK} ({e.strerror or e}); "
-                  "proceeding without a lock")
-        yield
-        return
-    try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                logger.info("%s: waiting for %s, which is preparing it", what, _holder(fd))
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                warn_once(f"store-lock:{directory}", f"{what}: its file system has no file locks "
-                          f"({e.strerror}); proceeding without one")
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']} (since {info['since']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
-
-
-# ------------------------------------------------------------------ the plan, cached
-def load_plan(sources: Sources, directory: Path, *, workers: int = 0) -> Plan:
-    """The corpus's plan (nanochat.data.sources.plan_sources), cached in `directory` for the listing it
-    was made from: a start whose sources did not change reads no file of the corpus."""
-    path = directory / PLAN
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        cached = Plan.from_json(json.loads(path.read_text(encoding="utf-8")))
-        if cached.sources.listing() == sources.listing() and cached.sources.skipped == sources.skipped:
-            return cached
-    with _pool(workers) as pool:
-        plan = plan_sources(sources, map_fn=pool.map if pool is not None else map)
-    write_atomic(path, json.dumps(plan.to_json()))
-    return plan
-
-
-def _cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-@contextlib.contextmanager
-def _pool(workers: int, tokenizer: Tokenizer | None = None, tasks: int | None = None) -> Iterator[ProcessPoolExecutor | None]:
-    """A process pool of `workers` (0: one per core), None when one process is enough. Workers
-    are forked on Linux (the tokenizer is inherited, nothing is re-imported: PyTorch's DataLoader
-    does the same), spawned elsewhere; they ignore SIGINT, so Ctrl-C stops the build once."""
-    n = workers or _cpus()
-    if tasks is not None:
-        n = min(n, tasks)
-    if n <= 1:
-        yield None
-        return
-    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    pool = ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_init_worker, initargs=(tokenizer,))
-    try:
-        yield pool
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-
-
-_worker_tokenizer: Tokenizer | None = None
-
-
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tokenizer = tokenizer
-
-
-# ------------------------------------------------------------------ building
-@dataclass(frozen=True)
-class _Job:
-    index: int
-    units: tuple[Unit, ...]
-    root: str
-    stem: str
-    """The piece's files are stem + .tokens / .mask / .docs.npz / .records.jsonl, and its record
-    stem + .json, written last."""
-    kind: str
-    dtype: str
-    key: str
-
-    @property
-    def nbytes(self) -> int:
-        return sum(u.nbytes for u in self.units)
-
-
-def build_store(plan: Plan, tokenizer: Tokenizer, path: Path, *, workers: int = 0, progress: bool = True,
-                piece_bytes: int | None = None) -> TokenStore:
-    """Tokenize the corpus of `plan` into a store at `path` (see the module docstring); complete
-    pieces of an earlier, interrupted build of the same corpus and tokenizer are kept. The
-    caller holds `locked`. `piece_bytes`: by default from the corpus's size (never from the
-    number of workers, so that a build continued with other workers finds its pieces)."""
-    t0 = time.perf_counter()
-    path.mkdir(parents=True, exist_ok=True)
-    (path / MANIFEST).unlink(missing_ok=True)  # from here until the new one, the store is incomplete
-    pieces_dir = path / "pieces"
-    pieces_dir.mkdir(exist_ok=True)
-    dtype = token_dtype(tokenizer.vocab_size)
-    files = {f.path: f for f in plan.sources.files}
-    if piece_bytes is None:
-        piece_bytes = min(PIECE_BYTES, max(1 << 20, plan.nbytes // MIN_PIECES))
-    jobs = []
-    for i, units in enumerate(plan.pieces(piece_bytes)):
-        spec = [FORMAT, VERSION, tokenizer.fingerprint, dtype.name, plan.kind, [list(u) for u in units],
-                sorted({(files[u.path].size, files[u.path].mtime_ns, u.path) for u in units})]
-        key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
-        jobs.append(_Job(i, units, plan.sources.root, str(pieces_dir / f"{i:06d}-{key}"), plan.kind, dtype.name, key))
-    records: dict[int, dict[str, Any]] = {}
-    for job in jobs:
-        rec = _finished_piece(job)
-        if rec is not None:
-            records[job.index] = rec
-    todo = [j for j in jobs if j.index not in records]
-    total = sum(j.nbytes for j in jobs)
-    reused = sum(j.nbytes for j in jobs if j.index in records)
-    if records:
-        report("token store %s: continuing an interrupted build, %d of %d pieces (%s) already done",
-                    path, len(records), len(jobs), format_bytes(reused))
-    report("token store %s: tokenizing %s of %s in %d pieces", path, format_bytes(total - reused),
-                plan.sources.name, len(todo))
-    meter = _Progress(total, reused, progress)
-    used_workers = 1
-    try:
-        with _pool(workers, tokenizer, tasks=len(todo)) as pool:
-            if pool is None:
-                for job in todo:
-                    records[job.index] = _tokenize_piece(job, tokenizer)
-                    meter.update(job.nbytes)
-            else:
-                used_workers = min(workers or _cpus(), len(todo))
-                running = {pool.submit(_tokenize_piece, job): job for job in todo}
-                failed: dict[int, BaseException] = {}
-                while running:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        job = running.pop(fut)
-                        try:
-                            records[job.index] = fut.result()
-                            meter.update(job.nbytes)
-                        except Exception as e:  # noqa: BLE001 -- raised below, the first in corpus order
-                            failed[job.index] = e
-                    if failed:  # the pieces not started are dropped, the running ones finish
-                        running = {f: j for f, j in running.items() if not f.cancel()}
-                if failed:  # pieces start in order: the error a one-process build would have met first
-                    raise failed[min(failed)]
-    except BrokenProcessPool:
-        raise NanoChatError(f"token store {path}: a tokenizing worker died (out of memory? each holds one "
-                            "document and its tokens at a time); the pieces done are kept: run again to "
-                            "continue, with fewer workers if memory is short") from None
-    finally:
-        meter.close()
-    tokenize_s = time.perf_counter() - t0
-    manifest = _finalize(plan, tokenizer, path, [(Path(j.stem), records[j.index]) for j in jobs], dtype)
-    seconds = time.perf_counter() - t0
-    manifest["build"] = {"seconds": round(seconds, 3), "tokenize_seconds": round(tokenize_s, 3),
-                         "text_bytes": manifest["split"]["train"]["bytes"] + manifest["split"]["val"]["bytes"],
-                         "workers": used_workers, "pieces": len(jobs), "pieces_reused": len(jobs) - len(todo)}
-    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n", fsync=True)
-    shutil.rmtree(pieces_dir, ignore_errors=True)  # the builder's own scratch, named by it
-    b = manifest["build"]
-    report("token store %s: %s of text -> %s tokens in %.1f s (%.1f MB/s, %d workers)", path,
-                format_bytes(b["text_bytes"]), f"{manifest['split']['train']['tokens'] + manifest['split']['val']['tokens']:,}",
-                seconds, b["text_bytes"] / max(seconds, 1e-9) / 1e6, used_workers)
-    return _map(path, manifest)
-
-
-def _finished_piece(job: _Job) -> dict[str, Any] | None:
-    """The record of a piece an earlier build completed, if its files are all there."""
-    try:
-        rec = json.loads(Path(job.stem + ".json").read_text(encoding="utf-8"))
-        if rec.get("key") != job.key:
-            return None
-        for suffix, size in rec["files"].items():
-            if Path(job.stem + suffix).stat().st_size != size:
-                return None
-        return rec
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
-
-
-class _Writer:
-    """A file written under a temporary name, hashed as it is written, made durable and renamed by
-    `commit` (a crash cannot leave a recorded file whose bytes never reached the disk)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self.f = open(self.tmp, "wb")
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        self.sha.update(data)
-        self.size += len(data)
-
-    def commit(self) -> dict[str, Any]:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-        return {"bytes": self.size, "sha256": self.sha.hexdigest()}
-
-    def discard(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-def _tokenize_piece(job: _Job, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
-    """A worker's task: the piece's documents tokenized into its files, then its record."""
-    tokenizer = tokenizer if tokenizer is not None else _worker_tokenizer
-    dtype = np.dtype(job.dtype)
-    records = job.kind == "instruct"
-    out = {".tokens": _Writer(job.stem + ".tokens")}
-    if records:
-        out[".mask"] = _Writer(job.stem + ".mask")
-        out[".records.jsonl"] = _Writer(job.stem + ".records.jsonl")
-    starts, nbytes, hashes, roles = array("q"), array("q"), array("d"), array("b")
-    skipped: Counter = Counter()
-    shapes: Counter = Counter()
-    pos = 0
-    try:
-        for unit in job.units:
-            for doc in read_unit(job.root, unit, skipped):
-                if records:
-                    try:
-                        ids, mask = instruct.render(tokenizer, doc.messages)
-                    except ValueError as e:  # e.g. a chat template that is not prefix-stable, or raises
-                        raise DataError(f"{doc.id}: {e}") from None
-                    out[".mask"].write(np.asarray(mask, dtype=np.uint8).tobytes())
-                    out[".records.jsonl"].write((json.dumps(doc.messages, ensure_ascii=False) + "\n").encode())
-                    shapes[doc.shape] += 1
-                else:
-                    ids = tokenizer.encode(doc.text, prepend_bos=True)
-                out[".tokens"].write(np.asarray(ids, dtype=dtype).tobytes())
-                starts.append(pos)
-                pos += len(ids)
-                nbytes.append(len(doc.text.encode("utf-8")))
-                hashes.append(val_hash(doc.id))
-                roles.append(_ROLE_CODE[unit.role])
-    except BaseException:
-        for w in out.values():
-            w.discard()
-        raise
-    files = {suffix: w.commit()["bytes"] for suffix, w in out.items()}
-    table = io.BytesIO()  # one entry per document: a few MB for the smallest documents
-    np.savez(table, starts=np.frombuffer(starts, np.int64), nbytes=np.frombuffer(nbytes, np.int64),
-             hash=np.frombuffer(hashes, np.float64), role=np.frombuffer(roles, np.int8))
-    docs = _Writer(job.stem + ".docs.npz")
-    docs.write(table.getbuffer())
-    files[".docs.npz"] = docs.commit()["bytes"]
-    rec = {"key": job.key, "index": job.index, "tokens": pos, "docs": len(starts), "files": files,
-           "skipped": dict(skipped), "shapes": dict(shapes)}
-    write_atomic(job.stem + ".json", json.dumps(rec), fsync=True)
-    return rec
-
-
-class _Progress:
-    """The build's progress in MB/s of text with an ETA: a tqdm bar on a terminal, otherwise a
-    log line every 30 s (a batch job's log)."""
-
-    def __init__(self, total: int, done: int, enabled: bool) -> None:
-        self.total, self.done, self.start_done = total, done, done
-        self.t0 = self.last = time.perf_counter()
-        self.bar = None
-        self.log = enabled and not sys.stderr.isatty()
-        if enabled and sys.stderr.isatty():
-            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="token store",
-                            dynamic_ncols=True, leave=False)
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.bar is not None:
-            self.bar.update(n)
-        now = time.perf_counter()
-        if self.log and (now - self.last >= 30 or self.done == self.total):
-            self.last = now
-            rate = (self.done - self.start_done) / max(now - self.t0, 1e-9)
-            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-            report("token store: %s of %s (%.0f%%), %.1f MB/s, %s left", format_bytes(self.done),
-                        format_bytes(self.total), 100 * self.done / max(self.total, 1), rate / 1e6,
-                        f"{eta / 60:.1f} min" if eta != float("inf") else "?")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _finalize(plan: Plan, tokenizer: Tokenizer, path: Path, pieces: list[tuple[Path, dict[str, Any]]],
-              dtype: np.dtype) -> dict[str, Any]:
-    """Decide the split and concatenate the pieces into the store's files; the manifest's fields
-    but `build`."""
-    sources = plan.sources
-    skipped = Counter(sources.skipped)
-    shapes: Counter = Counter()
-    docs = role_val = hash_val = 0
-    smallest = largest = None  # (hash, piece, doc)
-    for k, (stem, rec) in enumerate(pieces):
-        skipped.update(rec["skipped"])
-        shapes.update(rec["shapes"])
-        if not rec["docs"]:
-            continue
-        with np.load(str(stem) + ".docs.npz", allow_pickle=False) as z:
-            h, role = z["hash"], z["role"]
-        docs += len(h)
-        role_val += int((role == _ROLE_CODE["validation"]).sum())
-        hash_val += int((h < VAL_FRACTION).sum())
-        i, j = int(np.argmin(h)), int(np.argmax(h))  # the first of equals, as min() / max() take it
-        if smallest is None or h[i] < smallest[0]:
-            smallest = (h[i], k, i)
-        if largest is None or h[j] > largest[0]:
-            largest = (h[j], k, j)
-    skipped = dict(sorted(skipped.items()))
-    if docs == 0:
-        if sources.split_layout:
-            raise DataError(f"--dataset_path {sources.source}: the train split files hold no documents or records")
-        raise DataError(empty_corpus_message(sources.source, skipped))
-    rule = SplitRule.decide(role_val_docs=role_val, docs=docs, hash_val_docs=hash_val,
-                            smallest=smallest[1:], largest=largest[1:])
-    if rule.mode == "role" and role_val == docs:
-        raise DataError(f"--dataset_path {sources.source}: the train split files hold no documents or records")
-    files: dict[str, dict[str, Any]] = {}
-    split: dict[str, Any] = {}
-    if rule.fallback == "cut":
-        if plan.kind == "instruct":
-            raise DataError(f"{sources.source}: the corpus is a single instruction record; training and "
-                            "validation need at least 2 records")
-        note = _write_cut(plan, tokenizer, path, dtype, files, split)
-    else:
-        for name in ("train", "val"):
-            split[name] = _concat(plan, path, pieces, dtype, rule, name, files)
-        note = rule.note(sources)
-    split["note"] = note
-    return {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer.fingerprint,
-            "vocab_size": tokenizer.vocab_size, "dtype": dtype.name, "kind": plan.kind, "name": sources.name,
-            "source": sources.source, "sources": sources.listing(), "split": split, "skipped": skipped,
-            "shapes": dict(sorted(shapes.items())), "files": files}
-
-
-def _to_val(rule: SplitRule, k: int, h: np.ndarray, role: np.ndarray) -> np.ndarray:
-    """Which documents of piece k are in validation under `rule`."""
-    if rule.mode == "role":
-        return role == _ROLE_CODE["validation"]
-    val = h < VAL_FRACTION
-    if rule.fallback in ("to_val", "to_train") and rule.moved[0] == k:
-        val[rule.moved[1]] = rule.fallback == "to_val"
-    return val
-
-
-def _concat(plan: Plan, path: Path, pieces: list[tuple[Path, dict[str, Any]]], dtype: np.dtype, rule: SplitRule,
-            name: str, files: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """The `name` split's files from the pieces' documents on that side, in corpus order."""
-    records = plan.kind == "instruct"
-    out = {"bin": _Writer(path / f"{name}.bin"), "docs": _Writer(path / f"{name}.docs.bin")}
-    if records:
-        out["mask"] = _Writer(path / f"{name}.mask.bin")
-        if name == "val":
-            out["records"] = _Writer(path / "val.records.jsonl")
-    pos = n_docs = n_bytes = 0
-    try:
-        for k, (stem, rec) in enumerate(pieces):
-            if not rec["docs"]:
-                continue
-            with np.load(str(stem) + ".docs.npz", allow_pickle=False) as z:
-                starts, nbytes, h, role = z["starts"], z["nbytes"], z["hash"], z["role"]
-            keep = _to_val(rule, k, h, role) == (name == "val")
-            if not keep.any():
-                continue
-            ends = np.append(starts[1:], rec["tokens"])
-            lengths = (ends - starts)[keep]
-            out["docs"].write((pos + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(np.int64).tobytes())
-            n_docs += int(keep.sum())
-            n_bytes += int(nbytes[keep].sum())
-            # runs of consecutive kept documents: one copy each
-            idx = np.flatnonzero(keep)
-            breaks = np.flatnonzero(np.diff(idx) != 1)
-            for a, b in zip(np.append(idx[0], idx[breaks + 1]), np.append(idx[breaks], idx[-1])):
-                s, e = int(starts[a]), int(ends[b])
-                _copy(str(stem) + ".tokens", s * dtype.itemsize, e * dtype.itemsize, out["bin"])
-                if records:
-                    _copy(str(stem) + ".mask", s, e, out["mask"])
-                pos += e - s
-            if "records" in out:
-                with open(str(stem) + ".records.jsonl", "rb") as f:
-                    for line, kept in zip(f, keep):
-                        if kept:
-                            out["records"].write(line)
-    except BaseException:
-        for w in out.values():
-            w.discard()
-        raise
-    for key, w in out.items():
-        files[w.path.name] = w.commit()
-    return {"docs": n_docs, "bytes": n_bytes, "tokens": pos}
-
-
-def _copy(src: str, start: int, stop: int, out: _Writer) -> None:
-    with open(src, "rb") as f:
-        f.seek(start)
-        left = stop - start
-        while left > 0:
-            block = f.read(min(left, COPY_CHUNK))
-            if not block:
-                raise NanoChatError(f"token store piece {src} ended early (at byte {stop - left:,} of {stop:,}); "
-                                    "it was changed during the build: run again")
-            out.write(block)
-            left -= len(block)
-
-
-def _write_cut(plan: Plan, tokenizer: Tokenizer, path: Path, dtype: np.dtype, files: dict[str, dict[str, Any]],
-               split: dict[str, Any]) -> str:
-    """A corpus of one document: its last VAL_FRACTION of characters are the validation split."""
-    unit, doc = next((u, d) for u in plan.units for d in read_unit(plan.sources.root, u, Counter()))
-    cut = cut_point(doc.text)
-    if cut < 1:
-        raise DataError(f"{plan.sources.source}: the corpus is a single {len(doc.text)}-character document; "
-                        "training and validation need at least 2 characters")
-    for name, text in (("train", doc.text[:cut]), ("val", doc.text[cut:])):
-        ids = np.asarray(tokenizer.encode(text, prepend_bos=True), dtype=dtype)
-        for suffix, data in ((".bin", ids.tobytes()), (".docs.bin", np.zeros(1, np.int64).tobytes())):
-            w = _Writer(path / f"{name}{suffix}")
-            w.write(data)
-            files[w.path.name] = w.commit()
-        split[name] = {"docs": 1, "bytes": len(text.encode("utf-8")), "tokens": len(ids)}
-    rule = SplitRule("hash", "cut")
-    return rule.note(plan.sources, len(doc.text) - cut)
-
-
-__all__ = ["TokenStore", "build_store", "dataset_dir", "load_plan", "locked", "open_store", "report", "store_dir",
-           "token_dtype", "verify_store"]
+__all__ = ["TokenStore", "dataset_dir", "map_store", "open_store", "store_dir", "token_dtype", "verify_store"]

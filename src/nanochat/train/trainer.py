@@ -2,26 +2,15 @@
 
     NanoChatTrainer(**fields_of_TrainConfig).train() -> TrainResult
 
-The CLI (`scripts/base_train.py`) builds the same TrainConfig from flags and calls the same code,
-so anything the command line can do, Python can do with the same names. `_setup` builds the
-parts in the order that makes errors come early, each attribute once (declared on the class):
-  checkpoint.Checkpointer       the run directory (claimed, never clobbered), --init_from,
-                                --resume (read before the model: its FP8 layer set), saves
-  preflight.check_environment   the device, the process layout, the input paths: before any work
-  run_data.RunData              corpus, tokenizer, token store, batches: every data error
-                                before a model exists
-  the model                     after the memory plan; fp32 (or bf16) master weights; FP8
-                                conversion by fp8.FP8Training, before compile; DDP or FSDP
-  the optimizer                 AdamW, in fp8.FP8Optim for FP8 moments, in optim.OptimWrapper
-                                for bf16 masters or the step inside the backward
-  compiled.Compiled             torch.compile's state: what a compiled step calls, whether the
-                                next step compiles, whether compiling failed
-  guard.StepGuard               non-finite steps skipped and named; clipping
-  evaluation.Evaluator          loss, bits per byte, accuracy, samples, in high precision
-  metrics.MetricsLog            every record the run logs (metrics.jsonl); progress.Progress
-                                what it prints: a bar on a terminal, a line every --log_every
-  stop.StopSignals              SIGTERM / Ctrl-C: stop after a step with a checkpoint (made first,
-                                in __init__: a signal during setup is handled too)
+The CLI (`scripts/base_train.py`) builds the same TrainConfig from flags and calls the same code.
+`_setup` builds the parts in the order that makes errors come early, each attribute once
+(declared on the class): the stop signals (first: a signal during setup is handled too), the
+checkpointer (run directory, --init_from, --resume: read before the model, for its FP8 layer
+set), preflight (device, process layout, input paths), run_data (corpus, tokenizer, token
+store, batches: every data error before a model exists), the model (after the memory plan; FP8
+conversion before compile; DDP or FSDP), the optimizer (AdamW; FP8Optim for FP8 moments,
+optim.OptimWrapper for bf16 masters or the step inside the backward), compiled (torch.compile's
+state), the step guard, the evaluator, the metrics log and the progress printer.
 A step (`train_step`) is `forward_backward` (the micro-batches, around FP8's calibration and
 statistics) then `optimizer_step` (the guard, the update, FP8's bookkeeping); `_train` is the
 loop: step, time, evaluate, log, save. Distributed runs (torchrun): docs/distributed.md. Mixed
