@@ -27,7 +27,9 @@ TRAIN_ARGS ?= --model_name d4 --batch_size 8 --seq_len 256 --num_iterations 250 
 train: install
 	$(BIN)/python scripts/base_train.py $(TRAIN_ARGS) $(ARGS)
 
+# lint-imports first: the layer contract in pyproject.toml ([tool.importlinter]), no import cycle.
 test: install
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q $(ARGS)
 
 # The numerics pass, after `make test`: the tests that compare two different computations
