@@ -15,6 +15,8 @@ tensors that were saved:
   NaN in a weight or a moment is named by `nonfinite_tensors` and skipped by
   `newest_verified(finite=True)`;
 - a write failing with ENOSPC raises a clear error and leaves the previous checkpoint intact.
+
+Modules: nanochat.checkpoint.pt, nanochat.checkpoint.state (RNG states, the non-finite check).
 """
 
 import errno

@@ -11,6 +11,8 @@ process, no process group), and the reference is what was saved: its steps and i
 - what a killed save left under its own temporary name is removed, any other name kept byte for
   byte;
 - across storages the later step is the newest (a tie: the DCP one).
+
+Modules: nanochat.checkpoint.store, nanochat.checkpoint.storage (Checkpoint, Storage).
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ device; base_train's input paths, checked at start-up before the corpus is read:
 symbolic link looping or leading nowhere, a file where --log tensorboard writes its directory;
 eval and export_hf on a run in progress that has saved no checkpoint yet). They fail before any model
 is built, a few seconds each. `--help` is checked to still print the flags.
+
+Modules: every script's config (nanochat.config.tools, nanochat.config.export,
+nanochat.config.parity) and its checks, as a user meets them.
 """
 
 import os

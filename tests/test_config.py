@@ -14,6 +14,9 @@ torch modules in sys.modules afterwards must be none).
 The package under test, nanochat.config: checks.py (types and ranges at construction), fields.py
 (the shared groups, the FP8 flags), train.py, tools.py, export.py, parity.py (the configs), cli.py
 (parse_cli), fp8.py (FP8Config, also tests/test_fp8_*.py).
+
+Modules: nanochat.config.cli, nanochat.config.checks, nanochat.config.fields,
+nanochat.config.train, nanochat.config.fp8.
 """
 
 import dataclasses

@@ -15,6 +15,9 @@ What is checked against what:
   policy, the fallback, training, and torch.compile against eager.
 These convert with `layers="all"`: they check conversion itself on layers too small for FP8 to
 pay; which layers `layers="faster"` picks is tests/test_fp8_policy.py's.
+
+Modules: nanochat.fp8.linear, nanochat.fp8._torchao (torchao imported without its
+import-time log lines).
 """
 
 import copy
@@ -55,6 +58,17 @@ def _fwd_bwd(model: nn.Module, x: torch.Tensor, g: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------- config
+def test_importing_fp8_prints_nothing():
+    """torchao logs, at import, extensions that do not load for this torch build (none of which
+    torchao.float8 or we use); importing nanochat.fp8 and converting through it prints nothing."""
+    import subprocess
+    import sys
+    code = "import nanochat.fp8.linear, nanochat.fp8.optim, nanochat.fp8.stats"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert (run.stdout, run.stderr) == ("", "")
+
+
 def test_config_validation_names_the_fix():
     with pytest.raises(ValueError, match="e4m3, e5m2, auto"):
         FP8Config(mode="e3m4")

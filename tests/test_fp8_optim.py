@@ -30,6 +30,9 @@
   signal); a library built for another ABI is refused naming the file, and the step falls back
   (recorded). A native fallback inside step_in_backward keeps the guard: the parameters with a
   NaN gradient, their moments and step counts stay as they were.
+
+Modules: nanochat.fp8.optim, nanochat.fp8.kernel (the native CPU kernel, against the
+compiled step).
 """
 
 from __future__ import annotations

@@ -168,11 +168,11 @@ def test_init_is_deterministic():
 
 
 def test_presets():
-    assert {"d2", "d4", "d6", "d8", "d12", "d20", "d26"} <= set(PRESETS)
+    assert {"d2", "d4", "d6", "d8", "d12", "d20", "d24", "d26"} <= set(PRESETS)
     cfg = preset_config("d12", vocab_size=1000, seq_len=128)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.head_dim) == (12, 768, 6, 128)
     assert preset_config("d2", vocab_size=300, seq_len=16).n_head == 1
-    with pytest.raises(ValueError, match="d2, d4, d6, d8, d12, d20, d26"):
+    with pytest.raises(ValueError, match="d2, d4, d6, d8, d12, d20, d24, d26"):
         preset_config("d5", vocab_size=300, seq_len=16)
 
 

@@ -16,6 +16,9 @@
 - nanochat.optim imports nothing of nanochat.fp8 (the layer order).
 The master-weight rounding (master.py) is tests/test_master_weights.py's and
 tests/test_fp8_optim_master.py's; FP8Optim, the format over this package, tests/test_fp8_optim.py's.
+
+Modules: nanochat.optim.wrapper, nanochat.optim.step, nanochat.optim.in_backward,
+nanochat.optim.backends, nanochat.optim.state, nanochat.optim.state_bytes.
 """
 
 import subprocess

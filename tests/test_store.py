@@ -27,6 +27,9 @@ resumable build under one lock) against the in-memory path and against reference
 - a FIFO in the corpus is skipped (said once) instead of blocking the start; a run directory
   inside --dataset_path is refused; a .jsonl with a UTF-8 byte-order mark reads as without one.
 Comparisons are exact: tokens are integers.
+
+Modules: nanochat.data.store, nanochat.data.build, nanochat.data.streams (the stream read
+window by window).
 """
 
 import hashlib

@@ -27,6 +27,8 @@ that BPETokenizer and HFTokenizer both satisfy (HFTokenizer itself: tests/test_h
   from both (decode(encode(s)) == s, one bos_id prepended, token_bytes summing to the UTF-8 length,
   the fingerprint surviving save and load).
 All comparisons are exact (tolerance 0): a tokenizer is integer bookkeeping.
+
+Modules: nanochat.tokenizer, nanochat.tokenizer.bpe, nanochat.tokenizer.patterns.
 """
 
 import base64

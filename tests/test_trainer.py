@@ -7,6 +7,9 @@
 - the CLI entrypoint trains and reports val bpb; with its output in a file, one plain line per
   --log_every steps and no `\r` (nanochat.train.progress: a bar on a terminal, lines elsewhere);
   FP8 on CPU falls back (recorded) or emulates.
+
+Modules: nanochat.train.trainer, nanochat.train.run_data, and the public names
+(nanochat.trainer, nanochat.fp8, nanochat.engine, nanochat.hf_trainer).
 """
 
 import contextlib
@@ -77,6 +80,25 @@ def test_data_errors_come_before_training(tmp_path):
 def test_unknown_field_names_the_fields():
     with pytest.raises(TypeError, match="fp8_mode"):
         NanoChatTrainer(fp8_mod="e5m2")
+
+
+def test_the_documented_import_paths_are_the_ones_that_train():
+    """The names README, docs and examples import stay where they say, and are the objects the
+    package's own modules define (not copies that could drift)."""
+    import nanochat
+    import nanochat.engine
+    import nanochat.fp8 as fp8
+    from nanochat.trainer import NanoChatTrainer as public, TrainResult, lr_multiplier as public_lr
+
+    import nanochat.train.trainer as impl
+    assert (public, TrainResult, public_lr) == (impl.NanoChatTrainer, impl.TrainResult, impl.lr_multiplier)
+    assert nanochat.NanoChatTrainer is public and nanochat.TrainConfig is TrainConfig
+    for name in ("apply_fp8", "restore_fp8", "FP8Optim", "FP8Training", "FP8Config", "FP8Tensor"):
+        assert name in fp8.__all__ and getattr(fp8, name).__module__.startswith(("nanochat.fp8.", "nanochat.config."))
+    assert callable(nanochat.engine.generate)
+    pytest.importorskip("transformers")
+    from nanochat.hf_trainer import FP8Trainer
+    assert FP8Trainer.__module__ == "nanochat.hf_trainer"
 
 
 def test_lr_schedule_warmup_then_decay():

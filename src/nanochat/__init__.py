@@ -1,7 +1,7 @@
 """nanochat: a small, readable LLM training framework built around FP8 training done right.
 
 Public API:
-    from nanochat.train.trainer import NanoChatTrainer, TrainResult   # the training loop
+    from nanochat.trainer import NanoChatTrainer, TrainResult   # the training loop
     from nanochat.config import TrainConfig                     # every flag, one dataclass
     from nanochat.fp8 import FP8Config, FP8Training             # FP8 for anyone's own loop
 

@@ -115,7 +115,7 @@ class ModelFields(Checked):
     """Which model trains, and from which weights (base_train, fp8_parity)."""
 
     model_name: str = kept("d4")
-    """Model: a size preset (d2, d4, d6, d8, d12, d20, d26: depth d, width 64*d), a local
+    """Model: a size preset (d2, d4, d6, d8, d12, d20, d24, d26: depth d, width 64*d), a local
     Hugging Face directory, or a hub id found in the local Hugging Face cache."""
 
     init_from: str | None = kept(None)

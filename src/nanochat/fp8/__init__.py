@@ -21,8 +21,8 @@ holds bf16 master weights and the step inside the backward; wrap_optimizer), ker
 (FP8Optim's C kernel on CPU: build, binding, call).
 
 Names are imported on first use, so `from nanochat.fp8 import FP8Config` (the CLI's flags)
-loads neither torch nor torchao. This package imports torch, torchao, nanochat.optim and
-nanochat.common only: never the trainer or the model.
+loads neither torch nor torchao. This package imports torch, torchao and, of nanochat, only
+the layers below it (optim, config, device, common): never the trainer or the model.
 """
 
 import importlib

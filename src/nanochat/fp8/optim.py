@@ -26,7 +26,8 @@ into "overestimated" (a smaller update than Adam's), and the step needs sqrt(v) 
 study behind the choice, `scripts/bench_optim.py --study`: docs/fp8.md and BENCHMARKS.md 3.
 
 On CPU the FP8 step of fp32 Adam(W) parameters runs in the native C kernel (optim_kernel.c,
-~5x faster than the compiled step, BENCHMARKS.md 3(b)); elsewhere compiled (nanochat.optim.backends).
+about a quarter of the compiled step's CPU time, BENCHMARKS.md 3(b)); elsewhere compiled
+(nanochat.optim.backends).
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class E4M3Blocks:
 
     The returned tie, `0 * scale`, makes the parameter's write depend on the new per-block
     absmax, so inductor fuses it into the loop that writes the codes (one pass) instead of a
-    third pass over p through a full-size temporary (16M params on 2 loaded CPU cores: 768 ->
-    576 ms a step, BENCHMARKS.md section 3)."""
+    third pass over p through a full-size temporary (~13x -> ~11x fused AdamW's CPU time,
+    BENCHMARKS.md 3(b))."""
 
     @staticmethod
     def read(m: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

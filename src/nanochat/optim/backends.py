@@ -1,7 +1,7 @@
 """How a wrapper's step runs: a native kernel, torch.compile, or eagerly; the fallbacks between them.
 
     native   a C kernel a moment format brings (nanochat.fp8: optim_kernel.c for FP8 moments on
-             CPU, ~5x faster there than the compiled step, BENCHMARKS.md 3(b)), one call a step
+             CPU, about a quarter of the compiled step's CPU time, BENCHMARKS.md 3(b)), one call a step
     compile  torch.compile(fullgraph=True, dynamic=False) of step.py's multi-tensor functions:
              one compiled call per (shape, dtype, device, flags), not per parameter (GPUs, SGD,
              bf16 parameters, fp32 moments)

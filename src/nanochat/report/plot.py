@@ -111,7 +111,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def read_tokens_per_step(run_dir: str | os.PathLike) -> tuple[int | None, str]:
     """(tokens of one optimizer step, how they were found) from the config of the run's newest
     checkpoint; (None, why not) when there is none or it does not load."""
-    from nanochat import checkpoint
+    from nanochat import checkpoint  # on use: it brings torch, which the rest of a plot does not need
 
     found = checkpoint.committed(run_dir)
     if not found:
