@@ -386,8 +386,11 @@ def run_pytest(args: list[str], out_dir: Path, name: str, timeout_s: float) -> d
            "--durations=0", f"--junitxml={junit}", *args]
     timed_out = False
     with open(log, "w") as f:
+        # preexec_fn: pytest must take the SIGINT sent below even when this check runs as a
+        # background job, which a shell starts with SIGINT ignored (and children inherit that)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, COLUMNS="200"))  # long test ids and values unwrapped
+                                env=dict(os.environ, COLUMNS="200"),  # long test ids and values unwrapped
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

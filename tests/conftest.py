@@ -25,6 +25,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# A shell starts a background job (`make test &`, a CI step's `&`) with SIGINT ignored, and every
+# process it starts inherits that. The stop tests send SIGINT to runs they start and check what
+# Python's own handler does, so the suite and its children get the handler back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 ROOT = Path(__file__).resolve().parents[1]
 """The repository: scripts/, examples/, src/."""
 

@@ -21,7 +21,7 @@ import pytest
 from nanochat.checkpoint import PT, resume
 from nanochat.common import UsageError
 from nanochat.config import TrainConfig
-from nanochat.tokenizer import Tokenizer
+from nanochat.tokenizer import BPETokenizer
 
 
 def _meta(config: TrainConfig, *, world_size: int = 1, fingerprint: str = "tok-a") -> dict:
@@ -84,7 +84,7 @@ def test_a_resume_must_leave_steps_to_train(tmp_path):
 
 def test_init_from_takes_a_preset_of_this_model_with_its_tokenizer(tmp_path):
     src = tmp_path / "src"
-    tok = Tokenizer.train(["hello world, " * 50], 270)
+    tok = BPETokenizer.train(["hello world, " * 50], 270)
     tok.save(src / "tokenizer")
     meta = {"config": {"model_name": "d2"}, "tokenizer_fingerprint": tok.fingerprint}
     assert resume.check_init_source(meta, TrainConfig(model_name="d2"), src).fingerprint == tok.fingerprint

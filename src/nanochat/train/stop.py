@@ -31,13 +31,15 @@ import shlex
 import signal
 import sys
 import threading
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from nanochat import distributed
 from nanochat.common import DistEnv, dist_env, print_last_line
+
+if TYPE_CHECKING:
+    from nanochat.checkpoint import Checkpoint
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """The signals a run stops on, in the order of their request flags."""
@@ -235,27 +237,27 @@ def resume_command(config, dist: DistEnv | None = None) -> str:
     return f"{launch} {shlex.join(words + ['--resume'])}"
 
 
-def stopped(signum: int, what: str, newest: tuple[str, Path, int] | None, resume: str, *, saved: bool,
+def stopped(signum: int, what: str, newest: Checkpoint | None, resume: str, *, saved: bool,
             saving: bool) -> Stopped:
     """The Stopped that ends a run on `signum`, its line printed by rank 0: `what` stopped it,
     the checkpoint that holds the run (`newest`: the one just saved when `saved`) and the command
     that `resume`s it; `saving` False: the run saves none (--no_save_checkpoints)."""
-    where = None if newest is None else str(newest[1])
+    where = None if newest is None else str(newest.path)
     if saved and newest is not None:
         line = stop_line(what, saved=where, resume=resume)
     elif not saving:
         line = stop_line(what, unsaved="no checkpoint saved (--no_save_checkpoints): this run cannot be resumed")
     else:
-        line = stop_line(what, newest=where and f"{where} (step {newest[2]})", resume=resume)
+        line = stop_line(what, newest=where and f"{where} (step {newest.step})", resume=resume)
     if dist_env().rank == 0:
         print_last_line(line)
     return Stopped(signum, line)
 
 
-def lost_peer_message(reason: str, newest: tuple[str, Path, int] | None, resume: str) -> str:
+def lost_peer_message(reason: str, newest: Checkpoint | None, resume: str) -> str:
     """The one error line of a rank whose peer died: what happened, the `newest` checkpoint and
     the command that `resume`s the run once every rank can run again."""
-    after = (f"the newest checkpoint is {newest[1]} (step {newest[2]}); once every rank can run again, "
+    after = (f"the newest checkpoint is {newest.path} (step {newest.step}); once every rank can run again, "
              f"resume: {resume}" if newest is not None else "no checkpoint of this run was saved")
     return (f"rank {dist_env().rank} lost its connection to another rank of this run ({reason}): that rank's "
             f"process died or was killed, and its own output says why; {after}")
