@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import logging
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -183,6 +186,24 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
+
+
+def sign_lock(fd: int) -> None:
+    """Write this process into the lock file `fd` (pid, host, start time) once it holds the lock,
+    so that a process the lock refuses or makes wait can say who holds it (`lock_holder`)."""
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+
+
+def lock_holder(fd: int, unknown: str) -> str:
+    """'pid N on HOST, started T' from the lock file `fd` as `sign_lock` wrote it; `unknown` when
+    its holder has not written it yet."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return unknown
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[BinaryIO], None], *,

@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
-import socket
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
-from nanochat.common import NanoChatError, UsageError
+from nanochat.common import NanoChatError, UsageError, lock_holder, sign_lock
 
 try:
     import fcntl
@@ -87,16 +84,14 @@ def acquire(run_dir: str | os.PathLike) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = _holder(fd)
+        holder = lock_holder(fd, "it has not written its pid yet")
         os.close(fd)
         if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
             raise UsageError(f"--run_dir {run_dir} is in use by another nanochat process ({holder}); wait "
                              "for it or choose another --run_dir") from None
         raise NanoChatError(f"cannot lock --run_dir {run_dir} ({e.strerror or e}): its file system does not "
                             "support file locks; choose a --run_dir on one that does") from None
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+    sign_lock(fd)
     _held[key] = [fd, 1]
 
 
@@ -124,7 +119,7 @@ def holder(run_dir: str | os.PathLike) -> str | None:
             return None
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
-        return _holder(fd) if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) else None
+        return lock_holder(fd, "it has not written its pid yet") if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) else None
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
@@ -140,15 +135,6 @@ def holding(run_dir: str | os.PathLike) -> Iterator[None]:
         yield
     finally:
         release(run_dir)
-
-
-def _holder(fd: int) -> str:
-    """'pid N on HOST, started T' from the lock file, as its holder wrote it."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it has not written its pid yet"
 
 
 # ------------------------------------------------------------------------- claiming a run

@@ -28,7 +28,6 @@ import multiprocessing
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 from array import array
@@ -43,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from nanochat.common import NanoChatError, format_bytes, logger, warn_once, write_atomic
+from nanochat.common import NanoChatError, format_bytes, lock_holder, logger, sign_lock, warn_once, write_atomic
 from nanochat.data import instruct
 from nanochat.data.plan import Plan, Unit, plan_sources
 from nanochat.data.read import read_unit
@@ -98,27 +97,17 @@ def locked(directory: Path, what: str) -> Iterator[None]:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                logger.info("%s: waiting for %s, which is preparing it", what, _holder(fd))
+                logger.info("%s: waiting for %s, which is preparing it", what, lock_holder(fd, "another process"))
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except OSError as e:
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                     raise
                 warn_once(f"store-lock:{directory}", f"{what}: its file system has no file locks "
                           f"({e.strerror}); proceeding without one")
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        sign_lock(fd)
         yield
     finally:
         os.close(fd)  # releases the lock
-
-
-def _holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']} (since {info['since']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
 
 
 # ------------------------------------------------------------------ the plan, cached

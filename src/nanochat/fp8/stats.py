@@ -45,8 +45,8 @@ def cast_axes(config, role: str) -> list[tuple[int | None, bool]]:
     input [tokens, in], weight [out, in], grad_output [tokens, out]. torchao reduces over the last
     dim for the first GEMM a role feeds and over the first dim for the second (float8_linear.py)."""
     out = []
-    for field, axis in zip(CAST_FIELDS[role], (-1, 0)):
-        cast = getattr(config, field)
+    for cast_name, axis in zip(CAST_FIELDS[role], (-1, 0)):
+        cast = getattr(config, cast_name)
         if cast.scaling_type is ScalingType.DISABLED:
             continue
         rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
