@@ -29,6 +29,8 @@ and against numpy's pairwise sum within 1e-12 relative (224 terms of float64 rou
 import errno
 import json
 import logging
+import os
+import signal
 import struct
 import sys
 import time
@@ -43,6 +45,7 @@ from nanochat.fp8.training import describe_switch
 from nanochat.report.plot import read_metrics
 from nanochat.report.trackers import TENSORBOARD_DIR, WANDB_ID_FILE, Trackers, check_trackers, translate
 from nanochat.train.metrics import MetricsLog
+from nanochat.train.stop import Stopped
 from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import tiny_train_kwargs
 
@@ -309,6 +312,35 @@ def test_a_real_run_killed_after_its_checkpoint_and_resumed_logs_each_step_once(
     first, second = _wandb_run(tmp_path, run_id, 0), _wandb_run(tmp_path, run_id, 1)
     assert first["id"] == second["id"] == run_id
     assert sorted(first["history"]) == list(range(1, 7)) and sorted(second["history"]) == [5, 6, 7, 8]
+    assert (first["exit_code"], first["preempting"]) == (1, False)  # died: W&B shows it failed
+    assert (second["exit_code"], second["preempting"]) == (0, False)
+
+
+def test_a_run_stopped_by_sigterm_is_preempted_in_wandb_and_its_resume_finishes_it(small_corpus, tmp_path, monkeypatch):
+    """SIGTERM (a scheduler's preemption) stops a run after a step with a checkpoint: W&B gets
+    its preempting record and exit code 143, the state a run that will resume is in, not failed;
+    the resumed run continues the same W&B run and finishes with 0."""
+    kw = tiny_train_kwargs(small_corpus, tmp_path, num_iterations=6, save_every=10, eval_every=10, num_samples=0,
+                           log=("jsonl", "wandb"))
+    real_log = MetricsLog.log
+
+    def sigterm_at_step_3(self, record):
+        real_log(self, record)
+        if record.get("step") == 3 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled after this step: a checkpoint, then Stopped
+
+    monkeypatch.setattr(MetricsLog, "log", sigterm_at_step_3)
+    with pytest.raises(Stopped) as stopped:
+        NanoChatTrainer(**kw).train()
+    assert stopped.value.code == 128 + signal.SIGTERM
+    monkeypatch.setattr(MetricsLog, "log", real_log)
+    _next_second()
+    NanoChatTrainer(**{**kw, "resume": True}).train()
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    first, second = _wandb_run(tmp_path, run_id, 0), _wandb_run(tmp_path, run_id, 1)
+    assert (first["exit_code"], first["preempting"]) == (143, True)
+    assert (second["exit_code"], second["preempting"]) == (0, False)
+    assert sorted(first["history"]) == [1, 2, 3] and sorted(second["history"]) == [4, 5, 6]
 
 
 def test_a_fresh_start_over_a_replaced_run_shows_only_its_own_steps(records, tmp_path):
@@ -356,10 +388,14 @@ def _wandb_run(run_dir: Path, run_id: str, nth: int = 0) -> dict:
         time.sleep(0.1)
     else:
         pytest.fail(f"{files[nth]} has no exit record: W&B did not finish writing it within a minute")
-    out = {"id": None, "config": {}, "history": {}, "summary": {}}
+    out = {"id": None, "config": {}, "history": {}, "summary": {}, "exit_code": None, "preempting": False}
     for rec in records:
         kind = rec.WhichOneof("record_type")
-        if kind == "run":
+        if kind == "exit":
+            out["exit_code"] = rec.exit.exit_code
+        elif kind == "preempting":
+            out["preempting"] = True
+        elif kind == "run":
             out["id"] = rec.run.run_id
             out["config"] = {i.key: json.loads(i.value_json) for i in rec.run.config.update if i.key != "_wandb"}
         elif kind == "history":

@@ -209,7 +209,7 @@ class _TensorBoard:
 
     summarize = log  # TensorBoard has no run summary: the final figures are points at the last step
 
-    def close(self, failed: bool) -> None:
+    def close(self, exit_code: int) -> None:
         self.writer.close()
 
 
@@ -252,8 +252,10 @@ class _WandB:
     def summarize(self, step: int, scalars: dict[str, float], texts: dict[str, str]) -> None:
         self.run.summary.update({**scalars, **texts})
 
-    def close(self, failed: bool) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+    def close(self, exit_code: int) -> None:
+        if exit_code > 128:  # stopped by a signal after a checkpoint: W&B's "preempted", resumable
+            self.run.mark_preempting()
+        self.run.finish(exit_code=exit_code)
 
 
 _TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB}
@@ -278,7 +280,7 @@ class Trackers:
             for name in _requested(log):
                 self._active.append(_TRACKERS[name](Path(run_dir), config, self._step))
         except BaseException:
-            self.close(failed=True)
+            self.close(exit_code=1)
             raise
 
     def record(self, rec: Mapping[str, Any]) -> None:
@@ -305,10 +307,11 @@ class Trackers:
         for tracker in list(self._active):
             self._guarded(tracker, "logging the result", lambda t: t.summarize(self._step, scalars, texts))
 
-    def close(self, *, failed: bool = False) -> None:
-        """Flush and close every tracker (`failed`: the run ended with an error; W&B marks it)."""
+    def close(self, *, exit_code: int = 0) -> None:
+        """Flush and close every tracker. `exit_code` is the run's: 0 finished, 128 + N stopped by
+        signal N (W&B marks the run preempted, the state a resumed run continues), else failed."""
         for tracker in list(self._active):
-            self._guarded(tracker, "closing", lambda t: t.close(failed))
+            self._guarded(tracker, "closing", lambda t: t.close(exit_code))
         self._active = []
 
     def _guarded(self, tracker, action: str, call) -> None:
@@ -325,7 +328,7 @@ class Trackers:
         self.fallbacks.append(message)
         self._active.remove(tracker)
         try:
-            tracker.close(True)
+            tracker.close(1)
         except Exception:  # noqa: BLE001 -- it already failed; its error was reported above
             pass
 

@@ -68,11 +68,12 @@ class MetricsLog:
         if resumed_record is not None:
             self.trackers.record(resumed_record)
 
-    def close(self, *, failed: bool) -> list[str]:
-        """Close the trackers; returns what failed in them mid-run (TrainResult.fallbacks)."""
+    def close(self, *, exit_code: int) -> list[str]:
+        """Close the trackers with the run's `exit_code` (Trackers.close); returns what failed in
+        them mid-run (TrainResult.fallbacks)."""
         if self.trackers is None:
             return []
-        self.trackers.close(failed=failed)
+        self.trackers.close(exit_code=exit_code)
         return list(self.trackers.fallbacks)
 
     def cut_to(self, step: int, record: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:

@@ -125,12 +125,16 @@ class NanoChatTrainer:
         """The run (module docstring). SIGTERM or Ctrl-C ends it after a step with a checkpoint,
         one line saying how to resume, and `Stopped` (a SystemExit: exit status 143 or 130); a
         rank whose peer died ends with one NanoChatError naming the checkpoint to resume."""
-        finished = lost = False
+        exit_code, lost = 1, False
         try:
             with self.stop.handling(), flags_in_log():  # the FP8 warnings in flags: --fp8_emulate
                 try:
-                    result, finished = self._train(), True
+                    result, exit_code = self._train(), 0
+                except Stopped as e:
+                    exit_code = e.code
+                    raise
                 except StopNow as e:  # no step to finish, or a second Ctrl-C
+                    exit_code = 128 + e.signum
                     raise self._stopped(e.signum, f"stopped at once {e.when}") from None
                 except RuntimeError as e:
                     if (reason := distributed.lost_peer(e)) is None:
@@ -142,7 +146,7 @@ class NanoChatTrainer:
             return result
         finally:
             if getattr(self, "metrics", None) is not None:
-                self.metrics.close(failed=not finished)  # --log's trackers (W&B marks a failed run)
+                self.metrics.close(exit_code=exit_code)  # --log's trackers: W&B marks failed or preempted
             if getattr(self, "checkpoints", None) is not None:
                 self.checkpoints.release()  # the run lock
             if getattr(self, "dist_model", None) is not None:  # whoever owns the process group
