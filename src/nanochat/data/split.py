@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +24,7 @@ from nanochat.common import format_bytes
 from nanochat.data.plan import Plan, iter_documents
 from nanochat.data.read import read_unit
 from nanochat.data.sources import TEST_SPLIT, DataError, Sources
+from nanochat.tokenizer import take_chars
 
 VAL_FRACTION = 0.02
 """Share of documents (by id hash) held out. On the default corpus (Python 3.11) that is 13 files,
@@ -111,17 +111,17 @@ def split_texts(plan: Plan, max_chars: int, split: Literal["train", "val"] = "tr
             texts.append(doc.text)
             chars += len(doc.text)
         if chars >= max_chars and (role_val or (hash_val and docs - hash_val)):
-            return list(_take_chars(texts, max_chars))  # no rule can move a document across any more
+            return list(take_chars(texts, max_chars))  # no rule can move a document across any more
     if role_val:
         if not texts and not want_val:
             raise DataError(f"--dataset_path {plan.sources.source}: the train split files hold no documents or records")
-        return list(_take_chars(texts, max_chars))
+        return list(take_chars(texts, max_chars))
     if docs == 0:
         raise DataError(empty_corpus_message(plan.sources.source, {**plan.sources.skipped, **skipped}))
     rule = SplitRule.decide(role_val_docs=0, docs=docs, hash_val_docs=hash_val,
                             smallest=smallest[1], largest=largest[1])
     if rule.fallback == "":
-        return list(_take_chars(texts, max_chars))
+        return list(take_chars(texts, max_chars))
     if rule.fallback == "cut" and plan.kind == "instruct":
         raise DataError(f"{plan.sources.source}: the corpus is a single instruction record ({rule.moved}); "
                         "training and validation need at least 2 records")
@@ -135,16 +135,7 @@ def split_texts(plan: Plan, max_chars: int, split: Literal["train", "val"] = "tr
             out.append(doc.text[cut:] if want_val else doc.text[:cut])
         elif (doc.id == rule.moved) == (want_val == (rule.fallback == "to_val")):
             out.append(doc.text)
-    return list(_take_chars(out, max_chars))
-
-
-def _take_chars(texts: Iterable[str], max_chars: int) -> Iterator[str]:
-    left = max_chars
-    for t in texts:
-        if left <= 0:
-            return
-        yield t[:left]
-        left -= len(t)
+    return list(take_chars(out, max_chars))
 
 
 def empty_corpus_message(source: str, skipped: dict[str, int]) -> str:
