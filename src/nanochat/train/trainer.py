@@ -13,9 +13,8 @@ optim.OptimWrapper for bf16 masters or the step inside the backward), compiled (
 state), the step guard, the evaluator, the metrics log and the progress printer.
 A step (`train_step`) is `forward_backward` (the micro-batches, around FP8's calibration and
 statistics) then `optimizer_step` (the guard, the update, FP8's bookkeeping); `_train` is the
-loop: step, time, evaluate, log, save. Distributed runs (torchrun): docs/distributed.md. Mixed
-precision: bf16 autocast over fp32 master weights on CUDA, fp32 elsewhere unless --dtype says
-otherwise; --master_weights and --optimizer_in_backward: docs/master_weights.md.
+loop: step, time, evaluate, log, save. torchrun: docs/distributed.md; precision (--dtype,
+--master_weights, --optimizer_in_backward): docs/master_weights.md.
 """
 
 from __future__ import annotations
