@@ -171,6 +171,22 @@ def last_bits(t: torch.Tensor, seed: int = 1234) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def run_dir_held_elsewhere(run_dir: Path):
+    """Another process holding `run_dir`'s lock as a training run holds it (nanochat.rundir); yields
+    that process, killed (SIGKILL: the kernel releases its lock) when the block ends."""
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir\n"
+                               "rundir.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
+                               str(run_dir)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@contextlib.contextmanager
 def perturbed_init():
     """Every GPT built inside the block starts from `last_bits` of its initial weights, and its
     gradients pass through `last_bits` at every backward (identity outside the perturbation pass):

@@ -30,7 +30,7 @@ from nanochat.checkpoint import load_checkpoint, save_checkpoint
 from nanochat.common import describe_error
 from nanochat.tokenizer import BPETokenizer
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import tiny_train_kwargs
+from tests.conftest import run_dir_held_elsewhere, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,17 +140,9 @@ def test_a_run_in_progress_without_a_checkpoint_says_so(paths, tmp_path, script)
     first checkpoint: not only "holds no checkpoint", but that a run is in progress, and whose."""
     run_dir = tmp_path / "running"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir\n"
-                               "rundir.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
-                               str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    try:
-        assert holder.stdout.readline().strip() == "locked"
+    with run_dir_held_elsewhere(run_dir) as holder:
         argv = ["--out_dir", str(tmp_path / "out")] if script == "export_hf" else DATA
         r = _script(script, [*[a.format(**paths) for a in argv], "--run_dir", str(run_dir)], tmp_path)
-    finally:
-        holder.kill()
-        holder.wait()
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert r.returncode == 2 and len(lines) == 1, lines
     assert f"--run_dir {run_dir} holds no checkpoint yet: a training run is in progress there (pid {holder.pid} on" \

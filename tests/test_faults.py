@@ -43,7 +43,7 @@ from nanochat.common import NanoChatError, UsageError
 from nanochat.train.evaluation import Evaluator
 from nanochat.rundir import LOCK_NAME
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import load_script, run_records, tiny_train_kwargs
+from tests.conftest import load_script, run_dir_held_elsewhere, run_records, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE_EVERY = 8, 2
@@ -508,20 +508,12 @@ def test_a_second_process_on_a_run_dir_is_refused_until_the_holder_dies(small_co
     lock, and a start succeeds."""
     run_dir = tmp_path / "r"
     run_dir.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom nanochat import rundir\n"
-                               "rundir.acquire(sys.argv[1])\nprint('locked', flush=True)\ntime.sleep(600)",
-                               str(run_dir)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    try:
-        assert holder.stdout.readline().strip() == "locked"
-        kw = _kw(small_corpus, run_dir, num_iterations=2)
+    kw = _kw(small_corpus, run_dir, num_iterations=2)
+    with run_dir_held_elsewhere(run_dir) as holder:
         code, errors = _cli(capsys, kw)
         assert code == 2 and len(errors) == 1, errors
         assert f"is in use by another nanochat process (pid {holder.pid} on " in errors[0], errors
         assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]
-    finally:
-        holder.send_signal(signal.SIGKILL)
-        holder.wait()
     code, errors = _cli(capsys, kw)
     assert code == 0 and [c.step for c in committed(run_dir)] == [2], errors
 
