@@ -20,7 +20,9 @@
   on CUDA (marked gpu) the same under torch.cuda.set_sync_debug_mode("error").
 - Schedulers (LambdaLR, StepLR) and manual `param_groups[i]["lr"]` drive the wrapped optimizer.
 - state_dict -> load_state_dict is bit-exact and loads with torch.load(weights_only=True); level
-  2 <-> level 0 and plain AdamW -> level 2 convert within e4m3's 2^-4 relative error.
+  2 <-> level 0 and plain AdamW -> level 2 convert within e4m3's 2^-4 relative error; a state
+  converted from fp32 moments and the state the step writes for the same moments hold the same
+  codes and scales (torch.equal: one quantizer).
 - Unsupported optimizers and options raise errors listing what is supported.
 - Loaded state: one state of a saved level-2 run replaced by one of another size, block count,
   dtype or layout (read back with weights_only=True) is refused by load_state_dict with a
@@ -48,6 +50,7 @@ import torch
 from nanochat.device import DeviceReads
 from nanochat.fp8.optim import FP8Optim
 from nanochat.fp8.tensor import FP8Tensor
+from nanochat.optim.step import adam_step, host_scalar
 from tests.conftest import assert_close_but_few, last_bits, load_script
 
 # Two implementations of the FP8-moment step (eager, compiled, the C kernel) compute the same
@@ -401,6 +404,35 @@ def _roundtrip(sd):
 
 def _bits(x):
     return (x.codes.view(torch.uint8), x.scale) if isinstance(x, FP8Tensor) else (x,)
+
+
+def test_a_converted_state_equals_the_stepped_one_bit_for_bit():
+    """One quantizer: for the same fp32 moments, the state FP8Optim's (eager) step writes and the
+    state load_state_dict converts from a plain AdamW state hold identical codes and scales. The
+    fp32 twin runs the same adam_step from the values the FP8 state holds, so both sides quantize
+    the same fp32 numbers; gradients span 1e-6..1e2 across blocks so the scales vary."""
+    shape, g = (64, 256), torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(shape, generator=g))
+    stepped = FP8Optim(torch.optim.AdamW([w], lr=1e-2, weight_decay=0.1), opt_level=2, backend="eager")
+    hypers = [host_scalar(x) for x in (1e-2, 0.9, 0.999, 1e-8, 0.1)]
+    twin_p, step = w.detach().clone(), torch.zeros(())
+    for _ in range(3):
+        w.grad = torch.randn(shape, generator=g) * 10.0 ** torch.randint(-6, 3, (shape[0], 1), generator=g)
+        state = stepped.state.get(w)
+        m = state["exp_avg"].dequantize() if state else torch.zeros(shape)
+        v = state["exp_avg_sq_sqrt"].dequantize() ** 2 if state else torch.zeros(shape)
+        step += 1
+        adam_step(twin_p, w.grad, (m,), (v,), None, step, *hypers, None, None, decoupled=True, master="fp32")
+        stepped.step()
+        plain = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(shape))], lr=1e-2)
+        sd = plain.state_dict()
+        sd["state"] = {0: {"step": step.clone(), "exp_avg": m, "exp_avg_sq": v}}
+        converted = FP8Optim(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(shape))], lr=1e-2), opt_level=2)
+        converted.load_state_dict(sd)
+        ours, theirs = stepped.state[w], next(iter(converted.state.values()))
+        for key in ("exp_avg", "exp_avg_sq_sqrt"):
+            assert torch.equal(ours[key].codes.view(torch.uint8), theirs[key].codes.view(torch.uint8)), key
+            assert torch.equal(ours[key].scale, theirs[key].scale), key
 
 
 def test_state_dict_roundtrip_bit_exact_weights_only():

@@ -22,7 +22,8 @@ import torch
 from nanochat.fp8 import kernel
 from nanochat.fp8.optim import E4M3Blocks
 from nanochat.optim.master import join, read_master, sr_bits, write_master
-from nanochat.optim.step import FP32, adam_step, host_scalar
+from nanochat.optim.format import MomentFormat
+from nanochat.optim.step import adam_step, host_scalar
 from tests.conftest import assert_close_but_few, last_bits
 
 B = 256
@@ -88,7 +89,7 @@ def _reference_step(states, grads, mode, decoupled, v_fp8, salts=SALTS):
         x = read_master(st["p"], st.get("lo")).clone()  # the fp32 master
         v = (st["vc"], st["vs"]) if v_fp8 else (st["v"],)
         adam_step(x, g.float(), (st["mc"], st["ms"]), v, None, st["step"], *hypers, None, None, decoupled=decoupled,
-                  master="fp32", m_format=E4M3Blocks, v_format=E4M3Blocks if v_fp8 else FP32)
+                  master="fp32", m_format=E4M3Blocks, v_format=E4M3Blocks if v_fp8 else MomentFormat)
         write_master(st["p"], x, mode, lo=st.get("lo"), bits16=sr_bits(salt, st["step"], x.shape))
 
 

@@ -8,9 +8,10 @@
     2  both moments in FP8 (~2.03 bytes/param instead of 8)
 
 Everything that is not FP8 is nanochat.optim's OptimWrapper (shared param_groups, bf16 master
-weights, the step inside the backward, backends, state checks, bytes); this module is the format,
-filled into the wrapper's hooks: which parameters it stores, the e4m3 read and write of a moment
-inside the one step (`E4M3Blocks`), state conversion, its C kernel (kernel.py) and its summary.
+weights, the step inside the backward, backends, state checks, bytes); this module is the moment
+format, `E4M3Blocks` (a nanochat.optim.MomentFormat): which parameters it stores, the e4m3 read
+and write of a moment inside the one step (FP8Tensor's one quantizer), state conversion and its
+C kernel (kernel.py). FP8Optim is the wrapper with this format.
 
 Which tensors stay fp32: a parameter goes FP8 only if it has >= `min_numel` (4096, the rule of
 bitsandbytes and torchao: below that the state is negligible and the per-call cost dominates)
@@ -32,81 +33,32 @@ about a quarter of the compiled step's CPU time, BENCHMARKS.md 3(b)); elsewhere 
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
-from nanochat.common import format_bytes
-from nanochat.optim import OptimWrapper
+from nanochat.optim import MomentFormat, OptimWrapper
 from nanochat.optim.state import DTensor, shard_problem
-from nanochat.optim.state_bytes import optimizer_bytes
 from nanochat.optim.step import AdamTensor
 
 from . import kernel
 from .kernel import KernelRow
-from .tensor import DEFAULT_BLOCK_SIZE, FP8Tensor, decode, encode, fp8_max
+from .tensor import DEFAULT_BLOCK_SIZE, Blocks, FP8Tensor, dequantize_blocks, quantize_blocks
 
 E4M3 = torch.float8_e4m3fn
 MIN_NUMEL = 4096  # bitsandbytes/torchao rule: smaller tensors keep fp32 state
-_INV_E4M3_MAX = 1.0 / fp8_max(E4M3)
 
 
-def _requantize(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, *, floor: bool,
-                ok: torch.Tensor | None = None) -> torch.Tensor:
-    """x [n, B] fp32 -> codes (uint8 e4m3) and scale, in place; returns the new scale.
-    floor: a positive x never becomes code 0 (the smallest subnormal instead).
-    ok: a 0-dim bool; False keeps the old codes and scale (a guarded step that is skipped)."""
-    amax = x.abs().amax(dim=-1)  # [n]
-    new_scale = torch.where(amax > 0, amax * _INV_E4M3_MAX, 1.0)
-    inv = torch.where(amax > 0, fp8_max(E4M3) / amax, 1.0)
-    q = encode(x * inv[:, None], E4M3)
-    if floor:
-        q = torch.where((x > 0) & (q == 0), 1, q).to(torch.uint8)
+def _requantize(x: torch.Tensor, m: Blocks, *, floor: bool, ok: torch.Tensor | None = None) -> torch.Tensor:
+    """x [n, B] fp32 written into the stored blocks `m` (or a (codes, scale) pair) in place, by
+    FP8Tensor's one quantizer;
+    returns the new scale. ok: a 0-dim bool; False keeps the old codes and scale (a guarded step
+    that is skipped)."""
+    codes, scale = quantize_blocks(x, E4M3, floor=floor)
+    stored_codes, stored_scale = m
     if ok is not None:
-        q = torch.where(ok, q, codes)
-        new_scale = torch.where(ok, new_scale, scale)
-    codes.copy_(q)
-    scale.copy_(new_scale)
-    return new_scale
-
-
-class E4M3Blocks:
-    """An FP8 moment inside the step (nanochat.optim.step's format functions): (codes, scale),
-    e4m3 codes as a uint8 [n_blocks, B] view and one fp32 scale per block (absmax / 448). The
-    second moment is stored as sqrt(v), floored so a positive value never becomes 0.
-
-    The returned tie, `0 * scale`, makes the parameter's write depend on the new per-block
-    absmax, so inductor fuses it into the loop that writes the codes (one pass) instead of a
-    third pass over p through a full-size temporary (~13x -> ~11x fused AdamW's CPU time,
-    BENCHMARKS.md 3(b))."""
-
-    @staticmethod
-    def read(m: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        codes, scale = m
-        return decode(codes, E4M3) * scale[:, None]
-
-    @staticmethod
-    def write(m: tuple[torch.Tensor, torch.Tensor], new: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
-        return 0.0 * _requantize(new, *m, floor=False, ok=ok)[:, None]
-
-    @staticmethod
-    def read_sq(v: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        r = E4M3Blocks.read(v)  # stored sqrt(v)
-        return r * r
-
-    @staticmethod
-    def write_sq(v: tuple[torch.Tensor, torch.Tensor], new: torch.Tensor, sqrt_new: torch.Tensor,
-                 ok: torch.Tensor | None) -> torch.Tensor:
-        return 0.0 * _requantize(sqrt_new, *v, floor=True, ok=ok)[:, None]
-
-
-def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP8Tensor:
-    """fp32 second moment v -> FP8Tensor of sqrt(v), positive values never flushed to zero: the
-    step's own requantizer, so a converted state is stored as a stepped one would be."""
-    out = FP8Tensor.zeros(v.shape, dtype=E4M3, block_size=block_size, device=v.device)
-    r = v.detach().float().clamp(min=0).sqrt().reshape(-1, block_size)
-    _requantize(r, out.codes.view(torch.uint8).view(-1, block_size), out.scale, floor=True)
-    return out
+        codes, scale = torch.where(ok, codes, stored_codes), torch.where(ok, scale, stored_scale)
+    stored_codes.copy_(codes)
+    stored_scale.copy_(scale)
+    return scale
 
 
 def fp8_size_problem(numel: int, block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL) -> str | None:
@@ -118,39 +70,46 @@ def fp8_size_problem(numel: int, block_size: int = DEFAULT_BLOCK_SIZE, min_numel
     return None
 
 
-class FP8Optim(OptimWrapper):
-    """Takes over the step of a torch AdamW/Adam/SGD and keeps its moments in FP8.
+class E4M3Blocks(MomentFormat):
+    """Moments as FP8Tensors: e4m3 codes and one fp32 scale per block of `block_size` (absmax /
+    448). Inside the step a moment is its `Blocks` view; the second moment is stored as sqrt(v),
+    floored so a positive value never becomes 0.
 
-    Args:
-        optimizer: a constructed torch.optim.AdamW, Adam or SGD (its param_groups are shared).
-        opt_level: 0 fp32 moments; 1 first moment FP8; 2 both moments FP8 (SGD: 1 and 2 agree).
-        block_size: elements per scale (256: see tensor.py for the bytes/param arithmetic).
-        min_numel: parameters with fewer elements keep fp32 state.
-        compile, backend, master_weights, seed, emulate: nanochat.optim.OptimWrapper's. backend
-            "auto" runs the native C kernel for fp32 Adam(W) parameters on CPU, torch.compile
-            otherwise (a backend that cannot run falls back to the next, logged once).
-    """
+    The returned tie, `0 * scale`, makes the parameter's write depend on the new per-block
+    absmax, so inductor fuses it into the loop that writes the codes (one pass) instead of a
+    third pass over p through a full-size temporary (~13x -> ~11x fused AdamW's CPU time,
+    BENCHMARKS.md 3(b))."""
 
-    MOMENT_FORMAT = E4M3Blocks
+    name = "FP8"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, opt_level: int = 2, *,
-                 block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL,
-                 compile: bool = True, backend: str = "auto", master_weights: str = "fp32",
-                 seed: int = 0, emulate: bool = False) -> None:
+    def __init__(self, opt_level: int = 2, *, block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL):
         if opt_level not in (0, 1, 2):
             raise ValueError(f"opt_level must be 0 (fp32 moments), 1 (first moment FP8) or 2 "
                              f"(both moments FP8); got {opt_level!r}")
         if block_size <= 0 or block_size % 8:
             raise ValueError(f"block_size must be a positive multiple of 8, got {block_size}")
-        self.opt_level = opt_level
-        self.block_size = block_size
-        self.min_numel = max(min_numel, block_size)
-        super().__init__(optimizer, compile=compile, backend=backend, master_weights=master_weights, seed=seed,
-                         emulate=emulate)
+        self.opt_level, self.block_size, self.min_numel = opt_level, block_size, max(min_numel, block_size)
 
-    # ---- which parameters the format stores -----------------------------------------------------
+    # ---- inside the step ------------------------------------------------------------------------
+    @staticmethod
+    def read(m: Blocks) -> torch.Tensor:
+        return dequantize_blocks(m, E4M3)
 
-    def _fp8_reason(self, p: torch.Tensor) -> str | None:
+    @staticmethod
+    def write(m: Blocks, new: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
+        return 0.0 * _requantize(new, m, floor=False, ok=ok)[:, None]
+
+    @staticmethod
+    def read_sq(v: Blocks) -> torch.Tensor:
+        r = dequantize_blocks(v, E4M3)  # stored sqrt(v)
+        return r * r
+
+    @staticmethod
+    def write_sq(v: Blocks, new: torch.Tensor, sqrt_new: torch.Tensor, ok: torch.Tensor | None) -> torch.Tensor:
+        return 0.0 * _requantize(sqrt_new, v, floor=True, ok=ok)[:, None]
+
+    # ---- which parameters ----------------------------------------------------------------------
+    def _reason(self, p: torch.Tensor) -> str | None:
         """None if p's state goes FP8 at this level, else why it stays fp32."""
         if self.opt_level == 0:
             return "opt_level 0"
@@ -167,85 +126,62 @@ class FP8Optim(OptimWrapper):
             return "not floating point"
         return None
 
-    def _quantized(self, p: torch.Tensor, group: dict) -> int:
-        if self.is_sgd and group["momentum"] == 0:
-            return 0  # plain SGD has no state to store
-        if self._fp8_reason(p) is not None:
+    def kept(self, p: torch.Tensor, group: dict, *, sgd: bool) -> str | None:
+        if sgd and group["momentum"] == 0:
+            return "SGD without momentum (no state)"
+        return self._reason(p)
+
+    def stores(self, p: torch.Tensor, group: dict, *, sgd: bool) -> int:
+        if self.kept(p, group, sgd=sgd) is not None:
             return 0
-        return min(self.opt_level, 1 if self.is_sgd else 2)  # SGD keeps one moment, Adam two
+        return min(self.opt_level, 1 if sgd else 2)  # SGD keeps one moment, Adam two
 
-    # ---- the format's hooks ----------------------------------------------------------------------
+    def fallback_note(self, tensors: int, numel: int, reason: str) -> str | None:
+        if not self.opt_level:
+            return None
+        return f"`opt_level` {self.opt_level}: {tensors} tensors / {numel:,} params keep fp32 moments ({reason})"
 
-    def _quantized_zeros(self, shape: torch.Size, device: torch.device) -> FP8Tensor:
+    def describe(self) -> str:
+        return f"opt_level={self.opt_level}, block_size={self.block_size}"
+
+    # ---- state ---------------------------------------------------------------------------------
+    def zeros(self, shape: torch.Size, device: torch.device) -> FP8Tensor:
         return FP8Tensor.zeros(shape, dtype=E4M3, block_size=self.block_size, device=device)
 
-    def _quantized_view(self, x: FP8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x.codes.view(torch.uint8).view(-1, self.block_size), x.scale
+    def view(self, x: FP8Tensor) -> Blocks:
+        return x.blocks()
 
-    def _is_stored(self, x: torch.Tensor) -> bool:
+    def is_stored(self, x: torch.Tensor) -> bool:
         return isinstance(x, FP8Tensor) and x.block_size == self.block_size and x.fp8_dtype == E4M3
 
-    def _quantize(self, x: torch.Tensor) -> FP8Tensor:
-        if self._is_stored(x):
+    def quantize(self, x: torch.Tensor) -> FP8Tensor:
+        if self.is_stored(x):
             return x
         x = x.dequantize() if isinstance(x, FP8Tensor) else x
         return FP8Tensor.from_float(x.float(), dtype=E4M3, block_size=self.block_size)
 
-    def _quantize_sqrt(self, v: torch.Tensor) -> FP8Tensor:
+    def quantize_sqrt(self, v: torch.Tensor) -> FP8Tensor:
         return quantize_sqrt_v(v, self.block_size)
 
-    def _native_ok(self, t: AdamTensor) -> bool:
-        dtype = torch.float32 if self.master_weights == "fp32" else torch.bfloat16
-        return (not self.emulate and t.p.device.type == "cpu" and t.p.dtype == dtype and t.g.dtype == dtype
+    # ---- the native CPU kernel -------------------------------------------------------------------
+    def native_ok(self, t: AdamTensor, *, master: str, emulate: bool) -> bool:
+        dtype = torch.float32 if master == "fp32" else torch.bfloat16
+        return (not emulate and t.p.device.type == "cpu" and t.p.dtype == dtype and t.g.dtype == dtype
                 and self.block_size <= 1024)
 
-    def _native_step(self, items: list[AdamTensor]) -> None:
+    def native_step(self, items: list[AdamTensor], *, master: str) -> None:
         table = kernel.adam_table([t.step for t in items], [t.group for t in items])
         kernel.adam([_kernel_row(t) for t in items], table, self.block_size, items[0].decoupled,
-                    items[0].v_format is E4M3Blocks, master=self.master_weights, salts=[t.salt for t in items],
+                    items[0].v_format is E4M3Blocks, master=master, salts=[t.salt for t in items],
                     oks=[t.ok for t in items])
 
-    # ---- reporting ------------------------------------------------------------------------------
 
-    def fp32_states(self) -> dict[str, tuple[int, int]]:
-        """Why parameters keep fp32 state: reason -> (tensors, params). Empty when all are FP8."""
-        kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not self._quantized(p, group):
-                    reason = "SGD without momentum (no state)" if self.is_sgd and group["momentum"] == 0 \
-                        else self._fp8_reason(p)
-                    kept[reason][0] += 1
-                    kept[reason][1] += p.numel()
-        return {reason: (n, numel) for reason, (n, numel) in kept.items()}
-
-    def fp32_state_notes(self) -> list[str]:
-        """fp32_states() as fallback lines for a run's results (none at opt_level 0)."""
-        if not self.opt_level:
-            return []
-        return [f"`opt_level` {self.opt_level}: {n} tensors / {numel:,} params keep fp32 moments ({reason})"
-                for reason, (n, numel) in self.fp32_states().items()]
-
-    def summary(self) -> str:
-        kind = type(self.optimizer).__name__
-        n_fp8 = b_fp8 = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if self._quantized(p, group):
-                    n_fp8 += 1
-                    b_fp8 += p.numel()
-        kept = self.fp32_states()
-        n_moments = 1 if self.is_sgd else 2
-        B = self.block_size
-        per_param = optimizer_bytes(B, quantized=min(self.opt_level, n_moments), moments=n_moments, block_size=B) / B
-        master = "" if self.master_weights == "fp32" else f", master_weights={self.master_weights}"
-        lines = [f"FP8Optim({kind}, opt_level={self.opt_level}, block_size={B}{master}): "
-                 f"{n_fp8} tensors / {b_fp8:,} params with FP8 state "
-                 f"({per_param:.3f} bytes/param of moments); {self.state_bytes():,} bytes of state"]
-        for reason, (n, numel) in kept.items():
-            lines.append(f"  fp32 state: {n} tensors / {numel:,} params "
-                         f"({format_bytes(optimizer_bytes(numel, moments=n_moments))}): {reason}")
-        return "\n".join(lines)
+def quantize_sqrt_v(v: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE) -> FP8Tensor:
+    """fp32 second moment v -> FP8Tensor of sqrt(v), positive values never flushed to zero: the
+    step's own write, so a converted state is stored as a stepped one would be."""
+    out = FP8Tensor.zeros(v.shape, dtype=E4M3, block_size=block_size, device=v.device)
+    _requantize(v.detach().float().clamp(min=0).sqrt().reshape(-1, block_size), out.blocks(), floor=True)
+    return out
 
 
 def _kernel_row(t: AdamTensor) -> KernelRow:
@@ -254,18 +190,54 @@ def _kernel_row(t: AdamTensor) -> KernelRow:
     return KernelRow(t.p, t.g, *t.m, v32, v_codes, v_scale, t.lo)
 
 
+class FP8Optim(OptimWrapper):
+    """Takes over the step of a torch AdamW/Adam/SGD and keeps its moments in FP8: OptimWrapper
+    with the E4M3Blocks format.
+
+    Args:
+        optimizer: a constructed torch.optim.AdamW, Adam or SGD (its param_groups are shared).
+        opt_level: 0 fp32 moments; 1 first moment FP8; 2 both moments FP8 (SGD: 1 and 2 agree).
+        block_size: elements per scale (256: see tensor.py for the bytes/param arithmetic).
+        min_numel: parameters with fewer elements keep fp32 state.
+        compile, backend, master_weights, seed, emulate: nanochat.optim.OptimWrapper's. backend
+            "auto" runs the native C kernel for fp32 Adam(W) parameters on CPU, torch.compile
+            otherwise (a backend that cannot run falls back to the next, logged once).
+    """
+
+    moments: E4M3Blocks
+
+    def __init__(self, optimizer: torch.optim.Optimizer, opt_level: int = 2, *,
+                 block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL,
+                 compile: bool = True, backend: str = "auto", master_weights: str = "fp32",
+                 seed: int = 0, emulate: bool = False) -> None:
+        super().__init__(optimizer, moments=E4M3Blocks(opt_level, block_size=block_size, min_numel=min_numel),
+                         compile=compile, backend=backend, master_weights=master_weights, seed=seed, emulate=emulate)
+
+    @property
+    def opt_level(self) -> int:
+        return self.moments.opt_level
+
+    @property
+    def block_size(self) -> int:
+        return self.moments.block_size
+
+
 def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, master_weights: str = "fp32",
                    seed: int = 0, emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
     """The optimizer a run needs around `optimizer`: itself when nothing asks for more (fp32
     moments and masters, stepped after the backward); FP8Optim for `opt_level` 1 or 2 FP8
     moments; else nanochat.optim.OptimWrapper for bf16 `master_weights` (`emulate`: bf16
     numerics on fp32 tensors; `seed` seeds bf16_sr) or `in_backward`, the step inside the
-    backward (the caller then calls step_in_backward())."""
+    backward (installed here: `loss.backward()` is then the step)."""
     if opt_level:
-        return FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
-    if master_weights != "fp32" or in_backward:
-        return OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
-    return optimizer
+        wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
+    elif master_weights != "fp32" or in_backward:
+        wrapped = OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
+    else:
+        return optimizer
+    if in_backward:
+        wrapped.step_in_backward()
+    return wrapped
 
 
 __all__ = ["E4M3Blocks", "FP8Optim", "MIN_NUMEL", "fp8_size_problem", "quantize_sqrt_v", "wrap_optimizer"]

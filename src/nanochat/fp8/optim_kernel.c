@@ -302,11 +302,11 @@ static void NAME(void *p, const void *g, uint8_t *restrict mc, float *restrict m
             } \
         } \
         const float ims = am > 0.0f ? 448.0f / am : 1.0f; \
-        ms[b] = am > 0.0f ? am * (1.0f / 448.0f) : 1.0f; \
+        ms[b] = am > 0.0f ? am / 448.0f : 1.0f;  /* as tensor.py: quantize_blocks */ \
         enc_block(mbuf, ims, mcb, B, 0); \
         if (VFP8) { \
             const float irs = ar > 0.0f ? 448.0f / ar : 1.0f; \
-            vs[b] = ar > 0.0f ? ar * (1.0f / 448.0f) : 1.0f; \
+            vs[b] = ar > 0.0f ? ar / 448.0f : 1.0f; \
             enc_block(rbuf, irs, vcb, B, 1);  /* sqrt(v) > 0 never becomes code 0 */ \
         } \
     } \

@@ -24,7 +24,7 @@ silently dequantizing (which would hide a 4x memory blow-up in someone's loop).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -89,10 +89,36 @@ def decode(codes_u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(mag < (1 << mbits), sub, normal)
 
 
-def block_scale(x_blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n, B] fp32 -> [n] scales absmax / fp8_max; an all-zero block gets scale 1 (codes 0)."""
-    amax = x_blocks.abs().amax(dim=-1)
-    return torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+class Blocks(NamedTuple):
+    """A blockwise FP8 tensor as the optimizer's step reads and writes it: `codes`, the FP8 bit
+    patterns as a uint8 [n_blocks, B] view, and `scale`, one fp32 per block. An FP8Tensor's
+    `blocks()` is a view of its own storage, so writing into it updates the tensor."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+def quantize_blocks(x: torch.Tensor, dtype: torch.dtype, *, floor: bool = False) -> Blocks:
+    """[n, B] fp32 -> Blocks: scale = absmax / fp8_max per block (1 for an all-zero block),
+    codes = encode(x * (fp8_max / absmax)): one division per block, none per element. The one
+    quantizer of every path (a state converted on load, the compiled and eager step;
+    optim_kernel.c computes the same in C), so a converted state and a stepped one agree bit for
+    bit, and quantizing dequantized values gives back the same codes and scales.
+    floor: a positive x never becomes code 0 (the smallest subnormal instead)."""
+    amax = x.abs().amax(dim=-1)  # [n]
+    scale = torch.where(amax > 0, amax / fp8_max(dtype), 1.0)
+    inv = torch.where(amax > 0, fp8_max(dtype) / amax, 1.0)
+    codes = encode(x * inv[:, None], dtype)
+    if floor:
+        codes = torch.where((x > 0) & (codes == 0), 1, codes).to(torch.uint8)
+    return Blocks(codes, scale)
+
+
+def dequantize_blocks(blocks: Blocks, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks (or a (codes, scale) pair) -> [n, B] fp32 values: decode(codes) * scale, exact
+    (the one dequantizer)."""
+    codes, scale = blocks
+    return decode(codes, dtype) * scale[:, None]
 
 
 def _check_blocks(numel: int, block_size: int) -> None:
@@ -141,9 +167,8 @@ class FP8Tensor(TorchAOBaseTensor):
         if dtype not in FP8_DTYPES.values():
             raise ValueError(f"dtype must be one of {tuple(FP8_DTYPES.values())}, got {dtype}")
         _check_blocks(x.numel(), block_size)
-        blocks = x.detach().to(torch.float32).reshape(-1, block_size)  # [n, B]
-        scale = block_scale(blocks, dtype)  # [n]
-        codes = encode(blocks / scale[:, None], dtype).view(dtype).view(x.shape)
+        codes, scale = quantize_blocks(x.detach().to(torch.float32).reshape(-1, block_size), dtype)  # [n, B], [n]
+        codes = codes.view(dtype).view(x.shape)
         return cls(codes, scale, block_size)
 
     @classmethod
@@ -154,9 +179,12 @@ class FP8Tensor(TorchAOBaseTensor):
         scale = torch.ones(codes.numel() // block_size, dtype=torch.float32, device=device)
         return cls(codes, scale, block_size)
 
+    def blocks(self) -> Blocks:
+        """Codes and scales as the step reads and writes them in place: [n_blocks, B] uint8, [n_blocks]."""
+        return Blocks(self.codes.view(torch.uint8).view(-1, self.block_size), self.scale)
+
     def dequantize(self, output_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        values = decode(self.codes.view(torch.uint8).reshape(-1, self.block_size), self.fp8_dtype)
-        return (values * self.scale[:, None]).view(self.shape).to(output_dtype)
+        return dequantize_blocks(self.blocks(), self.fp8_dtype).view(self.shape).to(output_dtype)
 
     def layout_problem(self) -> str | None:
         """Why codes, scale and block_size do not describe this tensor, or None: codes of an FP8

@@ -105,25 +105,26 @@ def shard_problem(p: torch.Tensor, block_size: int) -> str | None:
 
 # ------------------------------------------------------------------------------- conversion
 def convert(opt: torch.optim.Optimizer) -> None:
-    """Bring every parameter's loaded state to what the wrapper `opt` stores now: its format's
-    hooks quantize (`_quantize`, `_quantize_sqrt`, `_is_stored`); a moment kept in high
+    """Bring every parameter's loaded state to what the wrapper `opt` stores now: its moment
+    format quantizes (`opt.moments`: quantize, quantize_sqrt, is_stored); a moment kept in high
     precision is fp32 when the wrapper steps it, else in the wrapped optimizer's convention."""
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state.get(p)
             if state:
-                _convert_one(opt, p, state, opt._quantized(p, group))
+                _convert_one(opt, p, state, opt.stores(p, group))
 
 
 def _convert_one(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict, quantized: int) -> None:
     if opt.is_sgd:
         buf = state.get("momentum_buffer")
         if buf is not None:
-            state["momentum_buffer"] = opt._quantize(buf.to(p.device)) if quantized else _high(opt, buf, p)
+            state["momentum_buffer"] = opt.moments.quantize(buf.to(p.device)) if quantized else _high(opt, buf, p)
         return
-    state["exp_avg"] = opt._quantize(state["exp_avg"].to(p.device)) if quantized else _high(opt, state["exp_avg"], p)
+    m = state["exp_avg"]
+    state["exp_avg"] = opt.moments.quantize(m.to(p.device)) if quantized else _high(opt, m, p)
     r = state.get("exp_avg_sq_sqrt")
-    if quantized >= 2 and r is not None and opt._is_stored(r):
+    if quantized >= 2 and r is not None and opt.moments.is_stored(r):
         state["exp_avg_sq_sqrt"] = r.to(p.device)  # already what the format stores: bit-exact
     else:
         if r is not None:  # stored sqrt(v): v = r^2
@@ -132,7 +133,7 @@ def _convert_one(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict, quant
         else:
             v = dense(state.pop("exp_avg_sq")).to(p.device).float()
         if quantized >= 2:
-            state["exp_avg_sq_sqrt"] = opt._quantize_sqrt(v)
+            state["exp_avg_sq_sqrt"] = opt.moments.quantize_sqrt(v)
         elif quantized:  # only the first moment quantized: the wrapper keeps v in fp32 whatever p's dtype
             state["exp_avg_sq"] = v.to(device=p.device, dtype=torch.float32).contiguous()
         else:

@@ -1,26 +1,22 @@
 """The one Adam(W) step and the one SGD-momentum step, written once over moment formats.
 
 A wrapper (wrapper.py) steps a parameter here when the wrapped torch optimizer cannot: its moments
-are stored in another format (nanochat.fp8: FP8 codes and block scales), its weights are bf16
-masters (master.py), or it steps inside the backward with a guard (in_backward.py). The math is
-torch's, in fp32, written once; what differs between formats is only how a moment is read and
-written back, so a format is a class of four static functions (torchao's optim/adam.py keeps one
-`single_param_adam` and lets each state subclass decide the same thing):
+are stored in another format (format.py; nanochat.fp8: FP8 codes and block scales), its weights
+are bf16 masters (master.py), or it steps inside the backward with a guard (in_backward.py). The
+math is torch's, in fp32, written once; a format only says how a moment is read and written
+back (MomentFormat's four static functions), as torchao's optim/adam.py keeps one
+`single_param_adam` and lets each state subclass decide the same thing.
 
-    read(m) -> fp32 m            write(m, new, ok) -> tie
-    read_sq(v) -> fp32 v         write_sq(v, v_new, sqrt(v_new), ok) -> tie
-
-A moment is a tuple of tensors (FP32: the tensor itself, in the parameter's shape; a block format:
-[n_blocks, B] views). `ok` is None or a 0-dim bool: False leaves every state as it was (the step
-inside the backward skips a parameter whose gradient is not finite, decided on the device).
-`tie` is 0.0 or a zero tensor the format computed from what it stored; adding it to the weight's
-write keeps one fused loop per parameter under inductor (FP8: see its write).
+A moment is a tuple of tensors (fp32: the tensor itself, in the parameter's shape; a block
+format: [n_blocks, B] views). `ok` is None or a 0-dim bool: False leaves every state as it was
+(the step inside the backward skips a parameter whose gradient is not finite, decided on the
+device). The format's `tie`, added to the weight's write, keeps one fused loop per parameter
+under inductor (FP8: see its write).
 
 Hyperparameters are 0-dim float64 CPU tensors (`host_scalar`), as in torchao's optimizers: a
 changing lr does not recompile, and on a GPU the compiled kernels take them as scalar arguments,
 so nothing is copied to the device or read back. Step counts are 0-dim float32 tensors on the
-parameter's device. The alternative, one step branching on every representation, makes each
-new format touch the update itself.
+parameter's device.
 """
 
 from __future__ import annotations
@@ -29,33 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .format import MomentFormat
 from .master import read_master, round_rne, sr_bits, write_master
 
 
-class FP32:
-    """Moments as fp32 tensors laid out as the parameter (torch's own representation)."""
-
-    @staticmethod
-    def read(m: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return m[0]
-
-    @staticmethod
-    def write(m: tuple[torch.Tensor, ...], new: torch.Tensor, ok: torch.Tensor | None) -> float:
-        m[0].copy_(new if ok is None else torch.where(ok, new, m[0]))
-        return 0.0
-
-    @staticmethod
-    def read_sq(v: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return v[0]
-
-    @staticmethod
-    def write_sq(v: tuple[torch.Tensor, ...], new: torch.Tensor, sqrt_new: torch.Tensor,
-                 ok: torch.Tensor | None) -> float:
-        return FP32.write(v, new, ok)
-
-
 def adam_step(p, g, m, v, lo, step, lr, beta1, beta2, eps, wd, salt, ok, *, decoupled: bool, master: str,
-              emulate: bool = False, m_format: type = FP32, v_format: type = FP32):
+              emulate: bool = False, m_format: type = MomentFormat, v_format: type = MomentFormat):
     """Adam(W) on one parameter: m and v as their formats store them. The update is computed in
     fp32 from the fp32 master (p, or p and its low half `lo` under bf16_split) and written back as
     `master` says (master.py); `salt` (a 0-dim int64) seeds bf16_sr's bits. emulate: p is an fp32
@@ -82,7 +57,7 @@ def adam_step(p, g, m, v, lo, step, lr, beta1, beta2, eps, wd, salt, ok, *, deco
 
 
 def adam_multi(ps, gs, ms, vs, los, steps, hypers, salts, oks, *, decoupled: bool, master: str,
-               emulate: bool = False, m_format: type = FP32, v_format: type = FP32):
+               emulate: bool = False, m_format: type = MomentFormat, v_format: type = MomentFormat):
     """adam_step over lists of same-shape tensors: one compiled graph, one call for all of them.
     hypers[i] = (lr, beta1, beta2, eps, weight_decay) of tensor i's param group; los, salts and
     oks are empty lists when the call does not use them."""
@@ -144,8 +119,8 @@ class AdamTensor:
     """The in-backward guard: a 0-dim bool, False leaves p and its state as they were."""
     m: tuple[torch.Tensor, ...] = ()
     v: tuple[torch.Tensor, ...] = ()
-    m_format: type = FP32
-    v_format: type = FP32
+    m_format: type = MomentFormat
+    v_format: type = MomentFormat
     lo: torch.Tensor | None = None
     """bf16_split's int16 low halves of the fp32 master."""
     native: bool = False
@@ -162,4 +137,4 @@ class AdamTensor:
                 self.p.dtype, self.g.dtype, tuple(self.p.shape))
 
 
-__all__ = ["FP32", "AdamTensor", "adam_hypers", "adam_multi", "adam_step", "host_scalar", "sgd_multi", "sgd_step"]
+__all__ = ["AdamTensor", "adam_hypers", "adam_multi", "adam_step", "host_scalar", "sgd_multi", "sgd_step"]

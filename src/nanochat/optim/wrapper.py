@@ -11,17 +11,10 @@ itself (step.py) when the wrapped optimizer cannot:
   stochastically, or split with a 16-bit remainder kept in the state ("master_lo"); then every
   parameter is stepped here, with fp32 moments;
 - the step inside the backward (in_backward.py, `step_in_backward()`): every parameter too;
-- a moment format (a subclass: nanochat.fp8.FP8Optim keeps Adam's moments in FP8): the
-  parameters the format stores; the others are stepped by the wrapped optimizer with the
-  format's parameters' gradients hidden from it, so they follow torch's math exactly.
-
-A format is a small set of hooks over the one step (torchao's optim/: `_subclass_zeros` over one
-`single_param_adam`): `_quantized(p, group)` says how many of p's moments it stores; then
-`_quantized_zeros`, `_quantized_view`, `MOMENT_FORMAT` (step.py's read/write functions),
-`_quantize` / `_quantize_sqrt` / `_is_stored` (state conversion on load) and, when it brings a C
-kernel, `_native_ok` / `_native_step` (backends.py). A format's moments are blocks of
-`block_size` elements, each with its scale: the step sees p, its gradient and the moments as
-[n_blocks, B] views.
+- moments stored in another format (`moments=`, a format.MomentFormat: nanochat.fp8's
+  E4M3Blocks keeps them in FP8, which is FP8Optim): the parameters the format stores; the
+  others are stepped by the wrapped optimizer with those gradients hidden from it, so they
+  follow torch's math exactly.
 
 How a step runs (native kernel, compiled, eager) and its fallbacks: backends.py. Saved state,
 its checks, conversion and FSDP2 sharding: state.py. Bytes: state_bytes.py.
@@ -37,11 +30,12 @@ from nanochat.common import format_bytes, logger
 
 from . import state as states
 from .backends import Backends
+from .format import MomentFormat
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .state import DTensor, like, local
 from .state_bytes import moments, optimizer_bytes, optimizer_state_bytes
-from .step import FP32, AdamTensor, adam_hypers, adam_multi, host_scalar, sgd_multi
+from .step import AdamTensor, adam_hypers, adam_multi, host_scalar, sgd_multi
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
 
@@ -51,6 +45,7 @@ class OptimWrapper(torch.optim.Optimizer):
 
     Args:
         optimizer: a constructed torch.optim.AdamW, Adam or SGD (its param_groups are shared).
+        moments: how moments are stored (format.MomentFormat; default fp32).
         compile: False forces the eager step (same as backend="eager").
         backend: "auto", "native", "compile" or "eager" (backends.py).
         master_weights: "fp32" (the parameters are the masters), or "bf16", "bf16_sr",
@@ -60,13 +55,8 @@ class OptimWrapper(torch.optim.Optimizer):
             to bf16 in the step): for models that must compute in fp32. No memory saved.
     """
 
-    block_size: int | None = None
-    """Elements per scale of the stored moments (a format's); None: fp32 moments, sliced anywhere."""
-    MOMENT_FORMAT: type = FP32
-    """The format's read/write functions for its quantized moments (step.py)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, compile: bool = True, backend: str = "auto",
-                 master_weights: str = "fp32", seed: int = 0, emulate: bool = False) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, *, moments: MomentFormat | None = None, compile: bool = True,
+                 backend: str = "auto", master_weights: str = "fp32", seed: int = 0, emulate: bool = False) -> None:
         kind = type(optimizer)
         if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
             raise TypeError(
@@ -76,6 +66,8 @@ class OptimWrapper(torch.optim.Optimizer):
         # Optimizer.__init__ installs the hook dicts and step profiling; then share the objects
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
+        self.moments = moments if moments is not None else MomentFormat()
+        """How this wrapper stores moments (format.py)."""
         self.is_sgd = kind is torch.optim.SGD
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
@@ -104,39 +96,9 @@ class OptimWrapper(torch.optim.Optimizer):
     def _make_salts(self) -> dict:
         return {p: sr_salt(self._seed, i) for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
 
-    # ---- the format's hooks (fp32 moments here) ----------------------------------------------
-
-    def _quantized(self, p: torch.Tensor, group: dict) -> int:
-        """How many of p's moments (first, then second) the format stores: 0 keeps them fp32."""
-        return 0
-
-    def _quantized_zeros(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """A zero moment in the format, for a shard of `shape`."""
-        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
-
-    def _quantized_view(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """A stored moment as MOMENT_FORMAT's step functions take it ([n_blocks, B] views)."""
-        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
-
-    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """A loaded moment (any representation) as the format stores it."""
-        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
-
-    def _quantize_sqrt(self, v: torch.Tensor) -> torch.Tensor:
-        """The fp32 second moment v as the format stores sqrt(v) (exp_avg_sq_sqrt)."""
-        raise NotImplementedError(f"{type(self).__name__} stores no quantized moments")
-
-    def _is_stored(self, x: torch.Tensor) -> bool:
-        """A loaded exp_avg_sq_sqrt already in the format (kept bit for bit)."""
-        return False
-
-    def _native_ok(self, t: AdamTensor) -> bool:
-        """The format's native kernel can step `t` (this device, these dtypes)."""
-        return False
-
-    def _native_step(self, items: list[AdamTensor]) -> None:
-        """One native kernel call for `items` (RuntimeError: the kernel is unavailable)."""
-        raise RuntimeError(f"{type(self).__name__} has no native kernel")
+    def stores(self, p: torch.Tensor, group: dict) -> int:
+        """How many of p's moments the format stores (0: fp32, stepped as torch would)."""
+        return self.moments.stores(p, group, sgd=self.is_sgd)
 
     # ---- configuration checks ----------------------------------------------------------------
 
@@ -179,7 +141,7 @@ class OptimWrapper(torch.optim.Optimizer):
                              if p.grad is not None])
             return loss
         mine = [(p, group) for group in self.param_groups for p in group["params"]
-                if p.grad is not None and self._quantized(p, group)]
+                if p.grad is not None and self.stores(p, group)]
         if mine:
             self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the format's hidden
@@ -230,7 +192,7 @@ class OptimWrapper(torch.optim.Optimizer):
     def _adam_tensor(self, p: torch.Tensor, group: dict, ok: torch.Tensor | None) -> AdamTensor:
         """p as the step sees it (its state made on its first step)."""
         state = self.state[p]
-        quantized = self._quantized(p, group)
+        quantized = self.stores(p, group)
         if len(state) == 0:
             self._init_adam_state(p, state, quantized)
         pl, g = local(p), local(p.grad)  # from here on: this rank's shard
@@ -242,14 +204,14 @@ class OptimWrapper(torch.optim.Optimizer):
         if not quantized:
             t.m, t.v = (local(state["exp_avg"]),), (local(state["exp_avg_sq"]),)
             return t
-        B = self.block_size
+        fmt, B = self.moments, self.moments.block_size
         t.p, t.g, t.lo = pl.view(-1, B), g.reshape(-1, B), None if t.lo is None else t.lo.view(-1, B)
-        t.m, t.m_format = self._quantized_view(local(state["exp_avg"])), self.MOMENT_FORMAT
+        t.m, t.m_format = fmt.view(local(state["exp_avg"])), type(fmt)
         if quantized >= 2:
-            t.v, t.v_format = self._quantized_view(local(state["exp_avg_sq_sqrt"])), self.MOMENT_FORMAT
+            t.v, t.v_format = fmt.view(local(state["exp_avg_sq_sqrt"])), type(fmt)
         else:
             t.v = (local(state["exp_avg_sq"]).view(-1, B),)
-        t.native = self._native_ok(t) and g.is_contiguous()
+        t.native = fmt.native_ok(t, master=self.master_weights, emulate=self.emulate) and g.is_contiguous()
         return t
 
     def _step_adam(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
@@ -268,7 +230,8 @@ class OptimWrapper(torch.optim.Optimizer):
         for same_device in steps.values():  # torch's Adam counts steps first, then steps
             torch._foreach_add_(same_device, 1.0)
         for key, items in calls.items():
-            if key[0] != "native" or not self.backends.run_native(lambda: self._native_step(items), len(items)):
+            if key[0] != "native" or not self.backends.run_native(
+                    lambda: self.moments.native_step(items, master=self.master_weights), len(items)):
                 self._adam_compiled(items)
 
     def _adam_compiled(self, items: list[AdamTensor]) -> None:
@@ -295,25 +258,25 @@ class OptimWrapper(torch.optim.Optimizer):
     def _step_sgd(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
         """Every SGD parameter whose momentum the format stores, one compiled call per (device,
         dtypes, shape, kind)."""
-        B = self.block_size
+        fmt, B = self.moments, self.moments.block_size
         calls: dict[tuple, list] = defaultdict(list)
         hypers: dict[int, tuple] = {}
         for p, group in mine:
             state = self.state[p]
             first = state.get("momentum_buffer") is None
             if first:
-                state["momentum_buffer"] = like(self._quantized_zeros(local(p).shape, p.device), p)
+                state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p)
             pl, g = local(p), local(p.grad)
             if id(group) not in hypers:
                 hypers[id(group)] = tuple(host_scalar(group[k]) for k in ("lr", "momentum", "dampening",
                                                                           "weight_decay"))
             key = (first, bool(group["nesterov"]), pl.device, pl.dtype, g.dtype, (pl.numel() // B, B))
-            calls[key].append((pl.view(-1, B), g.reshape(-1, B), self._quantized_view(local(state["momentum_buffer"])),
+            calls[key].append((pl.view(-1, B), g.reshape(-1, B), fmt.view(local(state["momentum_buffer"])),
                                hypers[id(group)]))
         for (first, nesterov, *_), items in calls.items():
             ps, gs, bufs, hyp = (list(x) for x in zip(*items))
             self.backends.run("sgd", sgd_multi, ps, gs, bufs, hyp, first=first, nesterov=nesterov,
-                              m_format=self.MOMENT_FORMAT)
+                              m_format=type(fmt))
 
     def _init_adam_state(self, p: torch.Tensor, state: dict, quantized: int) -> None:
         # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
@@ -325,9 +288,9 @@ class OptimWrapper(torch.optim.Optimizer):
         def fp32() -> torch.Tensor:
             return like(torch.zeros(shard, dtype=torch.float32, device=pl.device), p)
 
-        state["exp_avg"] = like(self._quantized_zeros(shard, p.device), p) if quantized else fp32()
+        state["exp_avg"] = like(self.moments.zeros(shard, p.device), p) if quantized else fp32()
         if quantized >= 2:
-            state["exp_avg_sq_sqrt"] = like(self._quantized_zeros(shard, p.device), p)
+            state["exp_avg_sq_sqrt"] = like(self.moments.zeros(shard, p.device), p)
         else:
             state["exp_avg_sq"] = fp32()
         if self.master_weights == "bf16_split":  # the master is the bf16 weight exactly: low half 0
@@ -376,18 +339,30 @@ class OptimWrapper(torch.optim.Optimizer):
     def planned_bytes(self, p: torch.Tensor, group: dict) -> int:
         """Bytes of state the first step will allocate for p (this wrapper's layout)."""
         n = local(p).numel()  # FSDP: this rank's shard
-        quantized = self._quantized(p, group)
+        quantized = self.stores(p, group)
         # the moments we allocate are fp32 (all of them when we step every parameter, or v beside
         # a quantized m), the wrapped optimizer's are in p's dtype
         return (optimizer_bytes(n, quantized=quantized, moments=moments(self.optimizer, group),
-                                block_size=self.block_size,
+                                block_size=self.moments.block_size,
                                 moment_bytes=4 if quantized or self.steps_every_parameter else p.element_size())
                 + n * bytes_per_param(self.master_weights)[2])  # bf16_split's remainder
 
+    def fp32_states(self) -> dict[str, tuple[int, int]]:
+        """Why parameters keep fp32 moments although the format stores moments: reason ->
+        (tensors, params). Empty when it stores every parameter's, or is fp32 itself."""
+        kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for group in self.param_groups:
+            for p in group["params"]:
+                reason = self.moments.kept(p, group, sgd=self.is_sgd)
+                if reason is not None:
+                    kept[reason][0] += 1
+                    kept[reason][1] += p.numel()
+        return {reason: (n, numel) for reason, (n, numel) in kept.items()}
+
     def fp32_state_notes(self) -> list[str]:
-        """Parameters whose moments stay fp32 although the format quantizes them, as fallback
-        lines with the reason; none here (a moment format's hook: FP8Optim)."""
-        return []
+        """fp32_states() as fallback lines for a run's results, in the format's words."""
+        notes = (self.moments.fallback_note(n, numel, reason) for reason, (n, numel) in self.fp32_states().items())
+        return [note for note in notes if note]
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: optimizer_state_bytes(self)."""
@@ -399,12 +374,27 @@ class OptimWrapper(torch.optim.Optimizer):
         return self.state_bytes() / n if n else 0.0
 
     def summary(self) -> str:
-        kind = type(self.optimizer).__name__
-        n = sum(1 for g in self.param_groups for _ in g["params"])
-        numel = sum(p.numel() for g in self.param_groups for p in g["params"])
-        who = "every parameter stepped here" if self.steps_every_parameter else "stepped by the wrapped optimizer"
-        return (f"{type(self).__name__}({kind}, master_weights={self.master_weights}): {n} tensors / {numel:,} "
-                f"params with fp32 moments, {who}; {format_bytes(self.state_bytes())} of state")
+        """One line of layout (and one per reason some moments stay fp32), logged at the first step."""
+        kind, fmt = type(self.optimizer).__name__, self.moments
+        n_moments = 1 if self.is_sgd else 2
+        if type(fmt) is MomentFormat:
+            n = sum(1 for g in self.param_groups for _ in g["params"])
+            numel = sum(p.numel() for g in self.param_groups for p in g["params"])
+            who = "every parameter stepped here" if self.steps_every_parameter else "stepped by the wrapped optimizer"
+            return (f"{type(self).__name__}({kind}, master_weights={self.master_weights}): {n} tensors / {numel:,} "
+                    f"params with fp32 moments, {who}; {format_bytes(self.state_bytes())} of state")
+        stored = [(p.numel(), q) for g in self.param_groups for p in g["params"] if (q := self.stores(p, g))]
+        numel = sum(n for n, _ in stored)
+        moment_bytes = sum(optimizer_bytes(n, quantized=q, moments=n_moments, block_size=fmt.block_size)
+                           for n, q in stored)
+        per_param = moment_bytes / numel if numel else 4.0 * n_moments
+        master = "" if self.master_weights == "fp32" else f", master_weights={self.master_weights}"
+        lines = [f"{type(self).__name__}({kind}, {fmt.describe()}{master}): {len(stored)} tensors / {numel:,} params "
+                 f"with {fmt.name} state ({per_param:.3f} bytes/param of moments); {self.state_bytes():,} bytes of state"]
+        for reason, (n, kept) in self.fp32_states().items():
+            lines.append(f"  fp32 state: {n} tensors / {kept:,} params "
+                         f"({format_bytes(optimizer_bytes(kept, moments=n_moments))}): {reason}")
+        return "\n".join(lines)
 
 
 def optimizer_fallbacks(optimizer: torch.optim.Optimizer) -> list[str]:

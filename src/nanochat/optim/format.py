@@ -1,0 +1,106 @@
+"""MomentFormat: how an optimizer wrapper stores Adam's and SGD's moments, its one extension point.
+
+A format answers two kinds of question. Inside the one step (step.py), how a moment is read into
+fp32 and written back, as four static functions; the compiled step takes the format's class as a
+constant of its graph, so a format adds no guard and no branch to the update:
+
+    read(m) -> fp32 m            write(m, new, ok) -> tie
+    read_sq(v) -> fp32 v         write_sq(v, v_new, sqrt(v_new), ok) -> tie
+
+Around the step (wrapper.py, state.py, state_bytes.py), on an instance: how many of a
+parameter's moments it stores (`stores`, and `kept` for why not), a zero moment, the view the
+step takes of a stored one, the conversion of a loaded state, and optionally a native kernel.
+
+`MomentFormat` itself is fp32: moments are plain tensors shaped as the parameter, what torch keeps,
+so the wrapped torch optimizer steps them unless the wrapper steps every parameter (bf16
+masters, the step in the backward). nanochat.fp8.optim.E4M3Blocks stores them as e4m3 codes
+with an fp32 scale per block: it is passed as `OptimWrapper(optimizer, moments=E4M3Blocks(...))`,
+which is what nanochat.fp8.FP8Optim does. Another format (8-bit integers, MXFP8 moments) is
+another subclass; nothing in the wrapper changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class MomentFormat:
+    """fp32 moments (torch's own representation); the base every moment format overrides."""
+
+    name = "fp32"
+    """What the summary calls the stored moments."""
+    block_size: int | None = None
+    """Elements per scale of the stored moments; None: fp32, sliced anywhere."""
+
+    # ---- inside the step: static, the compiled graph's constants ------------------------------
+    @staticmethod
+    def read(m: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return m[0]
+
+    @staticmethod
+    def write(m: tuple[torch.Tensor, ...], new: torch.Tensor, ok: torch.Tensor | None) -> Any:
+        """Store `new` (ok: None, or a 0-dim bool; False keeps the old value). Returns the tie: 0.0,
+        or a zero tensor computed from what was stored (step.py adds it to the weight's write)."""
+        m[0].copy_(new if ok is None else torch.where(ok, new, m[0]))
+        return 0.0
+
+    @staticmethod
+    def read_sq(v: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return v[0]
+
+    @staticmethod
+    def write_sq(v: tuple[torch.Tensor, ...], new: torch.Tensor, sqrt_new: torch.Tensor,
+                 ok: torch.Tensor | None) -> Any:
+        return MomentFormat.write(v, new, ok)
+
+    # ---- around the step ----------------------------------------------------------------------
+    def stores(self, p: torch.Tensor, group: dict, *, sgd: bool) -> int:
+        """How many of p's moments (first, then second) this format stores: 0 keeps them fp32."""
+        return 0
+
+    def kept(self, p: torch.Tensor, group: dict, *, sgd: bool) -> str | None:
+        """Why p's moments stay fp32 although this format stores moments (its summary and the
+        run's fallbacks), or None."""
+        return None
+
+    def zeros(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """A zero moment in this format, for a shard of `shape`."""
+        raise NotImplementedError(f"{type(self).__name__} stores no moments of its own")
+
+    def view(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A stored moment as the static functions take it ([n_blocks, B] views)."""
+        raise NotImplementedError(f"{type(self).__name__} stores no moments of its own")
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """A loaded moment (any representation) as this format stores it."""
+        raise NotImplementedError(f"{type(self).__name__} stores no moments of its own")
+
+    def quantize_sqrt(self, v: torch.Tensor) -> torch.Tensor:
+        """The fp32 second moment v as this format stores sqrt(v) (exp_avg_sq_sqrt)."""
+        raise NotImplementedError(f"{type(self).__name__} stores no moments of its own")
+
+    def is_stored(self, x: torch.Tensor) -> bool:
+        """A loaded exp_avg_sq_sqrt already in this format (kept bit for bit)."""
+        return False
+
+    def native_ok(self, t: Any, *, master: str, emulate: bool) -> bool:
+        """This format's native kernel can step the AdamTensor `t` (device, dtypes, masters)."""
+        return False
+
+    def native_step(self, items: list, *, master: str) -> None:
+        """One native kernel call for the AdamTensors `items` (RuntimeError: unavailable)."""
+        raise RuntimeError(f"{type(self).__name__} has no native kernel")
+
+    def fallback_note(self, tensors: int, numel: int, reason: str) -> str | None:
+        """The run's fallback line for `tensors` tensors of `numel` parameters kept fp32 for
+        `reason` (`kept`), naming the setting that asked for this format; None: not a fallback."""
+        return None
+
+    def describe(self) -> str:
+        """The format's settings as the wrapper's summary names them."""
+        return self.name
+
+
+__all__ = ["MomentFormat"]
