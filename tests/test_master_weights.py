@@ -293,9 +293,10 @@ class NonFiniteGradients(NanoChatTrainer):
                             or (step["n"] == ONE_GRADIENT_NAN and name == POISONED) else g)
         self.weights = [{n: p.detach().clone() for n, p in self.model.named_parameters()}]
 
-    def _after_optimizer_step(self, step):  # after each step (with --optimizer_in_backward, skipped ones too)
-        super()._after_optimizer_step(step)
+    def train_step(self, step):  # after each step, skipped ones too
+        record = super().train_step(step)
         self.weights.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        return record
 
 
 def test_in_backward_step_with_some_nonfinite_gradients_is_not_a_skipped_step(small_corpus, tmp_path):

@@ -178,14 +178,14 @@ def test_a_second_sigint_stops_at_once_leaving_the_newest_checkpoint(small_corpu
 
 
 class SignalInStep(NanoChatTrainer):
-    """Sends itself `signum` during the forward pass of step `at` (1-based)."""
+    """Sends itself `signum` as step `at` (1-based) begins: the step is in flight."""
 
     signum, at = signal.SIGTERM, 3
 
-    def forward_backward(self, step):
+    def train_step(self, step):
         if step + 1 == self.at:
             os.kill(os.getpid(), self.signum)
-        return super().forward_backward(step)
+        return super().train_step(step)
 
 
 def test_the_step_a_signal_arrives_in_reads_once_and_decides_the_stop(small_corpus, tmp_path, capsys):

@@ -49,11 +49,10 @@ from nanochat.common import logger, print_last_line, publish_directory, warn_onc
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.config.fp8 import RESUME_FIELDS, ROLES
 from nanochat.fp8.health import fp8_health
-from nanochat.fp8.optim import wrap_optimizer
 from nanochat.train.guard import StepGuard
 from nanochat.model.export import check_export_dir
 from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
-from nanochat.optim import MASTER_WEIGHTS, MasterWeights, optimizer_fallbacks, param_dtype
+from nanochat.optim import MASTER_WEIGHTS, MasterWeights, param_dtype
 from nanochat.train.stop import StopNow, StopSignals, Stopped, signal_name, stop_line
 
 FP8_STATE_NAME = "fp8_state.json"
@@ -129,8 +128,6 @@ class FP8Trainer(Trainer):
         """FP8's side of training: the conversion report, counters, auto's choices, statistics."""
         self.guard = StepGuard(self.model, max_bad_steps=max_bad_steps)
         """Skips a step whose loss or gradient norm is not finite; counts it (and the clips)."""
-        self.fp8_optimizer: torch.optim.Optimizer | None = None
-        """The Trainer's optimizer as create_optimizer wrapped it (FP8Optim, OptimWrapper, or itself)."""
         if self.fp8.report is not None:
             logger.info("%s", self.fp8.report.summary())
         self._step = None  # the FP8 step open across an optimizer step's micro-batches
@@ -178,13 +175,12 @@ class FP8Trainer(Trainer):
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
-        """The Trainer's optimizer, wrapped once (wrap_optimizer: FP8Optim for FP8 moments at
-        `opt_level` 1-2, OptimWrapper for bf16 master weights alone); the scheduler the Trainer
-        builds next drives the shared param_groups."""
+        """The Trainer's optimizer, wrapped once by FP8Training.wrap_optimizer (FP8Optim for FP8
+        moments at `opt_level` 1-2, OptimWrapper for bf16 master weights alone); the scheduler the
+        Trainer builds next drives the shared param_groups."""
         optimizer = super().create_optimizer(model)
-        if self.fp8_optimizer is None:  # a wrapper logs its layout (and fp32 moments) at its first step
-            self.optimizer = self.fp8_optimizer = wrap_optimizer(
-                optimizer, opt_level=self.fp8.config.opt_level, master_weights=self.master_weights, seed=self.args.seed)
+        if self.fp8.optimizer is None:  # a wrapper logs its layout (and fp32 moments) at its first step
+            self.optimizer = self.fp8.wrap_optimizer(optimizer, master_weights=self.master_weights, seed=self.args.seed)
         return self.optimizer
 
     # ----------------------------------------------------------------------- step
@@ -222,15 +218,12 @@ class FP8Trainer(Trainer):
             with torch.compiler.set_stance("force_eager"):
                 self.model(**self._prepare_inputs(inputs))
 
-        # the stop requests (nanochat.train.stop), read with the loss: no host sync of their own; under
-        # DDP summed over the ranks, so that every rank stops after the same step
-        requests = self.stop.requests(self._step_loss.detach().float())
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            requests = requests.clone()
-            torch.distributed.all_reduce(requests)
+        # every rank's stop request (nanochat.train.stop), averaged over the ranks and read with the
+        # loss: no host sync of its own, and every rank stops after the same step
+        _, votes = self.stop.vote(self._step_loss.detach().float())
         verdict = self.guard.check(self.state.global_step, self._step_loss, self.model.parameters(),
                                    max_norm=max_norm, clip=False, rerun=rerun, note=self._checkpoint_note,
-                                   also=requests)
+                                   also=votes)
         self.stop.decide(verdict.also)
         if verdict.skipped:  # the Trainer would log the norm of the dropped gradients: 0
             self._add_logs({"grad_norm": verdict.grad_norm})
@@ -285,7 +278,7 @@ class FP8Trainer(Trainer):
                 raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}",
                                     saved=folder if os.path.isdir(folder) else None)
         self.fp8.finish()
-        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks + optimizer_fallbacks(self.fp8_optimizer)
+        output.metrics["fp8_fallbacks"] = self.fp8.fallbacks
         return output
 
     def _stopped(self, signum: int, what: str, *, saved: str | None) -> Stopped:
@@ -389,7 +382,7 @@ class FP8Trainer(Trainer):
                        "guard's and FP8's counts start from 0"
                        + (" and `mode` auto calibrates again" if self.fp8.config.mode == "auto" else ""))
             warn_once(f"fp8-resume:{resume_from_checkpoint}", message)
-            self.fp8.fallbacks.append(message)
+            self.fp8.add_fallback(message)
 
     def _check_resume(self, state: dict[str, Any], checkpoint: str) -> None:
         saved = {**(state.get("fp8_config") or {}), "master_weights": state.get("master_weights")}

@@ -222,22 +222,4 @@ class FP8Optim(OptimWrapper):
         return self.moments.block_size
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, master_weights: str = "fp32",
-                   seed: int = 0, emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
-    """The optimizer a run needs around `optimizer`: itself when nothing asks for more (fp32
-    moments and masters, stepped after the backward); FP8Optim for `opt_level` 1 or 2 FP8
-    moments; else nanochat.optim.OptimWrapper for bf16 `master_weights` (`emulate`: bf16
-    numerics on fp32 tensors; `seed` seeds bf16_sr) or `in_backward`, the step inside the
-    backward (installed here: `loss.backward()` is then the step)."""
-    if opt_level:
-        wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
-    elif master_weights != "fp32" or in_backward:
-        wrapped = OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
-    else:
-        return optimizer
-    if in_backward:
-        wrapped.step_in_backward()
-    return wrapped
-
-
-__all__ = ["E4M3Blocks", "FP8Optim", "MIN_NUMEL", "fp8_size_problem", "quantize_sqrt_v", "wrap_optimizer"]
+__all__ = ["E4M3Blocks", "FP8Optim", "MIN_NUMEL", "fp8_size_problem", "quantize_sqrt_v"]

@@ -5,8 +5,8 @@ A loop that trains in FP8 must do things in an order: convert before torch.compi
 steps (eagerly: their hooks would make a compiled model recompile), re-check auto's choices, and
 keep the auto choices and the converted layers in checkpoints. This object holds that order:
 
-    fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # converts now
-    optimizer = fp8.optimizer                     # FP8Optim around yours (opt_level: FP8 moments)
+    fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2))  # converts now
+    optimizer = fp8.wrap_optimizer(torch.optim.AdamW(model.parameters()))  # FP8Optim (opt_level)
     guard = StepGuard(model)                      # nanochat.train.guard: skips non-finite steps (not FP8's)
     for step in range(steps):
         with fp8.begin_step(step) as s:           # s.eager: run the uncompiled model this step
@@ -19,7 +19,9 @@ keep the auto choices and the converted layers in checkpoints. This object holds
     summary = fp8.summary()                       # and guard.summary(): each its own counts
 
 `examples/custom_loop.py` runs it on a transformers model. With `FP8Config(enabled=False)` it
-converts nothing; `opt_level` still stores the moments in FP8. It never reads the device except
+converts nothing; `opt_level` still stores the moments in FP8. `wrap_optimizer` is the one way an
+optimizer gets its moments' format and master weights (the trainer and FP8Trainer call it too),
+and `fallbacks` gathers the conversion's and the optimizer's. It never reads the device except
 where its docstrings say so.
 """
 
@@ -40,7 +42,8 @@ from nanochat.fp8.auto import apply_fp8_choices, choices_table, fp8_choices, rec
 from nanochat.fp8.health import worst_layers
 from nanochat.config.fp8 import FP8Config
 from nanochat.fp8.linear import ROLES, convert, fp8_disabled, is_fp8_model
-from nanochat.fp8.optim import wrap_optimizer
+from nanochat.fp8.optim import FP8Optim
+from nanochat.optim import OptimWrapper
 from nanochat.optim import optimizer_fallbacks
 from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats
 
@@ -86,10 +89,8 @@ class FP8Training:
         self.model = model
         self.config = config = config if config is not None else FP8Config()
         self.report = convert(model, config) if config.enabled else None
-        self.fallbacks: list[str] = ([f for f in (self.report.fallback, self.report.layers_fallback) if f]
-                                     if self.report else [])
-        """Every fallback taken, with its reason (no FP8 hardware, short calibration). Fields are
-        named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
+        self._fallbacks: list[str] = ([f for f in (self.report.fallback, self.report.layers_fallback) if f]
+                                      if self.report else [])
         self.counters: dict[str, Any] = {"stats_samples": 0}
         """Statistics steps sampled so far; the summary and the checkpoint state carry it."""
         self.choices: dict[str, dict[str, str]] | None = None
@@ -102,7 +103,10 @@ class FP8Training:
         self._calibration = None
         self._started = False
         self._step: FP8Step | None = None
-        self.optimizer = self.set_optimizer(optimizer) if optimizer is not None else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        """The optimizer `wrap_optimizer` returned (None until then)."""
+        if optimizer is not None:
+            self.wrap_optimizer(optimizer)
 
     @property
     def has_fp8_layers(self) -> bool:
@@ -112,14 +116,35 @@ class FP8Training:
     def calibrating(self) -> bool:
         return self._calibration is not None
 
-    def set_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """`optimizer` with its moments stored as `opt_level` says (nanochat.fp8.optim's
-        wrap_optimizer: FP8Optim around it at level 1 or 2, the optimizer itself at 0; bf16
-        master weights: call wrap_optimizer yourself). Build it on the parameters the loop trains
-        (after FSDP wraps). Becomes `self.optimizer`."""
-        self.optimizer = wrap_optimizer(optimizer, opt_level=self.config.opt_level)
-        self.fallbacks += optimizer_fallbacks(self.optimizer)  # e.g. tensors too small for FP8 moments
-        return self.optimizer
+    @property
+    def fallbacks(self) -> list[str]:
+        """Every fallback taken so far, with its reason: no FP8 hardware, skipped layers, a short
+        calibration, and the optimizer's (moments kept fp32, a step backend that fell back).
+        Fields are named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
+        return self._fallbacks + optimizer_fallbacks(self.optimizer)
+
+    def add_fallback(self, message: str) -> None:
+        """Record a fallback a caller took on FP8's behalf (e.g. a checkpoint without FP8 state)."""
+        self._fallbacks.append(message)
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, *, master_weights: str = "fp32", seed: int = 0,
+                       emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
+        """The optimizer the loop steps, built around `optimizer` (built on the parameters the
+        loop trains: after FSDP wraps): FP8Optim for `opt_level` 1 or 2 FP8 moments; else
+        nanochat.optim.OptimWrapper for bf16 `master_weights` (`emulate`: bf16 numerics on fp32
+        tensors; `seed` seeds bf16_sr) or `in_backward` (installed here: `loss.backward()` is
+        then the step); else `optimizer` itself. Becomes `self.optimizer`."""
+        level = self.config.opt_level
+        if level:
+            wrapped = FP8Optim(optimizer, opt_level=level, master_weights=master_weights, seed=seed, emulate=emulate)
+        elif master_weights != "fp32" or in_backward:
+            wrapped = OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
+        else:
+            wrapped = optimizer
+        if in_backward:
+            wrapped.step_in_backward()
+        self.optimizer = wrapped
+        return wrapped
 
     def high_precision(self):
         """Context: the FP8 layers run F.linear in high precision (evaluation, generation)."""
@@ -180,7 +205,7 @@ class FP8Training:
         if self._calibration is not None:  # keep the hybrid
             self._calibration.close()
             self._calibration = None
-            self.fallbacks.append(
+            self._fallbacks.append(
                 f"fp8 auto: the run ended after fewer than `auto_steps` {self.config.auto_steps} steps; "
                 "formats stayed at the hybrid default (e4m3 forward, e5m2 gradients)")
 

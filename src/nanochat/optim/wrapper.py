@@ -185,6 +185,11 @@ class OptimWrapper(torch.optim.Optimizer):
         return self._in_backward.stats(per_param)
 
     @property
+    def in_backward(self) -> bool:
+        """`step_in_backward()` was called: the backward steps every parameter."""
+        return bool(self._in_backward.handles)
+
+    @property
     def max_live_grad_bytes(self) -> int:
         """step_in_backward: the largest gradient seen (the most gradient memory alive at once)."""
         return self._in_backward.max_live_grad_bytes
@@ -215,35 +220,32 @@ class OptimWrapper(torch.optim.Optimizer):
         return t
 
     def _step_adam(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
-        """The Adam(W) parameters `mine` (with their groups): those a native kernel takes in one
-        call, the others in one compiled call per (device, dtypes, shape, formats).
+        """The Adam(W) parameters `mine` (with their groups): those the format's native kernel
+        takes in one call per kind (AdamTensor.bucket), the others, and any a kernel turned down,
+        in one compiled adam_multi call per (device, dtypes, shape, formats).
         oks: parameter -> 0-dim bool guard (step_in_backward), else None."""
-        calls: dict[tuple, list[AdamTensor]] = defaultdict(list)
+        native: dict[tuple, list[AdamTensor]] = defaultdict(list)
         steps: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        rest: list[AdamTensor] = []
         for p, group in mine:
             t = self._adam_tensor(p, group, None if oks is None else oks[p])
             if t.ok is None:
                 steps[t.p.device].append(t.step)
             else:  # a skipped parameter keeps its step count too
                 t.step.add_(t.ok.to(torch.float32))
-            calls[t.bucket(native=self.backends.native and t.native)].append(t)
+            (native[t.bucket(native=True)] if self.backends.native and t.native else rest).append(t)
         for same_device in steps.values():  # torch's Adam counts steps first, then steps
             torch._foreach_add_(same_device, 1.0)
-        for key, items in calls.items():
-            if key[0] != "native" or not self.backends.run_native(
-                    lambda: self.moments.native_step(items, master=self.master_weights), len(items)):
-                self._adam_compiled(items)
-
-    def _adam_compiled(self, items: list[AdamTensor]) -> None:
-        """One compiled (or eager) adam_multi call per bucket of `items` (AdamTensor.bucket:
-        tensors a native kernel could not take are re-keyed as they would have been without it)."""
-        calls: dict[tuple, list[AdamTensor]] = defaultdict(list)
-        for t in items:
-            calls[t.bucket(native=False)].append(t)
-        for same in calls.values():
-            first = same[0]
-            hypers: dict[int, tuple] = {}  # per param group
-            for t in same:
+        for items in native.values():
+            if not self.backends.run_native(lambda: self.moments.native_step(items, master=self.master_weights),
+                                            len(items)):
+                rest += items
+        compiled: dict[tuple, list[AdamTensor]] = defaultdict(list)
+        for t in rest:
+            compiled[t.bucket(native=False)].append(t)
+        for same in compiled.values():
+            first, hypers = same[0], {}
+            for t in same:  # per param group, once
                 if id(t.group) not in hypers:
                     hypers[id(t.group)] = adam_hypers(t.group)
             self.backends.run(

@@ -73,7 +73,9 @@ class Compiled:
                 return self.eager_module(x, y)
         try:
             with autocast, self._limit():
-                return self.module(x, y)
+                loss = self.module(x, y)
+            self.pending = False  # compiled: the next step runs the graphs
+            return loss
         except Exception as e:  # noqa: BLE001 -- any compiler failure; training goes on eagerly
             if not (self.pending and _is_compile_failure(e)):
                 raise

@@ -69,6 +69,32 @@ def held(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
         numel, nbytes = numel + n, nbytes + n * t.element_size()
     return numel, nbytes
 
+@dataclass
+class HeldBytes:
+    """What a run's training state holds on this rank, measured (TrainResult.state_bytes, against
+    the plan's parts): weights and optimizer state at setup, gradients at the first update."""
+
+    weights: int
+    optimizer: int
+    gradients: int | None = None
+
+    def count_gradients(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """At an update, the first time: the gradients present (with the step inside the
+        backward, the largest one alive at once: the optimizer measured it)."""
+        if self.gradients is None:
+            in_backward = getattr(optimizer, "in_backward", False)
+            self.gradients = optimizer.max_live_grad_bytes if in_backward else \
+                held(p.grad for p in params if p.grad is not None)[1]
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + (self.gradients or 0)
+
+    def as_dict(self) -> dict[str, int]:
+        parts = {"weights": self.weights, "optimizer": self.optimizer}
+        return parts if self.gradients is None else {**parts, "gradients": self.gradients}
+
+
 def activation_bytes(config: GPTConfig, tokens: int, *, autocast: bool, checkpointing: bool) -> int:
     """Estimated activation memory of one forward+backward over `tokens` tokens (batch x seq).
 

@@ -12,7 +12,7 @@ the first signal stops at once.
 
 Under torchrun the ranks may get the signal at different times, or only one of them may (a
 `kill` of one pid): each rank's request travels in the all-reduce of the step's loss
-(`reduce_with`), and is read with the loss in the step guard's one device read (`decide`), so
+(`vote`), and is read with the loss in the step guard's one device read (`decide`), so
 every rank stops after the same step, and a step gains no collective and no host sync. (An
 all-reduced flag read on its own would add a sync a step: the host could no longer queue the
 next step's kernels while the GPU finishes this one.)
@@ -72,7 +72,7 @@ def signal_name(signum: int) -> str:
 
 class StopSignals:
     """SIGINT and SIGTERM while a run trains (module docstring). `handling()` installs the
-    handlers; `steps()` is the loop's range; `reduce_with` and `decide` carry each rank's request
+    handlers; `steps()` is the loop's range; `vote` and `decide` carry each rank's request
     through the step's own all-reduce and device read."""
 
     def __init__(self):
@@ -88,7 +88,6 @@ class StopSignals:
         self.ignoring = False
         """The run is ending (stopped, or failing with an error of its own): a signal must not cut
         short or replace its last line."""
-        self._votes: torch.Tensor | None = None
         self._zeros: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     # ------------------------------------------------------------------ handlers
@@ -179,18 +178,12 @@ class StopSignals:
             flags[SIGNALS.index(self.received)] = 1
         return flags
 
-    def reduce_with(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` (a scalar) averaged over ranks, in one all-reduce that also carries each rank's
-        request; the requests stay on the device (`votes`) until `decide` gets them read with the
-        loss."""
+    def vote(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss` (a scalar) averaged over ranks and every rank's request flags averaged with it,
+        in the one all-reduce the loss needs anyway: (loss, votes), both still on the device, for
+        the step guard to read together (`decide` takes the votes as read)."""
         both = distributed.all_reduce_mean(torch.cat([loss.reshape(1), self.requests(loss)]))
-        self._votes = both[1:]
-        return both[0]
-
-    @property
-    def votes(self) -> torch.Tensor | None:
-        """The all-reduced requests of the step (fractions of the ranks), still on the device."""
-        return self._votes
+        return both[0], both[1:]
 
     def decide(self, votes: list[float]) -> None:
         """The requests as read on the host: any rank's SIGTERM stops the run as SIGTERM, else

@@ -8,13 +8,12 @@ The CLI (`scripts/base_train.py`) builds the same TrainConfig from flags and cal
 checkpointer (run directory, --init_from, --resume: read before the model, for its FP8 layer
 set), preflight (device, process layout, input paths), run_data (corpus, tokenizer, token
 store, batches: every data error before a model exists), the model (after the memory plan; FP8
-conversion before compile; DDP or FSDP), the optimizer (AdamW; FP8Optim for FP8 moments,
-optim.OptimWrapper for bf16 masters or the step inside the backward), compiled (torch.compile's
-state), the step guard, the evaluator, the metrics log and the progress printer.
-A step (`train_step`) is `forward_backward` (the micro-batches, around FP8's calibration and
-statistics) then `optimizer_step` (the guard, the update, FP8's bookkeeping); `_train` is the
-loop: step, time, evaluate, log, save. torchrun: docs/distributed.md; precision (--dtype,
---master_weights, --optimizer_in_backward): docs/master_weights.md.
+conversion before compile; DDP or FSDP), the optimizer (AdamW, as FP8Training wraps it),
+compiled (torch.compile's state), the step guard, the evaluator, the metrics log and the
+progress printer. `train_step` is one step read top to bottom: learning rate, micro-batches
+(forward, backward), the stop vote and the guard's one device read, the update, FP8's end of
+step. `_train` is the loop: step, time, evaluate, log, save. torchrun: docs/distributed.md;
+precision (--dtype, --master_weights, --optimizer_in_backward): docs/master_weights.md.
 """
 
 from __future__ import annotations
@@ -39,18 +38,16 @@ from nanochat.config import TrainConfig, flag_text, flags_in_log
 from nanochat.device import autocast_context, resolve_device, resolve_dtype, seed_everything
 from nanochat.data.prepare import write_sources
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.fp8.optim import wrap_optimizer
-from nanochat.fp8.training import FP8Step
 from nanochat.model.gpt import GPT, GPTConfig, preset_config
 from nanochat.model.hf import gpt_config_from_hf, load_hf_model
 from nanochat.model.hub import ResolvedModel
-from nanochat.optim import optimizer_fallbacks, optimizer_state_bytes, param_dtype
+from nanochat.optim import optimizer_state_bytes, param_dtype
 from nanochat.report.plot import plot_after_run
 from nanochat.train import memory, mfu, preflight
 from nanochat.train.compiled import Compiled
 from nanochat.train.evaluation import Evaluator
 from nanochat.train.guard import StepGuard
-from nanochat.train.memory import MemoryPlan, held
+from nanochat.train.memory import HeldBytes, MemoryPlan, held
 from nanochat.train.metrics import MetricsLog, Throughput, TrainResult
 from nanochat.train.progress import Progress, header
 from nanochat.train.run_data import RunData
@@ -102,7 +99,7 @@ class NanoChatTrainer:
     flops_per_token: int               # with `peak`, the two factors of MFU (nanochat.train.mfu)
     peak: mfu.Peak | None
     saved_step: int | None             # the step of the checkpoint this run saved last
-    state_bytes: dict[str, int]        # weights and optimizer at setup, gradients at the first update
+    held: HeldBytes                    # weights and optimizer at setup, gradients at the first update
     stop: StopSignals
     """SIGTERM and Ctrl-C while training: the run stops after a step, with a checkpoint (set in
     __init__: a signal during setup is handled too)."""
@@ -200,7 +197,7 @@ class NanoChatTrainer:
         self.flops_per_token = self.model.flops_per_token(cfg.seq_len)
         self.peak = mfu.device_peak(self.device)
         self.saved_step = None
-        self.state_bytes = {"weights": weight_bytes, "optimizer": self.optimizer_state_bytes}  # gradients: step 1
+        self.held = HeldBytes(weights=weight_bytes, optimizer=self.optimizer_state_bytes)  # gradients: step 1
         self.checkpoints.prepare()  # the run directory, created last: an error until here leaves nothing
         if cfg.save_checkpoints:  # room for one more checkpoint (--overwrite has made room first)
             preflight.check_disk(self.run_dir, self.optimizer_state_bytes + held(self.model.state_dict().values())[1])
@@ -213,7 +210,7 @@ class NanoChatTrainer:
     def all_fallbacks(self) -> list[str]:
         """Every fallback the run took so far, with its reason (TrainResult.fallbacks): the
         trainer's own, FP8's, the optimizer's and the trackers' (those failed mid-run)."""
-        parts = self.fp8.fallbacks + optimizer_fallbacks(self.optimizer)
+        parts = self.fp8.fallbacks  # the conversion's and the optimizer's
         trackers = self.metrics.trackers.fallbacks if self.metrics.trackers is not None else []
         return self.fallbacks + [flag_text(f) for f in parts] + trackers
 
@@ -277,9 +274,8 @@ class NanoChatTrainer:
                                       blocks=self.model.transformer.h), parallel
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW, no weight decay on embeddings / norms / biases; FP8Optim around it for FP8
-        moments (--fp8_opt_level), OptimWrapper for bf16 --master_weights or
-        --optimizer_in_backward alone (nanochat.fp8.optim.wrap_optimizer)."""
+        """AdamW, no weight decay on embeddings / norms / biases, as FP8Training wraps it (FP8
+        moments: --fp8_opt_level; bf16 --master_weights; --optimizer_in_backward)."""
         cfg = self.config
         adamw = torch.optim.AdamW(
             self.model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
@@ -289,12 +285,8 @@ class NanoChatTrainer:
         )
         for group in adamw.param_groups:
             group["initial_lr"] = cfg.lr
-        optimizer = wrap_optimizer(adamw, opt_level=cfg.fp8_opt_level, master_weights=cfg.master_weights,
-                                   seed=cfg.seed, emulate=cfg.master_weights_emulate,
-                                   in_backward=cfg.optimizer_in_backward)
-        if cfg.optimizer_in_backward:
-            optimizer.step_in_backward()
-        return optimizer
+        return self.fp8.wrap_optimizer(adamw, master_weights=cfg.master_weights, seed=cfg.seed,
+                                       emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward)
 
     def _resume(self) -> int:
         """The checkpoint read at setup into the built parts; its step."""
@@ -305,78 +297,58 @@ class NanoChatTrainer:
 
     # ------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, Any]:
-        """One optimizer step (0-based `step`) at the schedule's learning rate; its metrics record.
-        In the steady state it reads the device once (the guard's loss and norm); a step that
-        samples FP8 statistics or calibrates adds a bounded number of reads."""
+        """One optimizer step (0-based `step`), top to bottom; returns its metrics record. In the
+        steady state it reads the device once (the guard's read of the loss, the gradient norm
+        and the stop votes); a step that samples FP8 statistics or calibrates adds a bounded
+        number of reads."""
         cfg = self.config
         lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, fp8_step, batch = self.forward_backward(step)
-        return self.optimizer_step(step, lr, loss, fp8_step, batch)
-
-    def forward_backward(self, step: int) -> tuple[torch.Tensor, FP8Step, tuple[torch.Tensor, torch.Tensor]]:
-        """The step's micro-batches, forward and backward (gradients accumulate; DDP reduces them
-        at the last). FP8 statistics and auto's calibration run on the eager model: their hooks
-        would force recompiles. Returns the loss averaged over micro-batches and ranks (the same
-        on every rank, so all ranks agree on skipping), the FP8 step, and the last batch."""
-        cfg = self.config
-        fp8_step = self.fp8.begin_step(step)
+        fp8_step = self.fp8.begin_step(step)  # calibration and statistics run eagerly: their hooks would recompile
         eager = fp8_step.eager or self.compiled.failed
         module = self.dist_model if eager else self.compiled.module
         loss_sum = torch.zeros((), device=self.device)
         with fp8_step:
-            for micro in range(cfg.grad_accum_steps):
+            for micro in range(cfg.grad_accum_steps):  # gradients accumulate; DDP reduces them at the last
                 x, y = self.data.loader.next_batch(self.device)
                 with distributed.no_grad_sync(module, skip=micro < cfg.grad_accum_steps - 1):
                     loss = self.compiled.forward(x, y, eager=eager, autocast=self.autocast, fallback=self._fallback)
-                    (loss / cfg.grad_accum_steps).backward()
+                    (loss / cfg.grad_accum_steps).backward()  # --optimizer_in_backward: this is the update
                 loss_sum += loss.detach()
-        if not eager:
-            self.compiled.pending = False
-        # the mean over ranks; each rank's stop request rides in the same all-reduce (nanochat.train.stop)
-        return self.stop.reduce_with(loss_sum) / cfg.grad_accum_steps, fp8_step, (x, y)
-
-    def optimizer_step(self, step: int, lr: float, loss: torch.Tensor, fp8_step: FP8Step,
-                       batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, Any]:
-        """The guard's verdict on the step (one device read: loss and gradient norm; a non-finite
-        step is skipped, its gradients dropped), then the clipped update and FP8's bookkeeping.
-        With --optimizer_in_backward the backward was the update; the guard reads what it did."""
-        cfg = self.config
-
-        def rerun() -> None:  # the forward again, eagerly, to find where a non-finite loss began
-            with self.compiled.eager():
-                self.model(*batch)
-
-        note, votes = self.checkpoints.good_checkpoint_note, self.stop.votes  # the stop requests: read with the loss
-        if cfg.optimizer_in_backward:
-            verdict = self.guard.check_in_backward(step, loss, self.optimizer, note=note, also=votes)
-        else:
-            verdict = self.guard.check(step, loss, self.params, max_norm=cfg.grad_clip if cfg.grad_clip > 0
-                                       else math.inf, rerun=rerun, note=note, also=votes)
-        self.stop.decide(verdict.also)
-        # every rank: the global batch's statistics
+        # the loss averaged over micro-batches and ranks, and every rank's stop request, in one all-reduce
+        loss, votes = self.stop.vote(loss_sum / cfg.grad_accum_steps)
+        verdict = self._verdict(step, loss, votes, (x, y))  # the one device read; a non-finite step is skipped
+        self.stop.decide(verdict.also)  # every rank read the same votes: all stop after the same step
         record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm,
                   **fp8_step.record(), **verdict.flags}
-        measured = "gradients" in self.state_bytes  # at the first update: the gradients it held
-        if cfg.optimizer_in_backward:  # the backward was the update
-            gradients = self.optimizer.max_live_grad_bytes
-        elif verdict.skipped:  # the weights stay as they were
+        if verdict.skipped and not cfg.optimizer_in_backward:  # its gradients are dropped: the weights stay
             return record
-        else:
-            gradients = 0 if measured else held(p.grad for p in self.params if p.grad is not None)[1]
+        self.held.count_gradients(self.params, self.optimizer)  # at the first update (train.memory)
+        if not cfg.optimizer_in_backward:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.state_bytes.setdefault("gradients", gradients)
-        self._after_optimizer_step(step)
-        return record
-
-    def _after_optimizer_step(self, step: int) -> None:
-        """FP8's bookkeeping of the update (calibration, re-checks, FSDP scales) and its events."""
         if self.fp8.end_step(step):  # auto's formats are fixed: compile at the next step
             self.compiled.recompile()
         for event in self.fp8.pop_events():
             self.metrics.log(event)
+        return record
+
+    def _verdict(self, step: int, loss: torch.Tensor, votes: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]):
+        """The step guard on this step (nanochat.train.guard), reading `votes` with the loss and
+        the gradient norm: a non-finite step is skipped and its gradients dropped (`batch` is
+        re-run eagerly to name where a non-finite loss began); a finite one is clipped. With
+        --optimizer_in_backward the backward was the update; the guard reads what it did."""
+        cfg, note = self.config, self.checkpoints.good_checkpoint_note
+        if cfg.optimizer_in_backward:
+            return self.guard.check_in_backward(step, loss, self.optimizer, note=note, also=votes)
+
+        def rerun() -> None:
+            with self.compiled.eager():
+                self.model(*batch)
+
+        return self.guard.check(step, loss, self.params, max_norm=cfg.grad_clip if cfg.grad_clip > 0 else math.inf,
+                                rerun=rerun, note=note, also=votes)
 
     # ------------------------------------------------------------------- loop
     def _train(self) -> TrainResult:
@@ -539,8 +511,8 @@ class NanoChatTrainer:
             accuracy_scoring=self.data.accuracy_scoring,
             samples=self.evaluator.samples(cfg.num_samples) if cfg.num_samples else [],
             run_dir=str(self.run_dir), parallel=self.parallel,
-            state_bytes_per_param=sum(self.state_bytes.values()) / max(1, self.local_params),
-            state_bytes=dict(self.state_bytes), planned_memory_bytes=self.memory_plan.total,
+            state_bytes_per_param=self.held.total / max(1, self.local_params),
+            state_bytes=self.held.as_dict(), planned_memory_bytes=self.memory_plan.total,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             flops_per_token=self.flops_per_token, peak_tflops=None if self.peak is None else self.peak.bf16_tflops,
             mfu=self._mfu(meter.tokens_per_sec), mfu_fp8=self._mfu(meter.tokens_per_sec, fp8=True),
