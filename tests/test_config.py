@@ -6,10 +6,9 @@ and the fix for a bad value, whether tyro finds it (not a choice, not a number, 
 flag) or the config does (`--fp8_mode` without `--fp8`); `--fp8_opt_level` alone is accepted
 (FP8 moments need no FP8 layers). `--help` is tyro's, unchanged, each flag's help once, as
 written in its field group. The Python API gets the same checks at construction: wrong types,
-non-finite or out-of-range hyperparameters. The step guard's limit is --max_bad_steps; its former
-name --fp8_max_overflows sets it too and says so in one warning per process, and the two
-disagreeing is an error. Every script's `--help` loads no torch (checked in a subprocess: the
-torch modules in sys.modules afterwards must be none).
+non-finite or out-of-range hyperparameters. The step guard's limit is --max_bad_steps. Every
+script's `--help` loads no torch (checked in a subprocess: the torch modules in sys.modules
+afterwards must be none).
 
 The package under test, nanochat.config: checks.py (types and ranges at construction), fields.py
 (the shared groups, the FP8 flags), train.py, tools.py, export.py, parity.py (the configs), cli.py
@@ -30,7 +29,6 @@ from typing import Annotated
 import pytest
 import tyro
 
-import nanochat.common as common
 from nanochat.config import TokTrainConfig, TrainConfig, parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +119,6 @@ def test_opt_level_needs_no_fp8_and_the_layer_flags_do():
         with pytest.raises(ValueError, match=f"--{flag} .* describes FP8 layers.*turn on --fp8, or drop --{flag}"):
             TrainConfig(**{flag: value})
         TrainConfig(fp8=True, **{flag: value})
-    assert TrainConfig(fp8_max_overflows=3).fp8_max_overflows == 3  # the step guard's, FP8 or not
 
 
 def test_help_shows_each_shared_flag_once_with_its_group_doc():
@@ -185,20 +182,11 @@ def test_config_dict_round_trip():
         TrainConfig.from_dict({**cfg.to_dict(), "warp_drive": 1})
 
 
-def test_max_bad_steps_and_its_former_name(caplog, capsys, monkeypatch):
-    monkeypatch.setattr(common, "_warned", set())  # the former name is said once a process
+def test_max_bad_steps(caplog):
     assert TrainConfig().max_bad_steps == 10 and TrainConfig(max_bad_steps=3).max_bad_steps == 3
     with caplog.at_level(logging.WARNING, logger="nanochat"):
         assert parse_cli(TrainConfig, ["--max_bad_steps", "4"]).max_bad_steps == 4
-        assert not caplog.records
-        assert parse_cli(TrainConfig, ["--fp8_max_overflows", "2"]).max_bad_steps == 2
-        assert TrainConfig(fp8_max_overflows=5, max_bad_steps=5).max_bad_steps == 5
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "--fp8_max_overflows is the former name of --max_bad_steps" in said[0], said
-    with pytest.raises(SystemExit) as e:
-        parse_cli(TrainConfig, ["--fp8_max_overflows", "2", "--max_bad_steps", "3"])
-    assert e.value.code == 2
-    assert "error: --fp8_max_overflows 2 is the former name of --max_bad_steps 3" in capsys.readouterr().err
+    assert not caplog.records
 
 
 def test_tok_train_config_shares_fp8_flags():

@@ -81,15 +81,16 @@ def test_config_validation_names_the_fix():
     assert FP8Config(skip_fqns=["a", "b"]).skip_fqns == ("a", "b")
 
 
-def test_from_flags_reads_train_config():
+def test_fp8_config_reads_train_config():
     cfg = TrainConfig(fp8=True, fp8_mode="auto", fp8_recipe="rowwise", fp8_emulate=True, fp8_opt_level=2,
                       fp8_skip=("lm_head", "*.c_q"), fp8_min_dim=256, fp8_auto_steps=7)
-    c = FP8Config.from_flags(cfg)
+    c = cfg.fp8_config()
     assert c == FP8Config(mode="auto", recipe="rowwise", emulate=True, opt_level=2,
                           skip_fqns=("lm_head", "*.c_q"), min_dim=256, auto_steps=7)
-    # convert() accepts the TrainConfig itself too
     model = nn.Sequential(nn.Linear(128, 128))
-    assert convert(model, cfg).config == c
+    assert convert(model, c).config == c
+    with pytest.raises(TypeError, match=r"must be a nanochat.fp8.FP8Config, got TrainConfig.*cfg.fp8_config\(\)"):
+        convert(model, cfg)
 
 
 def test_fsdp_float8_all_gather_is_set_at_conversion():
@@ -430,3 +431,4 @@ def test_compiled_converted_model_matches_eager():
     compiled = step(torch.compile(model), last_bits(x))
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert sqnr_db(c, e) >= FP8_SAME_CASTS_DB, (i, sqnr_db(c, e))
+

@@ -149,11 +149,6 @@ class FP8Config:
                                      f"`enabled` there are none: turn on `enabled`, or drop `{name}` "
                                      "(`opt_level` alone needs no FP8 layers)")
 
-    @classmethod
-    def from_flags(cls, flags: object) -> "FP8Config":
-        """The FP8Config of a command-line config (TrainConfig): `flags.fp8_config()`."""
-        return flags.fp8_config()
-
     def role_dtypes(self) -> dict[str, str]:
         """The format of each role at conversion time (auto: the hybrid until calibrated)."""
         if self.mode == "auto":
