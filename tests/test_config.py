@@ -5,10 +5,10 @@ What a user relies on: both spellings of every flag (`--fp8_mode` and `--fp8-mod
 and the fix for a bad value, whether tyro finds it (not a choice, not a number, an unknown
 flag) or the config does (`--fp8_mode` without `--fp8`); `--fp8_opt_level` alone is accepted
 (FP8 moments need no FP8 layers). `--help` is tyro's, unchanged, each flag's help once, as
-written in its field group. The Python API gets the same checks at construction: wrong types,
-non-finite or out-of-range hyperparameters. The step guard's limit is --max_bad_steps. Every
-script's `--help` loads no torch (checked in a subprocess: the torch modules in sys.modules
-afterwards must be none).
+written in its field group; each FP8 flag's help is FP8Config's, also from an install of
+bytecode alone. The Python API gets the same checks at construction: wrong types, non-finite or
+out-of-range hyperparameters. The step guard's limit is --max_bad_steps. Every script's `--help`
+loads no torch (checked in a subprocess: the torch modules in sys.modules afterwards must be none).
 
 The package under test, nanochat.config: checks.py (types and ranges at construction), fields.py
 (the shared groups, the FP8 flags), train.py, tools.py, export.py, parity.py (the configs), cli.py
@@ -18,18 +18,21 @@ Modules: nanochat.config.cli, nanochat.config.checks, nanochat.config.fields,
 nanochat.config.train, nanochat.config.fp8.
 """
 
+import compileall
 import dataclasses
 import logging
 import math
+import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Annotated
 
 import pytest
 import tyro
 
-from nanochat.config import TokTrainConfig, TrainConfig, parse_cli
+from nanochat.config import FP8_FLAGS, FP8Config, TokTrainConfig, TrainConfig, flag_text, parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,6 +159,39 @@ def test_help_imports_no_torch(script):
                        text=True, timeout=120, env={"COLUMNS": "120", "PATH": "", "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--help" in r.stdout and r.stdout.rstrip().endswith("loaded: []"), r.stdout[-2000:]
+
+
+# `--help` from an install of bytecode only: the nanochat package compiled next to its sources
+# (compileall's legacy layout, importable without them), the sources then deleted.
+SOURCELESS_HELP = """
+import inspect
+from nanochat.config import TrainConfig, parse_cli
+from nanochat.config.fp8 import FP8Config
+try:
+    inspect.getsource(FP8Config)
+except OSError:
+    print("FP8Config has no source")
+parse_cli(TrainConfig, ["--help"])
+"""
+
+
+def test_help_shows_the_fp8_help_from_bytecode_alone(tmp_path):
+    """Each FP8 flag's help is FP8Config's (the reference: its `tyro.conf.arg(help=...)`, the
+    field names shown as flags), also where the source files are gone: a zipapp, a stripped image."""
+    shutil.copytree(ROOT / "src" / "nanochat", tmp_path / "nanochat", ignore=shutil.ignore_patterns("__pycache__"))
+    assert compileall.compile_dir(tmp_path / "nanochat", quiet=1, legacy=True)
+    for source in (tmp_path / "nanochat").rglob("*.py"):
+        source.unlink()
+    r = subprocess.run([sys.executable, "-c", SOURCELESS_HELP], capture_output=True, text=True, timeout=120,
+                       env={"COLUMNS": "200", "PATH": "", "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("FP8Config has no source"), r.stdout[:500]
+    shown = " ".join(r.stdout.replace("\u2502", " ").split())  # the help box's borders out, lines joined
+    hints = typing.get_type_hints(FP8Config, include_extras=True)
+    for name, flag in FP8_FLAGS.items():
+        help_text = flag_text(" ".join(typing.get_args(hints[name])[1].help.split()))
+        assert f"--{flag}" in shown and help_text in shown, (flag, help_text)
+    assert "FP8 format of the matmul operands" in shown and "during the first --fp8_auto_steps steps" in shown
 
 
 def test_help_shows_underscore_flags():
