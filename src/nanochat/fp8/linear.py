@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
+from nanochat.fp8 import _torchao  # first: torchao imported with its log noise muted
 from torchao.float8.config import Float8LinearConfig, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
@@ -289,12 +289,7 @@ def convert(model: nn.Module, config: FP8Config | None = None, *,
 
     layers, replacements = _decide_layers(model, policy, lin_config, dtypes)
     if replacements:
-        # torchao applies this inside convert_to_float8_training, which we do not call (we swap
-        # in our subclass ourselves): it reverts inductor's Triton min/max codegen that trips a
-        # Triton FP8 store miscompile (triton-lang/triton#11111). No effect on CPU.
-        from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
-
-        _patch_inductor_min_max_codegen()
+        _torchao.prepare_float8_training()  # before anything compiles the converted layers
         _swap(model, replacements)
 
     if hw.backend == "fallback":
