@@ -5,11 +5,10 @@ What a user relies on: both spellings of every flag (`--fp8_mode` and `--fp8-mod
 and the fix for a bad value, whether tyro finds it (not a choice, not a number, an unknown
 flag) or the config does (`--fp8_mode` without `--fp8`); `--fp8_opt_level` alone is accepted
 (FP8 moments need no FP8 layers). `--help` is tyro's, unchanged, each flag's help once, as
-written in its field group. The Python API gets the same checks at construction: wrong types,
-non-finite or out-of-range hyperparameters. The step guard's limit is --max_bad_steps; its former
-name --fp8_max_overflows sets it too and says so in one warning per process, and the two
-disagreeing is an error. Every script's `--help` loads no torch (checked in a subprocess: the
-torch modules in sys.modules afterwards must be none).
+written in its field group; each FP8 flag's help is FP8Config's, also from an install of
+bytecode alone. The Python API gets the same checks at construction: wrong types, non-finite or
+out-of-range hyperparameters. The step guard's limit is --max_bad_steps. Every script's `--help`
+loads no torch (checked in a subprocess: the torch modules in sys.modules afterwards must be none).
 
 The package under test, nanochat.config: checks.py (types and ranges at construction), fields.py
 (the shared groups, the FP8 flags), train.py, tools.py, export.py, parity.py (the configs), cli.py
@@ -19,19 +18,21 @@ Modules: nanochat.config.cli, nanochat.config.checks, nanochat.config.fields,
 nanochat.config.train, nanochat.config.fp8.
 """
 
+import compileall
 import dataclasses
 import logging
 import math
+import shutil
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from typing import Annotated
 
 import pytest
 import tyro
 
-import nanochat.common as common
-from nanochat.config import TokTrainConfig, TrainConfig, parse_cli
+from nanochat.config import FP8_FLAGS, FP8Config, TokTrainConfig, TrainConfig, flag_text, parse_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,7 +122,6 @@ def test_opt_level_needs_no_fp8_and_the_layer_flags_do():
         with pytest.raises(ValueError, match=f"--{flag} .* describes FP8 layers.*turn on --fp8, or drop --{flag}"):
             TrainConfig(**{flag: value})
         TrainConfig(fp8=True, **{flag: value})
-    assert TrainConfig(fp8_max_overflows=3).fp8_max_overflows == 3  # the step guard's, FP8 or not
 
 
 def test_help_shows_each_shared_flag_once_with_its_group_doc():
@@ -161,6 +161,39 @@ def test_help_imports_no_torch(script):
     assert "--help" in r.stdout and r.stdout.rstrip().endswith("loaded: []"), r.stdout[-2000:]
 
 
+# `--help` from an install of bytecode only: the nanochat package compiled next to its sources
+# (compileall's legacy layout, importable without them), the sources then deleted.
+SOURCELESS_HELP = """
+import inspect
+from nanochat.config import TrainConfig, parse_cli
+from nanochat.config.fp8 import FP8Config
+try:
+    inspect.getsource(FP8Config)
+except OSError:
+    print("FP8Config has no source")
+parse_cli(TrainConfig, ["--help"])
+"""
+
+
+def test_help_shows_the_fp8_help_from_bytecode_alone(tmp_path):
+    """Each FP8 flag's help is FP8Config's (the reference: its `tyro.conf.arg(help=...)`, the
+    field names shown as flags), also where the source files are gone: a zipapp, a stripped image."""
+    shutil.copytree(ROOT / "src" / "nanochat", tmp_path / "nanochat", ignore=shutil.ignore_patterns("__pycache__"))
+    assert compileall.compile_dir(tmp_path / "nanochat", quiet=1, legacy=True)
+    for source in (tmp_path / "nanochat").rglob("*.py"):
+        source.unlink()
+    r = subprocess.run([sys.executable, "-c", SOURCELESS_HELP], capture_output=True, text=True, timeout=120,
+                       env={"COLUMNS": "200", "PATH": "", "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("FP8Config has no source"), r.stdout[:500]
+    shown = " ".join(r.stdout.replace("\u2502", " ").split())  # the help box's borders out, lines joined
+    hints = typing.get_type_hints(FP8Config, include_extras=True)
+    for name, flag in FP8_FLAGS.items():
+        help_text = flag_text(" ".join(typing.get_args(hints[name])[1].help.split()))
+        assert f"--{flag}" in shown and help_text in shown, (flag, help_text)
+    assert "FP8 format of the matmul operands" in shown and "during the first --fp8_auto_steps steps" in shown
+
+
 def test_help_shows_underscore_flags():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "base_train.py"), "--help"],
                          capture_output=True, text=True, check=True,
@@ -185,20 +218,11 @@ def test_config_dict_round_trip():
         TrainConfig.from_dict({**cfg.to_dict(), "warp_drive": 1})
 
 
-def test_max_bad_steps_and_its_former_name(caplog, capsys, monkeypatch):
-    monkeypatch.setattr(common, "_warned", set())  # the former name is said once a process
+def test_max_bad_steps(caplog):
     assert TrainConfig().max_bad_steps == 10 and TrainConfig(max_bad_steps=3).max_bad_steps == 3
     with caplog.at_level(logging.WARNING, logger="nanochat"):
         assert parse_cli(TrainConfig, ["--max_bad_steps", "4"]).max_bad_steps == 4
-        assert not caplog.records
-        assert parse_cli(TrainConfig, ["--fp8_max_overflows", "2"]).max_bad_steps == 2
-        assert TrainConfig(fp8_max_overflows=5, max_bad_steps=5).max_bad_steps == 5
-    said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "--fp8_max_overflows is the former name of --max_bad_steps" in said[0], said
-    with pytest.raises(SystemExit) as e:
-        parse_cli(TrainConfig, ["--fp8_max_overflows", "2", "--max_bad_steps", "3"])
-    assert e.value.code == 2
-    assert "error: --fp8_max_overflows 2 is the former name of --max_bad_steps 3" in capsys.readouterr().err
+    assert not caplog.records
 
 
 def test_tok_train_config_shares_fp8_flags():

@@ -12,21 +12,27 @@ What is checked against what:
   against torchao's emulation, with the tolerance that kernel's output rounding explains;
 * `fsdp_float8_all_gather` reaching torchao's config and wrapping the weights (off by default);
 * the layer filter, the report, restore, state_dict round trips, `fp8_disabled`, the autocast
-  policy, the fallback, training, and torch.compile against eager.
+  policy, the fallback, training, and torch.compile against eager;
+* the compile setup: a converted model compiles with the inductor codegen torchao's own
+  convert_to_float8_training sets up (each in a fresh interpreter).
 These convert with `layers="all"`: they check conversion itself on layers too small for FP8 to
 pay; which layers `layers="faster"` picks is tests/test_fp8_policy.py's.
 
 Modules: nanochat.fp8.linear, nanochat.fp8._torchao (torchao imported without its
-import-time log lines).
+import-time log lines, and its float8 training setup).
 """
 
 import copy
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torchao
 import torchao.float8.float8_linear as ao_linear
 from torchao.float8.float8_linear import Float8Linear
 from torchao.float8.float8_utils import compute_error
@@ -40,6 +46,8 @@ from nanochat.fp8 import (
 )
 from nanochat.fp8.linear import float8_linear_config, layers_to_convert
 from tests.conftest import FP8_SAME_CASTS_DB, last_bits, sqnr_db
+
+ROOT = Path(__file__).resolve().parents[1]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -81,15 +89,16 @@ def test_config_validation_names_the_fix():
     assert FP8Config(skip_fqns=["a", "b"]).skip_fqns == ("a", "b")
 
 
-def test_from_flags_reads_train_config():
+def test_fp8_config_reads_train_config():
     cfg = TrainConfig(fp8=True, fp8_mode="auto", fp8_recipe="rowwise", fp8_emulate=True, fp8_opt_level=2,
                       fp8_skip=("lm_head", "*.c_q"), fp8_min_dim=256, fp8_auto_steps=7)
-    c = FP8Config.from_flags(cfg)
+    c = cfg.fp8_config()
     assert c == FP8Config(mode="auto", recipe="rowwise", emulate=True, opt_level=2,
                           skip_fqns=("lm_head", "*.c_q"), min_dim=256, auto_steps=7)
-    # convert() accepts the TrainConfig itself too
     model = nn.Sequential(nn.Linear(128, 128))
-    assert convert(model, cfg).config == c
+    assert convert(model, c).config == c
+    with pytest.raises(TypeError, match=r"must be a nanochat.fp8.FP8Config, got TrainConfig.*cfg.fp8_config\(\)"):
+        convert(model, cfg)
 
 
 def test_fsdp_float8_all_gather_is_set_at_conversion():
@@ -430,3 +439,37 @@ def test_compiled_converted_model_matches_eager():
     compiled = step(torch.compile(model), last_bits(x))
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert sqnr_db(c, e) >= FP8_SAME_CASTS_DB, (i, sqnr_db(c, e))
+
+
+# In a fresh interpreter: one Linear converted by nanochat, or by torchao itself (argv[1]), then
+# where each of inductor's Triton code generators comes from, and what min/max generate.
+CODEGEN_PROBE = """
+import sys
+import torch.nn as nn
+from torch._inductor.codegen.triton import TritonOverrides
+if sys.argv[1] == "nanochat":
+    from nanochat.fp8 import convert
+    assert convert(nn.Sequential(nn.Linear(128, 128)), emulate=True, layers="all").converted == ["0"]
+else:
+    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training(nn.Sequential(nn.Linear(128, 128)))
+ops = {name: getattr(TritonOverrides, name) for name in dir(TritonOverrides) if not name.startswith("_")}
+print(sorted((name, getattr(op, "__module__", None)) for name, op in ops.items() if callable(op)))
+print(TritonOverrides.minimum("a", "b"), TritonOverrides.maximum("a", "b"))
+"""
+
+
+def test_a_converted_model_compiles_with_the_codegen_torchaos_conversion_sets_up():
+    """nanochat swaps in FP8Linear itself, not through torchao's convert_to_float8_training, yet a
+    model it converted compiles with the inductor code generators torchao's conversion leaves
+    (torchao 0.18 patches min/max against a Triton FP8 store miscompile). The reference is
+    torchao's conversion, each in a fresh interpreter (the patch is once a process)."""
+    def codegen(converter: str) -> str:
+        r = subprocess.run([sys.executable, "-c", CODEGEN_PROBE, converter], capture_output=True, text=True,
+                           timeout=300, env={"PATH": "", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stdout
+
+    theirs, ours = codegen("torchao"), codegen("nanochat")
+    assert ours == theirs, (f"torchao {torchao.__version__}'s conversion sets up other Triton codegen than "
+                            f"nanochat.fp8.convert: min/max {theirs.splitlines()[-1]!r} vs {ours.splitlines()[-1]!r}")

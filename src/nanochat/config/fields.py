@@ -9,19 +9,17 @@ under it, in the group. Each group checks its own values in `__post_init__`, cha
 NanoChatTrainer's keyword arguments.
 
 The FP8 flags are generated from nanochat.config.fp8.FP8Config (type, help text, checks), each
-named by `FP8_FLAGS`, so FP8 has one definition; `flag_text` rewrites FP8Config's messages with
-the flags' names, and `flags_in_log` does the same for what nanochat.fp8 logs during a CLI run.
+named by `FP8_FLAGS`, so FP8 has one definition: a flag's help is the `tyro.conf.arg(help=...)`
+in its FP8Config field's annotation, with the field names shown as flags. `flag_text` rewrites
+FP8Config's messages the same way, and `flags_in_log` what nanochat.fp8 logs during a CLI run.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import inspect
 import logging
 import re
-import textwrap
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -70,28 +68,21 @@ def flags_in_log():
         logger.removeFilter(flt)
 
 
-def _attribute_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (what tyro shows as help)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body, docs = tree.body[0].body, {}
-    for stmt, nxt in zip(body, body[1:]):
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
-    return docs
-
-
 def _fp8_fields() -> type:
     """The FP8 flags as a field group, generated from FP8Config; RESUME_FIELDS are kept on resume."""
-    hints, docs = typing.get_type_hints(FP8Config), _attribute_docs(FP8Config)
-    fields = []
+    hints, fields = typing.get_type_hints(FP8Config, include_extras=True), []
     for f in dataclasses.fields(FP8Config):
         if f.name not in FP8_FLAGS:
             continue
-        arg = tyro.conf.arg(help=flag_text(docs[f.name]), aliases=("-f",) if f.name == "enabled" else None)
+        if typing.get_origin(hints[f.name]) is not Annotated:
+            raise TypeError(f"FP8Config.{f.name} has a flag (--{FP8_FLAGS[f.name]}), so its annotation must carry "
+                            "its help: Annotated[<type>, tyro.conf.arg(help=...)]")
+        typ, conf = typing.get_args(hints[f.name])
+        arg = tyro.conf.arg(help=flag_text(" ".join(conf.help.split())),
+                            aliases=("-f",) if f.name == "enabled" else None)
         default = False if f.name == "enabled" else f.default
         field = dataclasses.field(default=default, metadata=RESUME if f.name in RESUME_FIELDS else {})
-        fields.append((FP8_FLAGS[f.name], Annotated[hints[f.name], arg], field))
+        fields.append((FP8_FLAGS[f.name], Annotated[typ, arg], field))
 
     def fp8_config(self) -> FP8Config:
         """The FP8Config these flags describe (raises ValueError naming the flags)."""

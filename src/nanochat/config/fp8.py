@@ -1,14 +1,19 @@
 """FP8Config: everything that decides how a model trains in FP8, in one frozen dataclass.
 
 The command line's FP8 flags (`--fp8`, `--fp8_mode`, ...) are generated from these fields by
-nanochat.config.fields, so each field is defined, documented and validated here once. This file
-imports nothing heavy: parsing flags (and `--help`) does not load torch or torchao.
+nanochat.config.fields, so each field is defined, documented and validated here once. A field
+with a flag carries its help as a value, `tyro.conf.arg(help=...)` in its annotation, rather than
+as the docstring under it: a docstring lives only in the source file, and an install of bytecode
+alone (a zipapp, a stripped image) would lose the help. This file imports nothing heavy: parsing
+flags (and `--help`) does not load torch or torchao.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
+
+from tyro.conf import arg
 
 ROLES = ("input", "weight", "grad_output")
 """The three tensors a Linear casts to FP8; each role has one dtype in both GEMMs it feeds."""
@@ -26,64 +31,64 @@ MODES, RECIPES, LAYERS = get_args(FP8Mode), get_args(FP8Recipe), get_args(FP8Lay
 class FP8Config:
     """How a model is converted to FP8 and watched while it trains (`nanochat.fp8.FP8Training`)."""
 
-    enabled: bool = True
-    """Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
-    FP8 kernels; elsewhere it warns once and trains in high precision unless `emulate`). `mode`,
-    `recipe`, `layers`, `emulate`, `skip_fqns`, `min_dim`, `auto_*` and `stats_every` describe those
-    layers and need it; `opt_level` does not."""
+    enabled: Annotated[bool, arg(help="""
+        Run eligible nn.Linear layers' three GEMMs in FP8 through torchao (needs sm_89+ for real
+        FP8 kernels; elsewhere it warns once and trains in high precision unless `emulate`). `mode`,
+        `recipe`, `layers`, `emulate`, `skip_fqns`, `min_dim`, `auto_*` and `stats_every` describe those
+        layers and need it; `opt_level` does not.""")] = True
 
-    mode: FP8Mode = "e4m3"
-    """FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
-    e5m2: 2 mantissa bits, range +-57344 (more range); auto: chosen per layer and tensor role by
-    measured quantization error during the first `auto_steps` steps."""
+    mode: Annotated[FP8Mode, arg(help="""
+        FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
+        e5m2: 2 mantissa bits, range +-57344 (more range); auto: chosen per layer and tensor role by
+        measured quantization error during the first `auto_steps` steps.""")] = "e4m3"
 
-    recipe: FP8Recipe = "tensorwise"
-    """torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
-    weight-gradient GEMM kept in high precision."""
+    recipe: Annotated[FP8Recipe, arg(help="""
+        torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
+        weight-gradient GEMM kept in high precision.""")] = "tensorwise"
 
-    layers: FP8Layers = "faster"
-    """Which eligible Linear layers run in FP8. faster: only those FP8 makes faster at this run's
-    shapes. On a GPU with FP8 kernels each distinct layer shape is timed once (compiled
-    forward+backward, FP8 against bf16, at the run's tokens per micro-batch) and converted where
-    FP8 is at least 3% faster; the timings are cached on disk, so only a first run spends seconds
-    measuring (reported apart, like compile time). Elsewhere (`emulate`, CPU) torchao's rule for
-    the recipe decides (from H100 tables), so an emulated run converts the layers a GPU run most
-    likely would. all: every layer the other rules allow, also where FP8 is slower, e.g. for its
-    activation-memory saving alone (d12 on an H200: 9.8 vs 13.8 GiB peak, BENCHMARKS.md)."""
+    layers: Annotated[FP8Layers, arg(help="""
+        Which eligible Linear layers run in FP8. faster: only those FP8 makes faster at this run's
+        shapes. On a GPU with FP8 kernels each distinct layer shape is timed once (compiled
+        forward+backward, FP8 against bf16, at the run's tokens per micro-batch) and converted where
+        FP8 is at least 3% faster; the timings are cached on disk, so only a first run spends seconds
+        measuring (reported apart, like compile time). Elsewhere (`emulate`, CPU) torchao's rule for
+        the recipe decides (from H100 tables), so an emulated run converts the layers a GPU run most
+        likely would. all: every layer the other rules allow, also where FP8 is slower, e.g. for its
+        activation-memory saving alone (d12 on an H200: 9.8 vs 13.8 GiB peak, BENCHMARKS.md).""")] = "faster"
 
-    emulate: bool = False
-    """Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
-    numerics studies). Implies the FP8 path even without FP8 hardware."""
+    emulate: Annotated[bool, arg(help="""
+        Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
+        numerics studies). Implies the FP8 path even without FP8 hardware.""")] = False
 
-    opt_level: Literal[0, 1, 2] = 0
-    """Adam moments in FP8: 0 keeps both in fp32; 1 stores the first moment (momentum) in FP8;
-    2 stores both moments in FP8. Only storage (uint8 codes and fp32 block scales), so it works on
-    any device and with or without FP8 layers (`enabled`): an A100 or a CPU saves the same 6 bytes
-    a parameter at level 2."""
+    opt_level: Annotated[Literal[0, 1, 2], arg(help="""
+        Adam moments in FP8: 0 keeps both in fp32; 1 stores the first moment (momentum) in FP8;
+        2 stores both moments in FP8. Only storage (uint8 codes and fp32 block scales), so it works on
+        any device and with or without FP8 layers (`enabled`): an A100 or a CPU saves the same 6 bytes
+        a parameter at level 2.""")] = 0
 
-    skip_fqns: tuple[str, ...] = ("lm_head",)
-    """Module-name patterns (fnmatch, matched against the full name) never converted to FP8.
-    The output head is skipped by default: its logits feed a softmax over the whole vocabulary
-    and are the most precision-sensitive matmul of the model."""
+    skip_fqns: Annotated[tuple[str, ...], arg(help="""
+        Module-name patterns (fnmatch, matched against the full name) never converted to FP8.
+        The output head is skipped by default: its logits feed a softmax over the whole vocabulary
+        and are the most precision-sensitive matmul of the model.""")] = ("lm_head",)
 
-    min_dim: int = 128
-    """Linear layers with min(in_features, out_features) below this stay in high precision:
-    the casts cost more than the FP8 GEMM saves (nanochat's rule; see BENCHMARKS.md)."""
+    min_dim: Annotated[int, arg(help="""
+        Linear layers with min(in_features, out_features) below this stay in high precision:
+        the casts cost more than the FP8 GEMM saves (nanochat's rule; see BENCHMARKS.md).""")] = 128
 
-    auto_steps: int = 4
-    """`mode` auto: number of forward+backward passes measured before formats are fixed."""
+    auto_steps: Annotated[int, arg(help="""
+        `mode` auto: number of forward+backward passes measured before formats are fixed.""")] = 4
 
-    auto_recheck_every: int = 0
-    """`mode` auto: every N steps after calibration, measure both formats again and switch a
-    layer's role to the other format once the calibration rule has picked it at 2 re-checks in a
-    row (e.g. a gradient whose small values started to flush to zero after the first steps).
-    Switches are logged, listed in the summary and kept in checkpoints; a re-check step also
-    records the FP8 statistics. 0 (default): formats stay as calibrated."""
+    auto_recheck_every: Annotated[int, arg(help="""
+        `mode` auto: every N steps after calibration, measure both formats again and switch a
+        layer's role to the other format once the calibration rule has picked it at 2 re-checks in a
+        row (e.g. a gradient whose small values started to flush to zero after the first steps).
+        Switches are logged, listed in the summary and kept in checkpoints; a re-check step also
+        records the FP8 statistics. 0 (default): formats stay as calibrated.""")] = 0
 
-    stats_every: int = 200
-    """Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
-    them off. A sampled step runs the uncompiled model with hooks and costs ~2.8 more steps
-    (measured on CPU; BENCHMARKS.md), so 200 keeps statistics under 2% of the run's time."""
+    stats_every: Annotated[int, arg(help="""
+        Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
+        them off. A sampled step runs the uncompiled model with hooks and costs ~2.8 more steps
+        (measured on CPU; BENCHMARKS.md), so 200 keeps statistics under 2% of the run's time.""")] = 200
 
     fsdp_float8_all_gather: bool = False
     """Under FSDP2, all-gather each converted weight already in FP8 (torchao's
@@ -148,11 +153,6 @@ class FP8Config:
                     raise ValueError(f"`{name}` {getattr(self, name)!r} describes FP8 layers, and without "
                                      f"`enabled` there are none: turn on `enabled`, or drop `{name}` "
                                      "(`opt_level` alone needs no FP8 layers)")
-
-    @classmethod
-    def from_flags(cls, flags: object) -> "FP8Config":
-        """The FP8Config of a command-line config (TrainConfig): `flags.fp8_config()`."""
-        return flags.fp8_config()
 
     def role_dtypes(self) -> dict[str, str]:
         """The format of each role at conversion time (auto: the hybrid until calibrated)."""

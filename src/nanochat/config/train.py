@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from nanochat.common import warn_once
 from nanochat.config.checks import RESUME, finite, kept, non_negative, positive
 from nanochat.config.fields import BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields
 
@@ -61,9 +60,6 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     """Stop the run after this many consecutive steps with a non-finite loss or gradient (each
     such step is skipped, its layer named); the last good checkpoint stays intact. The step
     guard's limit (nanochat.train.guard), with or without FP8."""
-
-    fp8_max_overflows: int | None = None
-    """The former name of --max_bad_steps (the guard is not FP8's): sets it, and says so once."""
 
     save_every: int = 200
     """Write a checkpoint every N steps (and at the end); 0: only at the end."""
@@ -190,13 +186,6 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
         if not self.run_dir.strip():
             raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
         self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
-        if self.fp8_max_overflows is not None:
-            if self.max_bad_steps not in (TrainConfig.max_bad_steps, self.fp8_max_overflows):
-                raise ValueError(f"--fp8_max_overflows {self.fp8_max_overflows} is the former name of --max_bad_steps "
-                                 f"{self.max_bad_steps}: give --max_bad_steps only")
-            object.__setattr__(self, "max_bad_steps", self.fp8_max_overflows)
-            warn_once("fp8_max_overflows", "--fp8_max_overflows is the former name of --max_bad_steps (the step "
-                      "guard runs in every run, FP8 or not): use --max_bad_steps")
         if self.max_bad_steps < 1:
             raise ValueError(f"--max_bad_steps must be >= 1, got {self.max_bad_steps}")
         positive(self, "grad_accum_steps", "log_every")

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
+from nanochat.fp8 import _torchao  # first: torchao imported with its log noise muted
 from torchao.float8.config import Float8LinearConfig, ScalingType
 from torchao.float8.float8_linear import Float8Linear
 
@@ -207,7 +207,7 @@ class ConversionReport:
         return format_table(["layer", "shape (in->out)", "fp8", "formats / reason"], rows)
 
 
-def layers_to_convert(model: nn.Module, config: FP8Config | object | None = None, *,
+def layers_to_convert(model: nn.Module, config: FP8Config | None = None, *,
                       device: torch.device | str | None = None, module_filter_fn: ModuleFilter | None = None,
                       measure: Measure | None = None, **overrides) -> dict[str, nn.Linear]:
     """name -> the nn.Linear layers `convert(model, config)` would swap for FP8Linear, without
@@ -267,16 +267,16 @@ def _lin_config(config: FP8Config, hw: FP8Backend) -> tuple[dict[str, str], Floa
     return dtypes, lin_config, fallback
 
 
-def convert(model: nn.Module, config: FP8Config | object | None = None, *,
+def convert(model: nn.Module, config: FP8Config | None = None, *,
             device: torch.device | str | None = None, module_filter_fn: ModuleFilter | None = None,
             measure: Measure | None = None, **overrides) -> ConversionReport:
     """Swap eligible nn.Linear layers of `model` for FP8Linear, in place, and report.
 
-    `config` is an FP8Config or anything with the `fp8_*` attributes of TrainConfig; `overrides`
-    replace fields (`convert(model, mode="auto", emulate=True)`). `device` defaults to the device
-    of the model's parameters. `module_filter_fn(module, fqn) -> bool` (torchao's signature)
-    replaces the `skip_fqns`, `min_dim` and `layers` rules; `measure` replaces the GPU timer of
-    `layers` faster (policy.LayerPolicy). The report is also kept on the model: `fp8_report(model)`.
+    `config` is an FP8Config (default FP8Config()); `overrides` replace its fields (`convert(model,
+    mode="auto", emulate=True)`). `device` defaults to the device of the model's parameters.
+    `module_filter_fn(module, fqn) -> bool` (torchao's signature) replaces the `skip_fqns`,
+    `min_dim` and `layers` rules; `measure` replaces the GPU timer of `layers` faster
+    (policy.LayerPolicy). The report is also kept on the model: `fp8_report(model)`.
     """
     config = _resolve_config(config, overrides)
     if isinstance(model, nn.Linear):
@@ -289,12 +289,7 @@ def convert(model: nn.Module, config: FP8Config | object | None = None, *,
 
     layers, replacements = _decide_layers(model, policy, lin_config, dtypes)
     if replacements:
-        # torchao applies this inside convert_to_float8_training, which we do not call (we swap
-        # in our subclass ourselves): it reverts inductor's Triton min/max codegen that trips a
-        # Triton FP8 store miscompile (triton-lang/triton#11111). No effect on CPU.
-        from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
-
-        _patch_inductor_min_max_codegen()
+        _torchao.prepare_float8_training()  # before anything compiles the converted layers
         _swap(model, replacements)
 
     if hw.backend == "fallback":
@@ -338,15 +333,16 @@ def _decide_layers(model: nn.Module, policy: LayerPolicy, lin_config, dtypes: di
     return layers, replacements
 
 
-def _resolve_config(config: FP8Config | object | None, overrides: dict) -> FP8Config:
+def _resolve_config(config: FP8Config | None, overrides: dict) -> FP8Config:
     if config is None:
         config = FP8Config()
     elif not isinstance(config, FP8Config):
-        config = FP8Config.from_flags(config)
+        raise TypeError(f"config must be a nanochat.fp8.FP8Config, got {type(config).__name__} "
+                        "(a TrainConfig gives its own: cfg.fp8_config())")
     return dataclasses.replace(config, **overrides) if overrides else config
 
 
-def apply_fp8(model: nn.Module, config: FP8Config | object | None = None, **overrides) -> nn.Module:
+def apply_fp8(model: nn.Module, config: FP8Config | None = None, **overrides) -> nn.Module:
     """`convert` and return the model (for chaining); the report is `fp8_report(model)`."""
     convert(model, config, **overrides)
     return model

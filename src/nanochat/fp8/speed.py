@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
+from nanochat.fp8 import _torchao  # first: torchao imported with its log noise muted
 import torchao
 from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_linear import Float8Linear
@@ -110,11 +110,7 @@ def time_fwd_bwd(shape: LinearShape, lin_config: Float8LinearConfig, device: tor
         x = torch.randn(shape.m, shape.k, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(shape.m, shape.n, device=device, dtype=dtype)
     fp8 = Float8Linear.from_float(copy.deepcopy(plain), config=lin_config)
-    # the inductor patch a converted model compiles with (linear.convert applies it too; it
-    # changes no numerics), so the timed kernels are the ones training will run
-    from torchao.float8._inductor_patch import _patch_inductor_min_max_codegen
-
-    _patch_inductor_min_max_codegen()
+    _torchao.prepare_float8_training()  # so the timed kernels are the ones a converted model compiles
 
     def run(layer: nn.Module, compiled: nn.Module, calls: int) -> None:
         for _ in range(calls):
