@@ -14,11 +14,17 @@
     state) and median step time for each --master_weights choice at FP8Optim level 2, against
     fp32 weights with torch AdamW(fused=True), same parameters and gradients, round-robin;
 (d) --study: the second-moment representation study behind optim.py's choice (update error and
-    worst update against fp32 Adam on gradients spanning 1e-8..1e2 inside every block).
+    worst update against fp32 Adam on gradients spanning 1e-8..1e2 inside every block);
+(f) --alone: each optimizer alone on fresh parameters (`measure`, scripts/gpu_check.py's optim
+    job): median step time, peak memory above the parameters and gradients, device reads a step,
+    state bytes, the step's backend and fallbacks.
 Machine load matters on a shared box: the script prints `os.getloadavg()` next to the figures.
 """
 
+from __future__ import annotations
+
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -64,6 +70,8 @@ class BenchOptimConfig:
     """Skip (a) and (b)."""
     master: bool = False
     """(e) also time and size each --master_weights choice (level 2) against fused AdamW."""
+    alone: bool = False
+    """(f) also step each optimizer alone: step time, peak memory, device reads (--device cuda)."""
     skip_train: bool = False
     """Skip (c)."""
     out: pathlib.Path | None = None
@@ -272,6 +280,107 @@ def bench_master(args) -> dict:
     return dict(numel=n, device=str(device), results=out)
 
 
+# ---- (f) ---------------------------------------------------------------------------------------
+
+OPTIMIZERS = ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2")
+"""What `measure` steps by default: fused AdamW, then FP8Optim at each level."""
+MASTER_OPTIMIZERS = ("fp8optim_l2_bf16", "fp8optim_l2_bf16_sr", "fp8optim_l2_bf16_split")
+"""Also accepted by `measure`: level 2 with bf16 master weights (--master_weights)."""
+
+
+def reset_memory(device: torch.device) -> None:
+    """Drop what the last measurement left: dynamo's graphs (the next one traces afresh; inductor's
+    on-disk cache may still serve it), its tensors, and CUDA's peak-memory counter."""
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measure(device: torch.device, *, n_tensors: int, dim: int, steps: int,
+            optimizers: tuple[str, ...] = OPTIMIZERS, compile: bool = True) -> dict:
+    """AdamW(fused=True) against FP8Optim, one optimizer at a time on its own n_tensors x dim^2
+    parameters (same values and gradients): name -> the figures of `_step_alone`, with each
+    median step time's ratio to fused AdamW's."""
+    unknown = [n for n in optimizers if n not in OPTIMIZERS + MASTER_OPTIMIZERS]
+    if unknown:
+        raise ValueError(f"unknown optimizer {' '.join(unknown)}; use {' '.join(OPTIMIZERS + MASTER_OPTIMIZERS)}")
+    out = {name: _step_alone(name, device, n_tensors, dim, steps, compile) for name in optimizers}
+    base = out.get("adamw_fused", {}).get("step_ms")
+    for v in out.values():
+        v["ratio_to_fused"] = v["step_ms"] / base if base else None
+    return out
+
+
+def _step_alone(name: str, device: torch.device, n_tensors: int, dim: int, steps: int, compile: bool) -> dict:
+    """One optimizer's first step (state creation, compile), then the median of `steps` synchronized
+    steps, one step under a device-read counter, and the peak memory above its parameters and grads."""
+    import torch
+
+    from nanochat.device import DeviceReads
+    from nanochat.fp8.optim import FP8Optim
+
+    reset_memory(device)
+    master = name.split("_l2_")[1] if "_l2_" in name else "fp32"
+    dtype = torch.float32 if master == "fp32" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(dim, dim, device=device, generator=g).to(dtype)) for _ in range(n_tensors)]
+    for p in params:
+        p.grad = (torch.randn(p.shape, device=device, generator=g) * 1e-3).to(dtype)
+    opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    if name != "adamw_fused":
+        opt = FP8Optim(opt, opt_level=int(name[len("fp8optim_l")]), master_weights=master, compile=compile)
+    cuda = device.type == "cuda"
+    before = torch.cuda.memory_allocated() if cuda else 0
+    opt.step()
+    times = []
+    for _ in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    reads = DeviceReads()
+    with reads:
+        opt.step()
+    n = n_tensors * dim ** 2
+    state = opt.state_bytes() / n if isinstance(opt, FP8Optim) else 8.0
+    peak = torch.cuda.max_memory_allocated() - before if cuda else None
+    return dict(step_ms=1e3 * statistics.median(times), device_reads_per_step=reads.count,
+                state_bytes_per_param=state, training_state_bytes_per_param=2 * dtype.itemsize + state,
+                peak_above_params_grads_bytes_per_param=None if peak is None else peak / n,
+                backend=_backend(opt), fallbacks=list(getattr(opt, "fallbacks", [])))
+
+
+def _backend(opt) -> str | dict:
+    """torch's fused step, or FP8Optim.step_backends(): backend -> (calls, tensors) of the last step."""
+    if not hasattr(opt, "step_backends"):
+        return "torch fused"
+    return opt.step_backends() or "torch fused (level 0: the wrapped AdamW steps every tensor)"
+
+
+def bench_alone(args) -> dict:
+    import torch
+
+    device = torch.device(args.device)
+    out = measure(device, n_tensors=args.n_tensors, dim=args.dim, steps=args.steps, compile=not args.quick)
+    peak = {name: v["peak_above_params_grads_bytes_per_param"] for name, v in out.items()}  # None off CUDA
+    rows = [[name, f"{v['step_ms']:.2f}", f"{v['ratio_to_fused']:.2f}x", f"{v['state_bytes_per_param']:.3f}",
+             "-" if peak[name] is None else f"{peak[name]:.2f}", v["device_reads_per_step"], v["backend"]]
+            for name, v in out.items()]
+    print(f"\n(f) {args.n_tensors} x {args.dim}^2 fp32 params on {device}, each optimizer alone, median of "
+          f"{args.steps} steps, {load()}")
+    print(format_table(["optimizer", "step ms", "vs fused AdamW", "state B/param", "peak above params+grads B/param",
+                        "device reads", "backend"], rows))
+    return out
+
+
 # ---- (c) ---------------------------------------------------------------------------------------
 
 
@@ -442,6 +551,8 @@ def bench(argv) -> int:
         result["speed"] = bench_speed(args)
     if args.master or args.quick:
         result["master"] = bench_master(args)
+    if args.alone or args.quick:
+        result["alone"] = bench_alone(args)
     if not args.skip_train:
         result["train"] = bench_train(args)
     result["load_end"] = os.getloadavg()

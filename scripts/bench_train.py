@@ -12,7 +12,12 @@ Pairs, baseline first:
   stats    --fp8 --fp8_emulate --fp8_layers all with --fp8_stats_every 0 vs the default period, both compiled;
   scope    compile time and steady step time, whole model vs per block (--scope_model).
 Runs alternate baseline/candidate --repeats times so that machine load hits both alike; the
-median of each is printed with the ratio, and os.getloadavg() next to them.
+median of each is printed with the ratio, and os.getloadavg() next to them. A run's figures
+(`train_run`) also hold its graph breaks, recompile reasons and peak memory, and a run during
+which dynamo hit its recompile limit (so part of the model ran eagerly) is marked `invalid`.
+--stats_period then times one statistics period of the stats pair's candidate step by step
+(`stats_cost`: the sampled step against the plain ones), --profile one more step of every run
+under the profiler (`profile_step`). scripts/gpu_check.py runs these functions on a GPU.
 """
 
 from __future__ import annotations
@@ -20,16 +25,25 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import multiprocessing
 import os
+import re
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from nanochat.common import format_table
+
+# torch and the trainer are imported in the functions that use them: --help stays fast
+if TYPE_CHECKING:
+    import torch
+
+    from nanochat.train.trainer import NanoChatTrainer
 
 Pair = Literal["compile", "fp8", "stats", "scope"]
 
@@ -72,6 +86,10 @@ class BenchTrainConfig:
     """Sequences per step of the `scope` pair."""
     device: str = "auto"
     """cuda, cpu or auto."""
+    stats_period: bool = False
+    """After each run of the stats pair's candidate, time one --fp8_stats_every period step by step."""
+    profile: bool = False
+    """After each run, one more step under the profiler: GEMM kernels, _scaled_mm calls, device reads."""
     quick: bool = False
     """Tiny sizes: a dry run in seconds (tests)."""
     out: str | None = None
@@ -86,27 +104,169 @@ class BenchTrainConfig:
 QUICK = dict(model_name="d2", seq_len=32, batch_size=4, num_iterations=6, vocab_size=320, scope_model="d2",
              scope_steps=3, scope_batch_size=2)
 
+RECOMPILE_LIMIT_HIT = "torch._dynamo hit config."
+"""How dynamo's warning begins when a function reached its recompile limit and runs eagerly from
+then on (torch/_dynamo/convert_frame.py)."""
 
-def run(cfg: BenchTrainConfig, root: Path, name: str, **over) -> dict:
+
+class RecompileLog(logging.Handler):
+    """The first recompile reasons dynamo logs while the block runs (why a graph was not reused),
+    and `limit_hit`: dynamo's warning that a function reached its recompile limit (it then runs
+    eagerly), or None."""
+
+    def __init__(self):
+        super().__init__()
+        self.reasons: list[str] = []
+        self.limit_hit: str | None = None
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith(RECOMPILE_LIMIT_HIT) and self.limit_hit is None:
+            self.limit_hit = " ".join(message.split("\n")[:3])[:600]
+        elif len(self.reasons) < 3:
+            self.reasons.append(message[:600])
+
+    def __enter__(self):
+        import torch
+
+        torch._logging.set_logs(recompiles=True)
+        self.logger = logging.getLogger("torch._dynamo")
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self.logger.removeHandler(self)
+        torch._logging.set_logs()
+
+
+def train_run(kw: dict, **over) -> tuple[NanoChatTrainer, dict]:
+    """NanoChatTrainer(**kw, **over) trained in this process: the trainer (for more steps) and its
+    figures: TrainResult's fields (the layer lists as counts, without samples and statistics),
+    `over` as `settings`, graph breaks, recompile reasons, peak memory, and `invalid` where dynamo
+    hit its recompile limit."""
+    from torch._dynamo.utils import counters
+
+    from bench_optim import reset_memory  # scripts/, this script's folder
+    from nanochat.device import resolve_device
+    from nanochat.train.trainer import NanoChatTrainer
+
+    kw = {**kw, **over}
+    reset_memory(resolve_device(kw.get("device", "auto")))
+    counters.clear()
+    recompiles = RecompileLog()
+    trainer = NanoChatTrainer(**kw)
+    with recompiles:
+        r = trainer.train()
+    bulky = ("samples", "fp8_stats", "fp8_converted", "fp8_skipped")
+    figures = {k: v for k, v in r.to_dict().items() if k not in bulky}
+    report = trainer.fp8.report
+    figures.update(settings=over, model=kw["model_name"], batch_size=kw["batch_size"],
+                   fp8_converted_layers=len(r.fp8_converted), fp8_skipped_layers=len(r.fp8_skipped),
+                   peak_gib=peak_gib(trainer.device),
+                   fp8_kept_by_policy=report.kept_by_layers if report is not None else None,
+                   recompile_reasons=recompiles.reasons[:3], **graph_breaks())
+    if recompiles.limit_hit:
+        figures["invalid"] = f"dynamo hit its recompile limit, so part of the model ran eagerly: {recompiles.limit_hit}"
+    return trainer, figures
+
+
+def peak_gib(device: torch.device) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def graph_breaks() -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    return {"graph_breaks": sum(counters["graph_break"].values()),
+            "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "break_reasons": dict(list(counters["graph_break"].items())[:5])}
+
+
+def timed_step(trainer: NanoChatTrainer, step: int) -> float:
+    """Seconds of trainer.train_step(step), the device synchronized on both sides."""
+    import torch
+
+    cuda = trainer.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    trainer.train_step(step)
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def stats_cost(trainer: NanoChatTrainer, tokens_per_step: int) -> dict:
+    """What FP8 statistics cost a trained FP8 run: one period of --fp8_stats_every steps timed one
+    by one, the last being the period's sampled step. tokens/s over the period against the same
+    steps without the sampled one, i.e. statistics off (a step that samples nothing runs exactly
+    as with statistics off)."""
+    period = trainer.config.fp8_stats_every
+    if not period:
+        raise ValueError("stats_cost: the run samples no FP8 statistics (--fp8_stats_every 0 or no --fp8); "
+                         "time a run with --fp8 and statistics on")
+    # step s samples when (s + 1) % period == 0: warm up on one (its first eager run of the model),
+    # then time steps period .. 2 period - 1
+    timed_step(trainer, period - 1)
+    times = [timed_step(trainer, s) for s in range(period, 2 * period)]
+    with_stats, without = period * tokens_per_step / sum(times), (period - 1) * tokens_per_step / sum(times[:-1])
+    return {"period": period, "tokens_per_sec_with_stats": with_stats, "tokens_per_sec_without": without,
+            "overhead_pct": 100 * (1 - with_stats / without), "sampled_step_s": times[-1],
+            "median_step_s": statistics.median(times[:-1]),
+            "sampled_step_costs_steps": times[-1] / statistics.median(times[:-1]) - 1}
+
+
+def profile_step(trainer: NanoChatTrainer) -> dict:
+    """One more training step under the profiler (GEMM kernel names) and a device-read counter."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanochat.device import DeviceReads
+
+    cuda, last = trainer.device.type == "cuda", trainer.total_steps - 1
+    reads = DeviceReads()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    trainer.train_step(last)  # a steady-state step first (no recompiles below)
+    with reads:
+        trainer.train_step(last)
+    with profile(activities=activities) as prof:
+        trainer.train_step(last)
+        if cuda:
+            torch.cuda.synchronize()
+    kernels: dict[str, int] = {}
+    for e in prof.key_averages():
+        if re.search(r"gemm|_mm|matmul|xmma|cutlass|nvjet", e.key, re.I) and (
+                not cuda or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA):
+            kernels[e.key[:160]] = e.count
+    scaled_mm = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
+    return {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
+
+
+def run(cfg: BenchTrainConfig, root: Path, name: str, over: dict, *, period: bool = False) -> dict:
     """One training run in a fresh process with a cold compiler cache: no graph compiled by an
-    earlier run is reused, in memory or on disk, so every compile time is a first run's."""
+    earlier run is reused, in memory or on disk, so every compile time is a first run's. With
+    `period`, its stats_cost after training; with --profile, its profile_step."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / name / "inductor-cache")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-        return pool.submit(_train, cfg, root, name, over).result()
+        return pool.submit(_train, cfg, root, name, over, period).result()
 
 
-def _train(cfg: BenchTrainConfig, root: Path, name: str, over: dict) -> dict:
-    from nanochat.train.trainer import NanoChatTrainer
-
+def _train(cfg: BenchTrainConfig, root: Path, name: str, over: dict, period: bool) -> dict:
     kw = dict(model_name=cfg.model_name, dataset_path=cfg.dataset_path, vocab_size=cfg.vocab_size,
               seq_len=cfg.seq_len, batch_size=cfg.batch_size, num_iterations=cfg.num_iterations,
               eval_every=0, eval_tokens=cfg.seq_len * 8, save_every=0, num_samples=0, device=cfg.device,
               run_dir=str(root / name), warmup_steps=min(20, cfg.num_iterations))
-    kw.update(over)
-    r = NanoChatTrainer(**kw).train()
-    return dict(tokens_per_sec=r.tokens_per_sec, compile_time_s=r.compile_time_s, val_loss=r.val_loss,
-                wall_time_s=r.wall_time_s, fallbacks=r.fallbacks, steps=r.steps)
+    trainer, figures = train_run(kw, **over)
+    if period:
+        figures["stats_period"] = stats_cost(trainer, trainer.config.batch_size * trainer.config.seq_len)
+    if cfg.profile:
+        figures.update(profile_step(trainer))
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +299,8 @@ def bench(cfg: BenchTrainConfig) -> int:
             runs: dict[str, list[dict]] = {"baseline": [], "candidate": []}
             for i in range(cfg.repeats):
                 for side, over in (("baseline", base_over), ("candidate", cand_over)):
-                    runs[side].append(run(cfg, root, f"{pair}-{side}-{i}", **over))
+                    period = cfg.stats_period and pair == "stats" and side == "candidate"
+                    runs[side].append(run(cfg, root, f"{pair}-{side}-{i}", over, period=period))
                     runs[side][-1]["loadavg"] = os.getloadavg()[0]
             med = {side: {k: statistics.median(r[k] for r in rs) for k in ("tokens_per_sec", "compile_time_s")}
                    for side, rs in runs.items()}
@@ -153,6 +314,12 @@ def bench(cfg: BenchTrainConfig) -> int:
     for pair in cfg.pairs:
         b, c = PAIRS[pair]
         print(f"  {pair}: baseline {b} vs candidate {c}")
+    for r in (results["pairs"].get("stats") or {}).get("runs", {}).get("candidate", []):
+        if "stats_period" in r:
+            p = r["stats_period"]
+            print(f"  stats period of {p['period']} steps: sampled step {p['sampled_step_s']:.3f} s against a median "
+                  f"{p['median_step_s']:.3f} s ({p['sampled_step_costs_steps']:+.2f} steps), "
+                  f"overhead {p['overhead_pct']:.2f}% of tokens/s")
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(results, indent=2))
     return 0

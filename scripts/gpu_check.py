@@ -3,24 +3,25 @@
     bash scripts/gpu_check.sh                 # 8 minutes in all (--budget_s); figures in $OUT/gpu_check.json
     .venv/bin/python scripts/gpu_check.py --dry_run    # the same jobs at toy sizes on the CPU
 
-Training runs are what a user runs: `NanoChatTrainer` with its defaults (the whole model
-compiled, bf16 autocast over fp32 master weights; --big_model compiled per block to fit the
-time), no checkpoints, on this Python's
-standard-library sources with a BPE tokenizer trained on the fly (cached after the first run).
+A scheduler over the benchmarks' own measurements (scripts/bench_*.py, imported from this folder):
+it runs them in priority order within --budget_s and records them in one JSON, the tests' log
+and junit XML beside it. Training runs are what a user runs: `NanoChatTrainer` with its defaults
+(the whole model compiled, bf16 autocast over fp32 master weights; --big_model compiled per block
+to fit the time), no checkpoints, on the stdlib's sources with a BPE trained on the fly (cached).
 Jobs, in priority order (the figures no earlier run has first, FP8 `all` last):
   env     torch / torchao / GPU, what nanochat.fp8.detect decides per recipe, the MFU peak;
   tests   every test marked `gpu` (GPU_TEST_FILES): each test's outcome and full failure text
           (junit XML, the whole log in $OUT), kept when the time limit interrupts pytest;
-  optim   fused AdamW vs FP8Optim's multi-tensor step, levels 0/1/2, on --opt_tensors x
-          --opt_dim^2 fp32 parameters: step time, peak memory, backend, fallbacks;
-  stats   what FP8 statistics cost: tokens/s over one --fp8_stats_every period with its sampled
+  optim   bench_optim.measure: fused AdamW vs FP8Optim levels 0/1/2, each alone on --opt_tensors
+          x --opt_dim^2 fp32 parameters: step time, peak memory, device reads, backend, fallbacks;
+  stats   bench_train.stats_cost: tokens/s over one --fp8_stats_every period with its sampled
           step against the same steps without it (goal: <= 2%);
-  train   --model (d12) and --big_model (d26), bf16 vs FP8 with --fp8_layers faster (the
-          default): tokens/s, MFU, compile time, graph breaks, recompile reasons, peak memory;
-  shapes  scripts/bench_fp8_linear.py: bf16 vs FP8 tensorwise and rowwise per Linear shape of
+  train   bench_train.train_run at --model (d12) and --big_model (d26), bf16 vs FP8 --fp8_layers
+          faster (the default): tokens/s, MFU, compile time, graph breaks, recompiles, peak memory;
+  shapes  bench_fp8_linear.time_shapes: bf16 vs FP8 tensorwise and rowwise per Linear shape of
           --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
   all     both models with every Linear in FP8 (not repeated where faster converted every one),
-          and one profiled step of --model's (its GEMM kernels, torch._scaled_mm calls, device reads).
+          and bench_train.profile_step at --model (GEMM kernels, torch._scaled_mm calls, device reads).
 Also on request: scope (--compile_scope blocks against model), opt_levels, master.
 Each measurement has an estimate (ESTIMATES_S); one that does not fit what is left of --budget_s
 is skipped and listed. A training run during which dynamo hit its recompile limit ran partly
@@ -33,14 +34,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import json
-import logging
 import os
 import platform
-import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,8 +101,8 @@ class GPUCheckConfig:
     opt_steps: int = 10
     """Timed optimizer steps (median reported) after one that creates the state and compiles."""
     optimizers: tuple[str, ...] = ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2")
-    """What the optim job times; also fp8optim_l2_bf16, fp8optim_l2_bf16_sr, fp8optim_l2_bf16_split
-    (level 2 with bf16 master weights)."""
+    """What the optim job times (bench_optim.OPTIMIZERS); also fp8optim_l2_bf16, fp8optim_l2_bf16_sr,
+    fp8optim_l2_bf16_split (level 2 with bf16 master weights)."""
     tests_timeout_s: float = 120.0
     """Interrupt the GPU tests after this many seconds (what ran is kept)."""
     run_root: str = ""
@@ -151,10 +148,6 @@ GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_fp8_optim.py", "tests/test_fp
 """The test files holding tests marked `gpu` (tests/test_gpu_check.py keeps this list complete):
 the tests job runs `pytest -m gpu` on them, not on the whole suite, whose collection alone would
 import every test module."""
-
-RECOMPILE_LIMIT_HIT = "torch._dynamo hit config."
-"""How dynamo's warning begins when a function reached its recompile limit and runs eagerly from
-then on (torch/_dynamo/convert_frame.py)."""
 
 
 class Interrupted(BaseException):
@@ -243,136 +236,16 @@ def device_of(cfg: GPUCheckConfig) -> torch.device:
     return torch.device("cpu" if cfg.dry_run else "cuda")
 
 
-def reset_memory(device: torch.device) -> None:
-    import torch
-
-    torch._dynamo.reset()  # each run traces afresh (inductor's on-disk cache may still serve it)
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def peak_gib(device: torch.device) -> float | None:
-    import torch
-
-    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-
-
-def graph_breaks() -> dict[str, Any]:
-    from torch._dynamo.utils import counters
-
-    return {"graph_breaks": sum(counters["graph_break"].values()),
-            "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
-            "break_reasons": dict(list(counters["graph_break"].items())[:5])}
-
-
-def trainer_kwargs(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -> dict:
+def trainer_kwargs(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, *, fp8: bool) -> dict:
+    """What every training run of the check shares: no evaluation, checkpoint or sample; FP8
+    emulated in a dry run."""
     kw = dict(model_name=model, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, batch_size=batch_size,
               num_iterations=cfg.steps, warmup_steps=2, eval_every=0, eval_tokens=cfg.seq_len * batch_size,
               save_checkpoints=False, num_samples=0, device=str(device_of(cfg)),
               run_dir=str(Path(cfg.run_root) / name))
-    if over.get("fp8") and cfg.dry_run:
-        over = dict(over, fp8_emulate=True)
-    kw.update(over)
+    if fp8 and cfg.dry_run:
+        kw["fp8_emulate"] = True
     return kw
-
-
-def train(cfg: GPUCheckConfig, name: str, model: str, batch_size: int, **over) -> tuple[Any, dict]:
-    """One NanoChatTrainer run: the trainer (for more steps) and its figures: TrainResult's
-    fields (the layer lists as counts, without samples and statistics), graph breaks, recompile
-    reasons and peak memory."""
-    from torch._dynamo.utils import counters
-
-    from nanochat.train.trainer import NanoChatTrainer
-
-    device = device_of(cfg)
-    reset_memory(device)
-    counters.clear()
-    recompiles = RecompileLog()
-    trainer = NanoChatTrainer(**trainer_kwargs(cfg, name, model, batch_size, **over))
-    with recompiles:
-        r = trainer.train()
-    bulky = ("samples", "fp8_stats", "fp8_converted", "fp8_skipped")
-    figures = {k: v for k, v in r.to_dict().items() if k not in bulky}
-    report = trainer.fp8.report
-    figures.update(settings=over, model=model, batch_size=batch_size, fp8_converted_layers=len(r.fp8_converted),
-                   fp8_skipped_layers=len(r.fp8_skipped), peak_gib=peak_gib(device),
-                   fp8_kept_by_policy=report.kept_by_layers if report is not None else None,
-                   recompile_reasons=recompiles.reasons[:3], **graph_breaks())
-    if recompiles.limit_hit:
-        figures["invalid"] = f"dynamo hit its recompile limit, so part of the model ran eagerly: {recompiles.limit_hit}"
-    return trainer, figures
-
-
-def profile_step(trainer, device: torch.device) -> dict:
-    """One more training step under the profiler (GEMM kernel names) and a device-read counter."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    from nanochat.device import DeviceReads
-
-    reads = DeviceReads()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    trainer.train_step(trainer.total_steps - 1)  # a steady-state step first (no recompiles below)
-    with reads:
-        trainer.train_step(trainer.total_steps - 1)
-    with profile(activities=activities) as prof:
-        trainer.train_step(trainer.total_steps - 1)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    kernels: dict[str, int] = {}
-    for e in prof.key_averages():
-        if re.search(r"gemm|_mm|matmul|xmma|cutlass|nvjet", e.key, re.I) and (
-                device.type != "cuda" or getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA):
-            kernels[e.key[:160]] = e.count
-    scaled_mm = sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm")
-    return {"gemm_kernels": kernels, "scaled_mm_calls": scaled_mm, "device_reads_in_step": reads.count}
-
-
-def timed_step(trainer, step: int, device: torch.device) -> float:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    trainer.train_step(step)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
-class RecompileLog(logging.Handler):
-    """The first recompile reasons dynamo logs while the block runs (why a graph was not reused),
-    and `limit_hit`: dynamo's warning that a function reached its recompile limit (it then runs
-    eagerly), or None."""
-
-    def __init__(self):
-        super().__init__()
-        self.reasons: list[str] = []
-        self.limit_hit: str | None = None
-
-    def emit(self, record):
-        message = record.getMessage()
-        if message.startswith(RECOMPILE_LIMIT_HIT) and self.limit_hit is None:
-            self.limit_hit = " ".join(message.split("\n")[:3])[:600]
-        elif len(self.reasons) < 3:
-            self.reasons.append(message[:600])
-
-    def __enter__(self):
-        import torch
-
-        torch._logging.set_logs(recompiles=True)
-        self.logger = logging.getLogger("torch._dynamo")
-        self.logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        self.logger.removeHandler(self)
-        torch._logging.set_logs()
 
 
 def run_pytest(args: list[str], out_dir: Path, name: str, timeout_s: float) -> dict:
@@ -453,17 +326,29 @@ def job_tests(cfg: GPUCheckConfig, findings: Findings) -> None:
         cfg.tests_timeout_s))
 
 
-def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
-    from bench_fp8_linear import BenchFP8LinearConfig, time_shapes  # scripts/, this script's folder
+def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
+    def optim() -> dict:
+        from bench_optim import measure  # scripts/, this script's folder
 
-    bench = BenchFP8LinearConfig(models=cfg.shape_models, shape_tokens=cfg.shape_tokens, steps=10, repeats=3)
+        return measure(device_of(cfg), n_tensors=cfg.opt_tensors, dim=cfg.opt_dim, steps=cfg.opt_steps,
+                       optimizers=cfg.optimizers)
 
-    def shapes() -> dict:
-        deadline = time.perf_counter() + cfg.shapes_budget_s
-        return time_shapes(bench, device_of(cfg), emulate=cfg.dry_run, deadline=deadline,
-                           on_result=lambda key, figures: findings.put(f"shapes/shapes/{key}", figures))
+    findings.measure("optim", ESTIMATES_S["optim"], optim)
 
-    findings.measure("shapes", cfg.shapes_budget_s + ESTIMATES_S["shape"], shapes)
+
+def job_stats(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """--model with every eligible Linear in FP8 (the most layers to sample), then bench_train's
+    stats_cost: one --fp8_stats_every period timed step by step."""
+    def stats() -> dict:
+        from bench_train import stats_cost, train_run
+
+        kw = trainer_kwargs(cfg, "stats", cfg.model, cfg.batch_size, fp8=True)
+        trainer, figures = train_run(kw, fp8=True, fp8_layers="all")
+        invalid = {"invalid": figures["invalid"]} if "invalid" in figures else {}
+        return {**invalid, "model": cfg.model, "fp8_converted_layers": figures["fp8_converted_layers"],
+                **stats_cost(trainer, cfg.batch_size * cfg.seq_len)}
+
+    findings.measure("stats", ESTIMATES_S["stats"], stats)
 
 
 def _train_models(cfg: GPUCheckConfig) -> dict[str, tuple[str, int, dict]]:
@@ -473,22 +358,38 @@ def _train_models(cfg: GPUCheckConfig) -> dict[str, tuple[str, int, dict]]:
     return models
 
 
-def _train_run(cfg: GPUCheckConfig, model: str, kind: str, profile: bool = False, **over) -> Callable[[], dict]:
-    def go() -> dict:
+def _training(cfg: GPUCheckConfig, name: str, model: str, *, profile: bool = False, **over) -> Callable[[], dict]:
+    """One bench_train.train_run of `model` (its batch size and compile scope) with `over`, as a
+    measurement; `profile` adds one profiled step."""
+    def run() -> dict:
+        from bench_train import profile_step, train_run
+
         _, batch_size, scope = _train_models(cfg)[model]
-        trainer, figures = train(cfg, f"{model}-{kind}", model, batch_size, **scope, **over)
-        if profile:
-            figures.update(profile_step(trainer, device_of(cfg)))
-        return figures
-    return go
+        kw = trainer_kwargs(cfg, name, model, batch_size, fp8=over.get("fp8", False))
+        trainer, figures = train_run(kw, **scope, **over)
+        return {**figures, **profile_step(trainer)} if profile else figures
+    return run
 
 
 def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
-    """bf16 vs FP8 `faster` (the default policy) at --model, then at --big_model."""
+    """bf16 vs FP8 `faster` (the default policy) at --model, then at --big_model: each run its own
+    measurement, so that a side skipped for time or failing keeps the other."""
     for model, (role, _, _) in _train_models(cfg).items():
-        findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], _train_run(cfg, model, "bf16"))
+        findings.measure(f"train/{model}/bf16", ESTIMATES_S[f"{role}/bf16"], _training(cfg, f"{model}-bf16", model))
         findings.measure(f"train/{model}/fp8_faster", ESTIMATES_S[f"{role}/fp8"],
-                         _train_run(cfg, model, "fp8_faster", fp8=True, fp8_layers="faster"))
+                         _training(cfg, f"{model}-fp8_faster", model, fp8=True, fp8_layers="faster"))
+
+
+def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
+    def shapes() -> dict:
+        from bench_fp8_linear import BenchFP8LinearConfig, time_shapes
+
+        bench = BenchFP8LinearConfig(models=cfg.shape_models, shape_tokens=cfg.shape_tokens, steps=10, repeats=3)
+        deadline = time.perf_counter() + cfg.shapes_budget_s
+        return time_shapes(bench, device_of(cfg), emulate=cfg.dry_run, deadline=deadline,
+                           on_result=lambda key, figures: findings.put(f"shapes/shapes/{key}", figures))
+
+    findings.measure("shapes", cfg.shapes_budget_s + ESTIMATES_S["shape"], shapes)
 
 
 def job_all(cfg: GPUCheckConfig, findings: Findings) -> None:
@@ -501,119 +402,32 @@ def job_all(cfg: GPUCheckConfig, findings: Findings) -> None:
             findings.put(f"all/{model}/fp8_all", {"same_as": "train/fp8_faster", "why": (
                 "--fp8_layers faster converted every eligible Linear, so `all` is the same run")})
             continue
-        findings.measure(f"all/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8_all"],
-                         _train_run(cfg, model, "fp8_all", profile=role == "model", fp8=True, fp8_layers="all"))
-
-
-def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
-    findings.measure("optim", ESTIMATES_S["optim"], lambda: optimizer_steps(cfg))
-
-
-def optimizer_steps(cfg: GPUCheckConfig) -> dict:
-    """Step time and peak memory: AdamW(fused=True) vs FP8Optim, same parameters and gradients."""
-    import torch
-
-    from nanochat.device import DeviceReads
-    from nanochat.fp8 import FP8Optim
-
-    device = device_of(cfg)
-    out = {}
-    for name in cfg.optimizers:
-        reset_memory(device)
-        master = name.split("_l2_")[1] if "_l2_" in name else "fp32"
-        dtype = torch.float32 if master == "fp32" else torch.bfloat16
-        g = torch.Generator(device=device).manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(cfg.opt_dim, cfg.opt_dim, device=device, generator=g).to(dtype))
-                  for _ in range(cfg.opt_tensors)]
-        for p in params:
-            p.grad = (torch.randn(p.shape, device=device, generator=g) * 1e-3).to(dtype)
-        opt = torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        if name != "adamw_fused":
-            opt = FP8Optim(opt, opt_level=int(name[len("fp8optim_l")]), master_weights=master)
-        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        opt.step()  # creates the state and compiles
-        times = []
-        for _ in range(cfg.opt_steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        reads = DeviceReads()
-        with reads:
-            opt.step()
-        n = cfg.opt_tensors * cfg.opt_dim ** 2
-        state = opt.state_bytes() / n if hasattr(opt, "state_bytes") else 8.0
-        peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
-        out[name] = dict(step_ms=1e3 * statistics.median(times), device_reads_per_step=reads.count,
-                         state_bytes_per_param=state, training_state_bytes_per_param=2 * dtype.itemsize + state,
-                         peak_above_params_grads_bytes_per_param=None if peak is None else peak / n,
-                         backend=step_backend(opt), fallbacks=list(getattr(opt, "fallbacks", [])))
-        del opt, params
-    base = out.get("adamw_fused", {}).get("step_ms")
-    for v in out.values():
-        v["ratio_to_fused"] = v["step_ms"] / base if base else None
-    return out
-
-
-def step_backend(opt) -> str | dict:
-    """torch's fused step, or FP8Optim.step_backends(): backend -> (calls, tensors) of the last step."""
-    if not hasattr(opt, "step_backends"):
-        return "torch fused"
-    return opt.step_backends() or "torch fused (level 0: the wrapped AdamW steps every tensor)"
-
-
-def job_stats(cfg: GPUCheckConfig, findings: Findings) -> None:
-    """--model with every eligible Linear in FP8 (the most layers to sample), then one period of
-    --fp8_stats_every steps timed one by one: the last is the period's sampled step. tokens/s
-    over the period against the same steps without the sampled one, i.e. statistics off (a
-    step that samples nothing runs exactly as with statistics off)."""
-    device = device_of(cfg)
-
-    def stats() -> dict:
-        trainer, figures = train(cfg, "stats", cfg.model, cfg.batch_size, fp8=True, fp8_layers="all")
-        period = trainer.config.fp8_stats_every
-        # step s samples when (s + 1) % period == 0: warm up on one (its first eager run of the
-        # model), then time steps period .. 2 period - 1
-        timed_step(trainer, period - 1, device)
-        times = [timed_step(trainer, s, device) for s in range(period, 2 * period)]
-        tokens = cfg.batch_size * cfg.seq_len
-        with_stats, without = period * tokens / sum(times), (period - 1) * tokens / sum(times[:-1])
-        invalid = {"invalid": figures["invalid"]} if "invalid" in figures else {}
-        return {**invalid, "model": cfg.model, "fp8_converted_layers": figures["fp8_converted_layers"], "period": period,
-                "tokens_per_sec_with_stats": with_stats, "tokens_per_sec_without": without,
-                "overhead_pct": 100 * (1 - with_stats / without), "sampled_step_s": times[-1],
-                "median_step_s": statistics.median(times[:-1]),
-                "sampled_step_costs_steps": times[-1] / statistics.median(times[:-1]) - 1}
-
-    findings.measure("stats", ESTIMATES_S["stats"], stats)
+        findings.measure(f"all/{model}/fp8_all", ESTIMATES_S[f"{role}/fp8_all"], _training(
+            cfg, f"{model}-fp8_all", model, profile=role == "model", fp8=True, fp8_layers="all"))
 
 
 def job_scope(cfg: GPUCheckConfig, findings: Findings) -> None:
     """--model compiled per block (--compile_scope blocks), bf16 and FP8: against train's whole-model runs."""
     for kind, over in (("bf16", {}), ("fp8", {"fp8": True})):
-        findings.measure(f"scope/{kind}_blocks", ESTIMATES_S["scope"] / 2, lambda over=over, kind=kind: train(
-            cfg, f"{kind}-blocks", cfg.model, cfg.batch_size, compile_scope="blocks", **over)[1])
+        findings.measure(f"scope/{kind}_blocks", ESTIMATES_S["scope"] / 2,
+                         _training(cfg, f"{kind}-blocks", cfg.model, compile_scope="blocks", **over))
 
 
 def job_opt_levels(cfg: GPUCheckConfig, findings: Findings) -> None:
     """--model with FP8 and the moments in FP8 (--fp8_opt_level 1, 2): tokens/s, peak memory."""
     for level in (1, 2):
-        findings.measure(f"opt_levels/level{level}", ESTIMATES_S["opt_levels"] / 2, lambda level=level: train(
-            cfg, f"fp8-l{level}", cfg.model, cfg.batch_size, fp8=True, fp8_opt_level=level)[1])
+        findings.measure(f"opt_levels/level{level}", ESTIMATES_S["opt_levels"] / 2,
+                         _training(cfg, f"fp8-l{level}", cfg.model, fp8=True, fp8_opt_level=level))
 
 
 def job_master(cfg: GPUCheckConfig, findings: Findings) -> None:
     """FP8 level-2 moments with each way of cutting the rest of the training state: bf16_sr
     masters, bf16_split, bf16_sr with the step inside the backward."""
-    fp8 = dict(fp8=True, fp8_opt_level=2)
     runs = {"bf16_sr": dict(master_weights="bf16_sr"), "bf16_split": dict(master_weights="bf16_split"),
             "bf16_sr_in_backward": dict(master_weights="bf16_sr", optimizer_in_backward=True, grad_clip=0.0)}
     for name, over in runs.items():
-        findings.measure(f"master/{name}", ESTIMATES_S["master"] / 3, lambda name=name, over=over: train(
-            cfg, f"master-{name}", cfg.model, cfg.batch_size, **fp8, **over)[1])
+        findings.measure(f"master/{name}", ESTIMATES_S["master"] / 3,
+                         _training(cfg, f"master-{name}", cfg.model, fp8=True, fp8_opt_level=2, **over))
 
 
 JOBS: dict[str, Callable[[GPUCheckConfig, Findings], None]] = {

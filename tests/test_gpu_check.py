@@ -219,13 +219,13 @@ def test_a_run_that_hit_the_recompile_limit_is_invalid_and_gives_no_ratio():
     RecompileLog reports it; a run so marked gives no ratio or MFU, the valid ones still do."""
     import torch
 
-    gpu_check = _script("gpu_check")
+    gpu_check, bench_train = _script("gpu_check"), _script("bench_train")
 
     def f(x, k):
         return x * k
 
     compiled = torch.compile(f, backend="eager")
-    log = gpu_check.RecompileLog()
+    log = bench_train.RecompileLog()
     with torch._dynamo.config.patch(recompile_limit=1), log:
         for k in range(3):
             compiled(torch.ones(2), k)
