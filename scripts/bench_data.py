@@ -89,13 +89,14 @@ print("RESULT " + json.dumps({"read_s": t1 - t0, "tokenize_s": t2 - t1, "seconds
 '''
 
 STORE_DATA = r'''
-import json, os, sys, time
+import json, sys, time
+from nanochat.common import cache_root
 from nanochat.data.batches import TokenBatches
 from nanochat.data.prepare import prepare_data
 from nanochat.tokenizer import BPETokenizer
 tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()
-store = prepare_data(sys.argv[1], tokenizer=tok, cache_root=os.environ["NANOCHAT_CACHE"]).store
+store = prepare_data(sys.argv[1], tokenizer=tok, cache_root=cache_root()).store
 loader = TokenBatches(store.train, seq_len=int(sys.argv[3]), batch_size=int(sys.argv[4]), seed=0)
 for _ in range(int(sys.argv[5])):
     loader.next_batch()
