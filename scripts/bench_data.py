@@ -18,11 +18,16 @@ Then the 400/100 ratios against their goals, a --ranks torchrun on the larger co
 rank's peak RSS, recorded by the rank itself when its script returns, so a rank that hangs at
 exit is still measured and then killed by its pid), and the sizing of a 40 GB corpus on 8 ranks
 from the per-byte slopes. Figures go to stdout and, with --out, to JSON.
+
+The in-memory path is defined here (`load_corpus`, `tokenize_docs`): the documents, split and
+tokens a store holds, as Python strings and one tensor. It is the baseline measured, and the
+reference the store's tests compare against token for token (tests/reference_data.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -31,10 +36,12 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from nanochat.common import format_table
+from nanochat.common import format_table, warn_once, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_MIB = 25
@@ -75,27 +82,29 @@ sys.exit(rc)
 
 IN_MEMORY = r'''
 import json, sys, time
-from nanochat.data.corpus import load_corpus, tokenize_docs
+sys.path.insert(0, sys.argv[4])  # scripts/: the in-memory path is this benchmark's own
+from bench_data import load_corpus, tokenize_docs
 from nanochat.tokenizer import BPETokenizer
 tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()
 corpus = load_corpus(sys.argv[1])
 t1 = time.time()
-train = tokenize_docs(tok, corpus.train_docs, cache_dir=sys.argv[3], progress=False)
-tokenize_docs(tok, corpus.val_docs, cache_dir=sys.argv[3], progress=False)
+train = tokenize_docs(tok, corpus.train_docs, cache_dir=sys.argv[3])
+tokenize_docs(tok, corpus.val_docs, cache_dir=sys.argv[3])
 t2 = time.time()
 print("RESULT " + json.dumps({"read_s": t1 - t0, "tokenize_s": t2 - t1, "seconds": t2 - t0,
                               "text_bytes": corpus.num_bytes, "tokens": len(train)}))
 '''
 
 STORE_DATA = r'''
-import json, os, sys, time
+import json, sys, time
+from nanochat.common import cache_root
 from nanochat.data.batches import TokenBatches
 from nanochat.data.prepare import prepare_data
 from nanochat.tokenizer import BPETokenizer
 tok = BPETokenizer.load(sys.argv[2])
 t0 = time.time()
-store = prepare_data(sys.argv[1], tokenizer=tok, cache_root=os.environ["NANOCHAT_CACHE"]).store
+store = prepare_data(sys.argv[1], tokenizer=tok, cache_root=cache_root()).store
 loader = TokenBatches(store.train, seq_len=int(sys.argv[3]), batch_size=int(sys.argv[4]), seed=0)
 for _ in range(int(sys.argv[5])):
     loader.next_batch()
@@ -135,6 +144,166 @@ class BenchDataConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
 
+
+
+# ---------------------------------------------------------------- the in-memory path
+@dataclass(frozen=True, kw_only=True)
+class Corpus:
+    """A corpus split into training and validation documents (plain strings) or, when `kind` is
+    "instruct", instruction records (chat message lists) with their text in the docs fields."""
+
+    name: str
+    source: str
+    train_docs: list[str]
+    """The documents; for an instruct corpus each record's message contents joined by blank lines
+    (the text a tokenizer is trained on and the corpus fingerprint hashes)."""
+    val_docs: list[str]
+    train_ids: list[str]
+    """Document ids (relative path, `path#line`, `path#row`), parallel to train_docs."""
+    val_ids: list[str]
+    kind: Literal["text", "instruct"] = "text"
+    """text: plain documents, every token scored. instruct: records, only assistant tokens scored."""
+    train_records: list[list[dict[str, str]]] = field(default_factory=list)
+    """instruct only: each record as [{"role", "content"}, ...], parallel to train_ids."""
+    val_records: list[list[dict[str, str]]] = field(default_factory=list)
+    shapes: dict[str, int] = field(default_factory=dict)
+    """instruct only: record shape ("prompt/completion", "messages", "multiple choice") -> count."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Reason -> count of files (or jsonl lines / parquet rows) left out."""
+    split_note: str = "hash split"
+    num_bytes: int = 0
+    """UTF-8 bytes of all documents, train and val."""
+    train_bytes: int = 0
+    fingerprint: str = ""
+    """16 hex digits of sha256 over the documents of both splits."""
+
+    def describe(self) -> str:
+        from nanochat.data.split import describe
+
+        return describe(self.name, self.source, kind=self.kind, docs=(len(self.train_docs), len(self.val_docs)),
+                        nbytes=(self.train_bytes, self.num_bytes - self.train_bytes), split_note=self.split_note,
+                        skipped=self.skipped, shapes=self.shapes)
+
+
+def load_corpus(dataset_path: str | os.PathLike | None = None) -> Corpus:
+    """The built-in stdlib corpus (None) or the documents under `dataset_path`, split, in memory:
+    the documents a token store holds, read by the store's own reader (nanochat.data.plan) and
+    split by its rules (nanochat.data.split). Its imports wait for a call: --help stays fast."""
+    from nanochat.data.plan import iter_documents, plan_sources
+    from nanochat.data.sources import DataError, list_sources, unreadable
+    from nanochat.data.split import SplitRule, empty_corpus_message
+
+    sources = list_sources(dataset_path)
+    plan = plan_sources(sources)
+    counts: Counter[str] = Counter(sources.skipped)
+    read = [(unit.role, doc) for unit, doc in iter_documents(plan, counts)]
+    skipped = dict(sorted(counts.items()))
+    bad = unreadable(skipped)
+    if bad:  # empty files and other extensions are expected; only these deserve a warning
+        warn_once(f"data-skipped:{sources.source}", f"{sources.source}: skipped " +
+                  ", ".join(f"{n} {why}" for why, n in sorted(bad.items())))
+    name, source = sources.name, sources.source
+    if sources.split_layout:
+        train = [d for role, d in read if role != "validation"]
+        val = [d for role, d in read if role == "validation"]
+        if not train:
+            raise DataError(f"--dataset_path {source}: the train split files hold no documents or records")
+        if val:
+            return _corpus(name, source, train, val, SplitRule("role").note(sources), skipped)
+        corpus = _split(name, source, train, skipped)  # no validation file: held out by hash, as usual
+        return dataclasses.replace(corpus, split_note=f"train split files only, {corpus.split_note}")
+    if not read:
+        raise DataError(empty_corpus_message(source, skipped))
+    return _split(name, source, [d for _, d in read], skipped)
+
+
+def _split(name: str, source: str, docs: list, skipped: dict[str, int]) -> Corpus:
+    """The store's split rules over `docs` (nanochat.data.read.Doc), tiny corpora included."""
+    from nanochat.data.read import Doc
+    from nanochat.data.sources import DataError
+    from nanochat.data.split import VAL_FRACTION, val_hash
+
+    train = [d for d in docs if val_hash(d.id) >= VAL_FRACTION]
+    val = [d for d in docs if val_hash(d.id) < VAL_FRACTION]
+    note = f"val = sha1(doc id) < {VAL_FRACTION:g}"
+    records = docs[0].messages is not None  # load_corpus made sure all docs are of one kind
+    if not train or not val:
+        if len(docs) == 1:
+            (d,) = docs
+            if records:
+                raise DataError(f"{source}: the corpus is a single instruction record ({d.id}); training and "
+                                "validation need at least 2 records")
+            if len(d.text) < 2:
+                raise DataError(f"{source}: the corpus is a single {len(d.text)}-character document; "
+                                "training and validation need at least 2 characters")
+            cut = len(d.text) - max(1, round(len(d.text) * VAL_FRACTION))
+            train, val = [Doc(d.id, d.text[:cut])], [Doc(f"{d.id}[{cut}:]", d.text[cut:])]
+            note = f"one document: val = its last {len(d.text) - cut:,} characters"
+        elif not val:
+            val = [min(docs, key=lambda d: val_hash(d.id))]
+            train = [d for d in docs if d.id != val[0].id]
+            note = f"no doc hashed below {VAL_FRACTION:g}: val = the doc with the smallest sha1"
+        else:
+            train = [max(docs, key=lambda d: val_hash(d.id))]
+            val = [d for d in docs if d.id != train[0].id]
+            note = f"every doc hashed below {VAL_FRACTION:g}: train = the doc with the largest sha1"
+    return _corpus(name, source, train, val, note, skipped)
+
+
+def _corpus(name: str, source: str, train: list, val: list, note: str, skipped: dict[str, int]) -> Corpus:
+    docs = train + val
+    records = docs[0].messages is not None
+    h = hashlib.sha256()
+    nbytes = {b"T": 0, b"V": 0}
+    for tag, part in ((b"T", train), (b"V", val)):
+        for d in part:
+            b = d.text.encode("utf-8")
+            nbytes[tag] += len(b)
+            h.update(tag + len(b).to_bytes(8, "little") + b)
+    return Corpus(
+        name=name, source=source, train_docs=[d.text for d in train], val_docs=[d.text for d in val],
+        train_ids=[d.id for d in train], val_ids=[d.id for d in val], skipped=skipped,
+        split_note=note, num_bytes=nbytes[b"T"] + nbytes[b"V"], train_bytes=nbytes[b"T"],
+        fingerprint=h.hexdigest()[:16], kind="instruct" if records else "text",
+        train_records=[d.messages for d in train] if records else [],
+        val_records=[d.messages for d in val] if records else [],
+        shapes=dict(sorted(Counter(d.shape for d in docs).items())) if records else {},
+    )
+
+
+def tokenize_docs(tokenizer, docs: list[str], *, cache_dir: str | os.PathLike | None = None):
+    """[n_tokens] int32 tensor: `<|bos|> doc0 <|bos|> doc1 ...`, cached in `cache_dir` when given.
+
+    The cache key hashes the documents themselves (not a split name) with the tokenizer's
+    fingerprint: any change to either makes a new file. Files are `.npy` written atomically
+    and read with allow_pickle=False.
+    """
+    import numpy as np
+    import torch
+
+    path = None
+    if cache_dir is not None:
+        h = hashlib.sha256()
+        for d in docs:
+            b = d.encode("utf-8")
+            h.update(len(b).to_bytes(8, "little") + b)
+        path = Path(cache_dir) / f"tokens-{h.hexdigest()[:16]}-{tokenizer.fingerprint}.npy"
+        if path.is_file():
+            arr = np.load(path, allow_pickle=False)
+            if arr.ndim == 1 and arr.dtype in (np.uint16, np.int32):
+                return torch.from_numpy(arr.astype(np.int32))
+            warn_once(f"bad-cache:{path}", f"{path} is not a token stream ({arr.dtype}, {arr.ndim}-D); re-tokenizing")
+    chunks, chunk_docs = [], 256  # docs per encode_batch call: bounded memory
+    for i in range(0, len(docs), chunk_docs):
+        flat: list[int] = []
+        for ids in tokenizer.encode_batch(docs[i:i + chunk_docs], prepend_bos=True):
+            flat += ids
+        chunks.append(np.asarray(flat, dtype=np.int32))
+    arr = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
+    if path is not None:
+        disk = arr.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else arr  # half the bytes
+        write_atomic(path, lambda f: np.save(f, disk, allow_pickle=False))
+    return torch.from_numpy(arr)
 
 # ---------------------------------------------------------------- corpora
 def generate_corpus(path: Path, mib: int, seed: int) -> int:
@@ -358,14 +527,14 @@ def bench(cfg: BenchDataConfig) -> int:
             r["build"].update(seconds=manifest["build"]["seconds"], workers=manifest["build"]["workers"],
                               store_bytes=sum(f["bytes"] for f in manifest["files"].values()),
                               tokens=manifest["split"]["train"]["tokens"] + manifest["split"]["val"]["tokens"])
-            r["memory_first"] = _snippet(IN_MEMORY, [str(path), str(tok_dir), str(cache / "tokens")], env, cfg,
+            memory_args = [str(path), str(tok_dir), str(cache / "tokens"), str(ROOT / "scripts")]
+            r["memory_first"] = _snippet(IN_MEMORY, memory_args, env, cfg,
                                          work / f"memory-first-{mib}")  # right after the build: the same load
             r["build_vs_memory"] = (r["memory_first"]["tokenize_s"] / r["build"]["seconds"])
             r["run"] = _measured("base_train.py", train_args(mib, f"{mib}"), env, cfg, work / f"run-{mib}")
             r["store_data"] = _snippet(STORE_DATA, [str(path), str(tok_dir), str(cfg.seq_len), str(cfg.batch_size),
                                                     str(cfg.steps)], env, cfg, work / f"store-data-{mib}")
-            r["memory_cached"] = _snippet(IN_MEMORY, [str(path), str(tok_dir), str(cache / "tokens")], env, cfg,
-                                          work / f"memory-cached-{mib}")
+            r["memory_cached"] = _snippet(IN_MEMORY, memory_args, env, cfg, work / f"memory-cached-{mib}")
             r["loadavg"] = os.getloadavg()[0]
             samples[mib].append(r)
     for mib in corpora:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nanochat.common import UsageError, format_table, run_main, setup_logging
+from nanochat.common import UsageError, cache_root, format_table, run_main, setup_logging
 from nanochat.config import parse_cli
 
 # torch and the modules that load it are imported in the functions that use them: --help stays fast
@@ -222,10 +222,10 @@ def bench(cfg: BenchExportConfig) -> int:
     import torch
     import transformers
 
-    from nanochat.checkpoint import load_checkpoint
+    from nanochat.checkpoint import load_model, read_run
     from nanochat.data import instruct
-    from nanochat.data.corpus import load_corpus
-    from nanochat.model.export import export_hf, model_from_state_dict
+    from nanochat.data.prepare import prepare_data
+    from nanochat.model.export import export_hf
     from nanochat.model.hf import load_hf_model
     from nanochat.model.hf_fp8 import require_compressed_tensors, sqnr_db
     from nanochat.tokenizer import HFTokenizer
@@ -249,8 +249,7 @@ def bench(cfg: BenchExportConfig) -> int:
                     fp8_layers="all", fp8_min_dim=16, fp8_opt_level=2, num_iterations=steps, batch_size=8,
                     seq_len=128, lr=3e-3, warmup_steps=2, eval_every=0, num_samples=0, compile=False,
                     device="cpu").train()
-    ckpt = load_checkpoint(run, keys=("model", "config.model_name"))
-    model, tok = model_from_state_dict(str(model_dir), ckpt["model"], tokenizer_dir=run / "tokenizer")
+    model, tok = load_model(read_run(run))
     params = model.num_params()
 
     times: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -262,9 +261,9 @@ def bench(cfg: BenchExportConfig) -> int:
             times[kind].append(time.perf_counter() - start)
     dirs = {k: root / "exports" / f"{k}-0" for k in KINDS}
 
-    corpus = load_corpus(data)
     tok, _ = instruct.choose_chat_template(HFTokenizer.load(dirs["none"]), None, records=True)
-    items = instruct.choice_items(tok, corpus.val_records)
+    store = prepare_data(data, tokenizer=tok, cache_root=cache_root()).store  # the run's, found in the cache
+    items = instruct.choice_items(tok, list(store.val_records()))
     prompts = [it.prompt for it in items[:16]]
     hf = {k: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval() for k, d in dirs.items()}
     ours = {k: load_hf_model(d)[0].eval() for k, d in dirs.items()}

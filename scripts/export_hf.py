@@ -33,14 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     return run_main(lambda: export(cfg), debug=cfg.debug)
 
 
-def run_kept_layers(run_dir: str, ckpt: dict, model) -> dict[str, str]:
+def run_kept_layers(run_dir: str, meta: dict, model) -> dict[str, str]:
     """The Linears a --fp8 run trained in high precision (not in its checkpoint's `fp8_converted`),
     with the reason its result.json gives; none for a run without --fp8 (every layer was trained the
     same way, in high precision) or a checkpoint without the list."""
     from nanochat.model.export import exportable_linears
 
-    converted = ckpt.get("fp8_converted")
-    if not ckpt["config"].get("fp8") or converted is None:
+    converted = meta.get("fp8_converted")
+    if not meta["config"].get("fp8") or converted is None:
         return {}
     try:
         why = json.loads((Path(run_dir) / "result.json").read_text()).get("fp8_skipped") or {}
@@ -52,9 +52,8 @@ def run_kept_layers(run_dir: str, ckpt: dict, model) -> dict[str, str]:
 
 def export(cfg: ExportConfig) -> int:
     from nanochat import rundir  # after parsing: --help stays fast
-    from nanochat.checkpoint import load_checkpoint
-    from nanochat.model.export import check_export_dir, export_hf, model_from_state_dict
-    from nanochat.model.hf import load_hf_model
+    from nanochat.checkpoint import load_model, read_run
+    from nanochat.model.export import check_export_dir, export_hf, require_exportable
     from nanochat.model.hf_fp8 import require_compressed_tensors
     from nanochat.model.hub import resolve_model
 
@@ -64,17 +63,16 @@ def export(cfg: ExportConfig) -> int:
     keep = {}
     if cfg.run_dir is not None:
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
-        ckpt = load_checkpoint(cfg.run_dir, keys=("model", "config.model_name"), mmap=True)
+        saved = read_run(cfg.run_dir)  # the newest checkpoint, its weights memory-mapped
         training = rundir.holder(cfg.run_dir)
         if training is not None:
             logger.warning("WARNING: the run in %s is still in progress (%s): exporting its newest checkpoint, "
                            "step %d; what it trains after that is not in this export", cfg.run_dir, training,
-                           ckpt["step"])
+                           saved.step)
         # export_hf protects the model the run fine-tuned too
-        sources = [cfg.run_dir, resolve_model(ckpt["config"]["model_name"]).path]
-        model, tokenizer = model_from_state_dict(ckpt["config"]["model_name"], ckpt["model"],
-                                                 tokenizer_dir=f"{cfg.run_dir}/tokenizer")
-        keep = run_kept_layers(cfg.run_dir, ckpt, model)
+        sources = [cfg.run_dir, require_exportable(saved.meta["config"]["model_name"]).path]
+        model, tokenizer = load_model(saved)
+        keep = run_kept_layers(cfg.run_dir, saved.meta, model)
     else:
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
@@ -82,7 +80,7 @@ def export(cfg: ExportConfig) -> int:
                              "models can be exported (see nanochat/model/export.py)")
         sources = [resolved.path]
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=sources)
-        model, tokenizer = load_hf_model(resolved.path)
+        model, tokenizer = load_model(resolved)
     start = time.perf_counter()
     out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources, quantize=cfg.quantize,
                     keep=keep, quantize_all=cfg.quantize_all, sqnr_floor_db=cfg.sqnr_floor_db)

@@ -178,17 +178,16 @@ def prepare_data(cfg: ParityConfig) -> None:
     """Train the tokenizer and build the corpus's token store once, where every run finds them,
     so that runs (parallel ones above all) do not each wait for them; a corpus or --init_from
     that cannot be used is one error before any run instead of one per run."""
-    from nanochat.common import UsageError
+    from nanochat.common import UsageError, cache_root
     from nanochat.data.prepare import prepare_data as prepare
     from nanochat.tokenizer import BPETokenizer
 
-    cache = Path(os.environ.get("NANOCHAT_CACHE", ".cache"))  # the trainer's cache root
     if cfg.init_from is not None and not (Path(cfg.init_from) / "tokenizer").is_dir():
         raise UsageError(f"--init_from {cfg.init_from}: no run there (no tokenizer/); give the --run_dir of a "
                          "finished base_train run")
     # the tokenizer the runs take from the run they start from, or the one trained on the corpus
     tok = BPETokenizer.load(Path(cfg.init_from) / "tokenizer") if cfg.init_from is not None else None
-    prepare(cfg.dataset_path, tokenizer=tok, vocab_size=cfg.vocab_size, cache_root=cache)
+    prepare(cfg.dataset_path, tokenizer=tok, vocab_size=cfg.vocab_size, cache_root=cache_root())
 
 
 def run_all(cfg: ParityConfig, *, emulate: bool,

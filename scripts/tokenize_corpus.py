@@ -24,10 +24,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def tokenize(cfg: TokenizeConfig) -> int:
-    import os
     from pathlib import Path
 
-    from nanochat.common import NanoChatError, UsageError, setup_logging
+    from nanochat.common import NanoChatError, UsageError, cache_root, setup_logging
     from nanochat.data.prepare import prepare_data
     from nanochat.data.store import verify_store
     from nanochat.tokenizer import BPETokenizer, HFTokenizer
@@ -42,7 +41,7 @@ def tokenize(cfg: TokenizeConfig) -> int:
         tokenizer = HFTokenizer.load(d) if (d / "tokenizer.json").is_file() else BPETokenizer.load(d)
     prepared = prepare_data(cfg.dataset_path, tokenizer=tokenizer, vocab_size=cfg.vocab_size,
                             chat_template=cfg.chat_template, workers=cfg.workers, build=not cfg.verify,
-                            cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")))
+                            cache_root=cache_root())
     store = prepared.store
     for fallback in prepared.fallbacks:
         print(f"fallback: {fallback}")

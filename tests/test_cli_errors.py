@@ -10,8 +10,8 @@ tokenizer that is not the checkpoint's, a checkpoint without weights, an unknown
 device; base_train's input paths, checked at start-up before the corpus is read: a missing
 --init_from or --tokenizer_dir, --chat_template with a preset model, a --run_dir that is a
 symbolic link looping or leading nowhere, a file where --log tensorboard writes its directory;
-eval and export_hf on a run in progress that has saved no checkpoint yet). They fail before any model
-is built, a few seconds each. `--help` is checked to still print the flags.
+eval and export_hf on a run in progress that has saved no checkpoint yet; export_hf of a preset's
+run). They fail before any model is built, a few seconds each. `--help` is checked to still print the flags.
 
 Modules: every script's config (nanochat.config.tools, nanochat.config.export,
 nanochat.config.parity) and its checks, as a user meets them.
@@ -120,6 +120,10 @@ CASES = [
      ["{tb_file}/tensorboard, but that path exists and is not a directory", "drop tensorboard from --log"]),
     ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{missing}"], 2,
      ["--run_dir {missing}", "no such directory"]),
+    ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{mismatched}"], 2,
+     ["{mismatched}/tokenizer is not the tokenizer its checkpoint was trained with", "restore the run's own"]),
+    ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{run}"], 2,
+     ["'d2' is a nanochat preset", "cannot be exported for transformers", "checkpoint-<step>.pt"]),
     ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
 ]
 

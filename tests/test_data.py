@@ -1,7 +1,7 @@
 """Data: corpora, splits, token streams and batches, checked against independent references
 (nanochat.data.sources: the listing; nanochat.data.read: a unit's documents; nanochat.data.plan:
-the checks before any work; nanochat.data.split: the validation split; nanochat.data.corpus: the
-in-memory path; nanochat.data.batches).
+the checks before any work; nanochat.data.split: the validation split; tests/reference_data.py:
+the in-memory path, scripts/bench_data.py's; nanochat.data.batches).
 
 - corpora: the documents read back equal the files written (jsonl lines, parquet rows); order is
   sorted relative paths; hidden entries are ignored; binary / empty / other-extension files are
@@ -32,12 +32,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import nanochat.data.corpus as corpus_mod
 from nanochat.data.batches import TokenBatches, val_batches
-from nanochat.data.corpus import load_corpus, tokenize_docs
 from nanochat.data.sources import DataError
 from nanochat.data.split import VAL_FRACTION, val_hash
 from nanochat.tokenizer import BPETokenizer
+from tests import reference_data
+from tests.reference_data import load_corpus, tokenize_docs
 
 
 def _sha1_val(doc_id: str) -> bool:
@@ -56,7 +56,7 @@ def tok(small_corpus) -> BPETokenizer:
 @pytest.fixture
 def warnings(monkeypatch) -> list[str]:
     seen: list[str] = []
-    monkeypatch.setattr(corpus_mod, "warn_once", lambda key, msg: seen.append(msg))
+    monkeypatch.setattr(reference_data.bench_data, "warn_once", lambda key, msg: seen.append(msg))
     return seen
 
 
@@ -207,16 +207,16 @@ def test_error_parquet_without_text_column(tmp_path):
 def test_tokenize_docs_matches_reference_and_caches(tok, tmp_path, monkeypatch):
     docs = ["def f():\n    return 1\n", "héllo 👋 <|bos|>", "x" * 3000]
     reference = [i for d in docs for i in [tok.bos_id] + tok.encode(d)]
-    stream = tokenize_docs(tok, docs, cache_dir=tmp_path, progress=False)
+    stream = tokenize_docs(tok, docs, cache_dir=tmp_path)
     assert stream.dtype == torch.int32 and stream.tolist() == reference
     (cached,) = tmp_path.iterdir()  # exactly one file: no temp files left behind
     assert cached.suffix == ".npy" and tok.fingerprint in cached.name
     assert np.load(cached, allow_pickle=False).dtype == np.uint16  # vocab < 65536 -> 2 bytes/token
 
     monkeypatch.setattr(tok, "encode_batch", lambda *a, **k: pytest.fail("re-tokenized despite cache"))
-    assert tokenize_docs(tok, docs, cache_dir=tmp_path, progress=False).tolist() == reference
+    assert tokenize_docs(tok, docs, cache_dir=tmp_path).tolist() == reference
     monkeypatch.undo()
-    tokenize_docs(tok, docs[:2], cache_dir=tmp_path, progress=False)
+    tokenize_docs(tok, docs[:2], cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 2  # different documents -> a different key
 
 

@@ -203,8 +203,7 @@ def test_flagship_run_reports_plan_fallback_and_accuracy(flagship):
 
 
 def test_export_reloads_with_our_logits_template_and_accuracy(flagship, tmp_path):
-    from nanochat.checkpoint import load_checkpoint
-    from nanochat.model.export import model_from_state_dict
+    from nanochat.checkpoint import load_model, read_run
 
     model_dir, data, run, _ = flagship
     out = tmp_path / "exported"
@@ -213,7 +212,7 @@ def test_export_reloads_with_our_logits_template_and_accuracy(flagship, tmp_path
                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "chat_template.jinja").read_text() == instruct.PLAIN_TEMPLATE
-    ours, tok = model_from_state_dict(str(model_dir), load_checkpoint(run)["model"], tokenizer_dir=run / "tokenizer")
+    ours, tok = load_model(read_run(run))
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = torch.randint(0, tok.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -487,7 +487,7 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     from nanochat import rundir
     from nanochat.checkpoint import save_checkpoint
     from nanochat.common import logger
-    from nanochat.model.export import model_from_state_dict
+    from nanochat.model.export import require_exportable
 
     directory, _ = saved["qwen2_tied"]
     model, tok = load_hf_model(directory)
@@ -516,7 +516,7 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
     with torch.no_grad():
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)
     with pytest.raises(ValueError, match="'d4' is a nanochat preset"):
-        model_from_state_dict("d4", {})
+        require_exportable("d4")
 
 
 def _contents(d: Path) -> dict[str, bytes]:

@@ -294,12 +294,14 @@ def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus,
 
     start = {}
 
+    real = nanochat.train.trainer.load_model
+
     def load(*args, **kwargs):  # the trainer's own loader, its result seen before the first step
-        model, tok = load_hf_model(*args, **kwargs)
+        model, tok = real(*args, **kwargs)
         start["w"] = model.transformer.h[0].mlp.c_proj.weight.detach().clone()
         return model, tok
 
-    monkeypatch.setattr(nanochat.train.trainer, "load_hf_model", load)
+    monkeypatch.setattr(nanochat.train.trainer, "load_model", load)
     with caplog.at_level("INFO", logger="nanochat"):
         result = NanoChatTrainer(**kw).train()
     said = [r.getMessage() for r in caplog.records if "holds FP8 weights" in r.getMessage()]

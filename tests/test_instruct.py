@@ -1,5 +1,5 @@
-"""Instruction records (nanochat.data.instruct, the instruct path of nanochat.data.corpus and
-nanochat.data.batches), checked against the formats written out by hand here:
+"""Instruction records (nanochat.data.instruct, the instruct path of the in-memory reference in
+tests/reference_data.py, nanochat.data.batches), checked against the formats written out by hand here:
 
 - shapes: prompt/completion, chat messages and ARC multiple choice, each in a tiny .jsonl and
   .parquet file, with our tokenizer and with a Hugging Face tokenizer and a ChatML template:
@@ -26,7 +26,6 @@ nanochat.data.batches), checked against the formats written out by hand here:
 - batches: y from TokenBatches / val_batches is -1 exactly at unscored targets (checked on an
   arange stream, where every value names its position); windows without a scored target are
   never drawn, the others once per epoch; a state_dict resume equals an uninterrupted run;
-- tokenize_records caches one .npz and reuses it;
 - pack_records: every record that fits in a window (seq_len+1 tokens) lies inside one, whole and
   in order, with padding masked (checked position by position on hand-sized records and on ARC
   records through TokenBatches: each scored target's record starts inside the same window); a
@@ -48,9 +47,9 @@ import torch.nn.functional as F
 
 from nanochat.data import instruct
 from nanochat.data.batches import TokenBatches, val_batches
-from nanochat.data.corpus import load_corpus, pack_records, tokenize_records
 from nanochat.data.sources import DataError
 from nanochat.tokenizer import BPETokenizer
+from tests.reference_data import load_corpus, pack_records, tokenize_records
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
@@ -164,14 +163,14 @@ def test_only_assistant_tokens_are_scored(tmp_path, tok, chatml, kind, fmt, shap
         record_id = f"data.{fmt}#{i + 1 if fmt == 'jsonl' else i}"
         messages = by_id[record_id]
         assert [m["content"] for m in messages if m["role"] == "assistant"] == answers
-        tokens, mask = tokenize_records(tokenizer, [messages], progress=False)
+        tokens, mask = tokenize_records(tokenizer, [messages])
         assert tokens.dtype == torch.int32 and mask.dtype == torch.bool and tokens.shape == mask.shape
         text, scored = _expected_text(kind, messages)
         assert tokenizer.decode(tokens.tolist()) == text
         assert [tokenizer.decode(run) for run in _runs(tokens.tolist(), mask.tolist())] == scored
     # the corpus as one stream: records one after the other, runs in record order
     records = corpus.train_records + corpus.val_records
-    tokens, mask = tokenize_records(tokenizer, records, ids=corpus.train_ids + corpus.val_ids, progress=False)
+    tokens, mask = tokenize_records(tokenizer, records, ids=corpus.train_ids + corpus.val_ids)
     assert [tokenizer.decode(r) for r in _runs(tokens.tolist(), mask.tolist())] == [
         s for m in records for s in _expected_text(kind, m)[1]]
 
@@ -193,13 +192,13 @@ def test_arc_prompt_format(tmp_path):
 def test_llama3_like_template_scores_content_and_eot(tok):
     hf = _hf_tokenizer(LLAMA3ISH, bos_token="<s>", eos_token="<|eot_id|>")
     messages = MESSAGES[0]["messages"]
-    tokens, mask = tokenize_records(hf, [messages], progress=False)
+    tokens, mask = tokenize_records(hf, [messages])
     assert tokens[0].item() == hf.bos_id  # the template writes the BOS
     assert [hf.decode(r) for r in _runs(tokens.tolist(), mask.tolist())] == ["4<|eot_id|>", "6, of course.<|eot_id|>"]
     prompt = instruct.generation_prompt(hf, messages[:3])  # up to the first answer
     assert prompt == tokens.tolist()[:len(prompt)] and mask.tolist().index(True) == len(prompt)
     ours_prompt = instruct.generation_prompt(tok, messages[:3])
-    ours_tokens, ours_mask = tokenize_records(tok, [messages[:3]], progress=False)
+    ours_tokens, ours_mask = tokenize_records(tok, [messages[:3]])
     assert ours_tokens.tolist()[:len(ours_prompt)] == ours_prompt and ours_mask.tolist().index(True) == len(ours_prompt)
 
 
@@ -215,9 +214,9 @@ def test_template_that_is_not_prefix_stable_is_an_error(tmp_path):
     # The generation prompt of assistant turn 2 follows the first answer, which the full rendering lacks.
     with pytest.raises(DataError, match=r"chat\.jsonl#1: the chat template is not prefix-stable: rendering "
                                         r"messages\[:2\] with the generation prompt .*differ at character 83"):
-        tokenize_records(_hf_tokenizer(forgetful), records, ids=ids, progress=False)
+        tokenize_records(_hf_tokenizer(forgetful), records, ids=ids)
     with pytest.raises(DataError, match=r"no chat template.*chat_template\.jinja"):
-        tokenize_records(_hf_tokenizer(None), records, progress=False)
+        tokenize_records(_hf_tokenizer(None), records)
 
 
 class _MergingTokenizer:
@@ -254,7 +253,7 @@ def test_merge_across_turn_boundary_is_an_error():
     bad = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\nleading newline"}]
     with pytest.raises(DataError, match=r"record 0: the tokenizer merges text across a turn boundary: messages\[:1\] "
                                         r"with the generation prompt"):
-        tokenize_records(fake, [bad], progress=False)
+        tokenize_records(fake, [bad])
 
 
 # ------------------------------------------------------------------- errors
@@ -388,21 +387,6 @@ def test_val_batches_mask_and_errors(batch_size):
         TokenBatches(tokens, seq_len=seq_len, batch_size=2, loss_mask=mask.to(torch.uint8))
 
 
-def test_tokenize_records_caches_one_npz(tmp_path, tok, monkeypatch):
-    records = [instruct.to_messages(r, "prompt/completion") for r in PROMPT_COMPLETION]
-    tokens, mask, starts = tokenize_records(tok, records, cache_dir=tmp_path, progress=False, with_starts=True)
-    assert starts[0] == 0 and len(starts) == len(records)
-    (cached,) = tmp_path.iterdir()
-    assert cached.suffix == ".npz" and tok.fingerprint in cached.name
-    monkeypatch.setattr(instruct, "render", lambda *a: pytest.fail("re-rendered despite the cache"))
-    again = tokenize_records(tok, records, cache_dir=tmp_path, progress=False, with_starts=True)
-    assert torch.equal(again[0], tokens) and torch.equal(again[1], mask) and again[1].dtype == torch.bool
-    assert torch.equal(again[2], starts)
-    monkeypatch.undo()
-    tokenize_records(tok, records[:2], cache_dir=tmp_path, progress=False)
-    assert len(list(tmp_path.iterdir())) == 2  # other records -> another key
-
-
 # ------------------------------------------------------------- packing
 def test_pack_records_keeps_every_record_that_fits_inside_one_window():
     seq_len, pad = 4, 99  # windows [0, 4], [4, 8], [8, 12], ...: 5 tokens, one shared
@@ -436,7 +420,7 @@ def test_packed_arc_windows_see_the_whole_prompt_of_every_scored_answer(tmp_path
              "answerKey": "ABCD"[i % 4]} for i in range(40)]
     _write(tmp_path, "arc", rows, "jsonl")
     corpus = load_corpus(tmp_path)
-    tokens, mask, starts = tokenize_records(tok, corpus.train_records, progress=False, with_starts=True)
+    tokens, mask, starts = tokenize_records(tok, corpus.train_records, with_starts=True)
     seq_len = 128
     ends = torch.cat([starts[1:], torch.tensor([len(tokens)])])  # one past each record's last token
     assert (ends - starts).max() <= seq_len + 1  # every record fits in a window (74-123 tokens)
@@ -480,7 +464,7 @@ def test_one_finetuning_step_on_arc_masks_the_prompt(tmp_path, tok):
              "answerKey": "ABCD"[i % 4]} for i in range(24)]
     _write(tmp_path, "arc", rows, "parquet")
     corpus = load_corpus(tmp_path)
-    tokens, mask = tokenize_records(tok, corpus.train_records, ids=corpus.train_ids, progress=False)
+    tokens, mask = tokenize_records(tok, corpus.train_records, ids=corpus.train_ids)
     loader = TokenBatches(tokens, seq_len=64, batch_size=4, seed=0, loss_mask=mask)
     x, y = loader.next_batch()
     scored = y != -1
@@ -530,7 +514,7 @@ def test_base_model_falls_back_to_the_plain_format(shape):
     assert instruct.choose_chat_template(base, None, records=False) == (base, None)  # plain text needs none
     assert tokenizer.chat_template == instruct.PLAIN_TEMPLATE and tokenizer.fingerprint != base.fingerprint
     for row, (text, scored) in zip(ROWS[shape], PLAIN_EXPECTED[shape]):
-        tokens, mask = tokenize_records(tokenizer, [instruct.to_messages(row, shape)], progress=False)
+        tokens, mask = tokenize_records(tokenizer, [instruct.to_messages(row, shape)])
         assert tokenizer.decode(tokens.tolist()) == text
         assert [tokenizer.decode(r) for r in _runs(tokens.tolist(), mask.tolist())] == scored
 

@@ -219,8 +219,7 @@ def test_trainer_refuses_before_building_the_model(small_corpus, tmp_path, monke
     def no_model(*a, **k):
         raise AssertionError("a model was built although the plan does not fit")
 
-    monkeypatch.setattr(trainer, "GPT", no_model)
-    monkeypatch.setattr(trainer, "load_hf_model", no_model)
+    monkeypatch.setattr(trainer, "load_model", no_model)  # the trainer's one way to build a model
     with pytest.raises(ValueError, match=r"does not fit.*1\.0 KiB is free.*--activation_checkpointing"):
         trainer.NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run")).train()
 

@@ -4,7 +4,8 @@ resumable build under one lock) against the in-memory path and against reference
 - streams: a store built by a process pool from parquet shards (several row groups per shard),
   a .jsonl file cut into several ranges and text files equals, token for token, both
   concat([bos] + encode(doc)) over the documents this test wrote (split by sha1 here) and
-  today's `tokenize_docs(load_corpus(...))`; its document starts are the cumulative lengths;
+  the in-memory path's `tokenize_docs(load_corpus(...))` (tests/reference_data.py); its
+  document starts are the cumulative lengths;
   the build logs its progress in MB/s with the time left;
 - the default corpus (the standard library, what `make train` reads) gives the same streams;
 - the split's rules for tiny corpora and split files (no validation document, every document in
@@ -53,13 +54,13 @@ import nanochat.data.plan as plan_mod
 import nanochat.data.sources as sources
 from nanochat.common import UsageError, describe_error
 from nanochat.data.batches import TokenBatches
-from nanochat.data.corpus import load_corpus, pack_records, tokenize_docs, tokenize_records
 from nanochat.data.plan import plan_sources
 from nanochat.data.prepare import prepare_data
 from nanochat.data.sources import DataError, list_sources
 from nanochat.data.split import VAL_FRACTION, split_texts
 from nanochat.tokenizer import BPETokenizer, take_chars
 from tests.conftest import load_script, tiny_train_kwargs
+from tests.reference_data import load_corpus, pack_records, tokenize_docs, tokenize_records
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("alpha", "beta", "gamma", "délta", "ε", "日本", "zeta", "eta", "theta", "\u2028iota", "kappa")
@@ -136,7 +137,7 @@ def test_store_streams_equal_the_reference_and_tokenize_docs(mixed, tok, caplog)
         stream = getattr(store, split)
         reference = _reference(tok, docs, val)
         assert stream.read().tolist() == reference
-        in_memory = tokenize_docs(tok, corpus.val_docs if val else corpus.train_docs, progress=False)
+        in_memory = tokenize_docs(tok, corpus.val_docs if val else corpus.train_docs)
         assert torch.equal(torch.from_numpy(stream.read()).to(torch.int32), in_memory)
         lengths = [1 + len(tok.encode(t)) for i, t in docs if _is_val(i) == val]
         assert np.asarray(stream.docs).tolist() == np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
@@ -156,8 +157,8 @@ def test_default_corpus_stream_equals_tokenize_docs(tmp_path, small_corpus):
     tok = BPETokenizer.train([p.read_text() for p in sorted(small_corpus.glob("*.py"))], 300, progress=False)
     store = prepare_data(None, tokenizer=tok, cache_root=tmp_path).store
     corpus = load_corpus(None)
-    assert np.array_equal(store.train.read(), tokenize_docs(tok, corpus.train_docs, progress=False).numpy())
-    assert np.array_equal(store.val.read(), tokenize_docs(tok, corpus.val_docs, progress=False).numpy())
+    assert np.array_equal(store.train.read(), tokenize_docs(tok, corpus.train_docs).numpy())
+    assert np.array_equal(store.val.read(), tokenize_docs(tok, corpus.val_docs).numpy())
     assert store.describe() == corpus.describe()
 
 
@@ -194,16 +195,15 @@ def test_split_rules_match_load_corpus(tmp_path, tok, case):
     assert store.describe() == corpus.describe()
     if corpus.kind == "instruct":
         for split in ("train", "val"):
-            tokens, mask, starts = tokenize_records(tok, getattr(corpus, f"{split}_records"), with_starts=True,
-                                                    progress=False)
+            tokens, mask, starts = tokenize_records(tok, getattr(corpus, f"{split}_records"), with_starts=True)
             stream = getattr(store, split)
             assert stream.read().tolist() == tokens.tolist()
             assert np.asarray(stream.mask).astype(bool).tolist() == mask.tolist()
             assert np.asarray(stream.docs).tolist() == starts.tolist()
         assert list(store.val_records()) == corpus.val_records
     else:
-        assert store.train.read().tolist() == tokenize_docs(tok, corpus.train_docs, progress=False).tolist()
-        assert store.val.read().tolist() == tokenize_docs(tok, corpus.val_docs, progress=False).tolist()
+        assert store.train.read().tolist() == tokenize_docs(tok, corpus.train_docs).tolist()
+        assert store.val.read().tolist() == tokenize_docs(tok, corpus.val_docs).tolist()
     plan = plan_sources(list_sources(root))
     assert split_texts(plan, 10**9) == corpus.train_docs
     assert split_texts(plan, 10**9, "val") == corpus.val_docs
@@ -222,7 +222,7 @@ def test_instruction_records_keep_their_masks(tmp_path, tok):
     corpus = load_corpus(root)
     store = prepare_data(root, tokenizer=tok, cache_root=tmp_path / "cache", workers=2, piece_bytes=1500).store
     assert store.kind == "instruct" and store.describe() == corpus.describe()
-    tokens, mask, starts = tokenize_records(tok, corpus.train_records, with_starts=True, progress=False)
+    tokens, mask, starts = tokenize_records(tok, corpus.train_records, with_starts=True)
     assert store.train.read().tolist() == tokens.tolist()
     assert np.asarray(store.train.mask).astype(bool).tolist() == mask.tolist()
     assert np.asarray(store.train.docs).tolist() == starts.tolist()
@@ -369,7 +369,7 @@ def test_changed_sources_rebuild_a_new_run_and_stop_a_resume(tmp_path, tok, capl
                for r in caplog.records)
     assert second.store.path == first.store.path
     corpus = load_corpus(root)
-    assert second.store.train.read().tolist() == tokenize_docs(tok, corpus.train_docs, progress=False).tolist()
+    assert second.store.train.read().tolist() == tokenize_docs(tok, corpus.train_docs).tolist()
     (root / "d40.txt").write_text("a new document\n")
     (root / "d03.txt").unlink()
     changes = list_sources(root).changes(second.sources.listing())
@@ -473,11 +473,12 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tok_dir):
     (root / "b.txt").write_text(_text(2) * 5)
     os.mkfifo(root / "zz.txt")  # opening it to read would wait for a writer forever
     assert list_sources(root).skipped == {sources.SPECIAL: 1}
-    code = ("import sys; from nanochat.common import setup_logging; from nanochat.data.corpus import load_corpus; from nanochat.data.prepare import prepare_data;"
+    code = ("import sys; sys.path.insert(0, sys.argv[4]); from bench_data import load_corpus;"
+            " from nanochat.common import setup_logging; from nanochat.data.prepare import prepare_data;"
             " from nanochat.tokenizer import BPETokenizer; setup_logging(); c = load_corpus(sys.argv[1]);"
             " s = prepare_data(sys.argv[1], tokenizer=BPETokenizer.load(sys.argv[2]), cache_root=sys.argv[3]).store;"
             " print('OK', c.describe() == s.describe())")
-    r = subprocess.run([sys.executable, "-c", code, str(root), str(tok_dir), str(tmp_path / "cache")],
+    r = subprocess.run([sys.executable, "-c", code, str(root), str(tok_dir), str(tmp_path / "cache"), str(ROOT / "scripts")],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0 and "OK True" in r.stdout, r.stderr

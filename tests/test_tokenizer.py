@@ -43,13 +43,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.data.corpus import load_corpus
 from nanochat.data.prepare import get_or_train_tokenizer
 from nanochat.data.plan import plan_sources
 from nanochat.data.sources import list_sources
 import nanochat.tokenizer.patterns
 from nanochat.common import UsageError
 from nanochat.tokenizer import SPECIAL_TOKENS, BPETokenizer, ChatTokenizer, HFTokenizer, Tokenizer, take_chars
+from tests.reference_data import load_corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 # (\w+\s?)+ before a lookahead: exponential backtracking on ~25 word characters, which tiktoken's

@@ -158,6 +158,13 @@ def dist_env() -> DistEnv:
     )
 
 
+def cache_root() -> Path:
+    """nanochat's cache directory, `$NANOCHAT_CACHE` (default `.cache` in the working directory):
+    what can be rebuilt from the inputs, shared by every run and script (tokenizers trained on
+    the fly, token stores, FP8 layer timings). Read here only, so that all of them agree."""
+    return Path(os.environ.get("NANOCHAT_CACHE", ".cache"))
+
+
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in `path`; a `UsageError` naming the file and `fix` if it is not one."""
     import json

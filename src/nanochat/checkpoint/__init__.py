@@ -7,6 +7,7 @@
     state.py         RNG states, and the inf/nan check a checkpoint must pass to be saved or resumed
     resume.py        what --resume must share with its checkpoint, what --init_from takes
     checkpointer.py  Checkpointer: the trainer's component (claim, read, restore, save)
+    loader.py        load_model: a GPT from a preset, a Hugging Face directory or a run's checkpoint
 
 A checkpoint is data plus a manifest (names, sizes, sha256), and the manifest is the commit: a
 save writes the data under temporary names, then the manifest, then renames, so a kill at any
@@ -21,10 +22,12 @@ which may be deleted.
     c = checkpoint.newest(run_dir)            # the newest committed checkpoint, or None
     checkpoint.verify(c)                      # raises, naming the older one that verifies
     payload = checkpoint.load_checkpoint(run_dir)   # a .pt run's payload, verified
+    model, tokenizer = checkpoint.load_model(checkpoint.read_run(run_dir))   # its model, on the CPU
 """
 
 from nanochat.checkpoint.checkpointer import Checkpointer, Saved
 from nanochat.checkpoint.dcp import DCP
+from nanochat.checkpoint.loader import gpt_config, load_model, read_run
 from nanochat.checkpoint.pt import FORMAT_VERSION, PT, checkpoint_name
 from nanochat.checkpoint.state import nonfinite_state, nonfinite_tensors, rng_state, set_rng_state
 from nanochat.checkpoint.storage import Checkpoint, Storage
@@ -38,5 +41,5 @@ __all__ = [
     "committed", "uncommitted", "newest", "problem", "verify", "newest_verified", "clean_interrupted", "foreign",
     "remove", "save_checkpoint", "load_checkpoint", "save_dcp", "load_dcp",
     "rng_state", "set_rng_state", "nonfinite_state", "nonfinite_tensors",
-    "Checkpointer", "Saved",
+    "Checkpointer", "Saved", "gpt_config", "load_model", "read_run",
 ]

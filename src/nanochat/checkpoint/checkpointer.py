@@ -35,7 +35,8 @@ from nanochat.rundir import DCP_DIRNAME
 
 @dataclass
 class Saved:
-    """A checkpoint found, verified and checked for --resume or --init_from."""
+    """A checkpoint found, verified and checked: for --resume, --init_from, or a run's model to
+    load (nanochat.checkpoint.loader)."""
 
     checkpoint: Checkpoint
     meta: dict[str, Any]
@@ -43,7 +44,9 @@ class Saved:
     tokenizer: Any = None
     """--init_from: the source run's tokenizer, checked against the checkpoint."""
     weights: dict[str, torch.Tensor] | None = None
-    """--init_from of a .pt: its model state, memory-mapped until loaded."""
+    """A .pt's model state, memory-mapped until loaded (--init_from, a run's model)."""
+    origin: str = ""
+    """The flag and directory it was found through (`--init_from runs/base`): errors name them."""
 
     @property
     def path(self) -> Path:
@@ -141,7 +144,8 @@ class Checkpointer:
         meta = store.read(c, "--init_from", resume.INIT_KEYS + (("model",) if c.kind == "pt" else ()))
         tokenizer = resume.check_init_source(meta, self.config, src)
         return Saved(c, {k: v for k, v in meta.items() if k != "model"}, tokenizer=tokenizer,
-                     weights=meta["model"] if c.kind == "pt" else None)
+                     weights=meta["model"] if c.kind == "pt" else None,
+                     origin=f"--init_from {self.config.init_from}")
 
     # ------------------------------------------------------------------- loading
     def restore(self, saved: Saved, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, fp8: Any,
@@ -177,26 +181,6 @@ class Checkpointer:
             raise ValueError(flag_text(str(e))) from None
         logger.info("resumed from %s at step %d", c.path, c.step)
         return c.step
-
-    @torch.no_grad()
-    def load_init_weights(self, source: Saved, model: nn.Module) -> None:
-        """The --init_from source's weights into the freshly built model (before the master-weight
-        cast and FP8 conversion, which then treat them as any initial weights)."""
-        try:
-            if source.checkpoint.kind == "dcp":
-                dcp.load_model(source.path, model)
-            else:
-                model.load_state_dict(source.weights)
-        except (RuntimeError, KeyError) as e:
-            raise UsageError(f"--init_from {self.config.init_from}: its weights do not fit this {self.config.model_name} "
-                             f"model ({str(e).splitlines()[0]}); it was saved by another version of the model") from None
-        source.weights = None  # the memory-mapped checkpoint is closed with its last reference
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
-            raise NanoChatError(f"--init_from {self.config.init_from}: its checkpoint {source.path} holds inf/nan in "
-                                f"{', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}; start from one of its earlier "
-                                "checkpoints (move this one away)")
-        logger.info("initialized from %s (step %d of that run)", source.path, source.step)
 
     # ------------------------------------------------------------------- writing
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

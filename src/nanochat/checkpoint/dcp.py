@@ -271,7 +271,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return read_meta(path)
 
 
-def load_model(path: str | os.PathLike, model: nn.Module) -> None:
+def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
     """Load only the model weights of a verified DCP step directory into `model` (a plain, unwrapped
     model in this process): DCP reads just the requested keys, so the optimizer state is never
     read. Every rank of a group reads them whole (before wrapping, as from a .pt checkpoint)."""
@@ -356,4 +356,4 @@ def _single_process_quiet() -> Iterator[None]:
 
 
 __all__ = ["DCP", "DcpStorage", "LATEST", "META_NAME", "MANIFEST_NAME", "dcp_root", "read_meta", "save", "load",
-           "load_model", "nonfinite"]
+           "load_weights", "nonfinite"]

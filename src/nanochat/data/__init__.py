@@ -14,6 +14,5 @@ Each module imports only from those listed before it (`make test` checks there i
     build.py     the store built: a process pool, pieces kept across a kill, one builder at a time
     prepare.py   prepare_data: sources -> tokenizer -> token store, once
     batches.py   deterministic, resumable, rank-aware (x, y) batches from a stream
-    corpus.py    the same documents and tokens in memory: the reference the store is tested against
 Why each choice was made, with the figures: docs/data.md.
 """

@@ -81,7 +81,7 @@ class TokenBatches:
     windows left over at the end of an epoch's order are skipped that epoch (a different set each
     epoch, because the order is reshuffled).
 
-    A loss mask (the stream's, or `loss_mask` [N] bool with a tensor, from `nanochat.data.corpus.tokenize_records`)
+    A loss mask (the stream's, or `loss_mask` [N] bool with a tensor of instruction records' tokens)
     sets y to -1 where the target is not scored and leaves out the windows with no scored target
     (`num_windows` counts the rest). Without it every target is scored and every window is used.
     """

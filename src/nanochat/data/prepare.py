@@ -15,9 +15,9 @@ A run's data goes one way: sources -> tokenizer -> token store -> batches.
    naming the file.
 4. Batches: nanochat.data.batches.
 
-The in-memory path (nanochat.data.corpus) reads the same documents without a store; it is the
-reference the store is tested against. Every data problem is a `DataError` raised before any
-model is built, naming the fix. Why each choice was made, with the figures: docs/data.md.
+The same documents and tokens in memory, without a store, are the reference the store is tested
+against (tests/reference_data.py). Every data problem is a `DataError` raised before any model
+is built, naming the fix. Why each choice was made, with the figures: docs/data.md.
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ def pack_layout(starts: np.ndarray, n_tokens: int, seq_len: int) -> tuple[np.nda
         return st, Packing(0, 0, 0, n_tokens)
     if st[0] != 0 or np.any(np.diff(st) <= 0) or st[-1] >= n_tokens:
         raise ValueError("starts must be increasing record offsets into tokens, the first 0 "
-                         f"(from tokenize_records(..., with_starts=True)); got {st[:5].tolist()}...")
+                         f"(where each record begins); got {st[:5].tolist()}...")
     lengths = np.diff(np.append(st, n_tokens))
     out_start = np.empty_like(st)
     pos = pad = long_records = 0

@@ -37,7 +37,7 @@ import torchao
 from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_linear import Float8Linear
 
-from nanochat.common import logger, write_atomic
+from nanochat.common import cache_root, logger, write_atomic
 
 CACHE_FORMAT = "nanochat fp8 speed v1"
 """The `format` a cache file must name; anything else at the cache's path is not ours."""
@@ -142,7 +142,7 @@ def cache_key(device_name: str, recipe: str, shape: LinearShape) -> str:
 
 def default_cache_path() -> Path:
     """`$NANOCHAT_CACHE/fp8_speed.json`: the trainer's cache directory (default `.cache`)."""
-    return Path(os.environ.get("NANOCHAT_CACHE", ".cache")) / "fp8_speed.json"
+    return cache_root() / "fp8_speed.json"
 
 
 def _parse(data: object) -> dict[str, Timing]:

@@ -7,15 +7,14 @@ A nanochat preset (ReLU^2 MLP, QK-norm, logit softcap) has no Llama counterpart 
 The directory is written whole, as a temporary sibling that takes its place once complete
 (nanochat.common.publish_directory), after `check_export_dir` has made sure that nothing is lost:
 a non-empty directory is replaced only with `overwrite`, and never when it holds what the
-export reads from. `model_from_state_dict` rebuilds a trained run's model from its checkpoint
-for scripts/export_hf.py and evaluation. docs/hf.md has the serving side.
+export reads from. A trained run's model comes from nanochat.checkpoint.load_model, once
+`require_exportable` has refused a preset. docs/hf.md has the serving side.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -25,9 +24,9 @@ from safetensors.torch import save_file
 from nanochat.common import UsageError, logger, publish_directory
 from nanochat.config.export import SQNR_FLOOR_DB, Quantize
 from nanochat.model.gpt import GPT
-from nanochat.model.hf import gpt_config_from_hf, hf_config_from_gpt, hf_name
+from nanochat.model.hf import hf_config_from_gpt, hf_name
 from nanochat.model.hf_fp8 import quantize_checkpoint, require_compressed_tensors
-from nanochat.model.hub import read_config_json, resolve_model
+from nanochat.model.hub import ResolvedModel, resolve_model
 from nanochat.tokenizer.hf import HFTokenizer
 
 
@@ -41,15 +40,10 @@ def _unwrap(model: torch.nn.Module) -> GPT:
     return model
 
 
-def model_from_state_dict(model_name: str, state_dict: dict[str, torch.Tensor],
-                          tokenizer_dir: str | os.PathLike | None = None) -> tuple[GPT, HFTokenizer]:
-    """Rebuild a trained model from a training checkpoint's `model` state dict, for export.
-
-    `model_name` is the run's --model_name: it must resolve to a Hugging Face directory, whose
-    config.json gives the architecture (and whose tokenizer is used unless `tokenizer_dir`, the
-    run's saved tokenizer, has a tokenizer.json). Prefixes added by torch.compile (`_orig_mod.`)
-    and DDP (`module.`) are stripped; FP8 conversion adds none.
-    """
+def require_exportable(model_name: str) -> ResolvedModel:
+    """What `model_name` (the --model_name a run trained) names, refused when it is a nanochat
+    preset: checked before the run's weights are read, since only a Llama-family architecture
+    has a Hugging Face config to write."""
     resolved = resolve_model(model_name)
     if resolved.kind == "preset":
         raise ValueError(
@@ -57,14 +51,7 @@ def model_from_state_dict(model_name: str, state_dict: dict[str, torch.Tensor],
             "embedding norm and logit softcap have no Hugging Face Llama counterpart, so it cannot be "
             "exported for transformers; its checkpoint-<step>.pt is the way to keep it"
         )
-    config = gpt_config_from_hf(read_config_json(resolved.path))
-    with torch.device("meta"):
-        model = GPT(config)
-    model.materialize("cpu")
-    clean = {re.sub(r"^(_orig_mod\.|module\.)+", "", k): v for k, v in state_dict.items()}
-    model.load_state_dict(clean)
-    tok_dir = Path(tokenizer_dir) if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer.json").is_file() else resolved.path
-    return model, HFTokenizer.load(tok_dir)
+    return resolved
 
 
 def check_export_dir(out_dir: str | os.PathLike, *, overwrite: bool,

@@ -24,29 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from itertools import islice
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from nanochat import distributed, engine
-from nanochat.checkpoint import checkpoint_name, load_checkpoint
+from nanochat.checkpoint import Saved, load_model, read_run
 from nanochat.common import DistEnv, UsageError, logger
 from nanochat.device import autocast_context, resolve_device, resolve_dtype
 from nanochat.data import instruct
-from nanochat.data.batches import split_stream, val_batches
-from nanochat.data.prepare import prepare_data
+from nanochat.data.batches import val_batches
 from nanochat.data.sources import list_sources
 from nanochat.data.streams import TokenStream
-from nanochat.fp8.tensor import FP8Tensor  # noqa: F401  a checkpoint's FP8 moments load with weights_only
-from nanochat.model.gpt import GPT, preset_config
-from nanochat.model.export import model_from_state_dict
-from nanochat.model.hf import load_hf_model
+from nanochat.model.gpt import GPT
 from nanochat.model.hub import resolve_model
-from nanochat.tokenizer import run_tokenizer
+from nanochat.tokenizer import Tokenizer
+from nanochat.train.run_data import EvalData
 
 if TYPE_CHECKING:
     from nanochat.config import EvalConfig, TrainConfig
@@ -242,68 +237,60 @@ class EvalResult:
     """The step of the run's checkpoint that was evaluated; None for a model as loaded."""
 
 
-def load_saved(run_dir: str | None, model_name: str | None, device: torch.device,
-               seq_len: int) -> tuple[GPT, Any, int | None, dict[str, Any]]:
-    """(model, tokenizer, step, the run's config) of a run directory's newest checkpoint, with the
-    tokenizer it trained with (checked: `run_tokenizer`); or of a Hugging Face directory as loaded
-    (step None, config {})."""
-    if run_dir is None:
-        resolved = resolve_model(model_name)
+def load_saved(cfg: EvalConfig, device: torch.device) -> tuple[GPT, Tokenizer, Saved | None]:
+    """(model, tokenizer, checkpoint) of --run_dir's newest checkpoint, with the tokenizer it trained
+    with (checked: `read_run`); or of --model_name's Hugging Face directory as loaded (no
+    checkpoint). nanochat.checkpoint.load_model builds both."""
+    if cfg.run_dir is None:
+        resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
-            raise UsageError(f"--model_name {model_name!r} is a nanochat preset, untrained; evaluate a "
+            raise UsageError(f"--model_name {cfg.model_name!r} is a nanochat preset, untrained; evaluate a "
                              "run of it instead (--run_dir)")
-        model, tok = load_hf_model(resolved.path, device, torch.float32, seq_len=seq_len)
-        return model, tok, None, {}
-    ckpt = load_checkpoint(run_dir, keys=("config.model_name", "config.seq_len", "model"))
-    config, step = ckpt["config"], int(ckpt["step"])
-    tok = run_tokenizer(run_dir, ckpt.get("tokenizer_fingerprint"), "--run_dir")  # with its chat template
-    if resolve_model(config["model_name"]).kind == "hf":
-        model, _ = model_from_state_dict(config["model_name"], ckpt["model"], tokenizer_dir=Path(run_dir) / "tokenizer")
-    else:
-        with torch.device("meta"):
-            model = GPT(preset_config(config["model_name"], vocab_size=tok.vocab_size, seq_len=config["seq_len"]))
-        model.materialize("cpu")
-        model.load_state_dict(ckpt["model"])  # the run saves its GPT's own state dict
-    return model.to(device), tok, step, config
+        model, tok = load_model(resolved, device=device, seq_len=cfg.seq_len)
+        return model, tok, None
+    saved = read_run(cfg.run_dir)
+    model, tok = load_model(saved, device=device)
+    return model, tok, saved
 
 
 @torch.no_grad()
 def evaluate_saved(cfg: EvalConfig) -> EvalResult:
     """`scripts/eval.py` with an `EvalConfig`: the validation split's loss, bits per byte and
     accuracy as a run measures them, read from the corpus's token store for the model's
-    tokenizer (built first if missing)."""
+    tokenizer (built first if missing: EvalData, the run's own data assembly)."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     list_sources(cfg.dataset_path)  # a path that cannot be a corpus: one error before the model loads
-    model, tok, step, trained = load_saved(cfg.run_dir, cfg.model_name, device, cfg.seq_len)
-    source = f"{Path(cfg.run_dir) / checkpoint_name(step)} (step {step})" if step is not None else str(cfg.model_name)
+    model, tok, saved = load_saved(cfg, device)
+    source = f"{saved.path} (step {saved.step})" if saved is not None else str(cfg.model_name)
     logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
     seq_len = min(cfg.seq_len, model.config.seq_len)
+    trained = saved.meta["config"] if saved is not None else {}
     asked = {"seq_len": seq_len, "eval_tokens": cfg.eval_tokens}
     differ = [f"--{k} {trained[k]}" for k in asked if k in trained and trained[k] != asked[k]]
     if differ:
         logger.info("the run evaluated with %s: pass the same to reproduce its val_loss and val_bpb", " ".join(differ))
-    prepared = prepare_data(cfg.dataset_path, tokenizer=tok, chat_template=cfg.chat_template,
-                            cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")))
-    store, tok, fallbacks = prepared.store, prepared.tokenizer, list(prepared.fallbacks)
-    logger.info("corpus: %s", store.describe())
-    for fallback in fallbacks:
-        logger.warning("WARNING: %s", fallback)
+    fallbacks: list[str] = []
+
+    def fallback(message: str) -> None:
+        fallbacks.append(message)
+        logger.warning("WARNING: %s", message)
+
+    data = EvalData.load(cfg.dataset_path, tokenizer=tok, seq_len=seq_len, eval_tokens=cfg.eval_tokens, device=device,
+                         fallback=fallback, chat_template=cfg.chat_template)
     model.eval()
     context = autocast_context(device, dtype)
-    val = split_stream(store, "val", seq_len, tok.bos_id, fallbacks.append)
-    val_loss, val_bpb, tokens = loss_and_bpb(model, val, tok.token_bytes().to(device), seq_len=seq_len,
+    val_loss, val_bpb, tokens = loss_and_bpb(model, data.val, data.token_bytes, seq_len=seq_len,
                                              batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens,
                                              device=device, autocast=context)
-    items = instruct.choice_items(tok, store.val_records(), cfg.eval_tokens) if store.kind == "instruct" else []
     accuracy = None
-    if items:
-        correct, total = choice_counts(model, items, batch_size=cfg.batch_size, seq_len=seq_len,
+    if data.choice_items:
+        correct, total = choice_counts(model, data.choice_items, batch_size=cfg.batch_size, seq_len=seq_len,
                                        device=device, autocast=context)
         accuracy = correct / total
-    return EvalResult(val_loss=val_loss, val_bpb=val_bpb, val_accuracy=accuracy, tokens=tokens, questions=len(items),
-                      accuracy_scoring=instruct.describe_scoring(items) if items else None, fallbacks=fallbacks,
-                      source=source, step=step)
+    return EvalResult(val_loss=val_loss, val_bpb=val_bpb, val_accuracy=accuracy, tokens=tokens,
+                      questions=data.num_choice_items, accuracy_scoring=data.accuracy_scoring, fallbacks=fallbacks,
+                      source=source, step=saved.step if saved is not None else None)
 
 
 __all__ = ["EvalResult", "Evaluator", "choice_counts", "evaluate_saved", "load_saved", "loss_and_bpb"]

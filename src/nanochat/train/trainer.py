@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +28,7 @@ from typing import Any
 import torch
 
 from nanochat import distributed
-from nanochat.checkpoint import Checkpoint, Checkpointer, Saved
+from nanochat.checkpoint import Checkpoint, Checkpointer, Saved, gpt_config, load_model
 from nanochat.common import (
     DistEnv, NanoChatError, logger, print0, setup_logging,
 )
@@ -38,8 +36,7 @@ from nanochat.config import TrainConfig, flag_text, flags_in_log
 from nanochat.device import autocast_context, resolve_device, resolve_dtype, seed_everything
 from nanochat.data.prepare import write_sources
 from nanochat.fp8 import FP8Config, FP8Training
-from nanochat.model.gpt import GPT, GPTConfig, preset_config
-from nanochat.model.hf import gpt_config_from_hf, load_hf_model
+from nanochat.model.gpt import GPT
 from nanochat.model.hub import ResolvedModel
 from nanochat.optim import optimizer_state_bytes, param_dtype
 from nanochat.report.plot import plot_after_run
@@ -168,14 +165,14 @@ class NanoChatTrainer:
         self.init_source = self.checkpoints.read_init_source() if cfg.init_from and not cfg.resume else None
         self.data = RunData.load(cfg, dist=self.dist, device=self.device, model=model_source,
                                  tokenizer=self.init_source.tokenizer if self.init_source else None,
-                                 cache_root=Path(os.environ.get("NANOCHAT_CACHE", ".cache")), fallback=self._fallback)
+                                 fallback=self._fallback)
         self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.data.steps_per_epoch
         self.resumed = self.checkpoints.read_resume(self.total_steps, self.data.tokenizer) if cfg.resume else None
-        model_config = self._model_config(model_source)
+        model_config = gpt_config(model_source, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
         self.memory_plan = memory.plan_run(cfg, model_config, autocast=self.dtype != torch.float32, device=self.device,
                                            shards=self.dist.world_size if self.dist.is_distributed and cfg.fsdp else 1)
         print0(self.memory_plan.table())
-        self.model = self._build_model(model_source, model_config)
+        self.model = self._build_model(model_source)
         fp8_config, all_gather_problem = self._fp8_config()
         self.fp8 = FP8Training(self.model, fp8_config)
         if self.device.type == "cuda" and self.fp8.report is not None and self.fp8.report.shapes_measured:
@@ -214,26 +211,17 @@ class NanoChatTrainer:
         trackers = self.metrics.trackers.fallbacks if self.metrics.trackers is not None else []
         return self.fallbacks + [flag_text(f) for f in parts] + trackers
 
-    def _model_config(self, source: ResolvedModel) -> GPTConfig:
-        cfg = self.config
-        if source.kind == "hf":
-            return gpt_config_from_hf(json.loads((source.path / "config.json").read_text()), seq_len=cfg.seq_len)
-        return preset_config(cfg.model_name, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
-
-    def _build_model(self, source: ResolvedModel, model_config: GPTConfig) -> GPT:
-        """The model in its master weights: a Hugging Face model's, the --init_from source's or
-        freshly initialized (FP8 conversion follows, before compile)."""
+    def _build_model(self, source: ResolvedModel) -> GPT:
+        """The model in its master weights (nanochat.checkpoint.load_model): a Hugging Face model's,
+        the --init_from source's or freshly initialized (FP8 conversion follows, before compile)."""
         cfg = self.config
         weights_dtype = torch.float32 if cfg.master_weights_emulate else param_dtype(cfg.master_weights)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        if source.kind == "hf":  # built on the meta device and filled from memory-mapped safetensors
-            model, _ = load_hf_model(source.path, self.device, weights_dtype, seq_len=cfg.seq_len)
-        else:
-            model = GPT(model_config).to(self.device)
-            model.init_weights()
-            if self.init_source is not None:
-                self.checkpoints.load_init_weights(self.init_source, model)
+        model, _ = load_model(self.init_source or source, device=self.device, dtype=weights_dtype,
+                              vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
+        if self.init_source is not None:
+            logger.info("initialized from %s (step %d of that run)", self.init_source.path, self.init_source.step)
         if cfg.master_weights != "fp32":  # parameters only: the rotary tables stay fp32
             for p in model.parameters():  # emulated: fp32 tensors holding the bf16 values
                 p.data = p.data.to(torch.bfloat16).to(weights_dtype)
