@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 from collections import Counter
@@ -28,13 +29,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nanochat.common import warn_once, write_atomic
+from nanochat.common import warn_once
 from nanochat.data import instruct
 from nanochat.data.plan import iter_documents, plan_sources
 from nanochat.data.read import Doc
 from nanochat.data.sources import DataError, list_sources, unreadable
 from nanochat.data.split import VAL_FRACTION, SplitRule, describe, empty_corpus_message, val_hash
 from nanochat.data.streams import Packing, pack_layout
+from nanochat.fs import write_atomic
 from nanochat.tokenizer import Tokenizer
 
 
@@ -252,7 +254,9 @@ def tokenize_records(tokenizer: Tokenizer, records: list[list[dict[str, str]]], 
 
     if path is not None:
         disk = tokens.astype(np.uint16) if tokenizer.vocab_size <= 2**16 else tokens
-        write_atomic(path, lambda f: np.savez(f, tokens=disk, loss_mask=mask, starts=starts))
+        npz = io.BytesIO()  # np.savez wants a readable file; a small copy next to the token lists above
+        np.savez(npz, tokens=disk, loss_mask=mask, starts=starts)
+        write_atomic(path, npz.getbuffer())
     return result(tokens, mask, starts)
 
 
