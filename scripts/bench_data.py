@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from nanochat.common import format_table, warn_once, write_atomic
+from nanochat.common import format_table, warn_once
+from nanochat.fs import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD_MIB = 25

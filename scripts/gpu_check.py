@@ -204,7 +204,7 @@ class Findings:
             self.save()
 
     def save(self) -> None:
-        from nanochat.common import write_atomic
+        from nanochat.fs import write_atomic
 
         write_atomic(self.path, json.dumps(self.data, indent=1, default=str))
 

@@ -37,8 +37,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from nanochat.common import format_table, write_atomic
+from nanochat.common import format_table
 from nanochat.config import ParityConfig
+from nanochat.fs import write_atomic
 
 FIXED_MODES = ("e4m3", "e5m2")
 AUTO_MODES = ("auto", "auto-recheck")

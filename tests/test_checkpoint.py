@@ -30,7 +30,8 @@ from nanochat import checkpoint
 from nanochat.checkpoint import (
     clean_interrupted, committed, load_checkpoint, newest_verified, pt, rng_state, save_checkpoint, set_rng_state,
 )
-from nanochat.common import NanoChatError, UsageError, file_sha256
+from nanochat.common import NanoChatError, UsageError
+from nanochat.fs import AtomicFile, hash_file
 from nanochat.rundir import LOCK_NAME
 
 
@@ -172,8 +173,8 @@ def test_pickle_payload_and_missing_keys_are_one_line(tmp_path):
     assert "\n" not in str(e.value)
     path = tmp_path / "checkpoint-000002.pt"
     torch.save({"format_version": 1, "step": 2, "model": _Payload()}, path)
-    sha, size = file_sha256(path)  # a manifest that verifies: the bytes are what they are
-    path.with_suffix(".json").write_text(json.dumps({"file": path.name, "sha256": sha, "bytes": size, "step": 2}))
+    # a manifest that verifies: the bytes are what they are
+    path.with_suffix(".json").write_text(json.dumps({"file": path.name, **hash_file(path), "step": 2}))
     with pytest.raises(NanoChatError) as e:
         load_checkpoint(tmp_path)
     msg = str(e.value)
@@ -197,7 +198,7 @@ def test_nonfinite_tensors_are_named_and_skipped(tmp_path):
 
 def test_enospc_keeps_previous_and_says_so(tmp_path, monkeypatch):
     save_checkpoint(tmp_path, {"model": {"w": torch.ones(4096)}, "step": 1})
-    real_write = pt._HashingWriter.write
+    real_write = AtomicFile.write
 
     def full_disk(self, data):
         if self.size > 1000:
@@ -205,7 +206,7 @@ def test_enospc_keeps_previous_and_says_so(tmp_path, monkeypatch):
             raise self.error
         return real_write(self, data)
 
-    monkeypatch.setattr(pt._HashingWriter, "write", full_disk)
+    monkeypatch.setattr(AtomicFile, "write", full_disk)
     with pytest.raises(NanoChatError, match=r"no space left.*checkpoint-000002\.pt.*checkpoint-000001\.pt is intact"):
         save_checkpoint(tmp_path, {"model": {"w": torch.zeros(4096)}, "step": 2})
     monkeypatch.undo()

@@ -38,8 +38,9 @@ import pytest
 import torch
 
 from nanochat import checkpoint
-from nanochat.checkpoint import committed, load_checkpoint, pt
+from nanochat.checkpoint import committed, load_checkpoint
 from nanochat.common import NanoChatError, UsageError
+from nanochat.fs import AtomicFile
 from nanochat.train.evaluation import Evaluator
 from nanochat.rundir import LOCK_NAME
 from nanochat.train.trainer import NanoChatTrainer
@@ -113,6 +114,7 @@ def reference(small_corpus, tmp_path_factory):
 CHILD = r"""
 import json, os, signal, sys
 from nanochat.checkpoint import pt, store
+from nanochat.fs import AtomicFile
 from nanochat.train.trainer import NanoChatTrainer
 kw, point, save_no, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -123,14 +125,14 @@ def counting_save(*a, **k):
     return real_save(*a, **k)
 store.save_checkpoint = counting_save
 if point == "write":      # the n-th write of torch.save in save number save_no
-    real_write, calls = pt._HashingWriter.write, {"n": 0}
+    real_write, calls = AtomicFile.write, {"n": 0}
     def write(self, data):
         if saves["n"] == save_no:
             calls["n"] += 1
             if calls["n"] == n:
                 die()
         return real_write(self, data)
-    pt._HashingWriter.write = write
+    AtomicFile.write = write
 elif point == "rename":   # before the n-th rename (1: the .pt, 2: its manifest) of save save_no
     real_replace, calls = os.replace, {"n": 0}
     def replace(src, dst):
@@ -292,7 +294,7 @@ def test_overflow_stop_names_the_bad_steps_and_a_good_checkpoint(small_corpus, t
 def test_enospc_keeps_the_previous_checkpoint(small_corpus, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "r"
     kw = _kw(small_corpus, run_dir)
-    real_write = pt._HashingWriter.write
+    real_write = AtomicFile.write
 
     def full_after_first_save(self, data):
         if committed(run_dir) and self.size > 4096:
@@ -300,7 +302,7 @@ def test_enospc_keeps_the_previous_checkpoint(small_corpus, tmp_path, capsys, mo
             raise self.error
         return real_write(self, data)
 
-    monkeypatch.setattr(pt._HashingWriter, "write", full_after_first_save)
+    monkeypatch.setattr(AtomicFile, "write", full_after_first_save)
     code, errors = _cli(capsys, kw)
     assert code == 1 and len(errors) == 1, errors
     assert "no space left" in errors[0] and "checkpoint-000004.pt" in errors[0]

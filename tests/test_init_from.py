@@ -15,8 +15,8 @@ import torch
 
 from nanochat import checkpoint
 from nanochat.checkpoint import DCP, PT, committed, load_checkpoint, save_checkpoint
-from nanochat.common import file_sha256
 from nanochat.common import NanoChatError, UsageError
+from nanochat.fs import hash_file
 from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import load_script, run_records, tiny_train_kwargs
 
@@ -144,9 +144,7 @@ def test_unloadable_or_incomplete_sources_are_one_line(small_corpus, tmp_path, s
     kw = tiny_train_kwargs(small_corpus, tmp_path / "ft", init_from=str(src), num_samples=0, num_iterations=2)
 
     torch.save({"format_version": 1, "step": newest.step, "model": _Payload()}, newest.path)
-    sha, size = file_sha256(newest.path)
-    newest.manifest.write_text(json.dumps({"file": newest.path.name, "sha256": sha, "bytes": size,
-                                           "step": newest.step}))
+    newest.manifest.write_text(json.dumps({"file": newest.path.name, **hash_file(newest.path), "step": newest.step}))
     code, errors = _cli(capsys, kw)
     assert code == 1 and len(errors) == 1, errors
     assert ("is not a nanochat checkpoint (it needs unpickling of arbitrary objects, which nanochat never does)"

@@ -1,10 +1,11 @@
 """Shared plumbing: errors and exit statuses, logging that prints once, the distributed
-environment, number and table formatting, atomic file writes, file hashes.
+environment, number and table formatting.
 
 Everything here is small, has no opinion about models or FP8, and imports no torch: the configs
 (nanochat.config) sit on it, and a script's `--help` must not wait for torch to load. What needs
 torch (the device and dtype choice, seeding, counting device-to-host reads) is nanochat.device,
-at the same bottom layer. The rule for messages is the project's rule: a fallback or a surprising
+at the same bottom layer; files written whole, manifests and the file lock are nanochat.fs,
+just above. The rule for messages is the project's rule: a fallback or a surprising
 choice is said once, with its reason, and the caller records it in the run's results
 (`TrainResult.fallbacks`); nothing degrades silently.
 
@@ -16,21 +17,14 @@ line; `--debug` shows the traceback instead.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
-import secrets
-import shutil
-import socket
 import sys
-import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 logger = logging.getLogger("nanochat")
 
@@ -167,8 +161,6 @@ def cache_root() -> Path:
 
 def read_json_object(path: Path, fix: str) -> dict:
     """The JSON object in `path`; a `UsageError` naming the file and `fix` if it is not one."""
-    import json
-
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -193,126 +185,3 @@ def format_table(headers: list[str], rows: list[list[object]]) -> str:
     line = lambda row: "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()  # noqa: E731
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep] + [line(r) for r in cells[1:]])
-
-
-def sign_lock(fd: int) -> None:
-    """Write this process into the lock file `fd` (pid, host, start time) once it holds the lock,
-    so that a process the lock refuses or makes wait can say who holds it (`lock_holder`)."""
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-
-
-def lock_holder(fd: int, unknown: str) -> str:
-    """'pid N on HOST, started T' from the lock file `fd` as `sign_lock` wrote it; `unknown` when
-    its holder has not written it yet."""
-    try:
-        info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return unknown
-
-
-def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[BinaryIO], None], *,
-                 fsync: bool = False) -> None:
-    """Write `path` so that a reader sees the old file or the whole new one, never a part, and a
-    crash leaves no partial file: a temp file in the same directory (a rename is atomic only
-    within one file system), then os.replace. `content`: text (UTF-8), bytes, or a function
-    writing to the binary file. The file gets the permissions open() would give (mkstemp's are
-    0600; caches and tokenizers are shared). `fsync`: on disk before the rename (checkpoints)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~umask())
-        with os.fdopen(fd, "wb") as f:
-            if callable(content):
-                content(f)
-            else:
-                f.write(content.encode("utf-8") if isinstance(content, str) else content)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def publish_directory(out: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
-    """Create directory `out` whole: `fill` writes into a temporary sibling, which then takes
-    `out`'s place, so a reader sees the old directory or the complete new one and no file of the
-    old one survives next to the new ones. An existing `out` is set aside and deleted only once
-    the new one is in place; on any error the temporary directory goes and the old one is back.
-    The caller decides whether `out` may be replaced (nanochat.model.export.check_export_dir)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
-    old = None
-    try:
-        tmp.mkdir()
-        fill(tmp)
-        if out.is_dir() and any(out.iterdir()):
-            old = out.parent / f".{out.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(out, old)
-        elif out.is_dir():
-            out.rmdir()
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # ours, never published
-        if old is not None and not out.exists():
-            os.rename(old, out)  # the previous directory back in place
-        raise
-    if old is not None:
-        shutil.rmtree(old)
-    return out
-
-
-def umask() -> int:
-    """This process's umask (read by setting it and setting it back)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file or a directory (a directory: makes a rename in it durable, POSIX); a no-op
-    where it cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-HASH_CHUNK = 1 << 24  # 16 MiB reads when hashing a file
-
-
-def file_sha256(path: str | os.PathLike) -> tuple[str, int]:
-    """(sha256 hex digest, size in bytes) of a file, read in 16 MiB chunks (never whole in memory)."""
-    sha, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return sha.hexdigest(), size
-
-
-def file_problem(path: str | os.PathLike, sha256: str, size: int) -> str | None:
-    """None when the file at `path` has this sha256 and size, else what is wrong with it."""
-    try:
-        got_sha, got = file_sha256(path)
-    except FileNotFoundError:
-        return "it is missing"
-    except OSError as e:
-        return f"it cannot be read ({e})"
-    if got != size:
-        return f"it has {got:,} bytes, its manifest says {size:,} (truncated or appended to)"
-    if got_sha != sha256:
-        return f"its sha256 {got_sha[:16]}... differs from the manifest's {sha256[:16]}... (corrupted)"
-    return None

@@ -45,10 +45,11 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from nanochat.checkpoint.resume import setting_differences
-from nanochat.common import logger, print_last_line, publish_directory, warn_once
+from nanochat.common import logger, print_last_line, warn_once
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.config.fp8 import RESUME_FIELDS, ROLES
 from nanochat.fp8.health import fp8_health
+from nanochat.fs import publish_directory, write_atomic
 from nanochat.train.guard import StepGuard
 from nanochat.model.export import check_export_dir
 from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
@@ -357,11 +358,7 @@ class FP8Trainer(Trainer):
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial),
                                   f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")  # the Trainer's name
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, FP8_STATE_NAME)
-            with open(path + ".tmp", "w") as f:
-                json.dump(self._fp8_state(), f, indent=1)
-            os.replace(path + ".tmp", path)
+            write_atomic(os.path.join(folder, FP8_STATE_NAME), json.dumps(self._fp8_state(), indent=1))
         super()._save_checkpoint(model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

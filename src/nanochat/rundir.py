@@ -5,14 +5,13 @@
     <run_dir>/checkpoint_dcp/step-.../   a torchrun run's checkpoints (nanochat.checkpoint.dcp)
     <run_dir>/metrics.jsonl, result.json the run's records;  <run_dir>/tokenizer/  its tokenizer
 
-One process per run directory: an OS file lock, `fcntl.flock(LOCK_EX | LOCK_NB)` on
-`.nanochat.lock`, taken before anything there is written or cleaned and held for the run's life.
-The kernel drops it when the process ends, however it ends (kill -9 included), so a stale lock
-cannot exist: the file stays, only the lock on it counts (deleting lock files races: a process
-could lock a file another has just unlinked). The holder writes its pid, host and start time
-into the file so that the process it refuses can name it. flock works on local file systems and,
-on Linux, NFS; Windows has no fcntl (importing works, locking is a clear error). Holds are counted
-per process: trainers built one after another in one process (tests, notebooks) share the lock.
+One process per run directory: a `nanochat.fs.FileLock` (flock) on `.nanochat.lock`, taken
+without waiting before anything there is written or cleaned and held for the run's life. The
+kernel drops it when the process ends, however it ends (kill -9 included), so a stale lock cannot
+exist; a second process is refused, naming the pid, host and start time its holder signed into
+the file. A file system or platform without file locks is a clear error, not an unlocked run.
+Holds are counted per process: trainers built one after another in one process (tests,
+notebooks) share the lock.
 
 The lock is also a proof: every nanochat writer of checkpoint temporaries holds it, one save at a
 time, so a temporary of nanochat's own naming that the holder finds outside a save was left by a
@@ -34,12 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
-from nanochat.common import NanoChatError, UsageError, lock_holder, sign_lock
-
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
+from nanochat.common import NanoChatError, UsageError
+from nanochat.fs import FileLock, LockUnsupported
 
 LOCK_NAME = ".nanochat.lock"
 RUN_FILES = ("metrics.jsonl", "result.json")
@@ -49,7 +44,7 @@ PT_NAME = re.compile(r"checkpoint-(\d+)\.pt")
 DCP_DIRNAME = "checkpoint_dcp"
 """Where distributed runs keep their DCP step directories."""
 
-_held: dict[str, list[int]] = {}  # realpath of a run directory -> [lock file descriptor, count]
+_held: dict[str, list] = {}  # realpath of a run directory -> [its FileLock, count]
 
 
 def run_contents(run_dir: str | os.PathLike) -> list[str]:
@@ -75,24 +70,19 @@ def acquire(run_dir: str | os.PathLike) -> None:
     if key in _held:
         _held[key][1] += 1
         return
-    if fcntl is None:
-        raise NanoChatError(f"cannot lock --run_dir {run_dir}: this platform has no fcntl file locks "
-                            "(nanochat needs a POSIX system: Linux, macOS, or WSL on Windows)")
-    # os.open makes the descriptor non-inheritable: a program a run starts (compile workers) does
-    # not keep the lock alive after the run dies.
-    fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o666)
+    lock = FileLock(Path(run_dir) / LOCK_NAME)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = lock_holder(fd, "it has not written its pid yet")
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
-            raise UsageError(f"--run_dir {run_dir} is in use by another nanochat process ({holder}); wait "
-                             "for it or choose another --run_dir") from None
-        raise NanoChatError(f"cannot lock --run_dir {run_dir} ({e.strerror or e}): its file system does not "
-                            "support file locks; choose a --run_dir on one that does") from None
-    sign_lock(fd)
-    _held[key] = [fd, 1]
+        holder = lock.try_acquire()
+    except LockUnsupported as e:
+        if e.strerror is None:
+            raise NanoChatError(f"cannot lock --run_dir {run_dir}: {e} (nanochat needs a POSIX system: Linux, "
+                                "macOS, or WSL on Windows)") from None
+        raise NanoChatError(f"cannot lock --run_dir {run_dir} ({e.strerror}): its file system does not support "
+                            "file locks; choose a --run_dir on one that does") from None
+    if holder is not None:
+        raise UsageError(f"--run_dir {run_dir} is in use by another nanochat process ({holder}); wait for it or "
+                         "choose another --run_dir")
+    _held[key] = [lock, 1]
 
 
 def release(run_dir: str | os.PathLike) -> None:
@@ -102,29 +92,15 @@ def release(run_dir: str | os.PathLike) -> None:
         return
     _held[key][1] -= 1
     if _held[key][1] == 0:
-        os.close(_held.pop(key)[0])  # closing the descriptor releases the flock
+        _held.pop(key)[0].release()
 
 
 def holder(run_dir: str | os.PathLike) -> str | None:
     """Who holds `run_dir`'s lock ('pid N on HOST, started T'), or None when nobody does: a
-    training run in progress there. Probed with a shared lock taken and dropped at once."""
+    training run in progress there."""
     if _key(run_dir) in _held:
         return f"this process, pid {os.getpid()}"
-    try:
-        fd = os.open(Path(run_dir) / LOCK_NAME, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        if fcntl is None:
-            return None
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        return lock_holder(fd, "it has not written its pid yet") if e.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES) else None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+    return FileLock(Path(run_dir) / LOCK_NAME).holder()
 
 
 @contextlib.contextmanager

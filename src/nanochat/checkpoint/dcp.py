@@ -35,7 +35,8 @@ from nanochat import distributed
 from nanochat import rundir
 from nanochat.checkpoint.pt import missing_keys
 from nanochat.checkpoint.storage import Checkpoint, Storage
-from nanochat.common import NanoChatError, dist_env, file_problem, file_sha256, fsync_path, write_atomic
+from nanochat.common import NanoChatError, dist_env
+from nanochat.fs import commit_manifest, fsync_path, hash_file, manifest_problems, read_manifest, write_atomic
 from nanochat.optim import OptimWrapper, QuantizedState
 from nanochat.rundir import DCP_DIRNAME
 
@@ -76,26 +77,18 @@ class DcpStorage(Storage):
         files, problem = _read_manifest(c)
         if problem is not None:
             return problem
+        problem = next(manifest_problems(c.path, files, hash=False), None)
+        if problem is not None:
+            return problem
         try:
-            present = {f.name: f.stat().st_size for f in c.path.iterdir() if f.name != MANIFEST_NAME}
+            extra = sorted({f.name for f in c.path.iterdir()} - {*files, MANIFEST_NAME})
         except OSError as e:
             return f"it cannot be read ({e.strerror or e})"
-        for name, size in files.items():
-            if name not in present:
-                return f"file {c.path / name}: it is missing"
-            if present[name] != size:
-                return (f"file {c.path / name}: it has {present[name]:,} bytes, its manifest says {size:,} "
-                        "(truncated or appended to)")
-        extra = sorted(set(present) - set(files))
         return f"it holds {extra[0]}, which its manifest does not list (added after the save)" if extra else None
 
     def bytes_problem(self, c: Checkpoint) -> str | None:
-        m = json.loads(c.manifest.read_text())
-        for name, e in m["files"].items():
-            problem = file_problem(c.path / name, e["sha256"], int(e["bytes"]))
-            if problem is not None:
-                return f"file {c.path / name}: {problem}"
-        return None
+        files, problem = _read_manifest(c)
+        return problem or next(manifest_problems(c.path, files), None)
 
     def temporaries(self, run_dir: Path) -> tuple[list[Path], list[Path]]:
         root = dcp_root(run_dir)
@@ -140,16 +133,15 @@ class DcpStorage(Storage):
 DCP = DcpStorage()
 
 
-def _read_manifest(c: Checkpoint) -> tuple[dict[str, int] | None, str | None]:
-    """The manifest's {file name: bytes} when it is readable and of `c`'s step, else why not."""
+def _read_manifest(c: Checkpoint) -> tuple[dict[str, dict[str, Any]] | None, str | None]:
+    """The manifest's {file name: {"sha256", "bytes"}} when it is readable and of `c`'s step, else
+    why not."""
     if not c.manifest.is_file():
         return None, f"it has no {MANIFEST_NAME}"
     try:
-        manifest = json.loads(c.manifest.read_text())
-        files = {name: int(e["bytes"]) for name, e in manifest["files"].items()}
+        manifest, files = read_manifest(c.manifest)
         step = int(manifest["step"])
-        [e["sha256"] for e in manifest["files"].values()]  # noqa: B018 -- each must be there
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         return None, f"its manifest {c.manifest} is unreadable ({type(e).__name__}: {e})"
     if step != c.step:
         return None, f"its manifest is of step {step}: it was renamed or copied under another step's name"
@@ -227,20 +219,14 @@ def _claim_step_name(run_dir: str | os.PathLike, root: Path, step: int) -> tuple
 def _commit(tmp: Path, final: Path, *, step: int, meta: dict[str, Any]) -> None:
     """Rank 0, once every shard is written: meta and manifest, the rename that commits, LATEST."""
     root = final.parent
-    (tmp / META_NAME).write_text(json.dumps({**meta, "step": step}, indent=1))
+    write_atomic(tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1))
     for p in tmp.iterdir():  # rank 0 sees the shared filesystem; node-local files are their ranks' to flush
         fsync_path(p)
-    files = {}
-    for f in sorted(tmp.iterdir()):
-        if f.is_file() and f.name != MANIFEST_NAME:
-            sha, size = file_sha256(f)
-            files[f.name] = {"sha256": sha, "bytes": size}
-    write_atomic(tmp / MANIFEST_NAME, json.dumps({"step": step, "files": files}, indent=1), fsync=True)
-    fsync_path(tmp)
+    files = {f.name: hash_file(f) for f in sorted(tmp.iterdir()) if f.is_file() and f.name != MANIFEST_NAME}
+    commit_manifest(tmp / MANIFEST_NAME, {"step": step, "files": files})
     os.rename(tmp, final)  # the commit (DCP's index names its files relative to the directory)
     fsync_path(root)
-    write_atomic(root / LATEST, json.dumps({"dir": final.name, "step": step}), fsync=True)
-    fsync_path(root)
+    write_atomic(root / LATEST, json.dumps({"dir": final.name, "step": step}))
 
 
 # ---------------------------------------------------------------------------------- reading

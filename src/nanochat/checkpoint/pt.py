@@ -6,8 +6,9 @@ is read with `torch.load(weights_only=True)`, so a checkpoint from someone else 
 `checkpoint-0000NN.json` is its manifest: the file's name, step, size and sha256, hashed while the
 bytes stream to disk (no second read, unlike DCP's shards, which other processes write). A save
 writes both under temporary names (`.checkpoint-0000NN.pt.tmp-<pid>-<hex>`), fsync'ed, then
-renames the .pt and last the manifest: the commit. A kill between the two renames leaves a
-pending manifest, which `finish` completes when it describes the .pt in place.
+renames the .pt and last the manifest: the commit (nanochat.fs.commit_manifest). A kill between
+the two renames leaves a pending manifest, which `finish` completes when it describes the .pt in
+place.
 
 Under FSDP a .pt (saved by one process) loads into the sharded model through
 `load_full_state_dicts`: every rank reads the whole tensors and keeps its rows.
@@ -15,12 +16,8 @@ Under FSDP a .pt (saved by one process) loads into the sharded model through
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
-import re
-import secrets
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +27,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from nanochat.checkpoint.state import nonfinite_tensors
 from nanochat.checkpoint.storage import Checkpoint, Storage
-from nanochat.common import file_problem, fsync_path
+from nanochat.fs import AtomicFile, commit_manifest, file_problem, read_manifest, temp_pattern
 from nanochat.optim import dense
 from nanochat.rundir import PT_NAME
 
 FORMAT_VERSION = 1
-_OWN_TEMP = re.compile(r"\.(checkpoint-\d+\.(?:pt|json))\.tmp-\d+-[0-9a-f]+")
+_OWN_TEMP = temp_pattern(r"checkpoint-\d+\.(?:pt|json)")
 """A save's temporaries: .checkpoint-000006.pt.tmp-<pid>-<hex> and .checkpoint-000006.json.tmp-..."""
 
 
@@ -66,17 +63,11 @@ class PtStorage(Storage):
         if m["file"] != c.path.name or int(m["step"]) != c.step:
             return (f"its manifest describes {m['file']} (step {m['step']}), not {c.path.name}: it was renamed or "
                     "copied under another step's name")
-        try:
-            got = c.path.stat().st_size
-        except OSError as e:
-            return f"it cannot be read ({e.strerror or e})"
-        if got != int(m["bytes"]):
-            return f"it has {got:,} bytes, its manifest says {int(m['bytes']):,} (truncated or appended to)"
-        return None
+        return _problem(c.path, m, hash=False)
 
     def bytes_problem(self, c: Checkpoint) -> str | None:
         m, problem = _read_manifest(c)
-        return problem or file_problem(c.path, m["sha256"], int(m["bytes"]))
+        return problem or _problem(c.path, m, hash=True)
 
     def temporaries(self, run_dir: Path) -> tuple[list[Path], list[Path]]:
         ours = [p for p in sorted(run_dir.iterdir()) if _OWN_TEMP.fullmatch(p.name) and p.is_file()]
@@ -106,96 +97,53 @@ PT = PtStorage()
 
 
 def _read_manifest(c: Checkpoint) -> tuple[dict[str, Any] | None, str | None]:
+    """(the manifest's file name, step, sha256 and bytes, None), or (None, why it has none)."""
     if not c.manifest.is_file():
         return None, "it has no manifest"
     try:
-        m = json.loads(c.manifest.read_text())
-        m["file"], int(m["step"]), int(m["bytes"]), m["sha256"]  # noqa: B018 -- each must be there
-        return m, None
+        m, files = read_manifest(c.manifest)
+        (name, entry), = files.items()  # a .pt's manifest describes that file alone
+        return {"file": name, "step": int(m["step"]), **entry}, None
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, f"its manifest {c.manifest} is unreadable ({type(e).__name__}: {e})"
+
+
+def _problem(path: Path, m: dict[str, Any], *, hash: bool) -> str | None:
+    problem = file_problem(path, m, hash=hash)
+    return None if problem is None else f"it {problem}"
 
 
 def _completes(pending: Path, pt: Path) -> bool:
     """Whether the pending manifest `pending` describes the bytes of `pt` (which is in place)."""
     try:
-        m = json.loads(pending.read_text())
-        return m["file"] == pt.name and file_problem(pt, m["sha256"], int(m["bytes"])) is None
-    except (OSError, ValueError, KeyError, TypeError):
+        _, files = read_manifest(pending)
+    except (OSError, ValueError):
         return False
+    return list(files) == [pt.name] and file_problem(pt, files[pt.name]) is None
 
 
 # ---------------------------------------------------------------------------------- writing
-class _HashingWriter:
-    """File-like object for torch.save: writes through to `f` and hashes what it writes. It keeps
-    the OSError of a failed write, which torch would otherwise replace by its own RuntimeError
-    ("enforce fail ... unexpected pos")."""
-
-    def __init__(self, f):
-        self.f, self.sha, self.size, self.error = f, hashlib.sha256(), 0, None
-
-    def write(self, data) -> int:
-        try:
-            n = self.f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-        self.sha.update(data)
-        self.size += len(data)
-        return n
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _temp_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _write_new(path: Path, write) -> None:
-    """Create `path` (it must not exist; permissions as open() gives them), fill it with
-    `write(f)` and put it on disk."""
-    with open(path, "xb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write(c: Checkpoint, payload: dict[str, Any]) -> int:
-    """Both files of `c` under temporary names, then the renames: the .pt's, the manifest's last
-    (the commit). Returns the bytes written. On any failure nothing of this save is left and the
-    error propagates (an OSError with `.written`, the bytes written until then)."""
-    tmp_pt, tmp_manifest = _temp_path(c.path), _temp_path(c.manifest)
-    writer = _HashingWriter(None)
-
-    def fill(f) -> None:
-        writer.f = f
-        try:
-            torch.save({"format_version": FORMAT_VERSION, **payload}, writer)
-        except RuntimeError as e:
-            if writer.error is not None:
-                raise writer.error from e
-            raise
-
-    placed = False
+    """The .pt of `c` and its manifest, committed by `commit_manifest` (the .pt renamed into
+    place, the manifest last). Returns the bytes written. On any failure nothing of this save is
+    left and the error propagates (an OSError with `.written`, the bytes written until then)."""
+    f = AtomicFile(c.path)
     try:
-        _write_new(tmp_pt, fill)
-        manifest = {"file": c.path.name, "sha256": writer.sha.hexdigest(), "bytes": writer.size, "step": c.step,
-                    "format_version": FORMAT_VERSION}
-        _write_new(tmp_manifest, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        os.replace(tmp_pt, c.path)  # a kill from here to the commit: `finish` completes it
-        placed = True
-        os.replace(tmp_manifest, c.manifest)  # the commit
+        try:
+            torch.save({"format_version": FORMAT_VERSION, **payload}, f)
+        except RuntimeError as e:
+            if f.error is not None:
+                raise f.error from e
+            raise
+        entry = f.close()
+        commit_manifest(c.manifest, {"file": c.path.name, **entry, "step": c.step, "format_version": FORMAT_VERSION},
+                        staged=[f])
     except BaseException as e:
-        tmp_pt.unlink(missing_ok=True)
-        tmp_manifest.unlink(missing_ok=True)
-        if placed:
-            c.path.unlink(missing_ok=True)  # never committed
+        f.discard()
         if isinstance(e, OSError):
-            e.written = writer.size
+            e.written = f.size
         raise
-    fsync_path(c.path.parent)
-    return writer.size
+    return f.size
 
 
 # ---------------------------------------------------------------------------------- reading

@@ -32,7 +32,8 @@ from nanochat.checkpoint import dcp, pt
 from nanochat.checkpoint.dcp import DCP
 from nanochat.checkpoint.pt import PT
 from nanochat.checkpoint.storage import Checkpoint, Storage
-from nanochat.common import NanoChatError, UsageError, dist_env, format_bytes, fsync_path, warn_once
+from nanochat.common import NanoChatError, UsageError, dist_env, format_bytes, warn_once
+from nanochat.fs import fsync_path
 
 STORAGES: tuple[Storage, ...] = (PT, DCP)
 

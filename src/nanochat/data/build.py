@@ -5,8 +5,8 @@ tokenizes them in a process pool (stdlib), each worker streaming documents into 
 files; a piece is recorded once complete, so a killed build keeps what it finished and continues.
 Then the split is decided from the per-document tables (`SplitRule`, nanochat.data.split) and the
 pieces are concatenated, reading and writing in chunks: memory is bounded by the largest
-document, not the corpus. Every file is written under a temporary name, hashed as it is written,
-made durable and renamed; the manifest (nanochat.data.store) comes last.
+document, not the corpus. Every file is a nanochat.fs.AtomicFile (a temporary name, hashed as it
+is written, made durable and renamed); the manifest (nanochat.data.store) is committed last.
 
 `locked` makes one process build while the others (ranks, nodes on a shared file system) wait,
 then map the result; `load_plan` keeps the corpus's plan beside its stores, so a start whose
@@ -19,7 +19,6 @@ and piece records that name their inputs do the job.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import io
 import json
@@ -42,21 +41,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
-from nanochat.common import NanoChatError, format_bytes, lock_holder, logger, sign_lock, warn_once, write_atomic
+from nanochat.common import NanoChatError, format_bytes, logger, warn_once
 from nanochat.data import instruct
 from nanochat.data.plan import Plan, Unit, plan_sources
 from nanochat.data.read import read_unit
 from nanochat.data.sources import DataError, Sources
 from nanochat.data.split import VAL_FRACTION, SplitRule, cut_point, empty_corpus_message, val_hash
 from nanochat.data.store import FORMAT, MANIFEST, VERSION, TokenStore, map_store, token_dtype
+from nanochat.fs import AtomicFile, FileLock, LockUnsupported, commit_manifest, write_atomic
 
 if TYPE_CHECKING:
     from nanochat.tokenizer import Tokenizer
-
-try:
-    import fcntl
-except ImportError:  # Windows: builds run unlocked
-    fcntl = None
 
 PLAN = "plan.json"
 LOCK = ".lock"
@@ -79,35 +74,26 @@ def report(message: str, *args: Any) -> None:
 # ------------------------------------------------------------------ locking
 @contextlib.contextmanager
 def locked(directory: Path, what: str) -> Iterator[None]:
-    """Hold `directory`'s build lock (`fcntl.flock` on `.lock`): one process builds, the others
-    wait here, then find the result. The kernel drops the lock when its holder dies (kill -9
-    included). flock works on local file systems and, on Linux, NFS; where it does not (or the
-    directory is read-only) the block runs unlocked, once said: every file is still written
-    under a temporary name and renamed, so concurrent builders only repeat work."""
+    """Hold `directory`'s build lock (a nanochat.fs.FileLock on `.lock`): one process builds, the
+    others wait here, then find the result. Where there are no file locks (or the directory is
+    read-only) the block runs unlocked, once said: every file is still written under a temporary
+    name and renamed, so concurrent builders only repeat work."""
+    lock = FileLock(directory / LOCK)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        holder = lock.try_acquire()
+        if holder is not None:
+            logger.info("%s: waiting for %s, which is preparing it", what, holder)
+            lock.wait()
+    except LockUnsupported as e:
+        warn_once(f"store-lock:{directory}", f"{what}: {e}; proceeding without one")
     except OSError as e:
         warn_once(f"store-lock:{directory}", f"{what}: cannot create {directory / LOCK} ({e.strerror or e}); "
                   "proceeding without a lock")
-        yield
-        return
     try:
-        if fcntl is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                logger.info("%s: waiting for %s, which is preparing it", what, lock_holder(fd, "another process"))
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    raise
-                warn_once(f"store-lock:{directory}", f"{what}: its file system has no file locks "
-                          f"({e.strerror}); proceeding without one")
-        sign_lock(fd)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 # ------------------------------------------------------------------ the plan, cached
@@ -187,57 +173,21 @@ def build_store(plan: Plan, tokenizer: Tokenizer, path: Path, *, workers: int = 
     pieces_dir = path / "pieces"
     pieces_dir.mkdir(exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
-    files = {f.path: f for f in plan.sources.files}
     if piece_bytes is None:
         piece_bytes = min(PIECE_BYTES, max(1 << 20, plan.nbytes // MIN_PIECES))
-    jobs = []
-    for i, units in enumerate(plan.pieces(piece_bytes)):
-        spec = [FORMAT, VERSION, tokenizer.fingerprint, dtype.name, plan.kind, [list(u) for u in units],
-                sorted({(files[u.path].size, files[u.path].mtime_ns, u.path) for u in units})]
-        key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
-        jobs.append(_Job(i, units, plan.sources.root, str(pieces_dir / f"{i:06d}-{key}"), plan.kind, dtype.name, key))
-    records: dict[int, dict[str, Any]] = {}
-    for job in jobs:
-        rec = _finished_piece(job)
-        if rec is not None:
-            records[job.index] = rec
+    jobs = _jobs(plan, tokenizer.fingerprint, dtype, pieces_dir, piece_bytes)
+    records = {job.index: rec for job in jobs if (rec := _finished_piece(job)) is not None}
     todo = [j for j in jobs if j.index not in records]
     total = sum(j.nbytes for j in jobs)
     reused = sum(j.nbytes for j in jobs if j.index in records)
     if records:
         report("token store %s: continuing an interrupted build, %d of %d pieces (%s) already done",
-                    path, len(records), len(jobs), format_bytes(reused))
+               path, len(records), len(jobs), format_bytes(reused))
     report("token store %s: tokenizing %s of %s in %d pieces", path, format_bytes(total - reused),
-                plan.sources.name, len(todo))
+           plan.sources.name, len(todo))
     meter = _Progress(total, reused, progress)
-    used_workers = 1
     try:
-        with _pool(workers, tokenizer, tasks=len(todo)) as pool:
-            if pool is None:
-                for job in todo:
-                    records[job.index] = _tokenize_piece(job, tokenizer)
-                    meter.update(job.nbytes)
-            else:
-                used_workers = min(workers or _cpus(), len(todo))
-                running = {pool.submit(_tokenize_piece, job): job for job in todo}
-                failed: dict[int, BaseException] = {}
-                while running:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for fut in done:
-                        job = running.pop(fut)
-                        try:
-                            records[job.index] = fut.result()
-                            meter.update(job.nbytes)
-                        except Exception as e:  # noqa: BLE001 -- raised below, the first in corpus order
-                            failed[job.index] = e
-                    if failed:  # the pieces not started are dropped, the running ones finish
-                        running = {f: j for f, j in running.items() if not f.cancel()}
-                if failed:  # pieces start in order: the error a one-process build would have met first
-                    raise failed[min(failed)]
-    except BrokenProcessPool:
-        raise NanoChatError(f"token store {path}: a tokenizing worker died (out of memory? each holds one "
-                            "document and its tokens at a time); the pieces done are kept: run again to "
-                            "continue, with fewer workers if memory is short") from None
+        used_workers = _tokenize_pieces(todo, tokenizer, workers, records, meter, path)
     finally:
         meter.close()
     tokenize_s = time.perf_counter() - t0
@@ -246,13 +196,60 @@ def build_store(plan: Plan, tokenizer: Tokenizer, path: Path, *, workers: int = 
     manifest["build"] = {"seconds": round(seconds, 3), "tokenize_seconds": round(tokenize_s, 3),
                          "text_bytes": manifest["split"]["train"]["bytes"] + manifest["split"]["val"]["bytes"],
                          "workers": used_workers, "pieces": len(jobs), "pieces_reused": len(jobs) - len(todo)}
-    write_atomic(path / MANIFEST, json.dumps(manifest, indent=1) + "\n", fsync=True)
+    commit_manifest(path / MANIFEST, manifest)
     shutil.rmtree(pieces_dir, ignore_errors=True)  # the builder's own scratch, named by it
     b = manifest["build"]
     report("token store %s: %s of text -> %s tokens in %.1f s (%.1f MB/s, %d workers)", path,
-                format_bytes(b["text_bytes"]), f"{manifest['split']['train']['tokens'] + manifest['split']['val']['tokens']:,}",
-                seconds, b["text_bytes"] / max(seconds, 1e-9) / 1e6, used_workers)
+           format_bytes(b["text_bytes"]), f"{manifest['split']['train']['tokens'] + manifest['split']['val']['tokens']:,}",
+           seconds, b["text_bytes"] / max(seconds, 1e-9) / 1e6, used_workers)
     return map_store(path, manifest)
+
+
+def _jobs(plan: Plan, fingerprint: str, dtype: np.dtype, pieces_dir: Path, piece_bytes: int) -> list[_Job]:
+    """The corpus's pieces, each keyed by what its tokens depend on (the store's format, the
+    tokenizer, its units and their files' sizes and times): a piece left by an interrupted build
+    is reused only when its key is this one."""
+    files = {f.path: f for f in plan.sources.files}
+    jobs = []
+    for i, units in enumerate(plan.pieces(piece_bytes)):
+        spec = [FORMAT, VERSION, fingerprint, dtype.name, plan.kind, [list(u) for u in units],
+                sorted({(files[u.path].size, files[u.path].mtime_ns, u.path) for u in units})]
+        key = hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+        jobs.append(_Job(i, units, plan.sources.root, str(pieces_dir / f"{i:06d}-{key}"), plan.kind, dtype.name, key))
+    return jobs
+
+
+def _tokenize_pieces(todo: list[_Job], tokenizer: Tokenizer, workers: int, records: dict[int, dict[str, Any]],
+                     meter: _Progress, path: Path) -> int:
+    """Tokenize the pieces of `todo` into `records` (in this process, or in a pool); the number
+    of workers used. A failed piece stops the build with its error once the running ones end."""
+    try:
+        with _pool(workers, tokenizer, tasks=len(todo)) as pool:
+            if pool is None:
+                for job in todo:
+                    records[job.index] = _tokenize_piece(job, tokenizer)
+                    meter.update(job.nbytes)
+                return 1
+            running = {pool.submit(_tokenize_piece, job): job for job in todo}
+            failed: dict[int, BaseException] = {}
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    job = running.pop(fut)
+                    try:
+                        records[job.index] = fut.result()
+                        meter.update(job.nbytes)
+                    except Exception as e:  # noqa: BLE001 -- raised below, the first in corpus order
+                        failed[job.index] = e
+                if failed:  # the pieces not started are dropped, the running ones finish
+                    running = {f: j for f, j in running.items() if not f.cancel()}
+            if failed:  # pieces start in order: the error a one-process build would have met first
+                raise failed[min(failed)]
+            return min(workers or _cpus(), len(todo))
+    except BrokenProcessPool:
+        raise NanoChatError(f"token store {path}: a tokenizing worker died (out of memory? each holds one "
+                            "document and its tokens at a time); the pieces done are kept: run again to "
+                            "continue, with fewer workers if memory is short") from None
 
 
 def _finished_piece(job: _Job) -> dict[str, Any] | None:
@@ -269,43 +266,15 @@ def _finished_piece(job: _Job) -> dict[str, Any] | None:
         return None
 
 
-class _Writer:
-    """A file written under a temporary name, hashed as it is written, made durable and renamed by
-    `commit` (a crash cannot leave a recorded file whose bytes never reached the disk)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        self.f = open(self.tmp, "wb")
-        self.sha = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        self.sha.update(data)
-        self.size += len(data)
-
-    def commit(self) -> dict[str, Any]:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        os.replace(self.tmp, self.path)
-        return {"bytes": self.size, "sha256": self.sha.hexdigest()}
-
-    def discard(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
-
-
 def _tokenize_piece(job: _Job, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """A worker's task: the piece's documents tokenized into its files, then its record."""
     tokenizer = tokenizer if tokenizer is not None else _worker_tokenizer
     dtype = np.dtype(job.dtype)
     records = job.kind == "instruct"
-    out = {".tokens": _Writer(job.stem + ".tokens")}
+    out = {".tokens": AtomicFile(job.stem + ".tokens")}
     if records:
-        out[".mask"] = _Writer(job.stem + ".mask")
-        out[".records.jsonl"] = _Writer(job.stem + ".records.jsonl")
+        out[".mask"] = AtomicFile(job.stem + ".mask")
+        out[".records.jsonl"] = AtomicFile(job.stem + ".records.jsonl")
     starts, nbytes, hashes, roles = array("q"), array("q"), array("d"), array("b")
     skipped: Counter = Counter()
     shapes: Counter = Counter()
@@ -337,12 +306,12 @@ def _tokenize_piece(job: _Job, tokenizer: Tokenizer | None = None) -> dict[str, 
     table = io.BytesIO()  # one entry per document: a few MB for the smallest documents
     np.savez(table, starts=np.frombuffer(starts, np.int64), nbytes=np.frombuffer(nbytes, np.int64),
              hash=np.frombuffer(hashes, np.float64), role=np.frombuffer(roles, np.int8))
-    docs = _Writer(job.stem + ".docs.npz")
+    docs = AtomicFile(job.stem + ".docs.npz")
     docs.write(table.getbuffer())
     files[".docs.npz"] = docs.commit()["bytes"]
     rec = {"key": job.key, "index": job.index, "tokens": pos, "docs": len(starts), "files": files,
            "skipped": dict(skipped), "shapes": dict(shapes)}
-    write_atomic(job.stem + ".json", json.dumps(rec), fsync=True)
+    write_atomic(job.stem + ".json", json.dumps(rec))
     return rec
 
 
@@ -442,11 +411,11 @@ def _concat(plan: Plan, path: Path, pieces: list[tuple[Path, dict[str, Any]]], d
             name: str, files: dict[str, dict[str, Any]]) -> dict[str, int]:
     """The `name` split's files from the pieces' documents on that side, in corpus order."""
     records = plan.kind == "instruct"
-    out = {"bin": _Writer(path / f"{name}.bin"), "docs": _Writer(path / f"{name}.docs.bin")}
+    out = {"bin": AtomicFile(path / f"{name}.bin"), "docs": AtomicFile(path / f"{name}.docs.bin")}
     if records:
-        out["mask"] = _Writer(path / f"{name}.mask.bin")
+        out["mask"] = AtomicFile(path / f"{name}.mask.bin")
         if name == "val":
-            out["records"] = _Writer(path / "val.records.jsonl")
+            out["records"] = AtomicFile(path / "val.records.jsonl")
     pos = n_docs = n_bytes = 0
     try:
         for k, (stem, rec) in enumerate(pieces):
@@ -485,7 +454,7 @@ def _concat(plan: Plan, path: Path, pieces: list[tuple[Path, dict[str, Any]]], d
     return {"docs": n_docs, "bytes": n_bytes, "tokens": pos}
 
 
-def _copy(src: str, start: int, stop: int, out: _Writer) -> None:
+def _copy(src: str, start: int, stop: int, out: AtomicFile) -> None:
     with open(src, "rb") as f:
         f.seek(start)
         left = stop - start
@@ -509,7 +478,7 @@ def _write_cut(plan: Plan, tokenizer: Tokenizer, path: Path, dtype: np.dtype, fi
     for name, text in (("train", doc.text[:cut]), ("val", doc.text[cut:])):
         ids = np.asarray(tokenizer.encode(text, prepend_bos=True), dtype=dtype)
         for suffix, data in ((".bin", ids.tobytes()), (".docs.bin", np.zeros(1, np.int64).tobytes())):
-            w = _Writer(path / f"{name}{suffix}")
+            w = AtomicFile(path / f"{name}{suffix}")
             w.write(data)
             files[w.path.name] = w.commit()
         split[name] = {"docs": 1, "bytes": len(text.encode("utf-8")), "tokens": len(ids)}

@@ -25,19 +25,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanochat.common import UsageError, logger, umask, warn_once, write_atomic
+from nanochat.common import UsageError, logger, warn_once
 from nanochat.data import instruct
 from nanochat.data.build import build_store, load_plan, locked, report
 from nanochat.data.plan import Plan
 from nanochat.data.sources import DataError, Sources, list_sources
 from nanochat.data.split import split_texts
 from nanochat.data.store import TokenStore, dataset_dir, open_store, store_dir
+from nanochat.fs import temp_path, write_atomic
 from nanochat.tokenizer import META_FILE, BPETokenizer, Tokenizer
 
 DEFAULT_MAX_CHARS = 20_000_000
@@ -161,8 +161,8 @@ def get_or_train_tokenizer(plan: Plan, vocab_size: int, cache_root: str | os.Pat
         warn_once(f"small-vocab:{target}", f"the corpus supports only {tok.vocab_size} tokens, not "
                   f"--vocab_size {vocab_size}: BPE ran out of pairs to merge (a small corpus)")
     cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=cache_root, prefix=".tmp-tokenizer-"))
-    tmp.chmod(0o777 & ~umask())  # mkdtemp makes 0700
+    tmp = temp_path(target)
+    tmp.mkdir()  # permissions as mkdir gives them (mkdtemp's are 0700; caches are shared)
     tok.save(tmp)
     try:
         os.rename(tmp, target)

@@ -6,8 +6,8 @@ A store directory, one per corpus and tokenizer (`$NANOCHAT_CACHE/stores/<corpus
     train.docs.bin, val.docs.bin  int64: where each document (record) starts in its stream
     train.mask.bin, val.mask.bin  uint8, instruction records only: 1 where a token is scored
     val.records.jsonl             instruction records only: the validation records (accuracy, samples)
-    manifest.json                 written last: the sources listing the store was built from, the
-                                  split, and each file's size and sha256
+    manifest.json                 committed last (nanochat.fs.commit_manifest): the sources listing
+                                  the store was built from, the split, and each file's size and sha256
 A store without its manifest is never read. Opening one (`open_store`) costs a stat per source
 file (the listing must equal the manifest's), a stat per store file (a wrong size is refused) and a
 few maps: start-up and memory do not grow with the corpus, and the ranks of a node share the page
@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nanochat.common import file_sha256, format_bytes, warn_once
+from nanochat.common import format_bytes, warn_once
 from nanochat.data.sources import DataError, Sources, unreadable
 from nanochat.data.split import describe
 from nanochat.data.streams import TokenStream
+from nanochat.fs import manifest_problems, read_manifest
 
 if TYPE_CHECKING:
     from nanochat.tokenizer import Tokenizer
@@ -122,15 +123,9 @@ def open_store(path: Path, sources: Sources) -> tuple[TokenStore | None, str]:
 def map_store(path: Path, m: dict[str, Any]) -> TokenStore:
     """The store at `path` that its manifest `m` describes, mapped: every file of the size `m`
     records (else a DataError), then its streams."""
-    for name, f in m["files"].items():
-        try:
-            size = (path / name).stat().st_size
-        except OSError:
-            size = None
-        if size != f["bytes"]:
-            got = "is missing" if size is None else f"has {size:,} bytes"
-            raise DataError(f"token store file {path / name} {got}, its manifest says {f['bytes']:,} (truncated or "
-                            f"replaced after the build); delete {path} and start again to rebuild it")
+    problem = next(manifest_problems(path, m["files"], hash=False), None)
+    if problem is not None:
+        raise DataError(f"token store {problem}; delete {path} and start again to rebuild it")
     dtype = np.dtype(m["dtype"])
 
     def array(name: str, dt: np.dtype) -> np.ndarray | None:
@@ -154,19 +149,8 @@ def map_store(path: Path, m: dict[str, Any]) -> TokenStore:
 def verify_store(path: Path) -> list[str]:
     """What differs between the store's files and the checksums its manifest recorded at build
     time (reads every byte); empty when it verifies."""
-    m = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    problems = []
-    for name, f in m["files"].items():
-        try:
-            sha, size = file_sha256(path / name)
-        except OSError as e:
-            problems.append(f"{name}: cannot be read ({e})")
-            continue
-        if size != f["bytes"]:
-            problems.append(f"{name}: {size:,} bytes, the manifest says {f['bytes']:,}")
-        elif sha != f["sha256"]:
-            problems.append(f"{name}: sha256 {sha[:16]}... differs from the manifest's {f['sha256'][:16]}...")
-    return problems
+    _, files = read_manifest(path / MANIFEST)
+    return list(manifest_problems(path, files))
 
 
 __all__ = ["TokenStore", "dataset_dir", "map_store", "open_store", "store_dir", "token_dtype", "verify_store"]

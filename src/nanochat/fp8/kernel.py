@@ -29,10 +29,11 @@ import pathlib
 import platform
 import shutil
 import subprocess
-import tempfile
 from typing import Any, NamedTuple
 
 import torch
+
+from nanochat.fs import publish_file
 
 KERNEL_SOURCE = pathlib.Path(__file__).with_name("optim_kernel.c")
 KERNEL_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-shared", "-fPIC")
@@ -137,13 +138,11 @@ def _build(cc: str) -> ctypes.CDLL:
         so = cache / f"fp8optim-{key}.so"
         try:
             if not so.exists():
-                # Build next to the target and os.replace it there: the rename is atomic only on
-                # one filesystem, and concurrent processes (torchrun ranks) may dlopen it.
-                with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                    out = pathlib.Path(tmp) / so.name
-                    subprocess.run([cc, *flags, "-o", str(out), str(KERNEL_SOURCE), "-lm"], check=True,
-                                   capture_output=True, text=True, timeout=120)
-                    os.replace(out, so)
+                # Built under a temporary name and renamed: concurrent processes (torchrun ranks)
+                # may dlopen it, and must see no half-written library.
+                publish_file(so, lambda out: subprocess.run(
+                    [cc, *flags, "-o", str(out), str(KERNEL_SOURCE), "-lm"], check=True, capture_output=True,
+                    text=True, timeout=120))
             return bind(ctypes.CDLL(str(so)), so)
         except (subprocess.CalledProcessError, OSError):
             if threading is _THREADING[-1]:

@@ -37,7 +37,8 @@ import torchao
 from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_linear import Float8Linear
 
-from nanochat.common import cache_root, logger, write_atomic
+from nanochat.common import cache_root, logger
+from nanochat.fs import write_atomic
 
 CACHE_FORMAT = "nanochat fp8 speed v1"
 """The `format` a cache file must name; anything else at the cache's path is not ours."""

@@ -5,7 +5,7 @@ exactly: models loaded from Llama-family checkpoints and fine-tuned), model.safe
 tokenizer's own files; in fp32, or with `quantize` in FP8 for serving (nanochat.model.hf_fp8).
 A nanochat preset (ReLU^2 MLP, QK-norm, logit softcap) has no Llama counterpart and is refused.
 The directory is written whole, as a temporary sibling that takes its place once complete
-(nanochat.common.publish_directory), after `check_export_dir` has made sure that nothing is lost:
+(nanochat.fs.publish_directory), after `check_export_dir` has made sure that nothing is lost:
 a non-empty directory is replaced only with `overwrite`, and never when it holds what the
 export reads from. A trained run's model comes from nanochat.checkpoint.load_model, once
 `require_exportable` has refused a preset. docs/hf.md has the serving side.
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from nanochat.common import UsageError, logger, publish_directory
+from nanochat.common import UsageError, logger
 from nanochat.config.export import SQNR_FLOOR_DB, Quantize
+from nanochat.fs import publish_directory
 from nanochat.model.gpt import GPT
 from nanochat.model.hf import hf_config_from_gpt, hf_name
 from nanochat.model.hf_fp8 import quantize_checkpoint, require_compressed_tensors

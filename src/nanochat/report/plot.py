@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from nanochat.common import UsageError, write_atomic
+from nanochat.common import UsageError
 from nanochat.config.tools import MAX_ROWS
+from nanochat.fs import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

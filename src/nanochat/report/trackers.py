@@ -36,9 +36,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, get_args
 
-from nanochat.common import NanoChatError, UsageError, logger, write_atomic
+from nanochat.common import NanoChatError, UsageError, logger
 from nanochat.config.train import LogChoice
 from nanochat.fp8.health import fp8_health
+from nanochat.fs import write_atomic
 
 LOG_CHOICES: tuple[str, ...] = get_args(LogChoice)
 TENSORBOARD_DIR = "tensorboard"

@@ -38,7 +38,8 @@ import tiktoken
 import torch
 from tqdm import tqdm
 
-from nanochat.common import UsageError, read_json_object, write_atomic
+from nanochat.common import UsageError, read_json_object
+from nanochat.fs import write_atomic
 from nanochat.rundir import run_contents
 from nanochat.tokenizer.patterns import panics_as_errors, preview, probe
 

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from nanochat.common import UsageError, logger, write_atomic
+from nanochat.common import UsageError, logger
+from nanochat.fs import write_atomic
 from nanochat.tokenizer.bpe import META_FILE, RANKS_FILE, check_tokenizer_dir
 from nanochat.tokenizer.chat_template import ChatTemplate
 from nanochat.tokenizer.patterns import panics_as_errors, probe

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanochat.common import write_atomic
+from nanochat.fs import write_atomic
 from nanochat.report.trackers import Trackers
 
 
