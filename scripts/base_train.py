@@ -22,7 +22,8 @@ def train(cfg: TrainConfig) -> int:
 
     result = NanoChatTrainer(cfg).train()
     # under torchrun every rank returns a result; rank 0 reports it
-    print0("\nsamples:")
+    if result.samples:  # --num_samples 0: no heading over nothing
+        print0("\nsamples:")
     for s in result.samples:
         print0("  " + json.dumps(s)[:400])
     print0(f"\nval bpb {result.val_bpb:.4f} | val loss {result.val_loss:.4f} | train loss "

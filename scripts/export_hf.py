@@ -14,8 +14,9 @@ tokenizer files are the run's, with the chat template the records were rendered 
 writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
 checkpoint, then trained) can be exported; see nanochat/model/export.py for why presets cannot. A non-empty
 --out_dir is refused unless --overwrite, which replaces it whole once the export is complete
-(never the run or the model it reads from). A run still in progress is exported at its newest
-checkpoint, with a warning saying so. Errors are one `error:` line (exit 2: bad flags or input;
+(never the run or the model it reads from). The export names what it read (the checkpoint and
+its step, in its last line and in `nanochat_export.json`); a run still in progress or one that
+did not finish is exported at its newest checkpoint, with a one-line warning saying so. Errors are one `error:` line (exit 2: bad flags or input;
 1: e.g. a corrupt checkpoint); `--debug` adds the traceback.
 """
 
@@ -50,6 +51,29 @@ def run_kept_layers(run_dir: str, meta: dict, model) -> dict[str, str]:
             for n in exportable_linears(model) if n not in converted}
 
 
+def run_provenance(run_dir: str, saved, holder: str | None) -> dict:
+    """Which checkpoint an export of `run_dir` reads, and whether the run had finished there: the
+    export's nanochat_export.json and its printed line. A run still in progress (`holder`: who
+    holds its lock) or one that stopped before its last step gets a one-line warning."""
+    try:
+        result = json.loads((Path(run_dir) / "result.json").read_text())
+    except (OSError, ValueError):
+        result = None
+    finished = isinstance(result, dict) and result.get("steps") == saved.step and holder is None
+    if holder is not None:
+        run = "in progress"
+        logger.warning("WARNING: the run in %s is still in progress (%s): exporting its newest checkpoint, step %d; "
+                       "what it trains after that is not in this export", run_dir, holder, saved.step)
+    elif not finished:
+        run = "unfinished"
+        logger.warning("WARNING: the run in %s did not finish (no result.json for step %d: it was stopped or died); "
+                       "exporting its newest checkpoint, step %d; resume it to train the rest", run_dir, saved.step,
+                       saved.step)
+    else:
+        run = "finished"
+    return {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(saved.path), "step": saved.step, "run": run}
+
+
 def export(cfg: ExportConfig) -> int:
     from nanochat import rundir  # after parsing: --help stays fast
     from nanochat.checkpoint import load_model, read_run
@@ -64,16 +88,13 @@ def export(cfg: ExportConfig) -> int:
     if cfg.run_dir is not None:
         check_export_dir(cfg.out_dir, overwrite=cfg.overwrite, sources=[cfg.run_dir])  # before loading anything
         saved = read_run(cfg.run_dir)  # the newest checkpoint, its weights memory-mapped
-        training = rundir.holder(cfg.run_dir)
-        if training is not None:
-            logger.warning("WARNING: the run in %s is still in progress (%s): exporting its newest checkpoint, "
-                           "step %d; what it trains after that is not in this export", cfg.run_dir, training,
-                           saved.step)
+        provenance = run_provenance(cfg.run_dir, saved, rundir.holder(cfg.run_dir))
         # export_hf protects the model the run fine-tuned too
         sources = [cfg.run_dir, require_exportable(saved.meta["config"]["model_name"]).path]
         model, tokenizer = load_model(saved)
         keep = run_kept_layers(cfg.run_dir, saved.meta, model)
     else:
+        provenance = {"model_name": cfg.model_name}
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
             raise UsageError(f"--model_name {cfg.model_name!r} is a nanochat preset; only Hugging Face "
@@ -83,10 +104,12 @@ def export(cfg: ExportConfig) -> int:
         model, tokenizer = load_model(resolved)
     start = time.perf_counter()
     out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources, quantize=cfg.quantize,
-                    keep=keep, quantize_all=cfg.quantize_all, sqnr_floor_db=cfg.sqnr_floor_db)
+                    keep=keep, quantize_all=cfg.quantize_all, sqnr_floor_db=cfg.sqnr_floor_db, provenance=provenance)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     weights = cfg.quantize if cfg.quantize != "none" else "fp32"
-    print0(f"exported {model.num_params() / 1e6:.1f}M parameters to {out} ({weights} weights, "
+    what = (f"{provenance['checkpoint']} (step {provenance['step']}, {provenance['run']})" if cfg.run_dir is not None
+            else cfg.model_name)
+    print0(f"exported {what}: {model.num_params() / 1e6:.1f}M parameters to {out} ({weights} weights, "
            f"{format_bytes(size)} of safetensors, {time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -4,8 +4,9 @@ Thin entrypoint: parse flags into TokenizeConfig (tyro), build the store base_tr
 same corpus and tokenizer (under $NANOCHAT_CACHE, default .cache/stores/), or find it built and
 current, and print where it is and what it holds. Run it on a CPU node, or before torchrun, so
 that training starts on a built store; a killed build continues where it stopped. `--verify`
-re-reads every file of the store against the sha256 written at build time (exit 1 on a
-difference). The name is not tokenize.py: a script's directory comes first on sys.path, and a
+re-reads every file of the token store (token arrays, masks, document index) against the sha256
+its manifest recorded at build time (exit 1 on a difference); the corpus's own files are checked
+as every start checks them, by size and modification time, not by their bytes. The name is not tokenize.py: a script's directory comes first on sys.path, and a
 tokenize.py there would stand in for the standard library's module in every script. Errors are
 one `error:` line (exit 2: bad flags or input; 1: a failed verification, a full disk);
 `--debug` adds the traceback.
@@ -55,7 +56,9 @@ def tokenize(cfg: TokenizeConfig) -> int:
         if problems:
             raise NanoChatError(f"token store {store.path} does not verify: {'; '.join(problems)}; delete it and "
                                 "run this script again (without --verify) to rebuild it")
-        print(f"verified: {len(store.manifest['files'])} files match the sha256 recorded at build time")
+        print(f"verified: the token store's {len(store.manifest['files'])} files match the sha256 recorded at build "
+              f"time; the corpus's {len(prepared.sources.files)} files match its listing by size and modification "
+              "time (their bytes are not hashed)")
     return 0
 
 

@@ -124,7 +124,11 @@ CASES = [
      ["{mismatched}/tokenizer is not the tokenizer its checkpoint was trained with", "restore the run's own"]),
     ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{run}"], 2,
      ["'d2' is a nanochat preset", "cannot be exported for transformers", "checkpoint-<step>.pt"]),
+    ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{run}", "--quantize", "fp8"], 2,  # imports torchao
+     ["'d2' is a nanochat preset", "cannot be exported for transformers"]),
     ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
+    ("base_train", ["--dataset_path", "/dev/null", "--device", "cpu", "--run_dir", "{root}/devnull"], 2,
+     ["--dataset_path /dev/null is not a regular file (a FIFO, socket or device"]),
 ]
 
 
@@ -205,3 +209,45 @@ def test_os_errors_with_a_message_of_their_own_keep_it(error, code):
     got_code, message = describe_error(error)
     want = str(error) if error.strerror is None else "data.txt: No such file or directory; check the path"
     assert got_code == code and message.startswith(want), message
+
+
+def test_torchao_import_noise_is_muted_on_a_cpu_build_and_kept_on_a_cuda_one(monkeypatch):
+    """What torchao logs when its prebuilt CUDA kernels do not load is dropped by a torch without
+    CUDA (every entrypoint: setup_logging) and kept by one with CUDA, where it may explain a
+    fallback; torch's Enum deprecation is dropped on both. Other lines of those loggers pass."""
+    import logging
+
+    from nanochat.common import mute_import_noise
+
+    mute_import_noise()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if not any(r is record for r in seen):  # a child logger's record reaches its parent's handler too
+                seen.append(record)
+
+    handler = Keep()
+    lines = {"torchao": "Failed to load /x/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: no",
+             "torch.utils._pytree": "<enum 'K'> is an Enum subclass and is now natively supported by torch.compile",
+             "torchao.kernel.intmm": "Warning: Detected no triton, on systems without Triton certain kernels"}
+    for name in lines:
+        logging.getLogger(name).addHandler(handler)
+    try:
+        for cuda in (None, "12.8"):
+            monkeypatch.setattr(torch.version, "cuda", cuda)
+            for name, line in lines.items():
+                logging.getLogger(name).warning(line)
+            logging.getLogger("torchao").warning("something else torchao says")
+        assert [r.getMessage() for r in seen] == ["something else torchao says", lines["torchao"],
+                                                  lines["torchao.kernel.intmm"], "something else torchao says"]
+    finally:
+        for name in lines:
+            logging.getLogger(name).removeHandler(handler)
+
+
+def test_a_real_torchao_import_failure_still_shows(tmp_path):
+    code = "import sys; sys.modules['torchao.float8'] = None; import nanochat.fp8.tensor"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 1 and "ModuleNotFoundError" in r.stderr and "torchao.float8" in r.stderr, r.stderr[-2000:]

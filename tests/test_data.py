@@ -5,7 +5,8 @@ the in-memory path, scripts/bench_data.py's; nanochat.data.batches).
 
 - corpora: the documents read back equal the files written (jsonl lines, parquet rows); order is
   sorted relative paths; hidden entries are ignored; binary / empty / other-extension files are
-  counted in `skipped` and a warning names the unreadable ones once per load;
+  counted in `skipped` and a warning names the unreadable ones once per load; links to folders
+  are followed, a folder reached twice (a second link, a loop) read once and counted;
 - split: val membership equals sha1(id) < VAL_FRACTION recomputed here; identical across loads;
   never empty (smallest-hash doc, or the last 2% of characters of a single document);
 - split files (the hub's ARC layout, parquet and jsonl): train files are exactly the training
@@ -33,7 +34,7 @@ import pytest
 import torch
 
 from nanochat.data.batches import TokenBatches, val_batches
-from nanochat.data.sources import DataError
+from nanochat.data.sources import REACHED_TWICE, DataError, list_sources
 from nanochat.data.split import VAL_FRACTION, val_hash
 from nanochat.tokenizer import BPETokenizer
 from tests import reference_data
@@ -91,6 +92,27 @@ def test_directory_corpus_reads_sorted_and_counts_skips(tmp_path, warnings):
     assert c.skipped == {"binary (NUL bytes or not UTF-8)": 2, "empty": 1, "other extension (.csv)": 1}
     assert len(warnings) == 1 and "2 binary" in warnings[0] and "empty" not in warnings[0]
     assert "skipped 2 binary" in c.describe()
+
+
+def test_linked_folders_are_read_once_and_their_changes_seen(tmp_path):
+    """A corpus assembled from folders kept elsewhere: a link to a folder is followed (its files
+    listed under the link's path, with the target's size and mtime, so an edit there is a
+    change), a second link to the same folder and a link back to the corpus (a loop) are each
+    read zero more times, counted once, and the walk ends."""
+    shards, corpus = tmp_path / "shards", tmp_path / "corpus"
+    shards.mkdir()
+    corpus.mkdir()
+    (shards / "a.txt").write_text("alpha " * 50)
+    (corpus / "own.txt").write_text("beta " * 50)
+    (corpus / "linked").symlink_to(shards, target_is_directory=True)
+    (corpus / "second").symlink_to(shards, target_is_directory=True)
+    (corpus / "loop").symlink_to(corpus, target_is_directory=True)
+    src = list_sources(corpus)
+    assert [f.path for f in src.files] == ["linked/a.txt", "own.txt"]
+    assert src.skipped == {REACHED_TWICE: 2}
+    before = src.listing()
+    (shards / "a.txt").write_text("alpha " * 60)
+    assert list_sources(corpus).changes(before) == ["linked/a.txt changed (size 300 -> 360 bytes)"]
 
 
 def test_split_follows_sha1_and_is_stable_when_files_are_added(tmp_path):

@@ -412,6 +412,15 @@ def test_malformed_hf_tokenizer_names_the_file(small_corpus, tmp_path, capsys):
     assert code == 2 and len(errors) == 1 and "hf/tokenizer.json is not a tokenizer" in errors[0], errors
 
 
+def test_the_summary_has_a_samples_heading_only_over_samples(small_corpus, tmp_path, capsys):
+    main = _script("base_train").main
+    for n, heading in ((0, False), (1, True)):
+        capsys.readouterr()
+        assert main([*_argv(_kw(small_corpus, tmp_path / f"r{n}", num_iterations=2, num_samples=n))]) == 0
+        out = capsys.readouterr().out
+        assert ("\nsamples:\n" in out) is heading and out.count('  "') == n, out
+
+
 def test_debug_shows_the_traceback(small_corpus, tmp_path, capsys):
     capsys.readouterr()
     code = _script("base_train").main([*_argv(_kw(small_corpus, tmp_path / "r")), "--device", "tpu9", "--debug"])

@@ -477,10 +477,12 @@ def test_unsupported_options_are_named(change, match):
 # ----------------------------------------------------------------------------- export script
 
 
-def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
+def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch, capsys):
     """A run's checkpoint (compiled-model key prefixes included) -> scripts/export_hf.py ->
     transformers reproduces the checkpoint's weights (logits within TOL of our model). The run is
-    still in progress (its lock held): the export warns that it took the newest checkpoint."""
+    still in progress (its lock held): the export warns that it took the newest checkpoint. Its
+    nanochat_export.json and its last line name the checkpoint and step; released without a
+    result.json the run did not finish (one warning), with one for that step it did (none)."""
     import logging
     import runpy
 
@@ -517,6 +519,26 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch):
         torch.testing.assert_close(reloaded(_ids()).logits, model(_ids()), **TOL)
     with pytest.raises(ValueError, match="'d4' is a nanochat preset"):
         require_exportable("d4")
+    said = json.loads((tmp_path / "out" / "nanochat_export.json").read_text())
+    assert said == {"run_dir": str(run_dir.resolve()), "checkpoint": str(run_dir / "checkpoint-000001.pt"),
+                    "step": 1, "run": "in progress"}
+    # no longer held, and no result.json: it did not finish; with one for its step, it did
+    for result, run, warned in ((None, "unfinished", "did not finish"), ({"steps": 1}, "finished", None)):
+        if result is not None:
+            (run_dir / "result.json").write_text(json.dumps(result))
+        monkeypatch.setattr("sys.argv", ["export_hf.py", "--run_dir", str(run_dir), "--out_dir", str(tmp_path / run)])
+        warnings.clear()
+        logger.addHandler(handler)
+        try:
+            with pytest.raises(SystemExit):
+                runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+        finally:
+            logger.removeHandler(handler)
+        assert json.loads((tmp_path / run / "nanochat_export.json").read_text())["run"] == run
+        assert f"exported {run_dir / 'checkpoint-000001.pt'} (step 1, {run}): " in capsys.readouterr().out
+        assert [w for w in warnings if "WARNING" in w] == ([] if warned is None else [
+            w for w in warnings if warned in w and "exporting its newest checkpoint, step 1" in w])
+        assert len(warnings) == (0 if warned is None else 1), warnings
 
 
 def _contents(d: Path) -> dict[str, bytes]:

@@ -55,7 +55,7 @@ import nanochat.data.sources as sources
 from nanochat.common import UsageError, describe_error
 from nanochat.data.batches import TokenBatches
 from nanochat.data.plan import plan_sources
-from nanochat.data.prepare import prepare_data
+from nanochat.data.prepare import CHANGES_FILE, RESUME_NAMED, prepare_data
 from nanochat.data.sources import DataError, list_sources
 from nanochat.data.split import VAL_FRACTION, split_texts
 from nanochat.tokenizer import BPETokenizer, take_chars
@@ -348,6 +348,35 @@ def test_two_concurrent_builders_make_one_store_used_by_both(mixed, tok_dir, tmp
 
 
 # ------------------------------------------------------------------ sources changed
+def test_a_resume_refusal_names_every_change_up_to_its_bound_then_where_all_are(tmp_path, tok):
+    """3 changed files: all 3 named in the one line. 25: the first RESUME_NAMED (20) named, a
+    count of the other 5, and the file holding all 25 (one per line), which is all they are."""
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for i in range(30):
+        (root / f"d{i:02d}.txt").write_text(_text(i))
+    cache = tmp_path / "cache"
+    recorded = prepare_data(root, tokenizer=tok, cache_root=cache).sources.listing()
+    for i in range(3):
+        with open(root / f"d{i:02d}.txt", "a") as f:
+            f.write("appended\n")
+    with pytest.raises(UsageError) as e:
+        prepare_data(root, tokenizer=tok, cache_root=cache, resume=True, recorded=recorded)
+    assert all(f"d{i:02d}.txt changed (size" in str(e.value) for i in range(3)) and "more" not in str(e.value)
+    for i in range(3, 25):
+        with open(root / f"d{i:02d}.txt", "a") as f:
+            f.write("appended\n")
+    full = tmp_path / "run" / CHANGES_FILE
+    full.parent.mkdir()
+    with pytest.raises(UsageError) as e:
+        prepare_data(root, tokenizer=tok, cache_root=cache, resume=True, recorded=recorded, changes_file=full)
+    message = str(e.value)
+    assert [f"d{i:02d}.txt changed" in message for i in range(25)] == [True] * RESUME_NAMED + [False] * 5
+    assert f"; and 5 more (all 25 in {full})" in message
+    assert full.read_text().splitlines() == list_sources(root).changes(recorded)
+    assert len(full.read_text().splitlines()) == 25
+
+
 def test_changed_sources_rebuild_a_new_run_and_stop_a_resume(tmp_path, tok, caplog):
     root = tmp_path / "corpus"
     root.mkdir()
@@ -399,7 +428,7 @@ def test_resume_through_the_trainer_is_refused_naming_the_changed_file(small_cor
 
 
 def test_truncated_or_missing_store_file_is_refused_and_verify_finds_a_changed_byte(tmp_path, tok, tok_dir,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, capsys):
     root = tmp_path / "corpus"
     root.mkdir()
     for i in range(60):
@@ -420,7 +449,11 @@ def test_truncated_or_missing_store_file_is_refused_and_verify_finds_a_changed_b
     monkeypatch.setenv("NANOCHAT_CACHE", str(cache))
     assert main([*argv, "--verify"]) == 1
     path.write_bytes(data)
+    capsys.readouterr()
     assert main([*argv, "--verify"]) == 0
+    said = capsys.readouterr().out  # what it checked, and how: the store by sha256, the corpus by stat
+    assert f"the token store's {len(store.manifest['files'])} files match the sha256" in said
+    assert "the corpus's 60 files match its listing by size and modification time (their bytes are not hashed)" in said
 
 
 def _script_main(name: str):

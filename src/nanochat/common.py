@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -102,8 +103,40 @@ def print_last_line(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+class _ImportNoise(logging.Filter):
+    """Drops what torchao and torch log on importing torchao that is not news to our users: on a
+    torch build without CUDA, that torchao's prebuilt CUDA kernels (`_C_mxfp8`, `_C_cutlass_90a`:
+    `Failed to load .../torchao/_C...so`) and Triton are absent; on any build, torch's pytree
+    deprecation of the Enums torchao registers. On a CUDA build a kernel that fails to load is
+    shown (it may be why a recipe falls back); a failed import of torchao itself raises."""
+
+    ALWAYS = (re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),)
+    WITHOUT_CUDA = (re.compile(r"Failed to load \S*torchao\S*[/\\]_C\w*[.\w-]*\.so"),
+                    re.compile(r"Detected no triton"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        torch = sys.modules.get("torch")  # imported by now: torchao imports it first
+        cuda_build = torch is not None and getattr(torch.version, "cuda", None) is not None
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.ALWAYS + (() if cuda_build else self.WITHOUT_CUDA))
+
+
+NOISY_LOGGERS = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")
+
+
+def mute_import_noise() -> None:
+    """Install `_ImportNoise` on the loggers that carry it, once a process: every entrypoint
+    (setup_logging) and nanochat.fp8 (its first torchao import) call it."""
+    for name in NOISY_LOGGERS:
+        target = logging.getLogger(name)
+        if not any(isinstance(f, _ImportNoise) for f in target.filters):
+            target.addFilter(_ImportNoise())
+
+
 def setup_logging(level: int = logging.INFO) -> None:
-    """Plain `message` lines on stderr, only on rank 0 (other ranks log warnings and errors)."""
+    """Plain `message` lines on stderr, only on rank 0 (other ranks log warnings and errors);
+    torchao's import noise muted (mute_import_noise)."""
+    mute_import_noise()
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)

@@ -75,8 +75,9 @@ class TokenizeConfig(DataFields):
     """Processes that tokenize in parallel; 0: one per CPU core this process may use."""
 
     verify: bool = False
-    """Check the existing store instead of building: re-read every file and compare it with the
-    sha256 recorded at build time (exit 1 on a difference)."""
+    """Check the existing store instead of building: re-read every file of the token store and
+    compare it with the sha256 its manifest recorded at build time (exit 1 on a difference). The
+    corpus's own files are checked by size and modification time, as every start does."""
 
     debug: bool = False
     """Show the full traceback of an error instead of the one-line message."""

@@ -34,15 +34,19 @@ from nanochat.common import UsageError, logger, warn_once
 from nanochat.data import instruct
 from nanochat.data.build import build_store, load_plan, locked, report
 from nanochat.data.plan import Plan
-from nanochat.data.sources import DataError, Sources, list_sources
+from nanochat.data.sources import DataError, Sources, list_sources, named_changes
 from nanochat.data.split import split_texts
-from nanochat.data.store import TokenStore, dataset_dir, open_store, store_dir
+from nanochat.data.store import TokenStore, dataset_dir, open_store, store_changes, store_dir
 from nanochat.fs import temp_path, write_atomic
 from nanochat.tokenizer import META_FILE, BPETokenizer, Tokenizer
 
 DEFAULT_MAX_CHARS = 20_000_000
 """Characters a tokenizer is trained on when trained on the fly (TokTrainConfig's default)."""
 SOURCES_FILE = "sources.json"
+CHANGES_FILE = "corpus_changes.txt"
+"""In a run directory: every change a --resume refused, when there were more than RESUME_NAMED."""
+RESUME_NAMED = 20
+"""Changes a --resume refusal names in its one line (then a count and CHANGES_FILE)."""
 """In a run directory: the listing of the corpus the run started on (what --resume checks)."""
 
 
@@ -61,17 +65,19 @@ class PreparedData:
 def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Tokenizer | None = None, vocab_size: int = 4096,
                  chat_template: str | None = None, cache_root: str | os.PathLike, resume: bool = False,
                  recorded: dict[str, Any] | None = None, workers: int = 0, progress: bool = True,
-                 piece_bytes: int | None = None, max_chars: int = DEFAULT_MAX_CHARS, build: bool = True) -> PreparedData:
+                 piece_bytes: int | None = None, max_chars: int = DEFAULT_MAX_CHARS, build: bool = True,
+                 changes_file: Path | None = None) -> PreparedData:
     """The token store of the corpus at `dataset_path` (None: the standard library) for
     `tokenizer` (None: one trained on the corpus, `vocab_size`, cached), built if missing or if
     its sources changed (and said why). With `resume`, sources that changed since `recorded`
     (the listing the run started on) or since the store was built are refused, naming the file:
-    resuming on other data must never be silent. `chat_template`: --chat_template (records).
-    `build=False`: only find them (a DataError says what is missing)."""
+    resuming on other data must never be silent: the refusal names RESUME_NAMED changes and
+    writes all of them to `changes_file` when there are more. `chat_template`: --chat_template
+    (records). `build=False`: only find them (a DataError says what is missing)."""
     cache_root = Path(cache_root)
     sources = list_sources(dataset_path, exclude=[cache_root])
     if resume and recorded is not None:
-        _refuse_changed(sources.changes(recorded), "since this run started")
+        _refuse_changed(sources.changes(recorded), "since this run started", changes_file)
     directory = dataset_dir(cache_root, sources)
     fallbacks = []
     with locked(directory, f"the token store of {sources.name}"):
@@ -95,7 +101,7 @@ def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Tokenizer
         store, why = open_store(path, sources)
         if store is None:
             if resume and recorded is None and why.startswith("its sources changed"):
-                _refuse_changed([why.split(": ", 1)[1]], "since its token store was built")
+                _refuse_changed(store_changes(path, sources), "since its token store was built", changes_file)
             if not build:
                 raise DataError(f"no token store of {sources.source} for tokenizer {tokenizer.fingerprint} at "
                                 f"{path} ({why}); build it with scripts/tokenize_corpus.py without --verify")
@@ -104,10 +110,13 @@ def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Tokenizer
     return PreparedData(sources, store, tokenizer, fallbacks)
 
 
-def _refuse_changed(changes: list[str], when: str) -> None:
+def _refuse_changed(changes: list[str], when: str, changes_file: Path | None) -> None:
     if changes:
-        more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
-        raise UsageError(f"--resume: the corpus changed {when}: {changes[0]}{more}; a resumed run must read the "
+        named = named_changes(changes, RESUME_NAMED)
+        if len(changes) > RESUME_NAMED and changes_file is not None:
+            write_atomic(changes_file, "\n".join(changes) + "\n")
+            named += f" (all {len(changes)} in {changes_file})"
+        raise UsageError(f"--resume: the corpus changed {when}: {named}; a resumed run must read the "
                          "data it started on. Restore it, or train on the new data in a new run (a new --run_dir; "
                          "--init_from <this run_dir> starts from its weights)")
 

@@ -3,8 +3,9 @@
 `list_sources(path)` finds every regular file under the path with a supported extension and
 records its relative path, size and modification time: one stat per file, which is all a start-up
 reads of a corpus whose token store (nanochat.data.store) exists. Files are sorted by relative
-path, so the corpus is the same on every machine. Anything else is counted in `skipped`: other
-extensions, hidden entries, and special files (a FIFO would block the first read forever).
+path, so the corpus is the same on every machine; links to files and folders are followed, a
+folder reached twice read once. Anything else is counted in `skipped`: other extensions, hidden
+entries, and special files (a FIFO would block the first read forever).
 Without a path the corpus is this Python's standard library, its test suites left out.
 
 A directory laid out in split files, as the hub's datasets are (`train-*`, `validation-*`,
@@ -45,6 +46,7 @@ EMPTY = "empty"
 SPECIAL = "not a regular file (FIFO, socket, device or broken link)"
 TEST_SPLIT = "test split (never trained on)"
 NOT_SPLIT = "not a split file (train*, validation*, test*)"
+REACHED_TWICE = "folder reached twice through links (read once)"
 
 Role = Literal["train", "validation", ""]
 """A file's split: a train or validation split file, or "" (each document split by its id's hash)."""
@@ -117,6 +119,12 @@ class Sources:
         return out
 
 
+def named_changes(changes: list[str], limit: int) -> str:
+    """`changes` joined for a message: the first `limit` named, then a count of the rest."""
+    more = f"; and {len(changes) - limit} more" if len(changes) > limit else ""
+    return "; ".join(changes[:limit]) + more
+
+
 def _time(ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
 
@@ -144,13 +152,13 @@ def list_sources(dataset_path: str | os.PathLike | None = None, *,
                         "built-in Python standard-library corpus")
     if not path.is_dir():
         st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # first: renaming a device to .txt would not help
+            raise DataError(f"--dataset_path {path} is not a regular file (a FIFO, socket or device, which "
+                            "cannot be read as a corpus); pass a file or a directory of files")
         if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
             raise DataError(f"--dataset_path {path}: extension {path.suffix or '(none)'!r} is not "
                             f"supported; supported: {', '.join(SUPPORTED_EXTENSIONS)} (rename a "
                             "plain-text file to .txt)")
-        if not stat.S_ISREG(st.st_mode):
-            raise DataError(f"--dataset_path {path} is not a regular file (a FIFO, socket or device, which "
-                            "cannot be read as a corpus); pass a file or a directory of files")
         return Sources(name, source, str(path.parent.resolve()), (_source_file(path.parent, path, st, ""),), {},
                        target=os.path.realpath(path))
     found = _walk(path, skipped, (), excluded)
@@ -175,16 +183,28 @@ def _source_file(root: Path, p: Path, st: os.stat_result, role: Role) -> SourceF
 
 def _walk(root: Path, skipped: Counter, excluded_names: Iterable[str],
           excluded_paths: set[str]) -> list[tuple[Path, os.stat_result]]:
-    """Every regular file under `root` with its stat, sorted by relative path. Hidden entries
-    (.git, .DS_Store: never training text) and __pycache__ are skipped silently, as are
-    directories named in `excluded_names` or whose real path is in `excluded_paths`; special
-    files (FIFOs, sockets, devices, broken links) are counted in `skipped`: opening a FIFO to
-    read it would wait for a writer forever."""
+    """Every regular file under `root` with its stat, sorted by relative path. Links are
+    followed, to files and to folders (a corpus assembled from shards kept elsewhere); a folder
+    reached a second time, through a loop or a second link, is read once (at its first path in
+    sorted order) and counted in `skipped`. Hidden entries (.git, .DS_Store: never training text)
+    and __pycache__ are skipped silently, as are directories named in `excluded_names` or whose
+    real path is in `excluded_paths`; special files (FIFOs, sockets, devices, broken links) are
+    counted in `skipped`: opening a FIFO to read it would wait for a writer forever."""
     names = set(excluded_names) | {"__pycache__"}
+    seen = {os.path.realpath(root)}
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in names
-                       and os.path.realpath(os.path.join(dirpath, d)) not in excluded_paths]
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        kept = []
+        for d in sorted(dirnames):  # sorted: which path of a folder reached twice is read is fixed
+            real = os.path.realpath(os.path.join(dirpath, d))
+            if d.startswith(".") or d in names or real in excluded_paths:
+                continue
+            if real in seen:
+                skipped[REACHED_TWICE] += 1
+                continue
+            seen.add(real)
+            kept.append(d)
+        dirnames[:] = kept
         for f in filenames:
             if f.startswith("."):
                 continue

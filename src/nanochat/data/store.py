@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from nanochat.common import format_bytes, warn_once
-from nanochat.data.sources import DataError, Sources, unreadable
+from nanochat.data.sources import DataError, Sources, named_changes, unreadable
 from nanochat.data.split import describe
 from nanochat.data.streams import TokenStream
 from nanochat.fs import manifest_problems, read_manifest
@@ -100,6 +100,10 @@ def dataset_dir(cache_root: str | os.PathLike, sources: Sources) -> Path:
     return Path(cache_root) / "stores" / f"{safe}-{key}"
 
 
+REBUILD_NAMED = 3
+"""Changed sources a rebuild's log line names (then a count): the reason, not an inventory."""
+
+
 def open_store(path: Path, sources: Sources) -> tuple[TokenStore | None, str]:
     """The store at `path` if it is complete and was built from `sources` as they are now:
     (store, ""), else (None, why not). A store file of the wrong size is a DataError: it was
@@ -115,9 +119,13 @@ def open_store(path: Path, sources: Sources) -> tuple[TokenStore | None, str]:
         return None, f"its {MANIFEST} does not read ({e})"
     changes = sources.changes(m["sources"])
     if changes:
-        return None, "its sources changed: " + "; ".join(changes[:3]) + (
-            f"; and {len(changes) - 3} more" if len(changes) > 3 else "")
+        return None, "its sources changed: " + named_changes(changes, REBUILD_NAMED)
     return map_store(path, m), ""
+
+
+def store_changes(path: Path, sources: Sources) -> list[str]:
+    """Every change of `sources` since the store at `path` was built (its manifest's listing)."""
+    return sources.changes(json.loads((path / MANIFEST).read_text(encoding="utf-8"))["sources"])
 
 
 def map_store(path: Path, m: dict[str, Any]) -> TokenStore:

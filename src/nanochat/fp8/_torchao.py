@@ -1,27 +1,14 @@
-"""torchao as nanochat uses it: imported with its import-time log lines muted (first, by every
-file that uses torchao), and the setup of its float8 training entry point.
-
-torchao 0.18 logs, on every import, that its prebuilt CUDA extensions for MX formats and Hopper
-CUTLASS kernels (`_C_mxfp8`, `_C_cutlass_90a`) do not load for this torch build and that Triton
-is absent on CPU, and torch's pytree logs a deprecation for two torchao Enums. None of those
-extensions is used by `torchao.float8` or by us, so the lines are noise for our users; real
-problems (torchao failing to import at all) still raise.
+"""torchao as nanochat uses it: imported with its import-time noise muted (first, by every file
+that uses torchao; nanochat.common.mute_import_noise says what is muted and why), and the setup of
+its float8 training entry point.
 """
-
-import logging
 
 import torch.nn as nn
 
-_names = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")
-_loggers = [logging.getLogger(n) for n in _names]
-_levels = [lg.level for lg in _loggers]
-for _lg in _loggers:
-    _lg.setLevel(logging.ERROR)
-try:
-    from torchao.float8 import convert_to_float8_training
-finally:
-    for _lg, _level in zip(_loggers, _levels):
-        _lg.setLevel(_level)
+from nanochat.common import mute_import_noise
+
+mute_import_noise()
+from torchao.float8 import convert_to_float8_training  # noqa: E402  (after the filter is in place)
 
 
 def prepare_float8_training() -> None:

@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -29,6 +30,9 @@ from nanochat.model.hf import hf_config_from_gpt, hf_name
 from nanochat.model.hf_fp8 import quantize_checkpoint, require_compressed_tensors
 from nanochat.model.hub import ResolvedModel, resolve_model
 from nanochat.tokenizer.hf import HFTokenizer
+
+PROVENANCE_NAME = "nanochat_export.json"
+"""In an export: what its weights were read from (a run's checkpoint, its step, whether the run had finished)."""
 
 
 def _unwrap(model: torch.nn.Module) -> GPT:
@@ -88,7 +92,7 @@ def exportable_linears(model: torch.nn.Module) -> list[str]:
 def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: str | os.PathLike, *,
               overwrite: bool = False, sources: Iterable[str | os.PathLike | None] = (),
               quantize: Quantize = "none", keep: Mapping[str, str] | None = None, quantize_all: bool = False,
-              sqnr_floor_db: float = SQNR_FLOOR_DB) -> Path:
+              sqnr_floor_db: float = SQNR_FLOOR_DB, provenance: Mapping[str, Any] | None = None) -> Path:
     """Write `model` (and its tokenizer) as a Hugging Face model directory that
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads: config.json,
     model.safetensors, tokenizer files. Errors for architectures that do not map.
@@ -97,7 +101,9 @@ def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: st
     Linear in e4m3 with fp32 scales for vLLM, SGLang and transformers, and the rest in bf16
     (nanochat.model.hf_fp8): `keep` (our layer name -> why) names Linears to leave in bf16, e.g. those the
     run trained in high precision; layers under `sqnr_floor_db` stay bf16 too, unless
-    `quantize_all`. The per-layer report is logged and saved as fp8_report.json.
+    `quantize_all`. The per-layer report is logged and saved as fp8_report.json. `provenance`
+    (what the weights were read from: a run's checkpoint and step) is saved as
+    nanochat_export.json.
 
     `out_dir` must be new or empty, or `overwrite` (see `check_export_dir`, which also protects
     `sources`): the export is written to a temporary sibling directory, and replaces `out_dir`
@@ -131,6 +137,8 @@ def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: st
     def fill(tmp: Path) -> None:
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if provenance is not None:
+            (tmp / PROVENANCE_NAME).write_text(json.dumps(dict(provenance), indent=2) + "\n")
         if fp8 is not None:
             fp8.write(tmp)
         if tokenizer is not None:

@@ -34,7 +34,7 @@ from nanochat.common import DistEnv, UsageError, cache_root, logger
 from nanochat.config import TrainConfig
 from nanochat.data import instruct
 from nanochat.data.batches import TokenBatches, split_stream, val_batches
-from nanochat.data.prepare import prepare_data, recorded_sources
+from nanochat.data.prepare import CHANGES_FILE, prepare_data, recorded_sources
 from nanochat.data.sources import Sources
 from nanochat.data.store import TokenStore
 from nanochat.data.streams import TokenStream
@@ -65,13 +65,13 @@ class EvalData:
     def load(cls, dataset_path: str | None, *, tokenizer: Tokenizer | None, seq_len: int, eval_tokens: int,
              device: torch.device, fallback: Callable[[str], None], vocab_size: int = 4096,
              chat_template: str | None = None, resume: bool = False, recorded: dict[str, Any] | None = None,
-             rank: int = 0, world_size: int = 1) -> EvalData:
+             changes_file: Path | None = None, rank: int = 0, world_size: int = 1) -> EvalData:
         """The corpus at `dataset_path` for `tokenizer` (None: one trained on it, `vocab_size`),
         read from its token store in the cache (nanochat.common.cache_root; built if missing),
-        down to what evaluation scores. `resume`, `recorded`: prepare_data's."""
+        down to what evaluation scores. `resume`, `recorded`, `changes_file`: prepare_data's."""
         # tokenizer -> token store
         prepared = prepare_data(dataset_path, tokenizer=tokenizer, vocab_size=vocab_size, chat_template=chat_template,
-                                cache_root=cache_root(), resume=resume, recorded=recorded)
+                                cache_root=cache_root(), resume=resume, recorded=recorded, changes_file=changes_file)
         store, tokenizer = prepared.store, prepared.tokenizer
         for message in prepared.fallbacks:
             fallback(message)
@@ -107,7 +107,7 @@ class RunData(EvalData):
                              seq_len=cfg.seq_len, eval_tokens=cfg.eval_tokens, device=device, fallback=fallback,
                              vocab_size=cfg.vocab_size, chat_template=cfg.chat_template, resume=cfg.resume,
                              recorded=recorded_sources(cfg.run_dir) if cfg.resume else None,
-                             rank=dist.rank, world_size=dist.world_size)
+                             changes_file=Path(cfg.run_dir) / CHANGES_FILE, rank=dist.rank, world_size=dist.world_size)
         # -> batches
         train = split_stream(data.store, "train", cfg.seq_len, data.tokenizer.bos_id, fallback)
         loader = TokenBatches(train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
