@@ -66,7 +66,7 @@ class BenchFP8LinearConfig:
     repeats: int = 3
     """Interleaved measurements per variant; the median is reported."""
     threads: int = 2
-    """torch intra-op threads (the CPU figures in BENCHMARKS.md: a 2-core machine)."""
+    """torch intra-op threads (the CPU figures in BENCHMARKS.md §2: a 2-core machine)."""
     device: str = "cpu"
     """cpu, cuda (cuda:N) or auto (FP8 runs natively on sm_89+, emulated elsewhere)."""
     out: str | None = None

@@ -8,7 +8,7 @@
 `load_corpus` and `tokenize_docs` are scripts/bench_data.py's, the baseline that benchmark
 measures the store against; the records' tokenization and packing, which only tests need, are
 here. A run never reads its data this way: holding a corpus as Python strings and its tokens as
-one tensor per process is what the memory-mapped store replaced (BENCHMARKS.md section 8). The
+one tensor per process is what the memory-mapped store avoids (BENCHMARKS.md §9). The
 split, the document ids and the record rendering are the store's own (nanochat.data.split,
 nanochat.data.read, nanochat.data.instruct).
 """

@@ -18,8 +18,8 @@ share this; each keeps its manifest's other fields.
 waited for. The kernel drops it when its process ends, kill -9 included, so no lock is ever
 stale (the file stays; deleting lock files races). Its holder signs the file (pid, host, start)
 so that a process refused or kept waiting can name it. flock works on local file systems and,
-on Linux, NFS; elsewhere `LockUnsupported` says so and the caller decides. Not used: the
-`filelock` package, which polls for the lock and cannot name its holder.
+on Linux, NFS; elsewhere `LockUnsupported` says so and the caller decides (why not the
+`filelock` package: docs/design.md).
 """
 
 from __future__ import annotations

@@ -5,21 +5,17 @@
     trainer.train()                      # or train(resume_from_checkpoint=True)
     print(trainer.fp8.summary_text(trainer.fp8.summary(), "end of training"))
 
-It is the Trainer, with one FP8Training (nanochat.fp8) and one StepGuard (nanochat.train.guard) called
-at the Trainer's own points: `__init__` casts bf16 master weights and converts the model before
-the Trainer wraps or compiles it; `create_optimizer` wraps the optimizer the Trainer built in
-FP8Optim (or nanochat.optim's OptimWrapper for bf16 master weights alone: the same param_groups,
-so the scheduler built on it drives both); `training_step` opens
-the FP8 step at an optimizer step's first micro-batch and closes it after the last backward
-(where the guard checks the step), running calibration and statistics
-steps eagerly (`torch.compiler.set_stance("force_eager")`: whatever accelerate compiled, whole
-model or regions); a callback's `on_optimizer_step` ends the step; `log()` carries FP8 health to
-every `report_to` tracker; checkpoints hold `fp8_state.json`, restored before the optimizer state
-and before compiling; evaluation runs in high precision. `save_fp8` writes the trained model as
-an FP8 checkpoint for vLLM, SGLang and transformers (nanochat.model.hf_fp8). SIGTERM or Ctrl-C
-(nanochat.train.stop) sets the Trainer's own `control.should_save` and `should_training_stop` after the
-step in flight: the Trainer saves checkpoint-N and ends its loop, then `train()` prints one line
-and raises `Stopped` (exit status 143 / 130); under DDP every rank stops after the same step.
+It is the Trainer, with one FP8Training (nanochat.fp8) and one StepGuard (nanochat.train.guard)
+called at the Trainer's own points: `__init__` casts bf16 master weights and converts the model
+before the Trainer wraps or compiles it; `create_optimizer` wraps the Trainer's optimizer in
+FP8Optim (or OptimWrapper for bf16 master weights alone: the same param_groups, so the scheduler
+drives both); `training_step` opens the FP8 step at an optimizer step's first micro-batch and
+closes it after the last backward (where the guard checks the step), running calibration and
+statistics steps eagerly (`torch.compiler.set_stance("force_eager")`); `log()` carries FP8
+health to every `report_to` tracker; checkpoints hold `fp8_state.json`; evaluation runs in high
+precision. `save_fp8` writes an FP8 checkpoint for vLLM, SGLang and transformers
+(nanochat.model.hf_fp8). SIGTERM or Ctrl-C (nanochat.train.stop) saves checkpoint-N after the
+step in flight and raises `Stopped` (exit status 143 / 130), on every rank after the same step.
 
 A step whose loss or gradient norm is not finite is skipped before the Trainer clips: its
 gradients are dropped (the optimizer step updates nothing), the layer where it began is named,

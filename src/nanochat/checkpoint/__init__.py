@@ -1,28 +1,23 @@
 """Checkpoints: verified, atomic, loaded without unpickling; one store over two storages.
 
-    storage.py       a checkpoint, and what a storage must answer about its layout
-    pt.py            one process: checkpoint-<step>.pt + its .json manifest (torch.save, weights_only)
-    dcp.py           torchrun: checkpoint_dcp/step-<step>/, every rank's shards + manifest.json (DCP)
-    store.py         the policy, once: newest, verify, newest verified, rotate, remove, clean, foreign
-    state.py         RNG states, and the inf/nan check a checkpoint must pass to be saved or resumed
-    resume.py        what --resume must share with its checkpoint, what --init_from takes
-    checkpointer.py  Checkpointer: the trainer's component (claim, read, restore, save)
-    loader.py        load_model: a GPT from a preset, a Hugging Face directory or a run's checkpoint
+    from nanochat import checkpoint
+    c = checkpoint.newest(run_dir)            # the newest committed checkpoint, or None
+    checkpoint.verify(c)                      # raises, naming the older one that verifies
+    payload = checkpoint.load_checkpoint(run_dir)   # a .pt run's payload, verified
+    model, tokenizer = checkpoint.load_model(checkpoint.read_run(run_dir))   # its model, on the CPU
+
+Two storages, one policy: a single process writes `checkpoint-<step>.pt` (torch.save, loaded
+with weights_only), torchrun writes a DCP step directory of every rank's shards; newest, verify,
+rotate and the cleaning of interrupted saves are written once over both (alternatives:
+docs/design.md). `Checkpointer` is the trainer's component; `load_model` builds a GPT from a
+preset, a Hugging Face directory or a run's checkpoint.
 
 A checkpoint is data plus a manifest (names, sizes, sha256), and the manifest is the commit: a
 save writes the data under temporary names, then the manifest, then renames, so a kill at any
 instant leaves the previous checkpoints whole. Loading re-hashes the bytes and refuses a
 mismatch, naming the newest older checkpoint that verifies. Nothing is deleted that a manifest
 does not prove nanochat wrote. The run directory itself (its lock, what it holds, the claim
-rules) is nanochat.rundir's. The alternative rejected: each format with its own newest / verify
-/ rotate code, two copies of one policy that can disagree on which checkpoint is the newest or
-which may be deleted.
-
-    from nanochat import checkpoint
-    c = checkpoint.newest(run_dir)            # the newest committed checkpoint, or None
-    checkpoint.verify(c)                      # raises, naming the older one that verifies
-    payload = checkpoint.load_checkpoint(run_dir)   # a .pt run's payload, verified
-    model, tokenizer = checkpoint.load_model(checkpoint.read_run(run_dir))   # its model, on the CPU
+rules) is nanochat.rundir's.
 """
 
 from nanochat.checkpoint.checkpointer import Checkpointer, Saved

@@ -4,19 +4,16 @@ tyro turns these dataclasses into CLIs, the attribute docstring under each field
 text, `NanoChatTrainer(**kwargs)` takes the same field names, and checkpoints store the config
 as a plain dict (`dataclasses.asdict`) so a run can be resumed and inspected without unpickling.
 
-    checks.py   the root of every config's checks: types at construction, ranges, `kept` fields
-    fields.py   the field groups two entrypoints share (model, data, batches, schedule, device,
-                the model a script reads) and the FP8 flags generated from FP8Config
-    fp8.py      FP8Config, everything that decides how a model trains in FP8
-    train.py    TrainConfig (base_train, NanoChatTrainer) and RESUME_MUST_MATCH
-    tools.py    TokTrainConfig, TokenizeConfig, EvalConfig, PlotConfig
-    export.py   ExportConfig, with the FP8 export's Quantize and SQNR_FLOOR_DB
-    parity.py   ParityConfig (the FP8 parity sweep), QUICK
-    cli.py      parse_cli: the command line into a config, every rejection one `error:` line
+    from nanochat.config import TrainConfig, parse_cli
+    cfg = parse_cli(TrainConfig, argv)     # every rejection one `error:` line, exit status 2
 
-In the import layers this package sits just above nanochat.common and imports nothing else of
-ours, and no torch: every script's `--help` answers without loading torch. Constants a flag
-defaults to (the export's SQNR floor, the plot's row limit) live here and the code above uses them.
+TrainConfig (base_train, NanoChatTrainer), FP8Config, ExportConfig, ParityConfig and the tools'
+configs are assembled from shared field groups (each flag declared once, the FP8 flags generated
+from FP8Config) and check their types and ranges at construction, from the CLI or Python alike.
+
+This package imports nothing of ours but nanochat.common, and no torch: every script's `--help`
+answers without loading torch. Constants a flag defaults to (the export's SQNR floor, the plot's
+row limit) live here and the code above uses them.
 """
 
 from nanochat.config.cli import parse_cli

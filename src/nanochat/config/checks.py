@@ -10,9 +10,9 @@ Why a type check of our own: tyro checks types only while parsing a command line
 `TrainConfig(batch_size=2.5)` or `NanoChatTrainer(fp8="yes")` never passes through tyro; tyro has
 no public function that checks a value against an annotation. The configs use a small subset of
 typing (Literal, unions with None, homogeneous tuples, plain classes), which `matches` covers in
-a few lines; a general runtime type checker (typeguard, pydantic) was rejected as a dependency
-for that. `describe` words a type as the messages do ("an int", "one of 'e4m3', 'e5m2'"), and
-the command line's errors reuse it (nanochat.config.cli).
+a few lines, without a type-checking dependency (docs/design.md). `describe` words a type as the
+messages do ("an int", "one of 'e4m3', 'e5m2'"), and the command line's errors reuse it
+(nanochat.config.cli).
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ channel (fp8: compressed-tensors FP8_DYNAMIC) or per 128x128 block (fp8_block: F
 
 SQNR_FLOOR_DB = 28.0
 """A layer whose FP8 weight SQNR is below this stays bf16. e4m3 rounding gives 24.6 dB at worst
-(each value off by at most 1/17 of itself) and 31.5-33.1 dB on every weight distribution measured
-(Gaussian, Laplace, Student-t, uniform, int8 grids: BENCHMARKS.md); 28 dB, 2.2x the typical noise
-power, flags layers well below typical. A 20 dB floor could never trigger: see nanochat.model.hf_fp8's docstring."""
+(each value off by at most 1/17 of itself); every weight distribution measured sits several dB
+higher (BENCHMARKS.md §8(c)), so 28 dB, between the two, flags layers well below typical. A
+20 dB floor could never trigger: see nanochat.model.hf_fp8's docstring."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +48,7 @@ class ExportConfig(SourceFields):
 
     sqnr_floor_db: float = SQNR_FLOOR_DB
     """With --quantize: a Linear whose FP8 weight SQNR is below this stays bf16 (e4m3 gives 24.6 dB
-    at worst and ~31.5 dB on typical weights; docs/hf.md)."""
+    at worst, typical weights several dB more: docs/hf.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -4,9 +4,9 @@ A group is a frozen dataclass mixin (ModelFields, DataFields, BatchFields, Sched
 DeviceFields, SourceFields, FP8Fields) that the configs inherit, so the flags keep their flat
 names (`--seq_len`, not `--batch.seq_len`) and tyro reads each field's help from the docstring
 under it, in the group. Each group checks its own values in `__post_init__`, chained through
-`super()` down to nanochat.config.checks.Checked. Nested dataclasses (tyro's subcommand-style
-`--batch.seq_len`) were rejected: the flags are the documented interface, and the same names are
-NanoChatTrainer's keyword arguments.
+`super()` down to nanochat.config.checks.Checked. Flat names because the flags are the documented
+interface and the same names are NanoChatTrainer's keyword arguments (alternatives:
+docs/design.md).
 
 The FP8 flags are generated from nanochat.config.fp8.FP8Config (type, help text, checks), each
 named by `FP8_FLAGS`, so FP8 has one definition: a flag's help is the `tyro.conf.arg(help=...)`

@@ -54,7 +54,7 @@ class FP8Config:
         measuring (reported apart, like compile time). Elsewhere (`emulate`, CPU) torchao's rule for
         the recipe decides (from H100 tables), so an emulated run converts the layers a GPU run most
         likely would. all: every layer the other rules allow, also where FP8 is slower, e.g. for its
-        activation-memory saving alone (d12 on an H200: 9.8 vs 13.8 GiB peak, BENCHMARKS.md).""")] = "faster"
+        activation-memory saving alone (BENCHMARKS.md §5(b)).""")] = "faster"
 
     emulate: Annotated[bool, arg(help="""
         Simulate FP8 matmul numerics in high precision on any device (slow; for tests and
@@ -73,7 +73,7 @@ class FP8Config:
 
     min_dim: Annotated[int, arg(help="""
         Linear layers with min(in_features, out_features) below this stay in high precision:
-        the casts cost more than the FP8 GEMM saves (nanochat's rule; see BENCHMARKS.md).""")] = 128
+        the casts cost more than the FP8 GEMM saves (128 is a judgment, not a measurement: docs/fp8.md).""")] = 128
 
     auto_steps: Annotated[int, arg(help="""
         `mode` auto: number of forward+backward passes measured before formats are fixed.""")] = 4
@@ -87,8 +87,8 @@ class FP8Config:
 
     stats_every: Annotated[int, arg(help="""
         Sample per-layer FP8 statistics (amax, underflow, saturation, SQNR) every N steps; 0 turns
-        them off. A sampled step runs the uncompiled model with hooks and costs ~2.8 more steps
-        (measured on CPU; BENCHMARKS.md), so 200 keeps statistics under 2% of the run's time.""")] = 200
+        them off. A sampled step runs the uncompiled model with hooks and costs a few plain steps,
+        so at 200 statistics take a small share of the run's time (BENCHMARKS.md §6).""")] = 200
 
     fsdp_float8_all_gather: bool = False
     """Under FSDP2, all-gather each converted weight already in FP8 (torchao's

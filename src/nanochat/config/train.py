@@ -116,9 +116,9 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
 
     compile_scope: Literal["model", "blocks"] = "model"
     """What --compile compiles: the whole model as one graph, or each transformer block (one
-    graph that every block reuses: compile time stops growing with depth). Measured on an H200
-    at d12 (BENCHMARKS.md): per block halves compile time but costs 13% of bf16 tokens/s (the
-    embedding, head and loss run eagerly) and, with FP8, recompiles per block; hence model."""
+    graph that every block reuses: compile time stops growing with depth). Per block compiles
+    faster but trains slower (the embedding, head and loss run eagerly) and, with FP8, recompiles
+    per block (BENCHMARKS.md §5(a)); hence model."""
 
     fsdp: bool = False
     """Under torchrun: shard parameters with FSDP2 (fully_shard) instead of DDP."""

@@ -1,18 +1,17 @@
-"""Corpus sources -> token store (built once, memory-mapped) -> batches; instruct records.
+"""Corpus sources -> token store (built once, memory-mapped) -> batches; instruction records.
 
-Each module imports only from those listed before it (`make test` checks there is no cycle):
-    instruct.py  instruction records: their shapes, rendering with a loss mask, chat templates,
-                 multiple-choice items
-    sources.py   the files of a corpus, one stat each, and their split roles; DataError
-    read.py      a unit of work (a parquet row group, a range of .jsonl lines, a text file) and
-                 the documents it holds
-    plan.py      the corpus cut into units, every file checked before any work
-    split.py     the train / validation rules (id hash, split files, tiny corpora); the corpus in
-                 one line
-    streams.py   a token stream read window by window; records packed into windows
-    store.py     the token store: its files, opened, mapped and verified against its manifest
-    build.py     the store built: a process pool, pieces kept across a kill, one builder at a time
-    prepare.py   prepare_data: sources -> tokenizer -> token store, once
-    batches.py   deterministic, resumable, rank-aware (x, y) batches from a stream
-Why each choice was made, with the figures: docs/data.md.
+    from nanochat.data.prepare import prepare_data
+    from nanochat.data.batches import TokenBatches, split_stream
+    prepared = prepare_data(path, tokenizer=None, vocab_size=4096, cache_root=".cache")
+    train = split_stream(prepared.store, "train", seq_len=256, pad_id=pad_id)
+    loader = TokenBatches(train, seq_len=256, batch_size=16, seed=0, rank=r, world_size=n)
+
+A corpus (text files, .jsonl or parquet shards, or this Python's standard library) is listed,
+checked and tokenized once into a token store that every run and every rank memory-maps, so
+start-up and memory do not grow with the corpus; batches are deterministic, resumable and
+rank-aware. Instruction records (prompt/completion, chat, multiple choice) go the same way with a
+loss mask. Every data problem is a `DataError` raised before any model is built.
+
+Each module imports only from the ones before it in README.md's Layout (`make test` checks there
+is no cycle). Why each choice was made, with the figures: docs/data.md.
 """

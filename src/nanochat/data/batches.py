@@ -13,9 +13,8 @@ the batches of an uninterrupted one. `val_batches` reads the first windows of th
 stream in order, the same windows for every evaluation and for `scripts/eval.py`.
 
 Instruction records are scored on their answers only (the stream's loss mask: y is -1 where a
-target is not scored) and packed so that none crosses a window boundary (`split_stream`); a
-window without a scored target is left out. Alternative rejected: padding every record to its
-own window, which wastes most of each window on short records.
+target is not scored) and packed so that none crosses a window boundary (`split_stream`), not
+padded each to its own window (docs/design.md); a window without a scored target is left out.
 """
 
 from __future__ import annotations

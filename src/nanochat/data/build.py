@@ -10,10 +10,8 @@ is written, made durable and renamed); the manifest (nanochat.data.store) is com
 
 `locked` makes one process build while the others (ranks, nodes on a shared file system) wait,
 then map the result; `load_plan` keeps the corpus's plan beside its stores, so a start whose
-sources did not change reads no file of the corpus.
-Not used (docs/data.md): `datasets.map` with worker processes, which caches its token lists as
-Arrow (2-4x these bytes) keyed by fingerprints of Python functions: a process pool, a file lock
-and piece records that name their inputs do the job.
+sources did not change reads no file of the corpus. The libraries chosen, and the ones not:
+docs/data.md.
 """
 
 from __future__ import annotations
@@ -56,8 +54,8 @@ if TYPE_CHECKING:
 PLAN = "plan.json"
 LOCK = ".lock"
 PIECE_BYTES = 32 << 20
-"""Most text per piece: a few seconds of one worker (~10 MB/s of text per core, BENCHMARKS.md §9), so
-the progress bar moves and a killed build loses little; a 40 GB corpus makes ~1,300 pieces."""
+"""Most text per piece: a few seconds of one worker at the build's rate per core (BENCHMARKS.md §9),
+so the progress bar moves and a killed build loses little; a 40 GB corpus makes ~1,300 pieces."""
 MIN_PIECES = 64
 """A smaller corpus is cut into about this many pieces (of at least 1 MiB) so that every core
 has work: the standard library's 11.6 MiB make 12."""

@@ -4,9 +4,9 @@
 (schema, row groups), each .jsonl's first record, and every .jsonl byte checked as UTF-8 in
 parallel (`map_fn`: a process pool's map). A 0-byte shard, a parquet without a "text" column, a
 non-UTF-8 or NUL-holding line, a corpus mixing plain text and instruction records: each is one
-`DataError` naming the file (and line) before any work. Skipping a broken shard with a warning
-was rejected: it holds thousands of documents, which would vanish from the run unnoticed (a
-binary *text* file is one document, and is skipped and counted instead).
+`DataError` naming the file (and line) before any work: a broken shard holds thousands of
+documents, which would vanish from the run unnoticed (a binary *text* file is one document, and
+is skipped and counted instead).
 
 The plan cuts the corpus into units (nanochat.data.read): a parquet row group, ~8 MiB of .jsonl
 lines cut after a newline (a single large file is still spread over every core), a text file.

@@ -3,8 +3,8 @@
 A `Unit` is a part of one file: a parquet row group, a range of .jsonl lines (nanochat.data.plan
 cuts them, about 8 MiB each, after a newline), or a text file. `read_unit` yields its documents
 in order, with memory bounded by the largest document:
-- parquet through pyarrow's buffered batch reader, which decodes page by page (the unbuffered
-  reader was rejected: a 200 MB row group peaked at 179 MB of RSS against 91 MB, docs/data.md);
+- parquet through pyarrow's buffered batch reader, which decodes page by page, not a whole row
+  group at once (its memory: docs/data.md);
 - .jsonl line by line, split at "\\n" only (JSON strings may hold U+2028), its "text" field or an
   instruction record (nanochat.data.instruct); one file holds one record shape;
 - a text file whole: it is one document.

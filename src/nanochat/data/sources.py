@@ -14,9 +14,9 @@ never read. Otherwise every role is "" and each document is split by its id's ha
 (nanochat.data.split).
 
 The listing is the corpus's identity: `Sources.fingerprint` keys the tokenizer cache and
-`Sources.changes` names the file that changed since a store or a run recorded it. Hashing the
-files' bytes at every start was rejected: start-up would grow with the corpus, and a stat already
-says a file changed. Every problem is a `DataError` naming the file and the fix.
+`Sources.changes` names the file that changed since a store or a run recorded it: a stat says a
+file changed, so start-up does not grow with the corpus (alternatives: docs/design.md). Every
+problem is a `DataError` naming the file and the fix.
 """
 
 from __future__ import annotations

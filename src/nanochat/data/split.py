@@ -1,9 +1,9 @@
 """The validation split: which side of train / validation each document is on, and why.
 
 A document is in validation iff sha1(its id) falls in the lowest VAL_FRACTION of the hash range
-(`val_hash`; ids: nanochat.data.read). Hashing the id was chosen over shuffling with a seed: each
-document keeps its side when files are added or removed, on every machine, with no seed to
-carry. Split files (`train-*`, `validation-*`, nanochat.data.sources) are used as they are.
+(`val_hash`; ids: nanochat.data.read): each document keeps its side when files are added or
+removed, on every machine, with no seed to carry. Split files (`train-*`, `validation-*`,
+nanochat.data.sources) are used as they are.
 
 Tiny corpora can leave a side empty; `SplitRule` then moves one document (the smallest hash to
 validation, or the largest to training) and a single document is cut by characters (its last

@@ -12,10 +12,8 @@ A store without its manifest is never read. Opening one (`open_store`) costs a s
 file (the listing must equal the manifest's), a stat per store file (a wrong size is refused) and a
 few maps: start-up and memory do not grow with the corpus, and the ranks of a node share the page
 cache. `verify_store` re-reads every byte against the manifest's sha256. The files are read
-through nanochat.data.streams; nanochat.data.build makes them.
-Not used (docs/data.md): Hugging Face `datasets` (an Arrow cache of int32/int64 token lists, 2-4x
-these bytes, and its own dependency tree) and mosaicml-streaming (its own shard format and a
-download layer for object stores): pyarrow, numpy.memmap and the stdlib do the job.
+through nanochat.data.streams; nanochat.data.build makes them. Why this and not Hugging Face
+`datasets` or mosaicml-streaming: docs/data.md.
 """
 
 from __future__ import annotations

@@ -8,17 +8,12 @@
     with fp8.high_precision():                     # evaluation / generation in high precision
         ...
 
-FP8Training holds the order a loop must follow; the pieces are usable alone: FP8Config (defined
-with the other settings in nanochat.config.fp8, which the CLI's FP8 flags are generated from),
-hardware.py (native / emulated / fallback and why), linear.py (torchao
-conversion, the report, restore and the high-precision switch), policy.py (which layers convert:
-the default filter, `layers` faster / all), speed.py (FP8 vs bf16 timed per layer shape on this
-GPU, cached on disk), auto.py (mode
-auto: formats chosen per layer and tensor role by measurement), stats.py (amax, underflow,
-saturation, SQNR per layer and role; the first non-finite layer), tensor.py (FP8Tensor),
-optim.py (FP8Optim: Adam moments in FP8, the format filled into nanochat.optim's wrapper, which
-holds bf16 master weights and the step inside the backward; wrap_optimizer), kernel.py
-(FP8Optim's C kernel on CPU: build, binding, call).
+FP8Training holds the order a loop must follow. What it calls is usable alone: FP8Config (the
+settings: nanochat.config.fp8, which the CLI's FP8 flags come from), `detect` (native kernels,
+emulation or a fallback on this device), `apply_fp8` / `convert` (torchao's FP8 linears, with a
+per-layer report of what converted and why), mode auto's calibration and re-checks, per-layer
+FP8 statistics, FP8Tensor and FP8Optim (Adam moments in FP8, with a C kernel on CPU). The
+reasoning and the measurements: docs/fp8.md.
 
 Names are imported on first use, so `from nanochat.fp8 import FP8Config` (the CLI's flags)
 loads neither torch nor torchao. This package imports torch, torchao and, of nanochat, only

@@ -39,8 +39,8 @@ UNDERFLOW_MARGIN_PCT = 1.0
 """A format flushing this many more % of the non-zero values to zero than the other is out."""
 RECHECK_HYSTERESIS = 0.5
 """Re-checks: a format not in use must be within this fraction of the underflow margin to win
-back a role. Measured without it (d4, 5 seeds, re-check every 25 steps): roles whose e4m3
-underflow hovered at 0.7-1.7% switched to e5m2 and back within 50-150 steps, 2-3 times a run."""
+back a role. Without it, roles hovering near the margin switched back and forth (BENCHMARKS.md
+§4, re-check hysteresis)."""
 
 
 def recipe_of(config) -> str:

@@ -1,16 +1,15 @@
 """FP8Optim's native CPU kernel (optim_kernel.c): its build, its binding and one call per step.
 
-Inductor's code for FP8Optim's step runs ~10x fused AdamW on CPU: it loads and stores the 1-byte
-codes 8 at a time through `Vectorized<uint8_t>::loadu(ptr, 8)`, which goes through a stack buffer
-and memcpy (ATen vec256_int.h), and it sweeps each tensor twice. The same math as plain C loops,
-one 256-element block at a time (the block stays in L1), is auto-vectorized by the C compiler
-(BENCHMARKS.md 3(b)). `load()` builds it on first use with the system C compiler into
-~/.cache/nanochat and loads it with ctypes (no torch headers: builds in < 1 s). It is built with
--march=native, so the cache key holds the source, the flags, the compiler's identity and this
-CPU's model and feature flags: a home directory shared by different machines never loads another
-CPU's build. `adam()` steps every tensor of a step in one call: its threads (torch's OpenMP pool,
-torch.get_num_threads() of them; ctypes releases the GIL) take chunks of blocks from a shared
-counter. NANOCHAT_NATIVE_OPTIM=0 turns it off (FP8Optim then steps compiled; a recorded fallback).
+The same math as FP8Optim's compiled step, as plain C loops over one 256-element block at a time
+(the block stays in L1), auto-vectorized by the C compiler: several times faster than inductor's
+code on CPU (BENCHMARKS.md §3(b); why: docs/design.md). `load()` builds it on first use with the
+system C compiler into ~/.cache/nanochat and loads it with ctypes (no torch headers, so the build
+is quick). It is built with -march=native, so the cache key holds the source, the flags, the
+compiler's identity and this CPU's model and feature flags: a home directory shared by different
+machines never loads another CPU's build. `adam()` steps every tensor of a step in one call: its
+threads (torch's OpenMP pool, torch.get_num_threads() of them; ctypes releases the GIL) take chunks
+of blocks from a shared counter. NANOCHAT_NATIVE_OPTIM=0 turns it off (FP8Optim then steps
+compiled; a recorded fallback).
 
 Memory safety: the kernel writes through raw pointers, so nothing it is given may be smaller than
 it believes. Each buffer goes with the bytes its allocation holds from that pointer on, and the C

@@ -7,28 +7,21 @@
     1  first moment (Adam exp_avg, SGD momentum_buffer) in FP8 e4m3, second moment fp32
     2  both moments in FP8 (~2.03 bytes/param instead of 8)
 
-Everything that is not FP8 is nanochat.optim's OptimWrapper (shared param_groups, bf16 master
-weights, the step inside the backward, backends, state checks, bytes); this module is the moment
-format, `E4M3Blocks` (a nanochat.optim.MomentFormat): which parameters it stores, the e4m3 read
-and write of a moment inside the one step (FP8Tensor's one quantizer), state conversion and its
-C kernel (kernel.py). FP8Optim is the wrapper with this format.
+Everything that is not FP8 is nanochat.optim's OptimWrapper (param_groups, bf16 master weights,
+the step inside the backward, backends, state checks, bytes). This module is the moment format,
+`E4M3Blocks` (a MomentFormat): which parameters it stores, the e4m3 read and write of a moment
+inside the one step (FP8Tensor's quantizer), state conversion and its C kernel (kernel.py).
 
-Which tensors stay fp32: a parameter goes FP8 only if it has >= `min_numel` (4096, the rule of
-bitsandbytes and torchao: below that the state is negligible and the per-call cost dominates)
-elements, a multiple of `block_size` (256, see tensor.py) of them, and is contiguous; under FSDP2
-each rank's shard must be whole blocks too, decided on the global shape so all ranks agree
-(always true when a row is, e.g. presets d4, d8, d12, d20). The others are stepped by the wrapped
-optimizer, so they follow torch's math exactly; a one-time summary says how many and why.
+A parameter goes FP8 only with >= `min_numel` elements (MIN_NUMEL), a multiple of `block_size`
+(256, tensor.py) of them, contiguous, and under FSDP2 a shard of whole blocks (decided on the
+global shape, so all ranks agree). The others are stepped by the wrapped optimizer with torch's
+math; a one-time summary says how many and why.
 
-The second moment is stored as r = sqrt(v) with positive values never rounded to zero: plain
-e4m3 v flushes to zero every v below absmax(block) * 2^-17.8, which gives an element whose m
-survives the update m / (0 + eps). sqrt halves the exponent range, the floor turns "flushed"
-into "overestimated" (a smaller update than Adam's), and the step needs sqrt(v) anyway. The
-study behind the choice, `scripts/bench_optim.py --study`: docs/fp8.md and BENCHMARKS.md 3.
-
-On CPU the FP8 step of fp32 Adam(W) parameters runs in the native C kernel (optim_kernel.c,
-about a quarter of the compiled step's CPU time, BENCHMARKS.md 3(b)); elsewhere compiled
-(nanochat.optim.backends).
+The second moment is stored as sqrt(v), a positive value never rounded to zero: plain e4m3 v
+flushes small v to zero and the update becomes m / eps; sqrt halves the exponent range and the
+floor turns "flushed" into "overestimated". Reasoning: docs/fp8.md; measurement: BENCHMARKS.md
+§3(d). On CPU the FP8 step of fp32 Adam(W) parameters runs in the native C kernel, several times
+faster than the compiled step (BENCHMARKS.md §3(b)); elsewhere compiled (nanochat.optim.backends).
 """
 
 from __future__ import annotations
@@ -44,7 +37,7 @@ from .kernel import KernelRow
 from .tensor import DEFAULT_BLOCK_SIZE, Blocks, FP8Tensor, dequantize_blocks, quantize_blocks
 
 E4M3 = torch.float8_e4m3fn
-MIN_NUMEL = 4096  # bitsandbytes/torchao rule: smaller tensors keep fp32 state
+MIN_NUMEL = 4096  # bitsandbytes' and torchao's rule: below it the state is negligible, the per-call cost not
 
 
 def _requantize(x: torch.Tensor, m: Blocks, *, floor: bool, ok: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,8 +70,8 @@ class E4M3Blocks(MomentFormat):
 
     The returned tie, `0 * scale`, makes the parameter's write depend on the new per-block
     absmax, so inductor fuses it into the loop that writes the codes (one pass) instead of a
-    third pass over p through a full-size temporary (~13x -> ~11x fused AdamW's CPU time,
-    BENCHMARKS.md 3(b))."""
+    third pass over p through a full-size temporary (BENCHMARKS.md §3(b), the implementation
+    comparison)."""
 
     name = "FP8"
 

@@ -8,7 +8,7 @@
    auto-vectorized (-fno-trapping-math lets the compiler if-convert the selects); decode and
    encode are written with intrinsics where the CPU has AVX-512 or AVX2+F16C (the compiler
    scalarizes a _Float16 conversion), and as portable loops elsewhere (tested against each
-   other). No torch headers: it builds in under a second.
+   other). No torch headers, so it builds quickly.
 
    Parameters and gradients are fp32, or bf16 with a bf16 master-weight mode
    (nanochat/optim/master.py: round to nearest even, stochastic rounding with its counter-based

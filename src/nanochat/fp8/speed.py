@@ -2,8 +2,8 @@
 
 FP8 halves a GEMM's tensor-core time (M*K*N work) but adds casts that read and write every
 operand (M*(K+N) memory traffic), so whether a layer gains depends on its shape and on the GPU.
-torchao's H100 tables show the spread: rowwise at M=16384 runs K=N=1024 at 0.48x bf16 and
-K=N=8192 at 1.33x. Another GPU's tables are a guess for this one, so `layers="faster"`
+torchao's H100 tables show small layers slower than bf16 and large ones faster (docs/fp8.md).
+Another GPU's tables are a guess for this one, so `layers="faster"`
 (policy.py) times each distinct (M, K, N) of the run once, on the user's GPU: the layer as
 torchao converts it (`Float8Linear`) against the same nn.Linear in bf16, both compiled, fp32
 weights under bf16 autocast as the trainer runs them, forward and both backward GEMMs, CUDA
@@ -48,7 +48,7 @@ CACHE_FORMAT = "nanochat fp8 speed v1"
 # 1664->6656 and 6656->1664 (lm_head is skipped by name). Each compiles two one-layer graphs,
 # a cast kernel or two per GEMM (seconds, not the tens of seconds of a whole model), and times
 # 2 x WINDOWS x CALLS calls: ~0.3 s at the largest shape with M=32768 (16 x 2048, BENCHMARKS.md
-# section 5), 6*M*K*N = 2.2 TFLOP a call.
+# §5), 6*M*K*N = 2.2 TFLOP a call.
 WARMUP = 3
 """Calls before timing: the first compiles, the others settle the allocator and cuBLAS's choice."""
 WINDOWS = 10

@@ -1,1 +1,1 @@
-"""The model: our GPT (gpt.py) and Hugging Face models in and out (hf.py, hf_fp8.py)."""
+"""The model: our GPT and its size presets, and Hugging Face models in and out (configs, weights, FP8 exports)."""

@@ -5,17 +5,16 @@ llm-compressor's FP8_DYNAMIC scheme writes and vLLM, SGLang and transformers loa
 Linear stores `weight` as float8_e4m3fn codes and `weight_scale` in fp32, one per output channel
 ([N, 1]; `fp8_block`: per 128x128 block, [N/128, K/128]), and config.json's
 `quantization_config` has the engine quantize activations per token (per group of 128) at run
-time. vLLM's native `quant_method: "fp8"` was rejected: transformers loads it only on a GPU but
-decompresses compressed-tensors on CPU, so the suite checks what we write with a real consumer.
+time. Why this format and not vLLM's native one: docs/design.md.
 
 Scales come from the trained weights: amax / 448 (e4m3's largest value) per channel or block,
 so nothing saturates. The cast is compressed-tensors' own compressor, the config its
 QuantizationConfig written by its ModelCompressor: no part of the format is written by hand.
 Each layer's weight SQNR is reported. e4m3 rounds a normal value by at most 1/17 of itself, so
 no finite weight falls below 24.6 dB (subnormals, values 2^15 below their channel's amax, add
-< 1e-7 amax^2 each); weights of every distribution measured give 31.5-33.1 dB. A layer under
-SQNR_FLOOR_DB, between the two, stays bf16 unless `quantize_all`. Embeddings, lm_head, norms and
-biases stay bf16 and are named in `ignore` with the Linears kept in bf16 (trained in high
+< 1e-7 amax^2 each); realistic weights sit several dB higher (BENCHMARKS.md §8(c)). A layer under
+SQNR_FLOOR_DB, set between the two, stays bf16 unless `quantize_all`. Embeddings, lm_head, norms
+and biases stay bf16 and are named in `ignore` with the Linears kept in bf16 (trained in high
 precision, under the floor, or fused with one of those: vLLM and SGLang run q/k/v and gate/up as
 one matmul, in one format). `FP8Checkpoint` reads such a checkpoint back as dequantized weights.
 compressed-tensors is imported only when used: plain checkpoints load without it. docs/hf.md
@@ -96,7 +95,7 @@ def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, scheme) -> torch
 CHUNK_ELEMENTS = 1 << 18
 """Rows of a weight are quantized and measured in slices of about this many values (1 MiB of
 fp32, whole 128-row blocks): the temporaries stay in cache instead of faulting in fresh pages,
-3x faster on an 8192 x 2048 weight (BENCHMARKS.md section 8)."""
+much faster than quantizing a weight whole (BENCHMARKS.md §8(b))."""
 
 
 def quantize_layer(weight: torch.Tensor, quantize: str, scheme) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -3,11 +3,10 @@ found in the local Hugging Face cache. Nothing is downloaded, ever.
 
 A hub id (`org/name`) is looked up in every cache directory huggingface_hub may use (HF_HUB_CACHE,
 HUGGINGFACE_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub), at the revision refs/main names
-or else the newest complete snapshot. Reading the cache layout ourselves was chosen over
-huggingface_hub's `snapshot_download(local_files_only=True)`: huggingface_hub is not a dependency,
-and the cache's refs and symlinks are checked here to stay inside the cache (a ref or a link that
-leads elsewhere is an error naming the file). A name that resolves nowhere is an error listing
-the presets, the places searched and how to bring the weights onto this machine.
+or else the newest complete snapshot. The cache is read here, without huggingface_hub (not a
+dependency; docs/design.md), and its refs and symlinks are checked to stay inside the cache (a
+ref or a link that leads elsewhere is an error naming the file). A name that resolves nowhere is
+an error listing the presets, the places searched and how to bring the weights onto this machine.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
-"""The optimizer wrapper: what nanochat adds to a torch AdamW/Adam/SGD, each concept in its file.
+"""The optimizer wrapper: what nanochat adds to a torch AdamW/Adam/SGD; nothing FP8.
 
     from nanochat.optim import OptimWrapper
     opt = OptimWrapper(torch.optim.AdamW(model.parameters()), master_weights="bf16_sr")
     opt.step_in_backward()                         # optional: loss.backward() is the step
 
-wrapper.py (OptimWrapper: shares the wrapped optimizer's groups and state, steps what torch
-cannot), format.py (MomentFormat: how moments are stored, the one extension point; fp32 here),
-step.py (the one Adam and SGD step over moment formats), master.py (bf16 master weights: how an
-fp32 update is written into a bf16 weight), in_backward.py (the step inside the backward,
-guarded per parameter), backends.py (native kernel, torch.compile, eager, and the fallbacks
-between them), state.py (saved state: its checks, conversion between formats, FSDP2 shards),
-state_bytes.py (bytes of state, planned and held).
+OptimWrapper shares the wrapped optimizer's param groups and state and steps what torch's cannot:
+bf16 master weights (rounded to nearest, stochastically, or split), the step inside the backward,
+and moments stored in another format (`MomentFormat`, the one extension point). It runs one
+Adam / SGD step natively, compiled or eagerly, and saves, checks and shards its state; the bytes
+it holds are counted (`optimizer_state_bytes`). docs/master_weights.md has the choices.
 
 Other moment formats live above this package: nanochat.fp8's E4M3Blocks keeps Adam's moments in
 FP8 (with its C kernel; FP8Optim is the wrapper with it). Nothing here imports nanochat.fp8: a
-quantized moment is recognized by what it can do (state.QuantizedState).
+quantized moment is recognized by what it can do (`QuantizedState`).
 """
 
 from .format import MomentFormat

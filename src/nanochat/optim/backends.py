@@ -1,7 +1,7 @@
 """How a wrapper's step runs: a native kernel, torch.compile, or eagerly; the fallbacks between them.
 
     native   a C kernel a moment format brings (nanochat.fp8: optim_kernel.c for FP8 moments on
-             CPU, about a quarter of the compiled step's CPU time, BENCHMARKS.md 3(b)), one call a step
+             CPU, several times faster than the compiled step: BENCHMARKS.md §3(b)), one call a step
     compile  torch.compile(fullgraph=True, dynamic=False) of step.py's multi-tensor functions:
              one compiled call per (shape, dtype, device, flags), not per parameter (GPUs, SGD,
              bf16 parameters, fp32 moments)
@@ -83,7 +83,7 @@ class Backends:
         except RuntimeError as e:
             self.native = False
             self._fallback("native", f"{self.owner}: the native CPU kernel is unavailable ({e}); using "
-                           "torch.compile for the step instead (~5x slower on CPU).")
+                           "torch.compile for the step instead (several times slower on CPU).")
             return False
         self._count("native", tensors)
         return True

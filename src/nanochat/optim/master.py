@@ -1,10 +1,8 @@
 """bf16 master weights: how an fp32 update is written into a bf16 parameter.
 
-With fp32 master weights a parameter costs 4 bytes and its gradient 4; stored in bf16 both cost
-2. The catch is the update: bf16 keeps 8 significant bits, so a weight w only moves when the
-update exceeds half its spacing, |w| * 2^-9. Adam's update is ~lr per step; a norm weight of
-1.0 under lr 1e-3 (< 2^-9 = 0.00195) never moves, however many steps it sees, and smaller
-updates late in a decaying schedule are lost the same way. The choices (`--master_weights`):
+Stored in bf16 a parameter and its gradient cost 2 bytes each instead of 4, but a weight w only
+moves when its update exceeds half a bf16 step, |w| * 2^-9: small updates are lost under round
+to nearest (docs/master_weights.md). The choices (`--master_weights`):
 
     fp32        the parameter is the fp32 master (4 bytes; the reference)
     bf16        round to nearest (2 bytes): the baseline that shows the stale-update problem
@@ -16,27 +14,15 @@ updates late in a decaying schedule are lost the same way. The choices (`--maste
                 bit for bit (bf16-fused-adam's layout). The weight the model sees is the master
                 truncated toward zero, at most one bf16 step from it.
 
-Emulation (`--master_weights_emulate`): the parameters stay fp32 tensors holding bf16 values and
-the gradients are rounded to bf16 before the update, so the numerics are those of bf16 storage
-while the model computes in fp32 (for CPUs whose bf16 matmuls are slow; no memory is saved).
-
-The update itself is always computed in fp32 (step.py and the native kernel read the weight as
-fp32, from the bf16 bits or from both halves); only the write differs.
+The update is always computed in fp32 (step.py and the native kernel read the weight as fp32,
+from the bf16 bits or from both halves); only the write differs. `--master_weights_emulate`
+keeps fp32 tensors holding bf16 values and rounds gradients to bf16: bf16 storage's numerics
+with fp32 compute, for CPUs whose bf16 matmuls are slow (no memory saved).
 
 Stochastic rounding needs random bits that are reproducible (same seed, same run), resumable
-(no generator state to checkpoint) and the same whichever backend or thread steps an element.
-They come from a counter-based hash, not from a generator: element i of the parameter with salt
-s at optimizer step t gets
-
-    key = mix32(s + t),   bits = mix32(i + key) & 0xFFFF          (all arithmetic mod 2^32)
-
-where mix32 is an invertible 32-bit integer mixer (xor-shift-multiply, two rounds) and
-s = mix32(mix32(seed) ^ index) for the parameter's index in the optimizer's groups. The same
-formulas run here in torch (int64 holding uint32, so inductor fuses them into the step) and in
-the native kernel (nanochat/fp8/optim_kernel.c). Rounding adds the 16 bits to the fp32 bit
-pattern and keeps the top 16: the magnitude rounds up exactly when the bits fall below the
-dropped fraction, for either sign. Under FSDP `i` counts this rank's shard, so the noise (not its
-distribution) depends on the world size.
+(no generator state to checkpoint) and the same whichever backend or thread steps an element:
+they come from a counter-based hash, not from a generator (`sr_bits` has the formula). Rounding
+adds the 16 bits to the fp32 bit pattern and keeps the top 16 (`round_sr`).
 """
 
 from __future__ import annotations
@@ -88,7 +74,15 @@ def sr_salt(seed: int, index: int) -> int:
 def sr_bits(salt: torch.Tensor | int, step: torch.Tensor | int, shape: torch.Size | tuple[int, ...],
             device: torch.device | str | None = None) -> torch.Tensor:
     """int64 [shape] of 16 random bits per element (flat index i), for step `step` (a tensor
-    on any device, or an int)."""
+    on any device, or an int). Element i of the parameter with salt s at optimizer step t gets
+
+        key = mix32(s + t),   bits = mix32(i + key) & 0xFFFF          (all arithmetic mod 2^32)
+
+    where mix32 is an invertible 32-bit integer mixer (xor-shift-multiply, two rounds) and
+    s = sr_salt(seed, index) = mix32(mix32(seed) ^ index) for the parameter's index in the
+    optimizer's groups. The same formulas run here in torch (int64 holding uint32, so inductor
+    fuses them into the step) and in the native kernel (nanochat/fp8/optim_kernel.c). Under FSDP
+    `i` counts this rank's shard, so the noise (not its distribution) depends on the world size."""
     if torch.is_tensor(step):
         step = step.to(torch.int64)
         device = step.device if device is None else device

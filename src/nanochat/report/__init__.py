@@ -1,1 +1,1 @@
-"""What a run's records become: TensorBoard and W&B (trackers.py), run.png (plot.py)."""
+"""What a run's records become: TensorBoard and W&B logs (`--log`), and the run.png picture."""

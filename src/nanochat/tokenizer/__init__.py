@@ -1,9 +1,8 @@
 """Tokenizers: the protocol every part of a run types against, and its two implementations.
 
-    bpe.py            BPETokenizer: our byte-level BPE, trained with rustbpe, encoded with tiktoken
-    hf.py             HFTokenizer: a Hugging Face checkpoint's tokenizer.json and chat template
-    patterns.py       regexes read from files, probed before use (a runaway regex is an error)
-    chat_template.py  Jinja chat templates rendered in a bounded sandbox
+BPETokenizer is our byte-level BPE (trained with rustbpe, encoded with tiktoken); HFTokenizer
+wraps a Hugging Face checkpoint's tokenizer.json and chat template. Both probe the regexes they
+read before use (a runaway regex is an error), and chat templates render in a bounded sandbox.
 
 `Tokenizer` is what the data pipeline, the trainer, evaluation, checkpoints and export ask of a
 tokenizer: text to ids and back, the document separator (`bos_id`), the vocabulary size the
@@ -11,8 +10,8 @@ embedding needs, the bytes each id stands for (bits per byte), a fingerprint tha
 caches and checks a resume, and `save`. `ChatTokenizer` adds what instruction data needs from a
 Hugging Face tokenizer: a chat template rendered to text that is then encoded with its special
 tokens. Our BPE has no template; it renders conversations with its own special tokens
-(nanochat.data.instruct). They are Protocols, not a base class: the two implementations share no
-code, only the shape, and a user's own tokenizer fits without inheriting from ours.
+(nanochat.data.instruct). They are Protocols: a user's own tokenizer fits without inheriting
+from ours (alternatives: docs/design.md).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ their leading space, digit runs, punctuation, whitespace) so that no merge cross
 boundary; each chunk's UTF-8 bytes then merge pairwise, in learned order, into longer tokens.
 Every byte is a token, so any string encodes and decoding is byte-exact: no "unknown" token.
 
-Two libraries, one job each (karpathy/nanochat's split): rustbpe trains (in parallel: a 4096-token
-vocabulary on the default corpus in ~1.5 s on 2 CPU cores), tiktoken encodes (a fast batch
-encoder from the learned ranks, which cannot train).
+Two libraries, one job each (karpathy/nanochat's split): rustbpe trains (in parallel, in seconds
+on the default corpus: docs/tokenizer.md), tiktoken encodes (a fast batch encoder from the
+learned ranks, which cannot train).
 
 The split pattern is GPT-4's with digits grouped in runs of at most two (`\\p{N}{1,2}`), so a
 small vocabulary does not spend its merges on 1,110 digit groups in number-heavy text. A saved

@@ -15,10 +15,8 @@ A template over a bound, stopped by the sandbox, that does not compile or that f
 conversation is a UsageError naming where it came from and the fix; records are rendered
 before the model is built, so that is before any training.
 
-Rejected: a wall-clock limit (a worker process per rendering is heavy, an alarm signal works in
-the main thread only) and counting executed lines with sys.settrace (a Python call per traced
-line and per frame entered: rendering several times slower). Not bounded beyond the step count:
-a value that grows inside the template without being written (a string doubled in a loop).
+Bounded by steps rather than time or tracing: docs/instruct.md. Not bounded beyond the step
+count: a value that grows inside the template without being written (a string doubled in a loop).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 `HFTokenizer` wraps the `tokenizers` library's Tokenizer (a dependency of transformers, the fast
 tokenizer every Llama-family checkpoint ships) and keeps the checkpoint's files as bytes, so that
 the run's saved tokenizer and an export are the files the model came with, byte for byte, and the
-fingerprint (which keys token caches and checks resumes) is a hash of those files. transformers'
-AutoTokenizer was rejected: transformers is an optional extra, and the tokenizers library alone
-gives the same ids (tests/test_hf.py compares them with transformers').
+fingerprint (which keys token caches and checks resumes) is a hash of those files. The tokenizers
+library alone gives transformers' ids (tests/test_hf.py compares them), and transformers is an
+optional extra (docs/design.md).
 
 The checkpoint's regexes are probed at load as our own split pattern is
 (nanochat.tokenizer.patterns). Chat templates (tokenizer_config.json's or chat_template.jinja)

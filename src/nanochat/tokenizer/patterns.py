@@ -10,9 +10,9 @@ own message on stderr.
 So a regex is tried on PROBE_TEXTS when the tokenizer is loaded (`probe`): long runs of the
 character classes split patterns tell apart, the inputs on which nested repetition explodes. One
 that gives up there is a UsageError at load naming the regex and the fix. One that passes but
-panics on real text later is caught at encode (`panics_as_errors`) and said in one line. Checking
-the pattern with Python's `regex` module and a timeout was rejected: a different engine, which
-handles `(\w+\s?)+` on 30 letters while fancy_regex panics on it (docs/tokenizer.md).
+panics on real text later is caught at encode (`panics_as_errors`) and said in one line. The
+probe runs the engine that will run the regex: another engine would pass patterns this one
+panics on (docs/tokenizer.md).
 """
 
 from __future__ import annotations

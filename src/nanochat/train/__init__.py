@@ -1,1 +1,1 @@
-"""The training loop (trainer.py) and its parts, each in the module its name says."""
+"""The training loop (NanoChatTrainer) and its parts, each in the module its name says."""

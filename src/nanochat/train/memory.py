@@ -4,24 +4,20 @@
     print(plan.table()); plan.check()   # ValueError naming what would make it fit
 
 Four parts, per device:
-- weights: parameters x `weight_bytes`, set by `master_weights` (`nanochat.optim.master`): fp32
-  masters 4 bytes; bf16, bf16_sr and bf16_split 2. FP8 training keeps these weights, torchao
-  casts to FP8 only inside each matmul;
-- gradients: parameters x `grad_bytes` (gradients take the parameters' dtype: 4 or 2). With
-  `optimizer_in_backward` the optimizer steps each parameter inside the backward as soon as its
-  gradient is complete and frees that gradient at once, so no full set of gradients ever exists:
-  the part is the largest single tensor's gradient (plus a tied embedding's, whose gradient
-  accumulates from both its uses and so stays alive from the lm_head's backward to the
-  embedding's). This is why it rules out gradient accumulation and clipping by the global norm;
-- optimizer: AdamW's two moments, per tensor exactly as `nanochat.fp8.FP8Optim` allocates them:
-  level 0 both fp32 (8 bytes/param); level 1 the first in FP8 (1 byte + one fp32 scale per 256);
-  level 2 both (~2.03 bytes/param). Tensors under 4096 elements or not whole 256-element blocks
-  keep fp32 moments at every level. bf16_split adds the 16 low bits of every fp32 master (2
-  bytes/param, every tensor): they live in the optimizer state, next to the moments;
-- activations: an estimate (`activation_bytes`): the tensors one block keeps for its backward,
-  counted from `nanochat.model.gpt.Block`, per token and layer, plus the fp32 logits, their
-  log-softmax and their gradient. With activation checkpointing a block keeps only its input,
-  and one block's activations exist at a time during the backward.
+- weights: parameters x `weight_bytes`, set by `master_weights` (nanochat.optim.master): fp32
+  masters 4 bytes, the bf16 choices 2. FP8 training keeps these weights (torchao casts to FP8
+  only inside each matmul);
+- gradients: parameters x `grad_bytes` (the parameters' dtype). With `optimizer_in_backward` each
+  gradient is freed as soon as its parameter steps, so the part is the largest single gradient,
+  plus a tied embedding's, alive from the lm_head's backward to the embedding's
+  (docs/master_weights.md);
+- optimizer: AdamW's two moments per tensor exactly as nanochat.fp8.FP8Optim allocates them:
+  level 0 both fp32 (8 bytes/param), level 1 the first in FP8 (1 byte + one fp32 scale per 256),
+  level 2 both (~2.03); tensors FP8Optim keeps fp32 keep 8 at every level. bf16_split adds the
+  16 low bits of every fp32 master (2 bytes/param) to the optimizer state;
+- activations: an estimate (`activation_bytes`): what one block keeps for its backward, counted
+  from nanochat.model.gpt.Block per token and layer, plus the fp32 logits, their log-softmax and
+  their gradient; with activation checkpointing a block keeps only its input.
 Under FSDP the first three are divided by the world size (each rank holds its shard).
 `state_bytes_per_param` is the first three per parameter (independent of the sharding): the
 training state a run carries whatever its batch, e.g. 16 for fp32 masters at level 0, ~10 at
