@@ -10,7 +10,8 @@
 
 FP8Training holds the order a loop must follow; the pieces are usable alone: FP8Config (defined
 with the other settings in nanochat.config.fp8, which the CLI's FP8 flags are generated from),
-hardware.py (native / emulated / fallback and why), linear.py (torchao
+hardware.py (native / emulated / fallback and why), layers.py (FP8Linear, MXLinear: torchao's
+layers with a high-precision switch), linear.py (torchao
 conversion, the report, restore and the high-precision switch), policy.py (which layers convert:
 the default filter, `layers` faster / all), speed.py (FP8 vs bf16 timed per layer shape on this
 GPU, cached on disk), auto.py (mode
@@ -31,7 +32,8 @@ _EXPORTS = {
     "FP8Config": "nanochat.config.fp8",
     "FP8Training": "training",
     "FP8Backend": "hardware", "detect": "hardware", "native_gemm_problem": "hardware",
-    "ConversionReport": "linear", "FP8Linear": "linear", "LayerReport": "linear", "apply_fp8": "linear",
+    "FP8Linear": "layers", "MXLinear": "layers",
+    "ConversionReport": "linear", "LayerReport": "linear", "apply_fp8": "linear",
     "convert": "linear", "fp8_disabled": "linear", "fp8_layers": "linear", "fp8_report": "linear",
     "is_fp8_model": "linear", "layers_to_convert": "linear", "restore_fp8": "linear",
     "LayerPolicy": "policy",

@@ -21,7 +21,9 @@ Four parts, per device:
 - activations: an estimate (`activation_bytes`): the tensors one block keeps for its backward,
   counted from `nanochat.model.gpt.Block`, per token and layer, plus the fp32 logits, their
   log-softmax and their gradient. With activation checkpointing a block keeps only its input,
-  and one block's activations exist at a time during the backward.
+  and one block's activations exist at a time during the backward. FP8 layers of every recipe
+  (MXFP8's too) keep for their backward what a plain Linear keeps, the high-precision input and
+  weight (torchao casts again in the backward), so `--fp8` and `--fp8_recipe` change no part.
 Under FSDP the first three are divided by the world size (each rank holds its shard).
 `state_bytes_per_param` is the first three per parameter (independent of the sharding): the
 training state a run carries whatever its batch, e.g. 16 for fp32 masters at level 0, ~10 at
