@@ -159,6 +159,21 @@ def sqnr_table(device: torch.device, emulate: bool, recipes=RECIPES, modes=("e4m
     return out
 
 
+def sqnr_tables(cfg: BenchFP8LinearConfig, device: torch.device) -> dict[str, dict[str, list[float]]]:
+    """`sqnr_table` for each of cfg.sqnr_shapes and both input kinds, printed; keyed "KxN/inputs"."""
+    out = {}
+    for shape in cfg.sqnr_shapes:
+        k, n = map(int, shape.split("x"))
+        for inputs in ("gaussian", "outliers"):
+            table = out[f"{shape}/{inputs}"] = sqnr_table(device, True, shape=(k, n), inputs=inputs)
+            what = inputs if inputs == "gaussian" else f"gaussian, {OUTLIER_CHANNELS} input channels x {OUTLIER_SCALE:g}"
+            print(f"\nSQNR vs the fp32 layer, dB (output / grad input / grad weight), Linear({k}, {n}), 128 tokens, "
+                  f"{what}, emulated, mean of 5 seeds")
+            for name, (o, gi, gw) in table.items():
+                print(f"{name:40s} {o:6.1f} {gi:6.1f} {gw:6.1f}")
+    return out
+
+
 def linear_shapes(model: str) -> dict[tuple[int, int], list[str]]:
     """(in_features, out_features) -> the Linear layers of `model` with that shape, named as in
     one block ("attn.c_q"); lm_head is left out (FP8Config.skip_fqns keeps it in high precision)."""
@@ -370,22 +385,12 @@ def main(cfg: BenchFP8LinearConfig) -> dict:
               "torch": torch.__version__, "variants": {}}
     print(f"MLP {cfg.dim}->{4 * cfg.dim}->{cfg.dim}, {cfg.tokens} tokens, fwd+bwd, {cfg.threads} threads, "
           f"backend {backend.backend}; load {load_before[0]:.1f}")
-    print(f"{'variant':28s} {'median ms':>10s} {'x baseline':>11s}")
+    print(f"{'variant':40s} {'median ms':>10s} {'x baseline':>11s}")
     for name, times in runs.items():
         ms = statistics.median(times) * 1e3
         result["variants"][name] = {"median_ms": ms, "ratio": ms / base_ms, "runs_ms": [t * 1e3 for t in times]}
-        print(f"{name:28s} {ms:10.1f} {ms / base_ms:11.2f}")
-    result["sqnr_db"] = {}
-    for shape in cfg.sqnr_shapes:
-        k, n = map(int, shape.split("x"))
-        for inputs in ("gaussian", "outliers"):
-            table = sqnr_table(device, True, shape=(k, n), inputs=inputs)
-            result["sqnr_db"][f"{shape}/{inputs}"] = table
-            what = inputs if inputs == "gaussian" else f"gaussian, {OUTLIER_CHANNELS} input channels x {OUTLIER_SCALE:g}"
-            print(f"\nSQNR vs the fp32 layer, dB (output / grad input / grad weight), Linear({k}, {n}), 128 tokens, "
-                  f"{what}, emulated, mean of 5 seeds")
-            for name, (o, gi, gw) in table.items():
-                print(f"{name:28s} {o:6.1f} {gi:6.1f} {gw:6.1f}")
+        print(f"{name:40s} {ms:10.1f} {ms / base_ms:11.2f}")
+    result["sqnr_db"] = sqnr_tables(cfg, device)
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=2)

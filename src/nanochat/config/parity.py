@@ -94,8 +94,8 @@ class ParityConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelF
     Adam moments in FP8 (it needs no FP8 matmuls), so that only the mode differs. 0: fp32 moments."""
 
     compile: bool = True
-    """torch.compile every run, base_train's default. --no_compile: eager runs, which emulate FP8
-    faster on CPU (BENCHMARKS.md section 4: d4, 2 cores)."""
+    """torch.compile every run, base_train's default. --no_compile: eager runs; emulated FP8 trains
+    faster eager on a 2-core CPU (BENCHMARKS.md section 4, the recipe sweep)."""
 
     debug: bool = False
     """Show the full traceback of an error of the sweep itself instead of the one-line message
