@@ -1,13 +1,17 @@
 """What an FP8 training step costs against a plain one, per mode or per Linear shape, on this machine.
 
     python scripts/bench_fp8_linear.py                       # d4-size MLP, emulated on CPU
+    python scripts/bench_fp8_linear.py --recipes tensorwise rowwise mxfp8   # e4m3 per recipe too
     python scripts/bench_fp8_linear.py --tokens 8192 --dim 512
     python scripts/bench_fp8_linear.py --device cuda --models d12 d20 d26 llama3-8b   # per shape
 
 Baseline and candidates run in the same process, interleaved (so machine load hits both), and
 each figure is the median of `--repeats` medians of `--steps` timed fwd+bwd steps after warmup.
 On CPU the FP8 path is torchao's emulation (FP8 rounding in high precision): it measures the
-cost of *simulating* FP8, useful for planning tests and numerics studies, not FP8 speed.
+cost of *simulating* FP8, useful for planning tests and numerics studies, not FP8 speed. Then
+the quantization error: each recipe's e4m3 (and tensorwise's/rowwise's e5m2 and auto) Linear
+against the fp32 layer, output and both gradients, per `--sqnr_shapes` and input kind (gaussian;
+gaussian with outlier channels, as LLM activations have, where per-row and per-block scales part).
 
 `--models` times what decides FP8's speed on a GPU: every distinct Linear shape of those models
 (the head excluded: it stays in high precision), at each `--shape_tokens` rows, forward and
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Literal
 
 from nanochat.common import run_main
 from nanochat.config import parse_cli
+from nanochat.config.fp8 import MX_RECIPES, RECIPES, FP8Recipe
 
 # torch and the modules that load it are imported in the functions that use them: --help stays fast
 if TYPE_CHECKING:
@@ -60,7 +65,11 @@ class BenchFP8LinearConfig:
     tokens: int = 2048
     """Rows of the input (batch x sequence)."""
     modes: tuple[Literal["e4m3", "e5m2", "auto"], ...] = ("e4m3", "e5m2", "auto")
-    """FP8 modes to time against the high-precision baseline."""
+    """FP8 modes to time against the high-precision baseline (tensorwise)."""
+    recipes: tuple[FP8Recipe, ...] = ()
+    """Also time e4m3 with each of these recipes (an MXFP8 recipe runs e4m3 only)."""
+    sqnr_shapes: tuple[str, ...] = ("256x256", "768x3072", "3072x768")
+    """Linear shapes (in x out) of the SQNR tables: d4's attention and d12's MLP shapes."""
     steps: int = 5
     """Timed steps per measurement."""
     repeats: int = 3
@@ -87,6 +96,11 @@ class BenchFP8LinearConfig:
         if unknown:
             known = ", ".join([*PRESETS, *SEED_MODELS])
             raise ValueError(f"--models {' '.join(unknown)}: unknown; choose among {known}")
+        for shape in self.sqnr_shapes:
+            dims = shape.split("x")
+            if len(dims) != 2 or not all(d.isdigit() and int(d) % 32 == 0 and int(d) > 0 for d in dims):
+                raise ValueError(f"--sqnr_shapes: {shape!r} must be IN x OUT, each a positive multiple of 32 "
+                                 "(MXFP8's blocks), e.g. 256x256")
         if any(t < 16 or t % 16 for t in self.shape_tokens):
             raise ValueError(f"--shape_tokens must be multiples of 16 (FP8 GEMM rows), got {self.shape_tokens}")
         for name in ("dim", "tokens", "steps", "repeats", "threads"):
@@ -101,27 +115,39 @@ def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     return (10 * torch.log10(ref.pow(2).sum() / (ref - x).pow(2).sum())).item()
 
 
-def sqnr_table(device: torch.device, emulate: bool, recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
-               modes=("e4m3", "e5m2", "auto"), seeds: int = 5) -> dict[str, list[float]]:
-    """Output / grad-input / grad-weight SQNR (dB) of an FP8 Linear(256, 256) against the same
-    fp32 layer on the same gaussian input (128 tokens) and upstream gradient; mean of `seeds`.
-    `auto` is measured uncalibrated, i.e. as the hybrid (e4m3 forward, e5m2 gradients)."""
+OUTLIER_CHANNELS = 4
+"""`inputs="outliers"`: this many input channels of every token scaled by OUTLIER_SCALE, as the few
+outlier features of LLM activations are (LLM.int8(): magnitudes up to ~20x-100x+ the rest)."""
+OUTLIER_SCALE = 2.0**10
+
+
+def sqnr_table(device: torch.device, emulate: bool, recipes=RECIPES, modes=("e4m3", "e5m2", "auto"),
+               seeds: int = 5, shape: tuple[int, int] = (256, 256), inputs: str = "gaussian") -> dict[str, list[float]]:
+    """Output / grad-input / grad-weight SQNR (dB) of an FP8 Linear(k, n) against the same fp32
+    layer on the same input (128 tokens: gaussian, or with outlier channels) and gaussian upstream
+    gradient; mean of `seeds`. `auto` is measured uncalibrated, i.e. as the hybrid (e4m3 forward,
+    e5m2 gradients); the MXFP8 recipes run e4m3 only (their other modes are left out)."""
     import torch
     import torch.nn as nn
 
     from nanochat.fp8 import convert
 
+    k, n = shape
     out: dict[str, list[float]] = {}
     for recipe in recipes:
         for mode in modes:
+            if recipe in MX_RECIPES and mode != "e4m3":
+                continue
             per_seed = []
             for seed in range(seeds):
                 torch.manual_seed(seed)
-                ref = nn.Sequential(nn.Linear(256, 256, bias=False)).to(device)
+                ref = nn.Sequential(nn.Linear(k, n, bias=False)).to(device)
                 fp8 = copy.deepcopy(ref)
                 convert(fp8, mode=mode, recipe=recipe, emulate=emulate, min_dim=16, layers="all")
-                x = torch.randn(128, 256, device=device)
-                upstream = torch.randn(128, 256, device=device)
+                x = torch.randn(128, k, device=device)
+                if inputs == "outliers":
+                    x[:, torch.randperm(k, device=device)[:OUTLIER_CHANNELS]] *= OUTLIER_SCALE
+                upstream = torch.randn(128, n, device=device)
                 results = []
                 for m in (ref, fp8):
                     xi = x.clone().requires_grad_(True)
@@ -130,6 +156,21 @@ def sqnr_table(device: torch.device, emulate: bool, recipes=("tensorwise", "roww
                     results.append((y.detach(), xi.grad, m[0].weight.grad))
                 per_seed.append([sqnr_db(a, b) for a, b in zip(*results)])
             out[f"{mode}/{recipe}"] = [sum(v[i] for v in per_seed) / seeds for i in range(3)]
+    return out
+
+
+def sqnr_tables(cfg: BenchFP8LinearConfig, device: torch.device) -> dict[str, dict[str, list[float]]]:
+    """`sqnr_table` for each of cfg.sqnr_shapes and both input kinds, printed; keyed "KxN/inputs"."""
+    out = {}
+    for shape in cfg.sqnr_shapes:
+        k, n = map(int, shape.split("x"))
+        for inputs in ("gaussian", "outliers"):
+            table = out[f"{shape}/{inputs}"] = sqnr_table(device, True, shape=(k, n), inputs=inputs)
+            what = inputs if inputs == "gaussian" else f"gaussian, {OUTLIER_CHANNELS} input channels x {OUTLIER_SCALE:g}"
+            print(f"\nSQNR vs the fp32 layer, dB (output / grad input / grad weight), Linear({k}, {n}), 128 tokens, "
+                  f"{what}, emulated, mean of 5 seeds")
+            for name, (o, gi, gw) in table.items():
+                print(f"{name:40s} {o:6.1f} {gi:6.1f} {gw:6.1f}")
     return out
 
 
@@ -306,13 +347,16 @@ def main(cfg: BenchFP8LinearConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(0)
     backend = detect(device, emulate=False)
-    emulate = backend.backend != "native"
     base = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.ReLU(), nn.Linear(4 * cfg.dim, cfg.dim)).to(device)
     variants = {"high precision": base}
-    for mode in cfg.modes:
+    combos = [(mode, "tensorwise") for mode in cfg.modes] + [("e4m3", r) for r in cfg.recipes]
+    for mode, recipe in dict.fromkeys(combos):
         m = copy.deepcopy(base)
-        convert(m, mode=mode, emulate=emulate, min_dim=16, layers="all")  # every layer, faster or not
-        variants[f"fp8 {mode}" + (" (emulated)" if emulate else "")] = m
+        # every layer, faster or not; emulated where this device has no kernel for the recipe
+        native = detect(device, emulate=False, recipe=recipe).backend == "native"
+        convert(m, mode=mode, recipe=recipe, emulate=not native, min_dim=16, layers="all")
+        name = f"fp8 {mode}" + ("" if recipe == "tensorwise" else f"/{recipe}")
+        variants[name + ("" if native else " (emulated)")] = m
     x = torch.randn(cfg.tokens, cfg.dim, device=device)
 
     def step(m: nn.Module) -> None:
@@ -341,15 +385,12 @@ def main(cfg: BenchFP8LinearConfig) -> dict:
               "torch": torch.__version__, "variants": {}}
     print(f"MLP {cfg.dim}->{4 * cfg.dim}->{cfg.dim}, {cfg.tokens} tokens, fwd+bwd, {cfg.threads} threads, "
           f"backend {backend.backend}; load {load_before[0]:.1f}")
-    print(f"{'variant':28s} {'median ms':>10s} {'x baseline':>11s}")
+    print(f"{'variant':40s} {'median ms':>10s} {'x baseline':>11s}")
     for name, times in runs.items():
         ms = statistics.median(times) * 1e3
         result["variants"][name] = {"median_ms": ms, "ratio": ms / base_ms, "runs_ms": [t * 1e3 for t in times]}
-        print(f"{name:28s} {ms:10.1f} {ms / base_ms:11.2f}")
-    result["sqnr_db"] = sqnr_table(device, emulate)
-    print("\nSQNR vs the fp32 layer, dB (output / grad input / grad weight), Linear(256, 256), 128 tokens, mean of 5 seeds")
-    for name, (o, gi, gw) in result["sqnr_db"].items():
-        print(f"{name:28s} {o:6.1f} {gi:6.1f} {gw:6.1f}")
+        print(f"{name:40s} {ms:10.1f} {ms / base_ms:11.2f}")
+    result["sqnr_db"] = sqnr_tables(cfg, device)
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=2)

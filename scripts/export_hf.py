@@ -7,11 +7,11 @@
 The result loads with `transformers.AutoModelForCausalLM.from_pretrained(out_dir)`. Weights are
 plain fp32, FP8 training or not, unless --quantize: fp8 stores every block Linear in e4m3 with a
 scale per output channel (fp8_block: per 128x128 block) in compressed-tensors' format, which
-`vllm serve out_dir` runs as FP8 on an sm_89+ GPU; the layers the run trained in high precision,
-lm_head, embeddings and norms stay bf16; a table gives each layer's weight SQNR (docs/hf.md). The
-tokenizer files are the run's, with the chat template the records were rendered with
-(`chat_template.jinja`; the plain format for a base model), so `AutoTokenizer.apply_chat_template`
-writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
+`vllm serve out_dir` runs as FP8 on an sm_89+ GPU (mxfp8: an e8m0 scale per 32 values, MXFP8 for
+Blackwell); the layers the run trained in high precision, lm_head, embeddings and norms stay
+bf16; a table gives each layer's weight SQNR (docs/hf.md). The tokenizer files are the run's,
+with the chat template the records were rendered with (`chat_template.jinja`; the plain format
+for a base model), so `AutoTokenizer.apply_chat_template` writes the text the model was fine-tuned on. Only Llama-family models (loaded from a Hugging Face
 checkpoint, then trained) can be exported; see nanochat/model/export.py for why presets cannot. A non-empty
 --out_dir is refused unless --overwrite, which replaces it whole once the export is complete
 (never the run or the model it reads from). The export names what it read (the checkpoint and

@@ -21,7 +21,9 @@ Jobs, in priority order (the figures no earlier run has first, FP8 `all` last):
   shapes  bench_fp8_linear.time_shapes: bf16 vs FP8 tensorwise and rowwise per Linear shape of
           --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
   all     both models with every Linear in FP8 (not repeated where faster converted every one),
-          and bench_train.profile_step at --model (GEMM kernels, torch._scaled_mm calls, device reads).
+          and bench_train.profile_step at --model (GEMM kernels, torch._scaled_mm calls, device reads);
+  mxfp8   --model with every Linear in MXFP8 (--fp8_recipe mxfp8): only on sm_100+ (Blackwell),
+          where it runs natively; on an Ada or Hopper GPU the row records why it did not run.
 Also on request: scope (--compile_scope blocks against model), opt_levels, master.
 Each measurement has an estimate (ESTIMATES_S); one that does not fit what is left of --budget_s
 is skipped and listed. A training run during which dynamo hit its recompile limit ran partly
@@ -74,6 +76,7 @@ ESTIMATES_S = {
     # seconds, 2 x 3 x 3 x 10 timed steps (the Llama MLP's at 32768 rows: ~20 ms each)
     "model/fp8_all": 50,  # every Linear in FP8: stats compiled this graph, inductor's cache serves it (~25 s)
     "big/fp8_all": 45,  # run only where faster kept layers in bf16 (torchao's tables convert all of d26's)
+    "model/fp8_mxfp8": 70,  # not yet run on a Blackwell GPU: d12 FP8 `all`'s ~60 s compile plus 20 steps, as a guess
     "scope": 120,  # d12 bf16 and FP8 compiled per block: 10 + 21 s compile (run 1)
     "opt_levels": 150,  # d12 FP8 at --fp8_opt_level 1 and 2, each compiling ~60 s
     "master": 220,  # three d12 FP8 runs with bf16 master weights, the first compiling ~60 s
@@ -150,7 +153,8 @@ def ratios(results: dict) -> dict:
     only the reason."""
     out = {}
     for model, runs in (results.get("train") or {}).items():
-        runs = {**runs, **((results.get("all") or {}).get(model) or {})}
+        runs = {**runs, **((results.get("all") or {}).get(model) or {}),
+                **((results.get("mxfp8") or {}).get(model) or {})}
         base = runs.get("bf16") or {}
         for kind, r in runs.items():
             if not isinstance(r, dict) or not r.get("tokens_per_sec"):
@@ -248,7 +252,7 @@ def job_env(cfg: GPUCheckConfig, findings: Findings) -> None:
         peak = device_peak(device)
         out["mfu_peak"] = dataclasses.asdict(peak) if peak is not None else None
         out["fp8"] = {r: dataclasses.asdict(detect(device, emulate=cfg.dry_run, recipe=r))
-                      for r in ("tensorwise", "rowwise")}
+                      for r in ("tensorwise", "rowwise", "mxfp8")}
         return out
 
     findings.measure("env", ESTIMATES_S["env"], env)
@@ -341,6 +345,21 @@ def job_all(cfg: GPUCheckConfig, findings: Findings) -> None:
             cfg, f"{model}-fp8_all", model, profile=role == "model", fp8=True, fp8_layers="all"))
 
 
+def job_mxfp8(cfg: GPUCheckConfig, findings: Findings) -> None:
+    """--model with every eligible Linear in MXFP8, against train's bf16 run (its ratio and MFU in
+    `ratios`). Native MXFP8 needs sm_100+: elsewhere the row says why it did not run, rather than
+    timing an emulation or a high-precision fallback (a dry run emulates it, to rehearse the row)."""
+    from nanochat.fp8 import detect
+
+    key = f"mxfp8/{cfg.model}/fp8_mxfp8"
+    backend = detect(device_of(cfg), emulate=cfg.dry_run, recipe="mxfp8")
+    if backend.backend == "fallback":
+        findings.put(key, {"not_run": f"MXFP8 runs natively on sm_100+ (Blackwell) only: {backend.reason}"})
+        return
+    findings.measure(key, ESTIMATES_S["model/fp8_mxfp8"], _training(
+        cfg, f"{cfg.model}-fp8_mxfp8", cfg.model, fp8=True, fp8_recipe="mxfp8", fp8_layers="all"))
+
+
 def job_scope(cfg: GPUCheckConfig, findings: Findings) -> None:
     """--model compiled per block (--compile_scope blocks), bf16 and FP8: against train's whole-model runs."""
     for kind, over in (("bf16", {}), ("fp8", {"fp8": True})):
@@ -367,7 +386,8 @@ def job_master(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 JOBS: dict[str, Callable[[GPUCheckConfig, Findings], None]] = {
     "env": job_env, "tests": job_tests, "optim": job_optim, "stats": job_stats, "train": job_train,
-    "shapes": job_shapes, "all": job_all, "scope": job_scope, "opt_levels": job_opt_levels, "master": job_master}
+    "shapes": job_shapes, "all": job_all, "mxfp8": job_mxfp8, "scope": job_scope, "opt_levels": job_opt_levels,
+    "master": job_master}
 assert tuple(JOBS) == JOB_NAMES, "every job GPUCheckConfig accepts has its function here"
 
 

@@ -2,8 +2,9 @@
 high-precision training, over several seeds?
 
 It trains the same model on the same data and tokenizer once per mode -- `baseline` (no FP8),
-`e4m3`, `e5m2`, `auto` (calibrated in the first steps, then fixed) and `auto-recheck` (auto with
-`--fp8_auto_recheck_every --recheck_every`) -- for each seed in `--seeds`. Within a seed every
+`e4m3`, `e5m2`, `auto` (calibrated in the first steps, then fixed), `auto-recheck` (auto with
+`--fp8_auto_recheck_every --recheck_every`), or a recipe's name (e4m3 with that recipe: mxfp8
+beside tensorwise and rowwise) -- for each seed in `--seeds`. Within a seed every
 mode starts from the same weights and sees the same batches, so a seed's gap is FP8's alone:
 
     gap[seed, mode] = (val_loss[seed, mode] - val_loss[seed, baseline]) / val_loss[seed, baseline]
@@ -39,6 +40,7 @@ from typing import Any, Callable
 
 from nanochat.common import format_table
 from nanochat.config import ParityConfig
+from nanochat.config.fp8 import RECIPES
 from nanochat.fs import write_atomic
 
 FIXED_MODES = ("e4m3", "e5m2")
@@ -59,11 +61,13 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
               eval_tokens=cfg.eval_tokens, seed=seed, device=cfg.device,
               run_dir=str(run_dir_of(cfg, seed, mode)),
               save_every=0, num_samples=0, dtype=cfg.dtype,  # one checkpoint at the end, no sampling
-              init_from=cfg.init_from)
+              init_from=cfg.init_from, compile=cfg.compile)
     if cfg.fp8_opt_level:  # FP8 moments in every mode (they need no FP8 layers): the same optimizer
         kw.update(fp8_opt_level=cfg.fp8_opt_level)
     if mode in MASTER_MODES:
         kw.update(master_weights=mode, master_weights_emulate=cfg.master_weights_emulate)
+    elif mode in RECIPES:  # a recipe beside the others: e4m3, the one format every recipe runs
+        kw.update(fp8=True, fp8_mode="e4m3", fp8_recipe=mode, fp8_emulate=emulate, fp8_layers="all")
     elif mode != "baseline":
         # --fp8_layers all: parity measures FP8's numerics on every eligible layer; which layers
         # the default (faster) would keep in bf16 depends on speed, not on what is compared here
@@ -72,6 +76,11 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
     if mode == "auto-recheck":
         kw.update(fp8_auto_recheck_every=cfg.recheck_every)
     return kw
+
+
+def mode_recipe(cfg: ParityConfig, mode: str) -> str:
+    """The FP8 recipe a mode trains with: its own name for a recipe mode, else --recipe."""
+    return mode if mode in RECIPES else cfg.recipe
 
 
 def run_dir_of(cfg: ParityConfig, seed: int, mode: str) -> Path:
@@ -191,13 +200,15 @@ def prepare_data(cfg: ParityConfig) -> None:
     prepare(cfg.dataset_path, tokenizer=tok, vocab_size=cfg.vocab_size, cache_root=cache_root())
 
 
-def run_all(cfg: ParityConfig, *, emulate: bool,
+def run_all(cfg: ParityConfig, *, emulated: set[str],
             on_result: Callable[[dict[str, dict[str, dict]]], None]) -> dict[str, dict[str, dict]]:
-    """Every (seed, mode) run: {str(seed): {mode: record}}; `on_result(runs)` after each one."""
+    """Every (seed, mode) run: {str(seed): {mode: record}}; `on_result(runs)` after each one.
+    `emulated`: the recipes this device has no FP8 kernels for (their modes run emulated)."""
     runs: dict[str, dict[str, dict]] = {str(s): {} for s in cfg.seeds}
     todo = []
     for seed in cfg.seeds:
         for mode in cfg.modes:
+            emulate = mode_recipe(cfg, mode) in emulated
             kw = train_kwargs(cfg, mode, seed, emulate=emulate)
             old = reusable(kw) if cfg.reuse else None
             if old is not None:
@@ -206,12 +217,12 @@ def run_all(cfg: ParityConfig, *, emulate: bool,
                 runs[str(seed)][mode] = old
                 on_result(runs)
             else:
-                todo.append((kw, mode, seed))
+                todo.append((kw, mode, seed, emulate))
     if not todo:
         return runs
     prepare_data(cfg)
     if cfg.jobs == 1:
-        for kw, mode, seed in todo:
+        for kw, mode, seed, emulate in todo:
             runs[str(seed)][mode] = run_one(kw, mode, seed, emulate=emulate)
             on_result(runs)
         return runs
@@ -222,7 +233,7 @@ def run_all(cfg: ParityConfig, *, emulate: bool,
     ctx = multiprocessing.get_context("spawn")  # no fork of a process that already holds torch threads
     with concurrent.futures.ProcessPoolExecutor(cfg.jobs, mp_context=ctx) as pool:
         futures = {pool.submit(_worker, kw, mode, seed, emulate, threads): (kw, mode, seed)
-                   for kw, mode, seed in todo}
+                   for kw, mode, seed, emulate in todo}
         for fut in concurrent.futures.as_completed(futures):
             kw, mode, seed = futures[fut]
             try:
@@ -472,7 +483,8 @@ def environment(cfg: ParityConfig, device) -> dict[str, Any]:
         torch=torch.__version__, torchao=torchao.__version__, platform=platform.platform(),
         cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), jobs=cfg.jobs,
         omp_num_threads=os.environ.get("OMP_NUM_THREADS"), device=str(device), commit=code_version(),
-        fp8_hardware=detect(device, emulate=False, recipe=cfg.recipe).reason,
+        fp8_hardware={r: detect(device, emulate=False, recipe=r).reason for r in dict.fromkeys(
+            mode_recipe(cfg, m) for m in cfg.modes if m not in ("baseline", *MASTER_MODES))},
         loadavg_start=os.getloadavg() if hasattr(os, "getloadavg") else None,
     )
 
@@ -488,12 +500,14 @@ def run_parity(cfg: ParityConfig) -> dict[str, Any]:
     from nanochat.fp8 import detect
 
     device = resolve_device(cfg.device)
-    native = detect(device, emulate=False, recipe=cfg.recipe).backend == "native"
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     env = environment(cfg, device)
+    emulated = {r for r in env["fp8_hardware"] if detect(device, emulate=False, recipe=r).backend != "native"}
+    where = "; ".join(f"{r} {'emulated' if r in emulated else 'native'} ({why})"
+                      for r, why in env["fp8_hardware"].items())
     print(f"fp8 parity: modes {' '.join(cfg.modes)} x seeds {' '.join(map(str, cfg.seeds))} on {device}, "
-          f"FP8 {'native' if native else 'emulated'} ({env['fp8_hardware']})", flush=True)
+          f"FP8 {where or 'not used'}", flush=True)
     t_start = time.perf_counter()
     payload: dict[str, Any] = {}
     plots = importlib.util.find_spec("matplotlib") is not None
@@ -512,7 +526,7 @@ def run_parity(cfg: ParityConfig) -> dict[str, Any]:
         if plots:
             plot(cfg, runs, out / "parity.png")
 
-    runs = run_all(cfg, emulate=not native, on_result=on_result)
+    runs = run_all(cfg, emulated=emulated, on_result=on_result)
     on_result(runs)
     print("\n" + report(cfg, runs, payload["summary"], payload["targets"]))
     print(f"\n{sum(len(m) for m in runs.values())} runs in {env['total_wall_time_s']:.0f} s; figures: "
@@ -520,4 +534,4 @@ def run_parity(cfg: ParityConfig) -> dict[str, Any]:
     return payload
 
 
-__all__ = ["add_gaps", "check_targets", "report", "run_parity", "summarize", "train_kwargs"]
+__all__ = ["add_gaps", "check_targets", "mode_recipe", "report", "run_parity", "summarize", "train_kwargs"]

@@ -10,6 +10,8 @@ What is checked against what:
 - FSDP2 with --fp8 --fp8_emulate --fp8_opt_level 2: weights all-gathered in FP8 (reported in
   result.json), Adam moments stored as FP8Tensor *per shard* (DTensor around FP8Tensor, half the
   rows on each rank).
+- FSDP2 with --fp8_recipe mxfp8 (emulated): weights all-gathered in high precision (reported),
+  and the losses of one process within MX_LOSS_TOL (argued there); step 1 within LOSS_TOL.
 - A DCP checkpoint written by 2 FSDP ranks (FP8 moments included) loads into 1 process bit for
   bit (every tensor is the ranks' shards stacked, FP8 codes and scales included), and resumes
   there (batch 16) with the losses of the uninterrupted 2-rank run; with `-m slow`, also in 4.
@@ -70,6 +72,17 @@ not depend on the CPU: measured 2.0-3.2e-3 in train loss and 4.2e-3 in validatio
 without the perturbation pass; between a resumed and the uninterrupted run, at most 1.2e-3
 (2 ranks -> 1 and -> 4) and 1e-4 (3 -> 2). 1e-2 leaves 2.4x over the largest, and a real fault
 (a lost shard, a wrong scale) moves these losses by far more."""
+MX_LOSS_TOL = FP8_LOSS_TOL
+"""MXFP8 emulated under FSDP2 (absolute). Unlike tensorwise, the two sides cast the same values the
+same way at first: every MX block lies within one rank's tokens (blocks of 32 along K for the
+forward and grad-input casts, per token; along the tokens for the weight-gradient casts, and
+seq_len 32 makes each such block one sequence, which one rank reads whole), and the weights are
+all-gathered in fp32 and cast whole. So step 1's loss differs only by fp32's reduction order
+(LOSS_TOL, checked; measured equal). From step 2 the weights differ by that order (~1e-7
+relative), which Adam amplifies where gradients are near zero (LOSS_TOL's note), and every value
+such a difference carries across an e4m3 rounding boundary lands a whole quantum (2^-4 relative)
+away: the same kind of FP8 rounding noise as FP8_LOSS_TOL's, so its bound applies. Measured
+1.2e-3 in train and validation loss (tensorwise here: 1.7e-3 / 4.6e-3)."""
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
@@ -108,6 +121,7 @@ def single(small_corpus, tmp_path_factory, cache) -> dict[str, Path]:
 
     out = tmp_path_factory.mktemp("single")
     runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
+            "mxfp8": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_recipe="mxfp8"),
             "split": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2,
                           master_weights="bf16_split")}
     with pytest.MonkeyPatch.context() as mp, perturbed_init():  # the side the perturbation pass moves
@@ -129,6 +143,8 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
              kwargs=_kwargs(small_corpus, out / "ddp", batch_size=4, grad_accum_steps=2)),
         dict(name="fsdp", kwargs=_kwargs(small_corpus, out / "fsdp", fsdp=True)),
         dict(name="fsdp_fp8", kwargs=_kwargs(small_corpus, out / "fsdp_fp8", fsdp=True, **fp8)),
+        dict(name="fsdp_mxfp8", kwargs=_kwargs(small_corpus, out / "fsdp_mxfp8", fsdp=True, fp8=True, fp8_emulate=True,
+                                               fp8_layers="all", fp8_recipe="mxfp8")),
         dict(name="ddp_fp8", kwargs=_kwargs(small_corpus, out / "ddp_fp8", **fp8)),
         dict(name="fsdp_split", kwargs=_kwargs(small_corpus, out / "fsdp_split", fsdp=True,
                                                master_weights="bf16_split", **fp8)),
@@ -197,6 +213,22 @@ def test_fsdp_fp8_matches_one_process_with_sharded_fp8_states(two_ranks, single)
         for name, s in states.items():
             assert s["exp_avg"] == s["exp_avg_sq_sqrt"] == "DTensor(FP8Tensor)", (name, s)
             assert s["local_rows"] * 2 == s["global_rows"], (name, s)  # this rank's half
+
+
+@pytest.mark.two_computations
+def test_fsdp_mxfp8_gathers_weights_in_high_precision_and_matches_one_process(two_ranks, single):
+    run = two_ranks["fsdp_mxfp8"]
+    got, want = _losses(run), _losses(single["mxfp8"])
+    _assert_close({1: got[1]}, {1: want[1]}, LOSS_TOL, "fsdp mxfp8 step-1 loss")  # the same casts
+    _assert_close(got, want, MX_LOSS_TOL, "fsdp mxfp8 train loss")
+    _assert_close(_val_losses(run), _val_losses(single["mxfp8"]), MX_LOSS_TOL, "fsdp mxfp8 val loss")
+    result = json.loads((run / "result.json").read_text())
+    assert len(result["fp8_converted"]) == 12 and result["fp8_backend"] == "emulated"
+    assert ("fp8 all-gather off: needs the tensorwise recipe (one scale per weight); mxfp8 all-gathers the "
+            "weights in high precision") in result["parallel"], result["parallel"]
+    for rank in (0, 1):
+        states = json.loads((run / f"states-rank{rank}.json").read_text())
+        assert all(s["local_rows"] * 2 == s["global_rows"] for s in states.values())  # sharded
 
 
 @pytest.mark.two_computations

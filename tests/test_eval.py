@@ -27,11 +27,11 @@ without a chat template (a base model) whose vocabulary has ` A` and ` B` but sp
   and a different window, mask or byte count moves them by far more (one window is 1/64 of
   the tokens scored here). eval.py says which of --seq_len / --eval_tokens the run used when
   they differ.
-- The run exported with --quantize fp8 next to the plain export: scripts/eval.py --model_name
-  on each (nanochat dequantizes the FP8 one); the FP8 accuracy equals transformers' on the same
-  export with its dequantizing route (the same weights, so the MARGIN argument above holds), and
-  the plain one the run's final accuracy. Both are printed, with transformers' accuracy of the
-  FP8 export as vLLM computes it (activations also in e4m3, per token).
+- The run exported with --quantize fp8 and mxfp8 next to the plain export: scripts/eval.py
+  --model_name on each (nanochat dequantizes the FP8 ones); each FP8 accuracy equals transformers'
+  on the same export with its dequantizing route (the same weights, so the MARGIN argument above
+  holds), and the plain one the run's final accuracy. All are printed, with transformers'
+  accuracy of the FP8 export as vLLM computes it (activations also in e4m3, per token).
 - A vocabulary where every letter is one token: every prediction is the old rule's (the largest
   of the letters' logits), exactly.
 - choice_counts against a hand count on fixed logits (prompts, options of one and two tokens
@@ -333,7 +333,7 @@ def test_fp8_export_accuracy_next_to_the_plain_models(flagship, tmp_path):
     model_dir, data, run, _ = flagship
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     accuracy = {}
-    for kind, extra in (("plain", []), ("fp8", ["--quantize", "fp8"])):
+    for kind, extra in (("plain", []), ("fp8", ["--quantize", "fp8"]), ("mxfp8", ["--quantize", "mxfp8"])):
         out = tmp_path / kind
         r = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--run_dir", str(run),
                             "--out_dir", str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
@@ -350,6 +350,9 @@ def test_fp8_export_accuracy_next_to_the_plain_models(flagship, tmp_path):
     rows = arc_rows(24, "validation", 1)
     dense = transformers.CompressedTensorsConfig(dequantize=True)
     assert accuracy["fp8"] == reference_accuracy(fp8_dir, rows, use_template=True, quantization_config=dense)
+    assert accuracy["mxfp8"] == reference_accuracy(tmp_path / "mxfp8", rows, use_template=True,
+                                                   quantization_config=dense)
     served = reference_accuracy(fp8_dir, rows, use_template=True)
     print(f"ARC, CPU example: plain export {accuracy['plain']:.4f}, FP8 export {accuracy['fp8']:.4f} "
-          f"(nanochat, weights dequantized), {served:.4f} (transformers, e4m3 weights and activations)")
+          f"(nanochat, weights dequantized), {served:.4f} (transformers, e4m3 weights and activations); "
+          f"MXFP8 export {accuracy['mxfp8']:.4f} (nanochat)")

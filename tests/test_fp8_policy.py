@@ -9,7 +9,9 @@ a function of the shape returning chosen FP8 and bf16 seconds) and a fake clock;
   torchao version times again; a corrupt, non-UTF-8 or foreign file is ignored with one log line
   and left byte for byte as it was; a FIFO in its place neither blocks nor is replaced;
 * where nothing is timed (emulated), each recipe's decisions equal torchao's
-  `_auto_filter_for_recipe` itself (rowwise_with_gw_hp: rowwise's), and the reason names the rule;
+  `_auto_filter_for_recipe` itself (rowwise_with_gw_hp: rowwise's; the MXFP8 recipes, which torchao
+  has no rule for: tensorwise's, on dims that are multiples of 32), and the reason names the rule;
+  timed, an MXFP8 layer is timed with torchao's MXFP8 config;
   a timer that fails or a missing `micro_batch_tokens` falls back to that rule, recorded;
 * the report and TrainResult give each layer's decision and the measuring time (fake clock);
 * d12 emulated with the default converts exactly its 12 `mlp.c_fc`, `all` converts 72;
@@ -40,6 +42,8 @@ import torch.nn as nn
 import torchao
 from torchao.float8 import convert_to_float8_training
 from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+from torchao.quantization.quantize_.common import KernelPreference
 
 import nanochat.common as common
 import nanochat.fp8.linear as linear
@@ -48,6 +52,7 @@ import nanochat.fp8.speed as speed
 from nanochat.config import TrainConfig, parse_cli
 from nanochat.fp8 import FP8Config, FP8Training, convert, detect
 from nanochat.fp8.hardware import FP8Backend
+from nanochat.fp8.layers import mx_training_config
 from nanochat.fp8.policy import MARGIN, LayerPolicy
 from nanochat.fp8.speed import CACHE_FORMAT, LinearShape, Timing, default_cache_path
 from nanochat.model.gpt import GPT, preset_config
@@ -219,6 +224,36 @@ def test_unmeasured_decisions_are_torchaos_rule_for_the_recipe(recipe):
     assert report.decisions["l768x768"] == (
         f"torchao's {rule} rule{f' (it has none for {recipe})' if rule != recipe else ''} from H100 tables, "
         "not timed (FP8 is emulated here): K=768, N=768: kept in bf16")
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_wgrad_hp"])
+def test_unmeasured_mxfp8_decisions_are_torchaos_tensorwise_rule_on_dims_of_32(recipe):
+    """torchao has no rule for MXFP8 (policy.MX_RULE: tensorwise's stands in); a layer whose dims
+    are multiples of 16 but not of 32 is refused earlier, by what MXFP8's blocks need."""
+    assert policy.MX_RULE == "tensorwise"
+    with torch.device("meta"):
+        model = nn.ModuleDict({f"l{k}x{n}": nn.Linear(k, n) for k, n in SHAPES})
+    reference = _auto_filter_for_recipe("tensorwise", filter_fqns=[])
+    expected = [name for name, m in model.items() if reference(m, name) and m.in_features % 32 == 0
+                and m.out_features % 32 == 0]
+    report = convert(model, emulate=True, recipe=recipe, device="cpu")
+    assert report.converted == expected and 0 < len(expected) < len(SHAPES)
+    assert report.decisions["l768x768"] == (f"torchao's tensorwise rule (it has none for {recipe}) from H100 tables, "
+                                            "not timed (FP8 is emulated here): K=768, N=768: kept in bf16")
+    assert "MXFP8 needs both dims divisible by 32" in report.skipped["l4112x1024"]
+
+
+def test_measured_mxfp8_decisions_time_each_shape_with_the_mx_layer_config(cache, monkeypatch):
+    """On an sm_100 each shape is timed as for the other recipes, with torchao's MXFP8 config of the
+    layers (the injected timer stands in for the GPU's), and cached under the recipe's name."""
+    timer = _timed(monkeypatch, {(256, 256): 0.9, (256, 512): 1.2, (512, 256): 1.1})
+    report = convert(_model(), emulate=True, recipe="mxfp8", micro_batch_tokens=M, measure=timer)
+    assert report.converted == ["up", "down"] and report.shapes_measured == 3
+    assert report.decisions["a"] == f"fwd+bwd 0.90x bf16 at M={M} (measured): kept in bf16 (FP8 must be >= 1.03x)"
+    for _, lin_config, _ in timer.calls:
+        assert isinstance(lin_config, MXFP8TrainingOpConfig) and not lin_config.wgrad_with_hp
+        assert lin_config.kernel_preference is KernelPreference.EMULATED
+    assert all("| mxfp8 |" in key for key in json.loads(cache.read_text())["timings"])
 
 
 def test_failed_timing_falls_back_to_the_rule_and_fp8_training_records_it(cache, monkeypatch):
@@ -408,11 +443,12 @@ def test_gpu_timing_path_measures_and_decides(cache):
     assert again.shapes_cached == 3 and again.converted == report.converted
 
 
-def test_the_timing_code_runs_on_cpu_with_another_clock():
-    """speed.time_fwd_bwd, the GPU timer, on CPU (emulated FP8, inductor's CPU backend) with a
-    clock that runs each window and reports 1 s for odd-numbered windows, 2 s for even ones: FP8's
-    and bf16's windows alternate (FP8 first), each figure is the median per call, and the random
-    streams are left as they were."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8"])
+def test_the_timing_code_runs_on_cpu_with_another_clock(recipe):
+    """speed.time_fwd_bwd, the GPU timer, on CPU (emulated FP8, inductor's CPU backend: MXLinear
+    compiles too) with a clock that runs each window and reports 1 s for odd-numbered windows, 2 s
+    for even ones: FP8's and bf16's windows alternate (FP8 first), each figure is the median per
+    call, and the random streams are left as they were."""
     windows = []
 
     def clock(run) -> float:
@@ -421,8 +457,9 @@ def test_the_timing_code_runs_on_cpu_with_another_clock():
         return 1.0 if len(windows) % 2 else 2.0
 
     rng = torch.get_rng_state()
-    lin_config = linear.float8_linear_config("tensorwise", FP8Config().role_dtypes(), emulate=True)
-    timing = speed.time_fwd_bwd(LinearShape(32, 64, 48), lin_config, torch.device("cpu"), seconds=clock)
+    lin_config = (mx_training_config(recipe, emulate=True) if recipe == "mxfp8" else
+                  linear.float8_linear_config(recipe, FP8Config().role_dtypes(), emulate=True))
+    timing = speed.time_fwd_bwd(LinearShape(32, 64, 64), lin_config, torch.device("cpu"), seconds=clock)
     assert torch.equal(rng, torch.get_rng_state())
     assert len(windows) == 2 * speed.WINDOWS
     assert timing == Timing(fp8_s=1.0 / speed.CALLS, bf16_s=2.0 / speed.CALLS)

@@ -3,7 +3,9 @@
 Hand-made tensors whose fate under an FP8 cast can be worked out on paper (the format limits:
 e4m3 max 448, smallest subnormal 2^-9, so values under 2^-10 flush; e5m2 max 57344, smallest
 subnormal 2^-16), compared with what `tensor_stats` counts; then the sampler's hooks on a
-converted layer against the same counts computed directly from the tensors it saw.
+converted layer against the same counts computed directly from the tensors it saw. MXFP8 (one
+e8m0 scale per block of 32): hand counts where block scales keep what a row's scale flushes, and
+the sampler on MX layers against torchao's own casts of the same tensors, counted here.
 """
 
 import copy
@@ -13,8 +15,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from nanochat.fp8 import FP8StatsSampler, collect_fp8_stats, convert, first_nonfinite_layer, fp8_disabled, tensor_stats
-from nanochat.fp8.stats import role_counts
+from torchao.prototype.mx_formats.config import ScaleCalculationMode
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+from nanochat.fp8 import (
+    FP8StatsSampler, collect_fp8_stats, convert, first_nonfinite_layer, fp8_disabled, start_auto_calibration,
+    tensor_stats,
+)
+from nanochat.fp8.stats import CastCounts, CastStats, role_counts
 
 X = torch.tensor([0.0, 1e-6, -1e-6, 1.0, 500.0, -600.0, 3.0, 0.001])
 
@@ -83,6 +91,63 @@ def test_sampler_matches_direct_counts_and_removes_its_hooks(recipe):
     model(x).backward(g)
     assert sampler.results()["0"]["input"].numel == res["input"].numel
     assert not layer._forward_hooks
+
+
+def test_mx_blocks_scale_each_32_values_by_hand():
+    """One row of 64: an outlier 1000 and 63 values of 1e-3. One scale for the row (rowwise's
+    power of two, 2^-2) flushes all 63 (1e-3 / 4 < 2^-10, half e4m3's smallest subnormal). MXFP8's
+    RCEIL scale per block of 32 is 2^ceil(log2(amax / 448)): 4 for block 0, whose 31 small values
+    flush the same way; 2^-18 for block 1, where 1e-3 becomes 262.1 and rounds to 256 (e4m3's
+    step is 32 there): none flushes. Nothing saturates (RCEIL maps each amax to at most 448)."""
+    x = torch.full((1, 64), 1e-3)
+    x[0, 0] = 1000.0
+    assert tensor_stats(x, "e4m3", axis=-1, round_pow2=True).underflow_pct == pytest.approx(100 * 63 / 64)
+    mx = CastStats.of("e4m3", CastCounts().add_mx(x, axis=-1, scaling_mode=ScaleCalculationMode.RCEIL))
+    assert mx.underflow_pct == pytest.approx(100 * 31 / 64) and mx.saturation_pct == 0.0
+    assert mx.amax == 1000.0 and mx.scale == 0.25  # the smallest block scale: block 0's 1 / 4
+    # 1000 / 4 = 250 rounds to 256 (step 16 in [128, 256)): 1024; block 1: 256 * 2^-18 each
+    noise = (1024 - 1000) ** 2 + 31 * 1e-3**2 + 32 * (1e-3 - 256 * 2.0**-18) ** 2
+    signal = 1000**2 + 63 * 1e-3**2
+    assert mx.sqnr_db == pytest.approx(10 * math.log10(signal / noise), abs=1e-3)
+    # blocks along the first dim: the transposed tensor gives the same counts
+    col = CastStats.of("e4m3", CastCounts().add_mx(x.t(), axis=0, scaling_mode=ScaleCalculationMode.RCEIL))
+    assert (col.underflow_pct, col.sqnr_db) == (mx.underflow_pct, mx.sqnr_db)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_wgrad_hp"])
+def test_sampler_on_mx_layers_counts_torchaos_own_casts(recipe):
+    """Reference: every cast torchao's mx_mm makes of a role (MXTensor.to_mx along K, and along
+    the tokens for the weight-gradient GEMM unless mxfp8_wgrad_hp), dequantized by torchao and
+    counted here by hand: the same numel, underflow and SQNR."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256, bias=False))
+    convert(model, recipe=recipe, emulate=True, layers="all", min_dim=16)
+    layer = model[0]
+    x, g = torch.randn(4, 32, 128), torch.randn(4, 32, 256)
+    x[..., 5] *= 2.0**14  # an outlier channel: its blocks' scales, not the row's
+    with collect_fp8_stats(model) as sampler:
+        model(x).backward(g)
+    res = sampler.results()["0"]
+    wgrad_hp = recipe == "mxfp8_wgrad_hp"
+    for role, t in (("input", x), ("weight", layer.weight), ("grad_output", g)):
+        t2d = t.detach().reshape(-1, t.shape[-1])
+        casts = [t2d] + ([] if wgrad_hp and role != "weight" else [t2d.t().contiguous()])
+        nonzero = underflow = signal = noise = 0
+        for c in casts:
+            back = MXTensor.to_mx(c, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL).dequantize(torch.float32)
+            nonzero += int((c != 0).sum())
+            underflow += int(((c != 0) & (back == 0)).sum())
+            signal += float(c.double().square().sum())
+            noise += float((c.double() - back.double()).square().sum())
+        assert res[role].dtype == "e4m3" and res[role].numel == sum(c.numel() for c in casts), role
+        assert res[role].underflow_pct == pytest.approx(100 * underflow / nonzero), role
+        # (stats squares in fp32, summed in fp64; here all in fp64: 2^-24 relative, ~1e-7 dB)
+        assert res[role].sqnr_db == pytest.approx(10 * math.log10(signal / noise), abs=1e-5), role
+        assert res[role].saturation_pct == 0.0
+    with pytest.raises(ValueError, match="MXFP8 layers .* cast to e4m3 only"):
+        collect_fp8_stats(model, both_formats=True)
+    with pytest.raises(ValueError, match="mode auto chooses e4m3 or e5m2 per role, but MXFP8 layers"):
+        start_auto_calibration(model)
 
 
 def test_sampler_skips_layers_running_in_high_precision():

@@ -49,7 +49,12 @@ What is checked against what:
   level 2 holds <= 2.05 bytes/param (FP8Tensor's budget);
 * a short FP8 training run (d2 GPT, e4m3 tensorwise, FP8Optim level 2, bf16 autocast, compiled)
   on a learnable synthetic stream: the loss starts at ln(256) = 5.55 and ends below 1.0 (the same
-  run emulated in fp32 on the CPU: 0.46 after 20 steps, 0.02 after 60).
+  run emulated in fp32 on the CPU: 0.46 after 20 steps, 0.02 after 60);
+* MXFP8: on sm_89/sm_90 (an Ada or Hopper GPU, where this file runs today) `recipe` mxfp8 falls
+  back, naming what it needs, and its emulation runs under bf16 autocast (bf16 operands, finite,
+  >= 26.5 dB against the bf16 layer as on the CPU: tests/test_fp8_mx.py's MX_DB). Only on
+  sm_100+ (Blackwell; skipped elsewhere, saying so): torchao's MXFP8 kernels against its
+  emulation of the same casts, >= 35 dB, the bound and the reason of the FP8 GEMM test above.
 """
 
 from __future__ import annotations
@@ -129,6 +134,38 @@ def test_scaled_mm_runs_exactly_the_pairs_nanochat_allows(a, b):
     assert "output GEMM" in problem and "e5m2" in problem
     with pytest.raises((RuntimeError, ValueError), match="Multiplication of two Float8_e5m2 matrices"):
         torch._scaled_mm(x, w_t, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+def _has_mx_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
+
+
+@pytest.mark.skipif(_has_mx_gpu(), reason="a Blackwell GPU runs MXFP8 natively (the next test)")
+def test_mxfp8_falls_back_before_blackwell_and_emulates_under_autocast():
+    report = convert(copy.deepcopy(_linear()), FP8Config(recipe="mxfp8", layers="all"))
+    assert report.backend == "fallback" and report.converted == [] and "10.0+" in report.fallback
+    ref = _linear()
+    emulated = copy.deepcopy(ref)
+    assert convert(emulated, FP8Config(recipe="mxfp8", emulate=True, layers="all")).backend == "emulated"
+    x, g = torch.randn(256, 512, device="cuda"), torch.randn(256, 1024, device="cuda")
+    for what, h, e in zip(("output", "grad_input", "grad_weight"), _fwd_bwd(ref, x, g), _fwd_bwd(emulated, x, g)):
+        assert torch.isfinite(e).all() and compute_error(h, e) >= 26.5, (what, compute_error(h, e))
+
+
+@pytest.mark.skipif(not _has_mx_gpu(), reason="needs sm_100+ (Blackwell) for native MXFP8; its emulation runs "
+                                              "on any GPU (the test above) and on the CPU (tests/test_fp8_mx.py)")
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp8_wgrad_hp"])
+def test_native_mxfp8_matches_emulation(recipe):
+    ref = _linear()
+    native, emulated = copy.deepcopy(ref), copy.deepcopy(ref)
+    assert convert(native, FP8Config(recipe=recipe, layers="all")).backend == "native"
+    assert convert(emulated, FP8Config(recipe=recipe, emulate=True, layers="all")).backend == "emulated"
+    x, g = torch.randn(256, 512, device="cuda"), torch.randn(256, 1024, device="cuda")
+    hp, nat, emu = (_fwd_bwd(m, x, g) for m in (ref, native, emulated))
+    for what, h, n, e in zip(("output", "grad_input", "grad_weight"), hp, nat, emu):
+        assert torch.isfinite(n).all(), what
+        assert compute_error(e, n) >= 35, f"{what}: native vs emulated {compute_error(e, n):.1f} dB"
+        assert compute_error(h, n) >= compute_error(h, e) - 1, what
 
 
 def test_native_e5m2_mode_runs_the_nearest_legal_formats_and_rowwise_is_native_here():

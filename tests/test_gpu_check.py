@@ -14,7 +14,9 @@ against what the GPU run must produce:
   directories, no MFU on a CPU; the profiled FP8 step read the device once (the trainer's read);
 - optim: every level against fused AdamW with FP8Optim's state bytes (8, 1 + 4/256 + 4,
   2 * (1 + 4/256) per parameter);
-- stats: tokens/s over one statistics period, with and without its sampled step.
+- stats: tokens/s over one statistics period, with and without its sampled step;
+- mxfp8: the dry run trains --model with every Linear in MXFP8 (emulated), its ratio to bf16
+  computed; on a GPU without sm_100 (faked: an H100) the row says it did not run and why.
 And, each against a reference: stopped by the wrapper's time limit, the check exits 124 with a
 whole JSON that names the measurement it cut and keeps every one that finished; pytest
 interrupted by its timeout keeps its log and the outcomes and failure texts of the tests that
@@ -62,7 +64,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_runs_every_job_and_reports_figures(dry_run):
     out, report = dry_run
     assert report["errors"] == {} and report["skipped_for_time"] == []
-    assert list(report["results"]) == ["env", "tests", "optim", "stats", "train", "shapes", "all"]
+    assert list(report["results"]) == ["env", "tests", "optim", "stats", "train", "shapes", "all", "mxfp8"]
     runs = {**report["results"]["train"]["d2"], **report["results"]["all"]["d2"]}
     for kind in runs:
         r = runs[kind]
@@ -114,6 +116,32 @@ def test_dry_run_optimizer_job_against_fused_adamw(dry_run):
     for name, bytes_per_param in expected.items():
         assert opt[name]["state_bytes_per_param"] == pytest.approx(bytes_per_param), name
         assert opt[name]["step_ms"] > 0 and opt[name]["fallbacks"] == []
+
+
+def test_dry_run_trains_the_mxfp8_row(dry_run):
+    run = dry_run[1]["results"]["mxfp8"]["d2"]["fp8_mxfp8"]
+    assert run["fp8_backend"] == "emulated" and run["fp8_converted_layers"] == 12 and run["fallbacks"] == []
+    assert run["tokens_per_sec"] > 0 and math.isfinite(run["val_loss"])
+    assert run["settings"]["fp8_recipe"] == "mxfp8"
+    assert dry_run[1]["ratios"]["d2_fp8_mxfp8_over_bf16_tokens_per_sec"] > 0
+    assert dry_run[1]["results"]["env"]["fp8"]["mxfp8"]["backend"] == "emulated"
+
+
+def test_mxfp8_row_before_blackwell_says_why_it_did_not_run(tmp_path, monkeypatch):
+    import torch
+
+    gpu_check = _script("gpu_check")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.version, "hip", None)
+    cfg = gpu_check.GPUCheckConfig(out=str(tmp_path / "gpu_check.json"), jobs=("mxfp8",))
+    findings = gpu_check.Findings(Path(cfg.out), cfg)
+    gpu_check.job_mxfp8(cfg, findings)
+    row = json.loads(Path(cfg.out).read_text())["results"]["mxfp8"]["d12"]["fp8_mxfp8"]
+    assert row["not_run"].startswith("MXFP8 runs natively on sm_100+ (Blackwell) only: NVIDIA H200 (sm_90)")
+    assert findings.data["errors"] == {} and findings.data["ratios"] == {}
 
 
 def test_dry_run_measures_a_statistics_period(dry_run):

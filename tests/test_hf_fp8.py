@@ -19,6 +19,14 @@ checked by a real consumer: transformers with compressed-tensors, on CPU.
   tests/test_cli_errors.py.
 - Refusals: a non-empty --out_dir (bytes unchanged), an FP8 tensor without a quantization_config,
   another quant_method, compressed-tensors missing (a plain checkpoint still loads).
+- mxfp8 (compressed-tensors' MXFP8, "mxfp8-quantized"): the codes and uint8 e8m0 exponents
+  transformers reads back are torchao's own MXFP8 cast of the master weight (MXTensor.to_mx,
+  RCEIL: what MXFP8 training's forward multiplies), 1 byte a parameter plus 1 a block of 32 on
+  disk; transformers runs it on CPU in bf16, the config's dtype (compressed-tensors 0.20.1
+  decompresses MX weights to bf16, so fp32 without `dequantize=True` fails in the first matmul:
+  asserted, as docs/hf.md says) with logits >= LOGIT_FLOOR_DB from the plain export; nanochat's
+  loader matches transformers' dequantize=True route within TOL; a Linear whose K is not a
+  multiple of 32 stays bf16 with that reason.
 """
 
 import json
@@ -75,7 +83,7 @@ def exports(base, tmp_path_factory):
     """kind -> export directory of the base model: plain, fp8, fp8_block."""
     model, tok = load_hf_model(base)
     root = tmp_path_factory.mktemp("exports")
-    return {kind: export_hf(model, tok, root / kind, quantize=kind) for kind in ("none", "fp8", "fp8_block")}
+    return {kind: export_hf(model, tok, root / kind, quantize=kind) for kind in ("none", "fp8", "fp8_block", "mxfp8")}
 
 
 def _header(path: Path) -> dict:
@@ -256,6 +264,63 @@ def test_export_script_keeps_the_runs_high_precision_layers(base, tmp_path, caps
                         "--quantize", "fp8", "--overwrite"]) == 0
     report = json.loads((tmp_path / "out" / "fp8_report.json").read_text())
     assert all(la["stored_as"] == "fp8_e4m3" for la in report["layers"])
+
+
+def test_mxfp8_export_holds_torchaos_mx_codes_and_e8m0_scales(base, exports):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    ours = transformers.LlamaForCausalLM.from_pretrained(base).state_dict()
+    report = json.loads((exports["mxfp8"] / "fp8_report.json").read_text())
+    assert report["scheme"] == "MXFP8" and sum(la["stored_as"] == "fp8_e4m3" for la in report["layers"]) == N_MATMULS
+    assert all(E4M3_WORST_DB <= la["weight_sqnr_db"] for la in report["layers"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exports["mxfp8"]).eval()
+    assert hf.dtype == torch.bfloat16  # config.json's torch_dtype
+    modules = dict(hf.named_modules())
+    for la in report["layers"]:  # read before any forward: the compressed parameters as loaded
+        mx = MXTensor.to_mx(ours[f"{la['name']}.weight"].float().contiguous(), torch.float8_e4m3fn, 32,
+                            ScaleCalculationMode.RCEIL)
+        loaded = modules[la["name"]]
+        assert torch.equal(loaded.weight.view(torch.uint8), mx.qdata.view(torch.uint8)), la["name"]
+        assert loaded.weight_scale.dtype == torch.uint8 and torch.equal(loaded.weight_scale, mx.scale.view(torch.uint8))
+    qc = json.loads((exports["mxfp8"] / "config.json").read_text())["quantization_config"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert qc["format"] == "mxfp8-quantized" and (weights["group_size"], weights["scale_dtype"]) == (32, "torch.uint8")
+    header, plain = _header(exports["mxfp8"] / "model.safetensors"), _header(exports["none"] / "model.safetensors")
+    for key in (k for k in plain if k.endswith("_proj.weight")):
+        n, k = plain[key]["shape"]
+        assert header[key]["dtype"] == "F8_E4M3" and header[key]["shape"] == [n, k]
+        scale = header[key.replace("weight", "weight_scale")]
+        assert scale["dtype"] == "U8" and scale["shape"] == [n, k // 32]
+
+
+@pytest.mark.two_computations
+def test_mxfp8_export_runs_in_transformers_on_cpu_and_in_nanochat(exports):
+    ids = _ids()
+    plain = transformers.AutoModelForCausalLM.from_pretrained(exports["none"], dtype=torch.float32).eval()
+    served = transformers.AutoModelForCausalLM.from_pretrained(exports["mxfp8"]).eval()  # bf16
+    dense = transformers.AutoModelForCausalLM.from_pretrained(
+        exports["mxfp8"], dtype=torch.float32,
+        quantization_config=transformers.CompressedTensorsConfig(dequantize=True)).eval()
+    ours, _ = load_hf_model(exports["mxfp8"])
+    with torch.no_grad():
+        ref, got = plain(ids).logits, served(ids).logits.float()
+        assert sqnr_db(ref, got) >= LOGIT_FLOOR_DB, sqnr_db(ref, got)
+        torch.testing.assert_close(ours(ids), dense(ids).logits, **TOL)
+        fp32 = transformers.AutoModelForCausalLM.from_pretrained(exports["mxfp8"], dtype=torch.float32).eval()
+        with pytest.raises(RuntimeError, match="same dtype"):  # bf16 weights from compressed-tensors' MX decompression
+            fp32(ids)
+
+
+def test_mxfp8_keeps_a_linear_whose_k_is_not_whole_blocks():
+    from nanochat.model.hf_fp8 import quantize_checkpoint
+
+    tensors = {"a.weight": torch.randn(64, 48), "b.weight": torch.randn(64, 64)}
+    export = quantize_checkpoint(tensors, ["a", "b"], quantize="mxfp8")
+    assert [la.name for la in export.quantized] == ["b"]
+    assert export.kept[0].reason.startswith("K = 48 is not a multiple of 32")
+    assert export.tensors["b.weight_scale"].dtype == torch.uint8 and export.tensors["a.weight"].dtype == torch.bfloat16
+    assert "e8m0 scales per 32 values along K" in export.summary() and "mxfp8 e4m3" in export.table()
 
 
 def test_fp8_checkpoints_nanochat_cannot_read_are_refused(exports, tmp_path, monkeypatch):

@@ -194,6 +194,23 @@ def test_failed_run_misses_its_target():
     assert t["auto_vs_best_fixed"]["auto"]["best_fixed_mode"] == "e4m3"
 
 
+def test_recipe_modes_train_e4m3_with_their_recipe_beside_the_others():
+    """A recipe-named mode is e4m3 with that recipe, whatever --recipe says; emulated only where
+    the device has no kernel for it (run_all decides per mode's recipe)."""
+    cfg = ParityConfig(modes=("baseline", "e4m3", "rowwise", "mxfp8", "mxfp8_wgrad_hp"), recipe="tensorwise",
+                       compile=False)
+    kw = {m: parity.train_kwargs(cfg, m, 1, emulate=True) for m in cfg.modes}
+    assert "fp8" not in kw["baseline"] and kw["baseline"]["compile"] is False
+    assert (kw["e4m3"]["fp8_mode"], kw["e4m3"]["fp8_recipe"]) == ("e4m3", "tensorwise")
+    for mode in ("rowwise", "mxfp8", "mxfp8_wgrad_hp"):
+        assert (kw[mode]["fp8_mode"], kw[mode]["fp8_recipe"], kw[mode]["fp8_layers"]) == ("e4m3", mode, "all")
+        assert parity.mode_recipe(cfg, mode) == mode
+    assert parity.mode_recipe(cfg, "e4m3") == "tensorwise"
+    with pytest.raises(ValueError, match="--recipe mxfp8 casts every operand to e4m3, so --modes e5m2 auto"):
+        ParityConfig(recipe="mxfp8")
+    assert ParityConfig(recipe="mxfp8", modes=("baseline", "e4m3")).recipe == "mxfp8"
+
+
 @pytest.mark.parametrize("argv", [["--modes", "e4m3", "auto"], ["--modes", "baseline", "e4m3", "e4m3"],
                                   ["--num_iterations", "0"], ["--seeds", "1", "1"], ["--jobs", "0"]])
 def test_bad_flags_exit_2_before_training(argv, tmp_path):

@@ -19,11 +19,14 @@
   moments 2 x (1 + 4/256) or fp32's 8), and the same losses, bit for bit, as a run that stores
   the moments the same way with FP8 "on" but no layer converted (--fp8 --fp8_skip '*'): the very
   same computation.
+- --fp8_recipe mxfp8 (emulated) trains, evaluates, samples statistics and resumes bit for bit;
+  without --fp8_emulate on CPU it warns once, records the fallback naming what MXFP8 needs, trains;
 The emulated runs pass --fp8_layers all: a d2 model is too small for FP8 to be faster, so the
 default would keep every layer in bf16 (that default is tests/test_fp8_policy.py's).
 """
 
 import logging
+import math
 import re
 
 import pytest
@@ -234,3 +237,58 @@ def test_fp8_moments_without_fp8_layers(small_corpus, tmp_path):
     assert reference.fp8_converted == []
     losses = [[r["loss"] for r in _records(tmp_path / run) if "loss" in r] for run in ("moments", "skip_all")]
     assert len(losses[0]) == 4 and losses[0] == losses[1]
+
+
+def test_mxfp8_d2_trains_resumes_bitwise_and_evaluates(small_corpus, tmp_path, monkeypatch):
+    """--fp8 --fp8_emulate --fp8_recipe mxfp8 --fp8_layers all on d2 (torchao's MXFP8Linear with its
+    EMULATED kernels): every eligible layer converts, the losses fall, evaluation runs (in high
+    precision), statistics are sampled from MX layers, and a run interrupted after its step-3
+    checkpoint resumes to the uninterrupted run's losses bit for bit. --fp8_recipe is a resume
+    field: resuming it as tensorwise is refused, naming both."""
+    from nanochat.common import UsageError
+
+    kw = dict(num_iterations=6, save_every=3, eval_every=3, fp8=True, fp8_emulate=True, fp8_recipe="mxfp8",
+              fp8_layers="all", fp8_stats_every=2, num_samples=0)
+    full = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    assert full.fp8_backend == "emulated" and len(full.fp8_converted) == 12 and full.fallbacks == []
+    assert set(full.fp8_skipped) == {"lm_head"}
+    records = _records(tmp_path / "full")
+    losses = [r["loss"] for r in records if "step" in r and "loss" in r]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6] and math.isfinite(full.val_loss)
+    stats = full.fp8_stats["layers"]["transformer.h.0.mlp.c_fc"]
+    assert {s["dtype"] for s in stats.values()} == {"e4m3"} and all(s["sqnr_db"] > 20 for s in stats.values())
+
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)
+    resumed = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
+    ref = {r["step"]: r["loss"] for r in records if "step" in r and "loss" in r}
+    got = {r["step"]: r["loss"] for r in _records(tmp_path / "cut") if "step" in r and "loss" in r}
+    assert got == ref and resumed.val_loss == full.val_loss
+
+    with pytest.raises(UsageError) as e:
+        NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True,
+                                            **{**kw, "num_iterations": 8, "fp8_recipe": "tensorwise"})).train()
+    assert "--fp8_recipe: checkpoint 'mxfp8' vs now 'tensorwise'" in str(e.value)
+
+
+def test_mxfp8_without_emulate_on_cpu_warns_once_and_trains(small_corpus, tmp_path, monkeypatch):
+    """No FP8 hardware here: the run warns once naming the recipe and what it needs (and
+    --fp8_emulate), records the fallback, and trains in high precision."""
+    from nanochat import common
+
+    monkeypatch.setattr(common, "_warned", set())
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    common.logger.addHandler(handler)
+    try:
+        result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=6, fp8=True,
+                                                     fp8_recipe="mxfp8", fp8_layers="all", num_samples=0)).train()
+    finally:
+        common.logger.removeHandler(handler)
+    assert result.fp8_backend == "fallback" and result.fp8_converted == []
+    (line,) = result.fallbacks
+    assert "--fp8_emulate" in line and "10.0+" in line and "--fp8_recipe mxfp8" in line, line
+    assert len([w for w in warnings if "FP8 requested but not available" in w]) == 1, warnings
+    losses = [r["loss"] for r in _records(tmp_path / "fb") if "step" in r]
+    assert losses[-1] < losses[0]

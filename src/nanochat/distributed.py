@@ -11,8 +11,10 @@ state along dim 0.
 
 Under FSDP2 with tensorwise FP8 and one weight format, weights are all-gathered in FP8
 (torchao's `WeightWithDynamicFloat8CastTensor`, chosen at conversion by
-`FP8Config.fsdp_float8_all_gather`; same numerics, a quarter of fp32's bytes); otherwise the run
-header says why not. Evaluation under FSDP runs on an unsharded high-precision copy (`full_copy`).
+`FP8Config.fsdp_float8_all_gather`; same numerics, a quarter of fp32's bytes); otherwise (rowwise,
+the MXFP8 recipes, whose scales are per row or per block of the whole weight) they all-gather in
+high precision and the run header says why. Evaluation under FSDP runs on an unsharded
+high-precision copy (`full_copy`).
 
 Distributed runs checkpoint with DCP: every rank writes its shards, and a checkpoint loads into
 any world size (nanochat.checkpoint.dcp). The reasons, the measurements and the layout in full:
@@ -214,7 +216,8 @@ def fp8_all_gather_problem(model: nn.Module, config: FP8Config, *, fsdp: bool) -
     if not layers:
         return "no FP8 layers"
     if config.recipe != "tensorwise":
-        return "needs the tensorwise recipe (one scale per weight); rowwise all-gathers fp32"
+        return (f"needs the tensorwise recipe (one scale per weight); {config.recipe} all-gathers the weights in "
+                "high precision and casts them after the gather")
     world = dist.get_world_size()
     uneven = [name for name, m in layers.items() if m.weight.shape[0] % world]
     if uneven:

@@ -300,7 +300,8 @@ class FP8Trainer(Trainer):
                  sqnr_floor_db: float = SQNR_FLOOR_DB, overwrite: bool = False) -> Path:
         """The trained model as an FP8 checkpoint that vLLM, SGLang and transformers serve, as
         `scripts/export_hf.py --quantize` writes one (nanochat.model.hf_fp8): every Linear but the output
-        embedding in e4m3 with fp32 scales (per output channel; `fp8_block`: per 128x128 block),
+        embedding in e4m3 with fp32 scales (per output channel; `fp8_block`: per 128x128 block;
+        `mxfp8`: e8m0 scales per 32 values),
         except the layers this run trained in high precision (the conversion report's skipped
         layers) and those under `sqnr_floor_db`, unless `quantize_all`; everything else in bf16;
         config.json, the generation config and the tokenizer (`processing_class`) beside it.

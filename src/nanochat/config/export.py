@@ -13,9 +13,10 @@ from typing import Literal
 
 from nanochat.config.fields import SourceFields
 
-Quantize = Literal["none", "fp8", "fp8_block"]
+Quantize = Literal["none", "fp8", "fp8_block", "mxfp8"]
 """How an export stores its Linear weights: fp32 (none), float8 e4m3 with a scale per output
-channel (fp8: compressed-tensors FP8_DYNAMIC) or per 128x128 block (fp8_block: FP8_BLOCK)."""
+channel (fp8: compressed-tensors FP8_DYNAMIC), per 128x128 block (fp8_block: FP8_BLOCK), or a
+power-of-two (e8m0) scale per 32 values along K (mxfp8: MXFP8, for Blackwell's MX tensor cores)."""
 
 SQNR_FLOOR_DB = 28.0
 """A layer whose FP8 weight SQNR is below this stays bf16. e4m3 rounding gives 24.6 dB at worst
@@ -39,8 +40,10 @@ class ExportConfig(SourceFields):
     quantize: Quantize = "none"
     """none: fp32 weights. fp8: every block Linear's weight in float8 e4m3 with an fp32 scale per
     output channel, activations quantized per token at run time (compressed-tensors FP8_DYNAMIC,
-    which vLLM, SGLang and transformers load); fp8_block: one scale per 128x128 block (FP8_BLOCK).
-    Embeddings, lm_head, norms and the Linears the run trained in high precision stay bf16."""
+    which vLLM, SGLang and transformers load); fp8_block: one scale per 128x128 block (FP8_BLOCK);
+    mxfp8: one e8m0 scale per 32 values along K, activations in groups of 32 (MXFP8; transformers
+    on CPU runs it in bf16). Embeddings, lm_head, norms and the Linears the run trained in high
+    precision stay bf16."""
 
     quantize_all: bool = False
     """With --quantize: also quantize the Linears the run trained in high precision and those

@@ -22,9 +22,14 @@ HYBRID = {"input": "e4m3", "weight": "e4m3", "grad_output": "e5m2"}
 """`auto` before calibration: e4m3 forward operands, e5m2 gradients (torchao's tensorwise default)."""
 
 FP8Mode = Literal["e4m3", "e5m2", "auto"]
-FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+FP8Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_wgrad_hp"]
 FP8Layers = Literal["faster", "all"]
 MODES, RECIPES, LAYERS = get_args(FP8Mode), get_args(FP8Recipe), get_args(FP8Layers)
+MX_RECIPES = ("mxfp8", "mxfp8_wgrad_hp")
+"""The MXFP8 recipes (torchao's MXFP8 training): e4m3 values with one power-of-two (e8m0) scale
+per block of MX_BLOCK consecutive values along each GEMM's inner dimension."""
+MX_BLOCK = 32
+"""MXFP8's block: the OCP Microscaling spec's and Blackwell's MX tensor cores' (torchao's `block_size`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,11 +45,14 @@ class FP8Config:
     mode: Annotated[FP8Mode, arg(help="""
         FP8 format of the matmul operands. e4m3: 3 mantissa bits, range +-448 (more precision);
         e5m2: 2 mantissa bits, range +-57344 (more range); auto: chosen per layer and tensor role by
-        measured quantization error during the first `auto_steps` steps.""")] = "e4m3"
+        measured quantization error during the first `auto_steps` steps. The MXFP8 recipes take e4m3
+        only (their block scales give e4m3 the range e5m2 would).""")] = "e4m3"
 
     recipe: Annotated[FP8Recipe, arg(help="""
         torchao scaling recipe: one scale per tensor (fastest), per row, or per row with the
-        weight-gradient GEMM kept in high precision.""")] = "tensorwise"
+        weight-gradient GEMM kept in high precision (Ada, Hopper and later); mxfp8: MXFP8, e4m3 with
+        one power-of-two scale per block of 32 values, in all three GEMMs (Blackwell, sm_100+; `mode`
+        e4m3 only), or mxfp8_wgrad_hp with the weight-gradient GEMM in high precision.""")] = "tensorwise"
 
     layers: Annotated[FP8Layers, arg(help="""
         Which eligible Linear layers run in FP8. faster: only those FP8 makes faster at this run's
@@ -123,6 +131,8 @@ class FP8Config:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"`micro_batch_tokens` must be >= 1 (batch size x sequence length) or None, "
                              f"got {self.micro_batch_tokens}")
+        if self.recipe in MX_RECIPES:
+            self._check_mx()
         if self.opt_level not in (0, 1, 2) or isinstance(self.opt_level, bool):
             raise ValueError(f"`opt_level` must be one of 0, 1, 2, got {self.opt_level!r}")
         if isinstance(self.skip_fqns, str):
@@ -138,7 +148,8 @@ class FP8Config:
                              f"or drop it (mode is {self.mode})")
         if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
             raise ValueError(f"`fsdp_float8_all_gather` needs `recipe` tensorwise (one scale per weight); "
-                             f"recipe {self.recipe} scales per row, so its weights all-gather in high precision")
+                             f"recipe {self.recipe} scales per {'block' if self.recipe in MX_RECIPES else 'row'}, "
+                             "so its weights all-gather in high precision")
         if self.fsdp_float8_all_gather and self.mode == "auto":
             raise ValueError("`fsdp_float8_all_gather` needs one weight format for every layer; `mode` auto "
                              "may choose per layer: use `mode` e4m3 or e5m2, or leave it off")
@@ -153,6 +164,20 @@ class FP8Config:
                     raise ValueError(f"`{name}` {getattr(self, name)!r} describes FP8 layers, and without "
                                      f"`enabled` there are none: turn on `enabled`, or drop `{name}` "
                                      "(`opt_level` alone needs no FP8 layers)")
+
+    def _check_mx(self) -> None:
+        # torchao's MXFP8 training casts every operand to e4m3 (mxfp8_linear.py), as Blackwell's MX
+        # tensor cores run it: there is no e5m2 to choose, so e5m2 and auto are refused, not mapped
+        if self.mode != "e4m3":
+            what = "chooses e4m3 or e5m2 per layer and role" if self.mode == "auto" else "asks for e5m2 operands"
+            raise ValueError(f"`mode` {self.mode} {what}, but `recipe` {self.recipe} casts every operand to e4m3 "
+                             f"(torchao's MXFP8 training has no e5m2): use `mode` e4m3 with `recipe` {self.recipe}, "
+                             f"or `recipe` tensorwise/rowwise for `mode` {self.mode}")
+        if self.recipe == "mxfp8" and self.micro_batch_tokens is not None and self.micro_batch_tokens % MX_BLOCK:
+            raise ValueError(f"`recipe` mxfp8 scales the weight-gradient GEMM's operands in blocks of {MX_BLOCK} "
+                             f"tokens, so the tokens per forward pass (batch size x sequence length, here "
+                             f"{self.micro_batch_tokens}) must be a multiple of {MX_BLOCK}; change the batch size "
+                             "or sequence length, or use `recipe` mxfp8_wgrad_hp (that GEMM in high precision)")
 
     def role_dtypes(self) -> dict[str, str]:
         """The format of each role at conversion time (auto: the hybrid until calibrated)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-JOB_NAMES = ("env", "tests", "optim", "stats", "train", "shapes", "all", "scope", "opt_levels", "master")
-"""gpu_check's jobs (its module docstring says what each measures); the first seven run by default."""
+JOB_NAMES = ("env", "tests", "optim", "stats", "train", "shapes", "all", "mxfp8", "scope", "opt_levels", "master")
+"""gpu_check's jobs (its module docstring says what each measures); the first eight run by default."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,7 +20,7 @@ class GPUCheckConfig:
     """Seconds for all measurements: one whose estimate does not fit what is left is skipped.
     gpu_check.sh stops the process 25 s later whatever happens: 8 minutes in all by default, to
     fit a short GPU reservation."""
-    jobs: tuple[str, ...] = ("env", "tests", "optim", "stats", "train", "shapes", "all")
+    jobs: tuple[str, ...] = ("env", "tests", "optim", "stats", "train", "shapes", "all", "mxfp8")
     """Jobs to run, in this order."""
     model: str = "d12"
     """Preset of the train job's first model and of the stats job."""

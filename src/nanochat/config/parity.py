@@ -13,9 +13,10 @@ from typing import Literal
 
 from nanochat.config.checks import non_negative, positive
 from nanochat.config.fields import BatchFields, DataFields, DeviceFields, ModelFields, ScheduleFields
-from nanochat.config.fp8 import FP8Recipe
+from nanochat.config.fp8 import MX_RECIPES, FP8Recipe
 
-ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck", "bf16", "bf16_sr", "bf16_split"]
+ParityMode = Literal["baseline", "e4m3", "e5m2", "auto", "auto-recheck", "bf16", "bf16_sr", "bf16_split",
+                     "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8", "mxfp8_wgrad_hp"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,12 +42,14 @@ class ParityConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelF
     modes: tuple[ParityMode, ...] = ("baseline", "e4m3", "e5m2", "auto", "auto-recheck")
     """Modes to train, in this order: baseline (no FP8, fp32 master weights), e4m3, e5m2, auto
     (--fp8_mode auto) and auto-recheck (--fp8_mode auto --fp8_auto_recheck_every --recheck_every);
-    and, to compare master weights instead of FP8, bf16, bf16_sr, bf16_split (--master_weights,
-    no FP8; with --dtype bfloat16 so the baseline computes in bf16 too and only the weights'
-    storage differs)."""
+    a recipe's name (tensorwise, rowwise, rowwise_with_gw_hp, mxfp8, mxfp8_wgrad_hp): e4m3 with
+    that --fp8_recipe, whatever --recipe says, to compare recipes on the same seeds; and, to
+    compare master weights instead of FP8, bf16, bf16_sr, bf16_split (--master_weights, no FP8;
+    with --dtype bfloat16 so the baseline computes in bf16 too and only the weights' storage
+    differs)."""
 
     recipe: FP8Recipe = "tensorwise"
-    """torchao FP8 scaling recipe for every FP8 mode."""
+    """torchao FP8 scaling recipe of the e4m3, e5m2 and auto modes (a recipe-named mode has its own)."""
 
     seeds: tuple[int, ...] = (1337, 1338, 1339, 1340, 1341)
     """Seeds of the weights and the data order; every mode trains once per seed. One seed cannot
@@ -90,6 +93,10 @@ class ParityConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelF
     """--fp8_opt_level of every run: the baseline's, the FP8 modes' and the master-weight modes'
     Adam moments in FP8 (it needs no FP8 matmuls), so that only the mode differs. 0: fp32 moments."""
 
+    compile: bool = True
+    """torch.compile every run, base_train's default. --no_compile: eager runs; emulated FP8 trains
+    faster eager on a 2-core CPU (BENCHMARKS.md section 4, the recipe sweep)."""
+
     debug: bool = False
     """Show the full traceback of an error of the sweep itself instead of the one-line message
     (a failed run's traceback is always printed)."""
@@ -105,6 +112,11 @@ class ParityConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelF
                              f"(e.g. --modes baseline {' '.join(self.modes)})")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds needs distinct seeds, at least one, got {' '.join(map(str, self.seeds)) or 'none'}")
+        fp8_modes = [m for m in self.modes if m in ("e5m2", "auto", "auto-recheck")]
+        if self.recipe in MX_RECIPES and fp8_modes:
+            raise ValueError(f"--recipe {self.recipe} casts every operand to e4m3, so --modes {' '.join(fp8_modes)} "
+                             f"cannot run with it: drop them, or give the MXFP8 recipes as modes (--modes baseline "
+                             f"e4m3 {' '.join(MX_RECIPES)}) next to another --recipe")
         positive(self, "num_iterations", "jobs", "recheck_every")
         non_negative(self, "gap_target_pct", "auto_tolerance_pct")
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from nanochat.config.checks import RESUME, finite, kept, non_negative, positive
-from nanochat.config.fields import BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields
+from nanochat.config.fields import (
+    BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, flag_text,
+)
 
 LogChoice = Literal["jsonl", "tensorboard", "wandb"]
 """A `--log` choice (TrainConfig.log): metrics.jsonl, always written, and the trackers
@@ -185,7 +187,11 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
                 raise ValueError(f"--{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.run_dir.strip():
             raise ValueError("--run_dir is empty; give a directory, e.g. --run_dir runs/my_run")
-        self.fp8_config()  # the FP8 flags' own checks (FP8Config's)
+        fp8 = self.fp8_config()  # the FP8 flags' own checks (FP8Config's)...
+        try:  # ...and those of the tokens per forward pass, which the trainer sets
+            dataclasses.replace(fp8, micro_batch_tokens=self.batch_size * self.seq_len)
+        except ValueError as e:
+            raise ValueError(flag_text(str(e))) from None
         if self.max_bad_steps < 1:
             raise ValueError(f"--max_bad_steps must be >= 1, got {self.max_bad_steps}")
         positive(self, "grad_accum_steps", "log_every")

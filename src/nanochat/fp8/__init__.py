@@ -10,8 +10,8 @@
 
 FP8Training holds the order a loop must follow. What it calls is usable alone: FP8Config (the
 settings: nanochat.config.fp8, which the CLI's FP8 flags come from), `detect` (native kernels,
-emulation or a fallback on this device), `apply_fp8` / `convert` (torchao's FP8 linears, with a
-per-layer report of what converted and why), mode auto's calibration and re-checks, per-layer
+emulation or a fallback on this device), `apply_fp8` / `convert` (torchao's FP8 linears, its MX
+layers for the MXFP8 recipes, with a per-layer report of what converted and why), mode auto's calibration and re-checks, per-layer
 FP8 statistics, FP8Tensor and FP8Optim (Adam moments in FP8, with a C kernel on CPU). The
 reasoning and the measurements: docs/fp8.md.
 
@@ -26,7 +26,8 @@ _EXPORTS = {
     "FP8Config": "nanochat.config.fp8",
     "FP8Training": "training",
     "FP8Backend": "hardware", "detect": "hardware", "native_gemm_problem": "hardware",
-    "ConversionReport": "linear", "FP8Linear": "linear", "LayerReport": "linear", "apply_fp8": "linear",
+    "FP8Linear": "layers", "MXLinear": "layers",
+    "ConversionReport": "linear", "LayerReport": "linear", "apply_fp8": "linear",
     "convert": "linear", "fp8_disabled": "linear", "fp8_layers": "linear", "fp8_report": "linear",
     "is_fp8_model": "linear", "layers_to_convert": "linear", "restore_fp8": "linear",
     "LayerPolicy": "policy",

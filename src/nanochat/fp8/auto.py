@@ -25,6 +25,7 @@ import torch.nn as nn
 from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import ScalingGranularity, ScalingType
 from torchao.float8.float8_linear import Float8Linear
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
 from nanochat.common import format_table, logger
 from nanochat.fp8.hardware import native_gemm_problem
@@ -105,6 +106,10 @@ class AutoCalibration:
             raise ValueError(f"calibration needs at least 1 step, got {steps}")
         self.model = model
         self.layers = fp8_layers(model)
+        mx = [n for n, m in self.layers.items() if isinstance(m, MXFP8Linear)]
+        if mx:
+            raise ValueError(f"mode auto chooses e4m3 or e5m2 per role, but MXFP8 layers (e.g. {mx[0]}) cast to e4m3 "
+                             "only: calibrate a model converted with a tensorwise or rowwise recipe")
         if not self.layers:
             raise ValueError("start_auto_calibration: the model has no FP8 layers; call convert(model, "
                              "mode='auto') first (on a fallback backend nothing converts and there is "

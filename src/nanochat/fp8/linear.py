@@ -1,11 +1,13 @@
-"""FP8 matmuls for nn.Linear through torchao: mode + recipe -> Float8LinearConfig, the swap, the report.
+"""FP8 matmuls for nn.Linear through torchao: mode + recipe -> torchao's layer config, the swap, the report.
 
 A Linear does three GEMMs per step (output, grad_input, grad_weight); torchao casts each
 operand to FP8 with a dynamic scale just before it. `FP8Config.mode` picks the format of every
 cast: e4m3 (3 mantissa bits, max 448: precision), e5m2 (2 mantissa bits, max 57344: range; no
 e5m2 x e5m2 GEMM on CUDA, so emulated only), or auto (per layer and role, measured: auto.py;
 until calibrated the hybrid: e4m3 forward operands, e5m2 gradients). `FP8Config.recipe` is
-torchao's scaling recipe (tensorwise, rowwise, rowwise_with_gw_hp).
+torchao's scaling recipe: tensorwise, rowwise, rowwise_with_gw_hp (torchao.float8's
+Float8Linear), or mxfp8, mxfp8_wgrad_hp (torchao's MXFP8Linear: e4m3 with one e8m0 scale per
+block of 32 values along each GEMM's inner dimension; `EMULATED` kernels off sm_100).
 
 Which layers convert is policy.py's: skip patterns, what the kernels can run, `min_dim`, then
 `layers` (faster: only where FP8 beats bf16 at this run's shapes, measured on the GPU; all). A
@@ -13,7 +15,8 @@ caller may pass torchao's `module_filter_fn(module, fqn)` instead.
 
 Modules are swapped for `FP8Linear` (torchao's `Float8Linear` plus an `fp8_enabled` switch for
 `fp8_disabled`, and an autocast check: FP8 layers run without autocast or under CUDA bf16
-autocast only, and say so otherwise). Swapping keeps the same Parameter objects, so optimizer
+autocast only, and say so otherwise), or `MXLinear` (the same around torchao's MXFP8Linear;
+both in layers.py). Swapping keeps the same Parameter objects, so optimizer
 state, tied weights and state_dict keys are untouched (except with `fsdp_float8_all_gather`:
 torchao wraps each weight in a new Parameter, so build the optimizer after converting). Convert
 before torch.compile; converting twice is a no-op. The reasons and measurements behind each
@@ -29,15 +32,16 @@ from typing import Callable, Iterator, Literal
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nanochat.fp8 import _torchao  # first: torchao imported with its log noise muted
 from torchao.float8.config import Float8LinearConfig, ScalingType
-from torchao.float8.float8_linear import Float8Linear
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
 from nanochat.common import format_table, warn_once
-from nanochat.config.fp8 import HYBRID, ROLES, FP8Config
+from nanochat.config.fp8 import HYBRID, MX_BLOCK, MX_RECIPES, ROLES, FP8Config
 from nanochat.fp8.hardware import FP8Backend, detect, native_gemm_problem
+from nanochat.fp8.layers import FP8_LAYER_TYPES, FP8Linear, MXLinear, mx_training_config
 from nanochat.fp8.policy import LayerPolicy, ModuleFilter
 from nanochat.fp8.speed import Measure
 from nanochat.fp8.tensor import DTYPE_NAMES, FP8_DTYPES
@@ -48,6 +52,10 @@ CAST_FIELDS = {
     "weight": ("cast_config_weight", "cast_config_weight_for_grad_input"),
     "grad_output": ("cast_config_grad_output", "cast_config_grad_output_for_grad_weight"),
 }
+
+
+LinConfig = Float8LinearConfig | MXFP8TrainingOpConfig
+"""torchao's config of one converted layer: Float8Linear's, or MXFP8Linear's (kernels, wgrad_with_hp)."""
 
 
 def float8_linear_config(recipe: str, dtypes: dict[str, str], *, emulate: bool,
@@ -75,46 +83,12 @@ def with_dtypes(config: Float8LinearConfig, dtypes: dict[str, str]) -> Float8Lin
     return dataclasses.replace(config, **changes)
 
 
-def layer_dtypes(layer: Float8Linear) -> dict[str, str]:
-    """role -> 'e4m3' / 'e5m2' as the layer's config casts it."""
+def layer_dtypes(layer: nn.Module) -> dict[str, str]:
+    """role -> 'e4m3' / 'e5m2' as the layer's config casts it (MXFP8: e4m3 for every role)."""
+    if isinstance(layer, MXFP8Linear):
+        return {role: "e4m3" for role in ROLES}
     return {role: DTYPE_NAMES[getattr(layer.config, fields[0]).target_dtype]
             for role, fields in CAST_FIELDS.items()}
-
-
-def _check_autocast(name: str) -> None:
-    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("mps"):
-        where = "cpu" if torch.is_autocast_enabled("cpu") else "mps"
-        raise RuntimeError(
-            f"FP8 layer {name!r} ran under torch.autocast({where!r}). torchao's Float8Linear only "
-            "handles CUDA autocast, so its FP8 numerics would be mixed with a second precision "
-            "policy. nanochat runs FP8 layers without autocast (fp32 master weights and compute) or "
-            "under torch.autocast('cuda', dtype=torch.bfloat16); wrap high-precision work "
-            "(evaluation, generation) in nanochat.fp8.fp8_disabled(model)."
-        )
-    if torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != torch.bfloat16:
-        raise RuntimeError(
-            f"FP8 layer {name!r} ran under CUDA autocast with {torch.get_autocast_dtype('cuda')}. "
-            "nanochat's FP8 layers support bfloat16 autocast only (fp16 would cast FP8 GEMM outputs "
-            "to a format that overflows at 65504, with no loss scaling): use "
-            "torch.autocast('cuda', dtype=torch.bfloat16) or no autocast."
-        )
-
-
-class FP8Linear(Float8Linear):
-    """torchao's Float8Linear with a high-precision switch and nanochat's autocast check.
-
-    `fp8_enabled=False` (set by `fp8_disabled`) runs plain F.linear on the same parameters; under
-    torch.compile the flag is guarded, so each state compiles once.
-    """
-
-    fp8_name: str = ""
-    fp8_enabled: bool = True
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.fp8_enabled:
-            return F.linear(input, self.weight, self.bias)
-        _check_autocast(self.fp8_name)
-        return super().forward(input)
 
 
 @dataclass(frozen=True)
@@ -218,15 +192,18 @@ def layers_to_convert(model: nn.Module, config: FP8Config | None = None, *,
     policy = LayerPolicy(config, hw, _lin_config(config, hw)[1], device=device, measure=measure,
                          module_filter_fn=module_filter_fn)
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)
-            and not isinstance(m, Float8Linear) and policy.decide(name, m).convert}
+            and not isinstance(m, FP8_LAYER_TYPES) and policy.decide(name, m).convert}
 
 
-def _format_dtypes(dtypes: dict[str, str], config: Float8LinearConfig) -> str:
+def _format_dtypes(dtypes: dict[str, str], config: LinConfig) -> str:
     text = ", ".join(f"{role} {dtypes[role]}" for role in ROLES)
-    if any(getattr(config, f).scaling_type is ScalingType.DISABLED
-           for fields in CAST_FIELDS.values() for f in fields):
-        text += " (grad_weight GEMM in high precision)"
-    return text
+    if isinstance(config, MXFP8TrainingOpConfig):
+        text += f", one e8m0 scale per {MX_BLOCK} values"
+        high = config.wgrad_with_hp
+    else:
+        high = any(getattr(config, f).scaling_type is ScalingType.DISABLED
+                   for fields in CAST_FIELDS.values() for f in fields)
+    return text + (" (grad_weight GEMM in high precision)" if high else "")
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -246,10 +223,12 @@ def _swap(model: nn.Module, replacements: dict[int, nn.Module]) -> None:
                 setattr(parent, key, replacements[id(child)])
 
 
-def _lin_config(config: FP8Config, hw: FP8Backend) -> tuple[dict[str, str], Float8LinearConfig, str | None]:
+def _lin_config(config: FP8Config, hw: FP8Backend) -> tuple[dict[str, str], LinConfig, str | None]:
     """The per-role formats the layers get, torchao's config for them, and a fallback line when
     native kernels cannot run `mode` as asked."""
     dtypes, fallback = config.role_dtypes(), None
+    if config.recipe in MX_RECIPES:  # e4m3 in every role: FP8Config refuses any other mode
+        return dtypes, mx_training_config(config.recipe, emulate=hw.backend != "native"), None
     if hw.backend == "native":
         problem = native_gemm_problem({r: FP8_DTYPES[d] for r, d in dtypes.items()}, recipe=config.recipe)
         if problem:
@@ -309,7 +288,7 @@ def _decide_layers(model: nn.Module, policy: LayerPolicy, lin_config, dtypes: di
     layers: list[LayerReport] = []
     replacements: dict[int, nn.Module] = {}
     for name, module in model.named_modules():
-        if isinstance(module, Float8Linear):
+        if isinstance(module, FP8_LAYER_TYPES):
             reason = ", ".join(f"{r} {d}" for r, d in layer_dtypes(module).items())
             layers.append(LayerReport(name, module.in_features, module.out_features, "already FP8", reason))
             continue
@@ -320,7 +299,10 @@ def _decide_layers(model: nn.Module, policy: LayerPolicy, lin_config, dtypes: di
         if not decision.convert:
             layers.append(LayerReport(name, module.in_features, module.out_features, "skipped", decision.reason, why))
             continue
-        new = FP8Linear.from_float(module, config=lin_config)
+        if isinstance(lin_config, MXFP8TrainingOpConfig):
+            new = MXLinear.from_linear(module, lin_config)
+        else:
+            new = FP8Linear.from_float(module, config=lin_config)
         # the same Parameters, except a weight torchao wrapped for FSDP2's FP8 all-gather (a new
         # Parameter around the same tensor)
         assert new.bias is module.bias and (new.weight is module.weight or policy.config.fsdp_float8_all_gather)
@@ -353,22 +335,23 @@ def fp8_report(model: nn.Module) -> ConversionReport | None:
     return getattr(model, "_nanochat_fp8_report", None)
 
 
-def fp8_layers(model: nn.Module) -> dict[str, Float8Linear]:
-    """name -> FP8 layer (FP8Linear, or torchao's Float8Linear converted elsewhere)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+def fp8_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> FP8 layer (FP8Linear or MXLinear, or torchao's Float8Linear or MXFP8Linear converted
+    elsewhere)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, FP8_LAYER_TYPES)}
 
 
 def is_fp8_model(model: nn.Module) -> bool:
-    return any(isinstance(m, Float8Linear) for m in model.modules())
+    return any(isinstance(m, FP8_LAYER_TYPES) for m in model.modules())
 
 
 def restore_fp8(model: nn.Module) -> nn.Module:
     """Swap every FP8 layer back to nn.Linear sharing the same Parameters (no copy), in place."""
-    if isinstance(model, Float8Linear):
-        raise ValueError("restore_fp8() swaps layers inside a model; a bare Float8Linear has no parent")
+    if isinstance(model, FP8_LAYER_TYPES):
+        raise ValueError(f"restore_fp8() swaps layers inside a model; a bare {type(model).__name__} has no parent")
     replacements = {}
     for module in model.modules():
-        if isinstance(module, Float8Linear):
+        if isinstance(module, FP8_LAYER_TYPES):
             with torch.device("meta"):  # no allocation: the parameters are reassigned right away
                 plain = nn.Linear(module.in_features, module.out_features, bias=False)
             plain.weight = module.weight
@@ -384,11 +367,11 @@ def restore_fp8(model: nn.Module) -> nn.Module:
 def fp8_disabled(model: nn.Module) -> Iterator[nn.Module]:
     """Run the block with every FP8Linear in high precision (F.linear); FP8 comes back on exit,
     also when the block raises. Nothing is swapped, so compiled graphs and optimizers stay valid."""
-    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
-    foreign = [m for m in layers if not isinstance(m, FP8Linear)]
+    layers = [m for m in model.modules() if isinstance(m, FP8_LAYER_TYPES)]
+    foreign = [m for m in layers if not isinstance(m, (FP8Linear, MXLinear))]
     if foreign:
         raise TypeError(f"fp8_disabled() needs layers converted by nanochat.fp8.convert; found "
-                        f"{len(foreign)} torchao Float8Linear converted elsewhere. Convert with "
+                        f"{len(foreign)} torchao {type(foreign[0]).__name__} converted elsewhere. Convert with "
                         "nanochat.fp8.convert, or restore_fp8(model) to leave FP8 for good.")
     previous = [m.fp8_enabled for m in layers]
     for m in layers:
@@ -401,7 +384,7 @@ def fp8_disabled(model: nn.Module) -> Iterator[nn.Module]:
 
 
 __all__ = [
-    "FP8Config", "FP8Linear", "ConversionReport", "LayerReport", "convert", "apply_fp8", "restore_fp8",
+    "FP8Config", "ConversionReport", "LayerReport", "convert", "apply_fp8", "restore_fp8",
     "fp8_disabled", "fp8_report", "fp8_layers", "is_fp8_model", "layers_to_convert", "float8_linear_config",
-    "with_dtypes", "layer_dtypes", "ROLES", "FP8_DTYPES", "HYBRID",
+    "with_dtypes", "layer_dtypes", "ROLES", "FP8_DTYPES", "HYBRID", "LinConfig",
 ]

@@ -4,7 +4,9 @@ The first rule that applies is the layer's reason in the conversion report:
   1. its full name matches a `skip_fqns` pattern (default lm_head: the most precision-sensitive
      matmul);
   2. it is an nn.Linear subclass (its owner may use the weight without calling forward);
-  3. a dimension is not a multiple of 16 (`torch._scaled_mm` requires it);
+  3. a dimension is not a multiple of 16 (`torch._scaled_mm` requires it), or of 32 with an
+     MXFP8 recipe (one e8m0 scale per block of 32 along each GEMM's inner dimension, and both
+     dims are an inner dimension of one of the three GEMMs);
   4. min(in, out) < `min_dim`;
   5. the device has no FP8 (fallback);
   6. `converted_layers` when given (a resumed run converts what the run it continues did), else
@@ -13,7 +15,7 @@ The first rule that applies is the layer's reason in the conversion report:
      per shape, cached on disk) and FP8 must be at least MARGIN faster. Elsewhere (emulated,
      `micro_batch_tokens` unknown, a measurement that failed) torchao's `_auto_filter_for_recipe`
      decides: its thresholds come from H100 tables, so an emulated run converts the layers an
-     H100 most likely would.
+     H100 most likely would. torchao has no rule for MXFP8: tensorwise's stands in (MX_RULE).
 A caller's own `module_filter_fn(module, fqn) -> bool` (torchao's signature) replaces rules 1, 4
 and 6; rules 2, 3 and 5 are what the kernels can run. Under torch.distributed rank 0 times (or
 reads the cache) and every rank takes its figures, so all ranks convert the same layers.
@@ -32,9 +34,10 @@ import torch.nn as nn
 from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import Float8LinearConfig
 from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
 
 from nanochat.common import warn_once
-from nanochat.config.fp8 import FP8Config
+from nanochat.config.fp8 import MX_BLOCK, MX_RECIPES, FP8Config
 from nanochat.fp8.hardware import FP8Backend
 from nanochat.fp8.speed import LinearShape, Measure, SpeedCache, Timing, cache_key, default_cache_path, time_fwd_bwd
 
@@ -42,6 +45,13 @@ MARGIN = 1.03
 """`layers` faster converts a layer whose fwd+bwd FP8 runs at least this much faster than bf16.
 A policy, not a measurement: a gain under 3% is within what a whole model's fusions and
 scheduling can take back, and not worth FP8's rounding."""
+
+MX_RULE = "tensorwise"
+"""The torchao rule `layers` faster takes for the MXFP8 recipes where it cannot time them: torchao
+has none for MX (no `_auto_filter_for_recipe` entry, no per-shape MX table). Its B200 Llama-3-8B
+runs (torchao's mx_formats README: mxfp8 +16-20% tokens/s, tensorwise +25%, rowwise +4% over
+bf16) put MXFP8 next to tensorwise, not rowwise, so tensorwise's H100 thresholds are the
+estimate; on sm_100 each shape is timed instead."""
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -56,8 +66,9 @@ class Decision(NamedTuple):
 
 def torchao_rule(recipe: str, module: nn.Linear) -> tuple[bool, str]:
     """torchao's `_auto_filter_for_recipe` verdict for `module`, and the rule's name. torchao has
-    no rule for rowwise_with_gw_hp; its two FP8 GEMMs are rowwise's, so rowwise's applies."""
-    rule = "rowwise" if recipe == "rowwise_with_gw_hp" else recipe
+    no rule for rowwise_with_gw_hp; its two FP8 GEMMs are rowwise's, so rowwise's applies. Nor for
+    MXFP8: MX_RULE's applies."""
+    rule = "rowwise" if recipe == "rowwise_with_gw_hp" else MX_RULE if recipe in MX_RECIPES else recipe
     name = f"torchao's {rule} rule" + ("" if rule == recipe else f" (it has none for {recipe})")
     return _auto_filter_for_recipe(rule, filter_fqns=[])(module, ""), name
 
@@ -71,8 +82,8 @@ class LayerPolicy:
     torchao `module_filter_fn(module, fqn)`. `measure` replaces the GPU timer (speed.time_fwd_bwd)
     and is then used on any backend (timings taken elsewhere; tests)."""
 
-    def __init__(self, config: FP8Config, hw: FP8Backend, lin_config: Float8LinearConfig, *,
-                 device: torch.device, measure: Measure | None = None, module_filter_fn: ModuleFilter | None = None):
+    def __init__(self, config: FP8Config, hw: FP8Backend, lin_config: Float8LinearConfig | MXFP8TrainingOpConfig,
+                 *, device: torch.device, measure: Measure | None = None, module_filter_fn: ModuleFilter | None = None):
         self.config, self.hw, self.lin_config, self.device = config, hw, lin_config, torch.device(device)
         self.module_filter_fn = module_filter_fn
         self.measure = measure if measure is not None else time_fwd_bwd if hw.backend == "native" else None
@@ -99,6 +110,9 @@ class LayerPolicy:
         k, n = module.in_features, module.out_features
         if k % 16 or n % 16:
             return Decision(False, f"{k}->{n}: FP8 GEMMs need both dims divisible by 16 (torch._scaled_mm)", False)
+        if c.recipe in MX_RECIPES and (k % MX_BLOCK or n % MX_BLOCK):
+            return Decision(False, f"{k}->{n}: MXFP8 needs both dims divisible by {MX_BLOCK} (one e8m0 scale per "
+                                   f"block of {MX_BLOCK} along each GEMM's inner dim)", False)
         if own_filter is None and min(k, n) < c.min_dim:
             return Decision(False, f"min(in, out) = {min(k, n)} < `min_dim` {c.min_dim}: casts cost more than "
                                    "FP8 saves", False)

@@ -4,8 +4,8 @@ FP8 halves a GEMM's tensor-core time (M*K*N work) but adds casts that read and w
 operand (M*(K+N) memory traffic), so whether a layer gains depends on its shape and on the GPU.
 torchao's H100 tables show small layers slower than bf16 and large ones faster (docs/fp8.md).
 Another GPU's tables are a guess for this one, so `layers="faster"`
-(policy.py) times each distinct (M, K, N) of the run once, on the user's GPU: the layer as
-torchao converts it (`Float8Linear`) against the same nn.Linear in bf16, both compiled, fp32
+(policy.py) times each distinct (M, K, N) of the run once, on the user's GPU: the layer the
+run swaps in (FP8Linear, or MXLinear for the MXFP8 recipes) against the same nn.Linear in bf16, both compiled, fp32
 weights under bf16 autocast as the trainer runs them, forward and both backward GEMMs, CUDA
 events around windows of calls, FP8 and bf16 windows alternating, the median of each.
 
@@ -35,9 +35,10 @@ import torch.nn as nn
 from nanochat.fp8 import _torchao  # first: torchao imported with its log noise muted
 import torchao
 from torchao.float8.config import Float8LinearConfig
-from torchao.float8.float8_linear import Float8Linear
+from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
 
 from nanochat.common import cache_root, logger
+from nanochat.fp8.layers import FP8Linear, MXLinear
 from nanochat.fs import write_atomic
 
 CACHE_FORMAT = "nanochat fp8 speed v1"
@@ -83,7 +84,7 @@ class Timing:
         return self.bf16_s / self.fp8_s
 
 
-Measure = Callable[[LinearShape, Float8LinearConfig, torch.device], Timing]
+Measure = Callable[[LinearShape, Float8LinearConfig | MXFP8TrainingOpConfig, torch.device], Timing]
 """(shape, torchao's config for the layer, device) -> its Timing. `time_fwd_bwd` on a GPU."""
 
 
@@ -97,7 +98,15 @@ def cuda_seconds(run: Callable[[], None]) -> float:
     return start.elapsed_time(end) / 1e3  # elapsed_time is in ms
 
 
-def time_fwd_bwd(shape: LinearShape, lin_config: Float8LinearConfig, device: torch.device, *,
+def _converted(plain: nn.Linear, lin_config: Float8LinearConfig | MXFP8TrainingOpConfig) -> nn.Module:
+    """A copy of `plain` as the run converts it with `lin_config` (linear.convert's layers)."""
+    plain = copy.deepcopy(plain)
+    if isinstance(lin_config, MXFP8TrainingOpConfig):
+        return MXLinear.from_linear(plain, lin_config)
+    return FP8Linear.from_float(plain, config=lin_config)
+
+
+def time_fwd_bwd(shape: LinearShape, lin_config: Float8LinearConfig | MXFP8TrainingOpConfig, device: torch.device, *,
                  seconds: Callable[[Callable[[], None]], float] = cuda_seconds) -> Timing:
     """Median fwd+bwd seconds of a bias-free Linear(K, N) on M tokens: converted by torchao with
     `lin_config` vs plain, both compiled; on CUDA under bf16 autocast (see the module docstring).
@@ -110,7 +119,7 @@ def time_fwd_bwd(shape: LinearShape, lin_config: Float8LinearConfig, device: tor
         dtype = torch.bfloat16 if cuda else torch.float32  # what autocast feeds the GEMMs
         x = torch.randn(shape.m, shape.k, device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn(shape.m, shape.n, device=device, dtype=dtype)
-    fp8 = Float8Linear.from_float(copy.deepcopy(plain), config=lin_config)
+    fp8 = _converted(plain, lin_config)
     _torchao.prepare_float8_training()  # so the timed kernels are the ones a converted model compiles
 
     def run(layer: nn.Module, compiled: nn.Module, calls: int) -> None:

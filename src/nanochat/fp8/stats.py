@@ -10,7 +10,10 @@ What can go wrong is what this file counts: underflow (a non-zero x that becomes
 non-zero elements), saturation (|x * scale| > max_fmt before the clamp, ~0 with dynamic scaling
 unless a scale is stale; % of all elements) and SQNR (torchao's `compute_error`, in dB; it weighs
 errors by energy and barely notices underflow, hence both). A role's figures aggregate every cast
-the layer's config makes of it, each with its own scaling axis.
+the layer's config makes of it, each with its own scaling axis. For MXFP8 layers the cast is
+torchao's own (`MXTensor.to_mx`, the layer's e8m0 scale rule, blocks of 32 along each axis) and
+the figures count its codes: underflow and SQNR under block scales, saturation before its clamp
+(0 by construction of RCEIL's scale unless a block holds an inf), scale the smallest block's.
 
 `FP8StatsSampler` collects them on the real tensors of a training step: hooks installed while the
 `with` block runs (forward *and* backward inside it) and removed on exit, so a step not sampled
@@ -29,11 +32,15 @@ import torch
 import torch.nn as nn
 from nanochat.fp8 import _torchao  # noqa: F401  (first: torchao imported with its log noise muted)
 from torchao.float8.config import ScalingGranularity, ScalingType
-from torchao.float8.float8_linear import Float8Linear
+from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
+from torchao.prototype.mx_formats.mx_tensor import MXTensor
+from torchao.quantization.quantize_.common import KernelPreference
 
 from nanochat.common import format_table
+from nanochat.config.fp8 import MX_BLOCK
 from nanochat.device import host_read
-from nanochat.fp8.linear import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, FP8Linear
+from nanochat.fp8.layers import FP8_LAYER_TYPES, autocast_operand
+from nanochat.fp8.linear import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, layer_dtypes
 
 EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
 SATURATION_MARGIN = 2.0**-20
@@ -52,6 +59,15 @@ def cast_axes(config, role: str) -> list[tuple[int | None, bool]]:
         rowwise = cast.scaling_granularity is ScalingGranularity.AXISWISE
         out.append((axis if rowwise else None, config.round_scales_to_power_of_2))
     return out
+
+
+def mx_cast_axes(layer: MXFP8Linear, role: str) -> tuple[int, ...]:
+    """The block axes of every cast an MXFP8 layer makes of `role` (natural 2D layouts as in
+    `cast_axes`): along the last dim for the GEMM a role feeds first, along the first dim for the
+    second (torchao's mx_mm: dim0 and dim1 casts); `wgrad_with_hp` drops the weight-gradient GEMM's."""
+    if role != "weight" and layer.wgrad_with_hp:
+        return (-1,)
+    return (-1, 0)
 
 
 @dataclass
@@ -87,15 +103,31 @@ class CastCounts:
         scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
         scaled = x * scale
         back = scaled.clamp(-fmax, fmax).to(dtype).float() / scale
+        return self._count(x, scaled, back, scale, fmax)
+
+    def add_mx(self, x: torch.Tensor, *, axis: int, scaling_mode) -> "CastCounts":
+        """torchao's MXFP8 cast of the 2D tensor x (e4m3, one e8m0 scale per MX_BLOCK values along
+        `axis`, `scaling_mode` torchao's scale rule), and count. Its codes and scales are torchao's
+        (MXTensor.to_mx, the emulated kernel, which torchao's GPU kernels match bit for bit)."""
+        x = x.detach().float()
+        t = (x if axis == -1 else x.t()).contiguous()
+        mx = MXTensor.to_mx(t, torch.float8_e4m3fn, MX_BLOCK, scaling_mode, KernelPreference.EMULATED)
+        descale = mx.scale.float().unsqueeze(-1)  # [rows, blocks, 1]: 2^e, what a block's codes multiply
+        scaled = t.view(*descale.shape[:-1], MX_BLOCK) / descale  # before torchao's clamp
+        return self._count(t, scaled, mx.dequantize(torch.float32), 1 / descale, torch.finfo(torch.float8_e4m3fn).max)
+
+    def _count(self, x: torch.Tensor, scaled: torch.Tensor, back: torch.Tensor, scale: torch.Tensor,
+               fmax: float) -> "CastCounts":
+        """Add one cast: x (float), x times its scale before the clamp, x as the GEMM sees it, the scales."""
         nonzero = x != 0
         self.numel += x.numel()
         f64 = torch.float64
         new = torch.stack([
             nonzero.sum(dtype=f64),
-            (nonzero & (back == 0)).sum(dtype=f64),  # -0 == 0 is True
+            (nonzero & (back.view_as(x) == 0)).sum(dtype=f64),  # -0 == 0 is True
             (scaled.abs() > fmax * (1 + SATURATION_MARGIN)).sum(dtype=f64),
             (x * x).sum(dtype=f64),  # fp32 squares, summed in fp64: no fp64 copy of x
-            (x - back).square().sum(dtype=f64),
+            (x - back.view_as(x)).square().sum(dtype=f64),
             x.abs().amax().double() if x.numel() else x.new_zeros((), dtype=f64),
             scale.min().double(),
         ])
@@ -177,11 +209,18 @@ def tensor_stats(x: torch.Tensor, dtype: str | torch.dtype, *, axis: int | None 
     return CastStats.of(DTYPE_NAMES[dtype], counts)
 
 
-def role_counts(layer: Float8Linear, role: str, x: torch.Tensor, dtype: torch.dtype,
+def role_counts(layer: nn.Module, role: str, x: torch.Tensor, dtype: torch.dtype,
                 counts: CastCounts | None = None) -> CastCounts:
     """Add every FP8 cast `layer` makes of `role` (tensor `x`), in format `dtype`, to `counts`."""
     counts = counts if counts is not None else CastCounts()
     x2d = x.reshape(-1, x.shape[-1])
+    if isinstance(layer, MXFP8Linear):
+        if dtype != torch.float8_e4m3fn:
+            raise ValueError(f"MXFP8 layers cast to e4m3 only, not {DTYPE_NAMES[dtype]}")
+        x2d = autocast_operand(x2d)  # MXLinear casts its input and weight to the autocast dtype first
+        for axis in mx_cast_axes(layer, role):
+            counts.add_mx(x2d, axis=axis, scaling_mode=layer.scale_calculation_mode)
+        return counts
     for axis, pow2 in cast_axes(layer.config, role):
         counts.add(x2d, dtype, axis=axis, round_pow2=pow2)
     return counts
@@ -194,17 +233,17 @@ def _as_torchao_sees_it(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _layers_of(model_or_layers: nn.Module | dict[str, nn.Module]) -> dict[str, Float8Linear]:
+def _layers_of(model_or_layers: nn.Module | dict[str, nn.Module]) -> dict[str, nn.Module]:
     if isinstance(model_or_layers, dict):
-        return {n: m for n, m in model_or_layers.items() if isinstance(m, Float8Linear)}
-    return {n: m for n, m in model_or_layers.named_modules() if isinstance(m, Float8Linear)}
+        return {n: m for n, m in model_or_layers.items() if isinstance(m, FP8_LAYER_TYPES)}
+    return {n: m for n, m in model_or_layers.named_modules() if isinstance(m, FP8_LAYER_TYPES)}
 
 
 class RoleHooks:
     """Calls `record(name, layer, role, tensor)` with each FP8 layer's input and weight (forward)
     and grad_output (backward, through a hook on the output tensor). Shared with auto.py."""
 
-    def __init__(self, layers: dict[str, Float8Linear], record: Callable, roles=ROLES):
+    def __init__(self, layers: dict[str, nn.Module], record: Callable, roles=ROLES):
         self.handles = []
         for name, layer in layers.items():
             self.handles.append(layer.register_forward_hook(self._forward_hook(name, record, set(roles))))
@@ -212,7 +251,7 @@ class RoleHooks:
     @staticmethod
     def _forward_hook(name, record, roles):
         def hook(layer, args, output):
-            if isinstance(layer, FP8Linear) and not layer.fp8_enabled:
+            if not getattr(layer, "fp8_enabled", True):
                 return  # running in high precision (fp8_disabled): nothing is cast
             with torch.no_grad():
                 if "input" in roles and args:  # (an input passed by keyword is not seen)
@@ -283,12 +322,16 @@ class FP8StatsSampler:
         self.layers = _layers_of(model_or_layers)
         self.roles = tuple(roles)
         self.both_formats = both_formats
+        mx = [n for n, m in self.layers.items() if isinstance(m, MXFP8Linear)]
+        if both_formats and mx:
+            raise ValueError(f"both_formats measures e4m3 and e5m2, but MXFP8 layers (e.g. {mx[0]}) cast to e4m3 "
+                             "only: sample them with both_formats=False")
         self.counts: dict[str, dict[str, tuple[str, CastCounts]]] = {}
         self.by_format: dict[str, dict[str, dict[str, CastCounts]]] = {}
         self._hooks: RoleHooks | None = None
 
     def _record(self, name, layer, role, x):
-        dtype = getattr(layer.config, CAST_FIELDS[role][0]).target_dtype
+        dtype = FP8_DTYPES[layer_dtypes(layer)[role]]
         slot = self.counts.setdefault(name, {})
         if not self.both_formats:
             if role not in slot:
@@ -400,5 +443,4 @@ def first_nonfinite_layer(model: nn.Module, run: Callable[[], object] | None = N
 
 
 __all__ = ["CastCounts", "CastStats", "FP8StatsSampler", "all_reduce_counts", "cast_axes", "collect_fp8_stats",
-           "flush_counts",
-           "first_nonfinite_layer", "role_counts", "tensor_stats"]
+           "flush_counts", "first_nonfinite_layer", "mx_cast_axes", "role_counts", "tensor_stats"]

@@ -97,8 +97,8 @@ def export_hf(model: torch.nn.Module, tokenizer: HFTokenizer | None, out_dir: st
     `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` loads: config.json,
     model.safetensors, tokenizer files. Errors for architectures that do not map.
 
-    Weights are plain fp32 by default. `quantize="fp8"` (or "fp8_block") stores every block
-    Linear in e4m3 with fp32 scales for vLLM, SGLang and transformers, and the rest in bf16
+    Weights are plain fp32 by default. `quantize="fp8"` (or "fp8_block", "mxfp8") stores every block
+    Linear in e4m3 with its scales for vLLM, SGLang and transformers, and the rest in bf16
     (nanochat.model.hf_fp8): `keep` (our layer name -> why) names Linears to leave in bf16, e.g. those the
     run trained in high precision; layers under `sqnr_floor_db` stay bf16 too, unless
     `quantize_all`. The per-layer report is logged and saved as fp8_report.json. `provenance`

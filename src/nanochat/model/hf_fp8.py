@@ -5,12 +5,16 @@ llm-compressor's FP8_DYNAMIC scheme writes and vLLM, SGLang and transformers loa
 Linear stores `weight` as float8_e4m3fn codes and `weight_scale` in fp32, one per output channel
 ([N, 1]; `fp8_block`: per 128x128 block, [N/128, K/128]), and config.json's
 `quantization_config` has the engine quantize activations per token (per group of 128) at run
-time. Why this format and not vLLM's native one: docs/design.md.
+time. `mxfp8` writes its "mxfp8-quantized" format (scheme MXFP8): e4m3 codes with one e8m0 scale
+per 32 values along K, stored as uint8 exponents ([N, K/32]), activations in groups of 32. Why
+this format and not vLLM's native one: docs/design.md.
 
 Scales come from the trained weights: amax / 448 (e4m3's largest value) per channel or block,
-so nothing saturates. The cast is compressed-tensors' own compressor, the config its
-QuantizationConfig written by its ModelCompressor: no part of the format is written by hand.
-Each layer's weight SQNR is reported. e4m3 rounds a normal value by at most 1/17 of itself, so
+so nothing saturates; MXFP8's are that rounded up to a power of two (2^ceil(log2(amax / 448)),
+RCEIL: the scale torchao's MXFP8 training gives the weight's forward cast), so an MXFP8 run
+serves the very codes its last forward pass multiplied. The cast is compressed-tensors' own
+compressor, the config its QuantizationConfig written by its ModelCompressor: no part of the
+format is written by hand. Each layer's weight SQNR is reported. e4m3 rounds a normal value by at most 1/17 of itself, so
 no finite weight falls below 24.6 dB (subnormals, values 2^15 below their channel's amax, add
 < 1e-7 amax^2 each); realistic weights sit several dB higher (BENCHMARKS.md §8(c)). A layer under
 SQNR_FLOOR_DB, set between the two, stays bf16 unless `quantize_all`. Embeddings, lm_head, norms
@@ -42,7 +46,10 @@ REPORT_FILE = "fp8_report.json"
 """Written next to the weights: the scheme, the floor and each Linear's SQNR or why it stayed bf16."""
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Sibling Linears vLLM and SGLang load as one matmul (qkv_proj, gate_up_proj): all or none in FP8."""
-_PRESET = {"fp8": "FP8_DYNAMIC", "fp8_block": "FP8_BLOCK"}  # compressed-tensors' scheme names
+MX_BLOCK = 32
+"""mxfp8's group: 32 consecutive values along K share one e8m0 scale (the OCP MX spec's block)."""
+_PRESET = {"fp8": "FP8_DYNAMIC", "fp8_block": "FP8_BLOCK", "mxfp8": "MXFP8"}  # compressed-tensors' scheme names
+_FORMAT = {"fp8": "float-quantized", "fp8_block": "float-quantized", "mxfp8": "mxfp8-quantized"}
 _INSTALL = "pip install compressed-tensors (or nanochat's `export` extra: pip install -e '.[export]')"
 
 
@@ -60,16 +67,24 @@ def _scheme(quantize: str):
     return preset_name_to_scheme(_PRESET[quantize], ["Linear"])
 
 
-def _compressor():
+def _compressor(scheme):
+    """compressed-tensors' compressor for `scheme`: MX (e8m0 scales as uint8 exponents) or float."""
+    from compressed_tensors.compressors.mxfp8.base import MXFP8QuantizationCompressor
     from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.quantization.utils import should_generate_mx_scales
 
-    return FloatQuantizationCompressor
+    return MXFP8QuantizationCompressor if should_generate_mx_scales(scheme.weights) else FloatQuantizationCompressor
 
 
 def amax_scales(weight: torch.Tensor, quantize: str) -> torch.Tensor:
-    """fp32 scales from the weight's amax: [N, 1] per output channel, [N/128, K/128] per block.
-    An all-zero channel gets the smallest normal fp32 (its codes are 0 whatever the scale)."""
+    """fp32 scales from the weight's amax: [N, 1] per output channel, [N/128, K/128] per block,
+    [N, K/32] powers of two for mxfp8. An all-zero channel gets the smallest normal fp32 (its codes
+    are 0 whatever the scale); an all-zero MX block e8m0's smallest, 2^-127."""
     w = weight.detach().float().abs()
+    if quantize == "mxfp8":
+        n, k = w.shape  # [N, K] -> [N, K/32, 32]: a block's values share dim 2
+        exponent = torch.ceil(torch.log2(w.view(n, k // MX_BLOCK, MX_BLOCK).amax(dim=2) / E4M3_MAX))
+        return torch.exp2(exponent.clamp(-127, 127))  # e8m0's range (log2(0) = -inf clamps to -127)
     if quantize == "fp8_block":
         n, k = w.shape  # [N, K] -> [N/128, 128, K/128, 128]: a block's values share dims 1 and 3
         amax = w.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).amax(dim=(1, 3))
@@ -82,14 +97,16 @@ def quantize_weight(weight: torch.Tensor, quantize: str, scheme=None) -> tuple[t
     """(e4m3 codes, fp32 scales) of a [N, K] weight, cast by compressed-tensors' compressor;
     `scheme`: the compressed-tensors scheme of `quantize`, when the caller holds it already."""
     scale = amax_scales(weight, quantize)
-    out = _compressor().compress({"weight": weight.detach().float(), "weight_scale": scale},
-                                 scheme if scheme is not None else _scheme(quantize))
+    scheme = scheme if scheme is not None else _scheme(quantize)
+    out = _compressor(scheme).compress({"weight": weight.detach().float(), "weight_scale": scale}, scheme)
     return out["weight"], out["weight_scale"]
 
 
 def dequantize_weight(codes: torch.Tensor, scale: torch.Tensor, scheme) -> torch.Tensor:
-    """fp32 weights from codes and scales, by compressed-tensors' decompressor (what the engines compute)."""
-    return _compressor().decompress({"weight": codes, "weight_scale": scale.float()}, scheme)["weight"]
+    """fp32 weights from codes and scales (fp32, or MX's uint8 exponents), by compressed-tensors'
+    decompressor (what the engines compute)."""
+    scale = scale if scale.dtype == torch.uint8 else scale.float()
+    return _compressor(scheme).decompress({"weight": codes, "weight_scale": scale}, scheme)["weight"].float()
 
 
 CHUNK_ELEMENTS = 1 << 18
@@ -161,16 +178,18 @@ class FP8Export:
         return [la for la in self.layers if not la.quantized]
 
     def table(self) -> str:
+        kind = "mxfp8 e4m3" if self.quantize == "mxfp8" else "fp8 e4m3"
         rows = [[la.name, "x".join(map(str, la.shape)), "-" if la.sqnr_db is None else f"{la.sqnr_db:.1f}",
-                 "fp8 e4m3" if la.quantized else "bf16", la.reason] for la in self.layers]
+                 kind if la.quantized else "bf16", la.reason] for la in self.layers]
         return format_table(["layer", "N x K", "weight SQNR dB", "stored as", "why bf16"], rows)
 
     def summary(self) -> str:
         measured = [la.sqnr_db for la in self.quantized if la.sqnr_db is not None]
         low = f", weight SQNR min {min(measured):.1f} dB / median {sorted(measured)[len(measured) // 2]:.1f} dB" \
             if measured else ""
-        where = "per 128x128 block" if self.quantize == "fp8_block" else "per output channel"
-        return (f"{self.quantize}: {len(self.quantized)} of {len(self.layers)} Linear layers in e4m3 with fp32 scales "
+        where = {"fp8": "fp32 scales per output channel", "fp8_block": "fp32 scales per 128x128 block",
+                 "mxfp8": f"e8m0 scales per {MX_BLOCK} values along K"}[self.quantize]
+        return (f"{self.quantize}: {len(self.quantized)} of {len(self.layers)} Linear layers in e4m3 with "
                 f"{where}{low}; {len(self.kept)} kept in bf16 (floor {self.floor_db:g} dB"
                 f"{', --quantize_all' if self.quantize_all else ''})")
 
@@ -209,8 +228,9 @@ def quantize_checkpoint(tensors: Mapping[str, torch.Tensor], linears: Sequence[s
     `keep`: name -> why it stays bf16 (layers the run trained in high precision); `quantize_all`
     quantizes those and the layers under `floor_db` too. fp8_block needs N and K to be multiples of
     128 (whole blocks and activation groups), whatever `quantize_all` says. Every other floating
-    tensor is stored in bf16. `output_embedding` is named in `ignore` even when tied (absent from
-    `tensors`): the engines build it as a Linear, which the config's "Linear" target would match.
+    tensor is stored in bf16; mxfp8 needs K to be a multiple of 32. `output_embedding` is named in
+    `ignore` even when tied (absent from `tensors`): the engines build it as a Linear, which the
+    config's "Linear" target would match.
     """
     if quantize not in _PRESET:
         raise ValueError(f"quantize must be one of {', '.join(_PRESET)}, got {quantize!r}")
@@ -232,6 +252,10 @@ def quantize_checkpoint(tensors: Mapping[str, torch.Tensor], linears: Sequence[s
         if quantize == "fp8_block" and (w.shape[0] % BLOCK or w.shape[1] % BLOCK):
             reasons[name] = (f"{w.shape[0]}x{w.shape[1]} is not whole 128x128 blocks (FP8_BLOCK's activation "
                              "groups and vLLM's block kernels need them)")
+            continue
+        if quantize == "mxfp8" and w.shape[1] % MX_BLOCK:
+            reasons[name] = (f"K = {w.shape[1]} is not a multiple of {MX_BLOCK} (MXFP8's blocks of {MX_BLOCK} along "
+                             "K, for the weight and the activations)")
             continue
         if name in keep and not quantize_all:
             reasons[name] = keep[name]
@@ -261,7 +285,7 @@ def quantize_checkpoint(tensors: Mapping[str, torch.Tensor], linears: Sequence[s
             out[key] = t.detach().to(torch.bfloat16).contiguous() if t.is_floating_point() else t
     ignore = list(dict.fromkeys([*(key.rpartition(".")[0] for key in tensors
                                    if key.rpartition(".")[0] not in quantized), output_embedding]))
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format="float-quantized",
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=_FORMAT[quantize],
                                 quantization_status=QuantizationStatus.COMPRESSED, ignore=ignore)
     return FP8Export(out, config, layers, quantize, floor_db, quantize_all, ignore)
 
@@ -275,7 +299,7 @@ _QPARAMS = ("weight_scale", "input_scale", "weight_zero_point", "input_zero_poin
 class FP8Checkpoint:
     """The `quantization_config` of a compressed-tensors FP8 checkpoint, to dequantize its
     weights: ours, or llm-compressor's FP8_DYNAMIC / FP8_BLOCK / FP8 (static activation scales,
-    which high-precision activations do not need)."""
+    which high-precision activations do not need) / MXFP8."""
 
     def __init__(self, qconfig: dict, origin: str):
         require_compressed_tensors(f"{origin} (an FP8 checkpoint)")
@@ -289,7 +313,7 @@ class FP8Checkpoint:
                              f"({str(e).splitlines()[0]}); restore config.json from the model's source") from None
         self.origin = origin
         problems = []
-        if self.config.format not in ("float-quantized", "naive-quantized"):
+        if self.config.format not in ("float-quantized", "naive-quantized", "mxfp8-quantized"):
             problems.append(f"format {self.config.format!r}")
         for group, scheme in self.config.config_groups.items():
             w = scheme.weights
@@ -334,6 +358,6 @@ def fp8_checkpoint(hf_config: dict, origin: str) -> FP8Checkpoint | None:
     return FP8Checkpoint(qconfig, origin)
 
 
-__all__ = ["BLOCK", "E4M3_MAX", "FUSED", "REPORT_FILE", "SQNR_FLOOR_DB", "FP8Checkpoint", "FP8Export",
+__all__ = ["BLOCK", "E4M3_MAX", "FUSED", "MX_BLOCK", "REPORT_FILE", "SQNR_FLOOR_DB", "FP8Checkpoint", "FP8Export",
            "LayerResult", "Quantize", "amax_scales", "dequantize_weight", "fp8_checkpoint", "quantize_checkpoint",
            "quantize_layer", "quantize_weight", "require_compressed_tensors", "sqnr_db"]

@@ -17,7 +17,8 @@ Four parts, per device:
   16 low bits of every fp32 master (2 bytes/param) to the optimizer state;
 - activations: an estimate (`activation_bytes`): what one block keeps for its backward, counted
   from nanochat.model.gpt.Block per token and layer, plus the fp32 logits, their log-softmax and
-  their gradient; with activation checkpointing a block keeps only its input.
+  their gradient; with activation checkpointing a block keeps only its input. FP8 layers of
+  every recipe (MXFP8's too) keep what a plain Linear keeps (torchao casts again in the backward).
 Under FSDP the first three are divided by the world size (each rank holds its shard).
 `state_bytes_per_param` is the first three per parameter (independent of the sharding): the
 training state a run carries whatever its batch, e.g. 16 for fp32 masters at level 0, ~10 at
