@@ -27,7 +27,8 @@ What is checked against what:
   bitwise; an interrupted save leaves the previous checkpoint loadable, its temporary directory
   is removed while a step directory nanochat did not commit is kept (and --overwrite's removal
   keeps it too); a flipped byte is refused; a NaN weight is named, and passed over by the last
-  good finite step; --fsdp in one process is a recorded fallback.
+  good finite step; --fsdp in one process is a recorded fallback; a restarted worker group on the
+  previous group's rendezvous store (torchrun's shared store) is refused, naming the fix.
 
 The fast multi-process runs share one torchrun launch (`_worker` below, this file run as
 a script): on 2 shared cores each launch costs ~10 s of startup.
@@ -527,6 +528,25 @@ def test_dcp_nonfinite_names_the_tensor_and_the_good_step_skips_it(tmp_path):
     assert checkpoint.dcp.nonfinite(latest) == ["model.lm_head.weight"]
     assert checkpoint.newest_verified(tmp_path).path == latest
     assert checkpoint.newest_verified(tmp_path, finite=True).path.name == "step-000001"
+
+
+def test_a_restart_on_the_previous_groups_rendezvous_store_is_refused(monkeypatch):
+    """torchrun 2.13 keeps one rendezvous store, shared with its workers, across restarts of the
+    worker group: a restarted rank finds the mark the previous group left there and stops with
+    one error naming the fix, before it would connect to the dead group's addresses."""
+    from torch.distributed import TCPStore
+
+    from nanochat import distributed
+    from nanochat.common import NanoChatError
+
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's own store
+    agent.set("nanochat/process_group_formed", "1")  # what the previous group's rank 0 wrote
+    for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "RANK": "0", "WORLD_SIZE": "2",
+                       "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(NanoChatError, match="Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"):
+        distributed.init_distributed(torch.device("cpu"))
+    assert not torch.distributed.is_initialized()
 
 
 def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
