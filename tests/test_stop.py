@@ -257,6 +257,30 @@ def test_the_resume_command_parses_back_to_the_run(monkeypatch):
     assert resume_command(cfg, DistEnv(world_size=4)).startswith("torchrun --nnodes=2 ")
 
 
+def test_the_resume_command_and_the_lost_peer_line_follow_auto_resume(monkeypatch, tmp_path):
+    """A run that was given --auto_resume is resumed by its own command line; a rank that lost a
+    peer under torchrun --max-restarts says the restart continues the run (--auto_resume) or would
+    refuse its directory (without), and names the command where no restart is left."""
+    from types import SimpleNamespace
+
+    from nanochat.train.stop import lost_peer_message
+
+    cfg = TrainConfig(model_name="d2", run_dir="runs/r", auto_resume=True, num_iterations=50)
+    words = shlex.split(resume_command(cfg, DistEnv()))
+    assert words[-1] == "--auto_resume" and "--resume" not in words
+    assert parse_cli(TrainConfig, words[2:]) == cfg
+    newest = SimpleNamespace(path=tmp_path / "checkpoint_dcp" / "step-000005", step=5)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    line = lost_peer_message("gloo: Connection reset by peer", newest, "cmd", auto_resume=True)
+    assert line.endswith("(step 5); torchrun restarts the worker group (1 of its --max-restarts left) and "
+                         "--auto_resume continues the run from it"), line
+    line = lost_peer_message("gloo: Connection reset by peer", newest, "cmd", auto_resume=False)
+    assert "which refuses a --run_dir holding a run: pass --auto_resume" in line, line
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # none left
+    assert lost_peer_message("gloo: x", newest, "cmd", auto_resume=True).endswith("resume: cmd")
+
+
 def test_a_lost_peer_is_told_from_other_errors():
     """gloo's and NCCL's words for a rank that is gone; any other error keeps its own report."""
     from nanochat.common import NanoChatError
