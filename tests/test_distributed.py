@@ -313,16 +313,16 @@ def test_two_nodes_train_as_one_and_their_checkpoint_resumes_in_one_process(two_
 
 
 def test_a_node_that_never_arrives_fails_the_rendezvous_in_time_writing_nothing(small_corpus, tmp_path, cache):
-    """One agent of a 2-node job alone: torchrun's rendezvous times out (join_timeout, 5 s here)
+    """One agent of a 2-node job alone: torchrun's rendezvous times out (join_timeout, 3 s here)
     before it starts any process, so nanochat's code never runs. The agent exits 1 soon after
     join_timeout, its stderr ending in torchrun's own line after its traceback, and the run
     directory was never created."""
     run_dir = tmp_path / "lone"
     t0 = time.monotonic()
-    r = run_launch(_node_agent(_free_port(), _argv(_kwargs(small_corpus, run_dir)), "join_timeout=5"),
+    r = run_launch(_node_agent(_free_port(), _argv(_kwargs(small_corpus, run_dir)), "join_timeout=3"),
                    env=_launch_env(cache), cwd=ROOT, timeout=120)
     elapsed = time.monotonic() - t0
-    assert r.returncode == 1 and 5 <= elapsed < 5 + 30, (r.returncode, elapsed)
+    assert r.returncode == 1 and 3 <= elapsed < 3 + 30, (r.returncode, elapsed)
     assert r.stderr.strip().splitlines()[-1] == "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
     assert not run_dir.exists()
 
