@@ -86,6 +86,8 @@ CASES = [
     ("export_hf", ["--out_dir", "{missing}"], 2, ["give exactly one of --run_dir", "--model_name"]),
     ("fp8_parity", ["--modes", "e4m3"], 2, ["add baseline to --modes", "--modes baseline e4m3"]),
     ("bench_train", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench_distributed", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench_distributed", ["--models", "d3"], 2, ["--models 'd3' is not a size preset", "d2, d4"]),
     ("export_hf", ["--model_name", "d4", "--out_dir", "{missing}", "--quantize_all"], 2,
      ["--quantize_all and --sqnr_floor_db choose what --quantize stores in FP8", "add --quantize fp8"]),
     ("bench_export", ["--repeats", "0"], 2, ["--repeats and --steps must be >= 1"]),
