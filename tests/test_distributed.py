@@ -297,6 +297,7 @@ def test_two_nodes_train_as_one_and_their_checkpoint_resumes_in_one_process(two_
     agent = _node_agent(_free_port(), _argv(kw))
     for r in run_launches([agent, agent], env=_launch_env(cache), cwd=ROOT, timeout=300):
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(f"2 nodes: val losses {_val_losses(run_dir)}; 1 node: {_val_losses(two_ranks['ddp'])}")  # shown with -s
     assert _losses(run_dir) == _losses(two_ranks["ddp"]) and _val_losses(run_dir) == _val_losses(two_ranks["ddp"])
     assert json.loads((run_dir / "result.json").read_text())["parallel"] == "ddp x2 (gloo)"
     step4 = run_dir / "checkpoint_dcp" / "step-000004"

@@ -473,6 +473,8 @@ def test_torchrun_restarts_rank_losses_and_auto_resume_ends_as_the_uninterrupted
     assert [rec["step"] for rec in _records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
     assert _losses(run_dir) == _losses(torchrun_full)
     result, full = (json.loads((d / "result.json").read_text()) for d in (run_dir, torchrun_full))
+    print(f"restarted: val loss {result['val_loss']!r}, step {STEPS} loss {_losses(run_dir)[STEPS]!r}; "
+          f"uninterrupted: {full['val_loss']!r}, {_losses(torchrun_full)[STEPS]!r}")  # shown with -s
     assert result["val_loss"] == full["val_loss"] and result["restarts"] == 2, result
     (first, restart, resume) = result["starts"]
     assert (first["start"], restart["start"], resume["start"]) == ("fresh", "restart", "resume")

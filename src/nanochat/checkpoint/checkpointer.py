@@ -17,6 +17,7 @@ tokenizer is known); this run's records without a checkpoint restart it from ste
 records say whose they are); anything else is refused before a byte is written, and a run that
 had finished is reported (`finished`). Each start's record (`start_record`) goes first into
 metrics.jsonl: where it started from and which restart counters it came with.
+
 Which checkpoint is the newest, whether it verifies and what is kept is the store's (store.py),
 the same for both storages. Inf/nan is never saved, and never resumed (state.py).
 """
