@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 import types
 from pathlib import Path
 
@@ -116,22 +118,43 @@ def train_until_first_save(kwargs: dict, monkeypatch) -> None:
 
 def run_launch(cmd: list[str], *, env: dict[str, str], cwd: Path | str, timeout: float) -> subprocess.CompletedProcess:
     """Run `cmd` (torchrun, or any command that starts processes) to its end and return its
-    output. On timeout every process it started is killed, found by a marker in its environment,
-    and the test fails: torchrun starts each rank in a session of its own, so killing the
-    launcher's process group alone would leave a hung rank running past the suite."""
+    output (`run_launches` of one command)."""
+    return run_launches([cmd], env=env, cwd=cwd, timeout=timeout)[0]
+
+
+def run_launches(cmds: list[list[str]], *, env: dict[str, str], cwd: Path | str,
+                 timeout: float) -> list[subprocess.CompletedProcess]:
+    """Run `cmds` side by side (the torchrun agents of one job) to their ends and return their
+    outputs, each written to a file of its own (a full pipe would stall one agent while the test
+    waits on another). On timeout every process they started is killed, found by a marker in its
+    environment, and the test fails: torchrun starts each rank in a session of its own, so
+    killing the launchers' process groups alone would leave a hung rank running past the suite."""
     marker = secrets.token_hex(8)
-    proc = subprocess.Popen(cmd, env={**env, "NANOCHAT_TEST_LAUNCH": marker}, cwd=cwd, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        killed = kill_marked(marker)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd[:3])} ... did not end within {timeout:.0f} s; killed pids {killed}\n"
-                             f"{out[-3000:]}\n{err[-3000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    with contextlib.ExitStack() as files:
+        logs = [(files.enter_context(tempfile.TemporaryFile("w+")), files.enter_context(tempfile.TemporaryFile("w+")))
+                for _ in cmds]
+        procs = [subprocess.Popen(cmd, env={**env, "NANOCHAT_TEST_LAUNCH": marker}, cwd=cwd, text=True, stdout=out,
+                                  stderr=err, start_new_session=True) for cmd, (out, err) in zip(cmds, logs)]
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            killed = kill_marked(marker)
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            text = "\n".join(_text(f)[-3000:] for pair in logs for f in pair)
+            raise AssertionError(f"{' '.join(cmds[0][:3])} ... did not end within {timeout:.0f} s; killed pids "
+                                 f"{killed}\n{text}") from None
+        return [subprocess.CompletedProcess(cmd, proc.returncode, _text(out), _text(err))
+                for cmd, proc, (out, err) in zip(cmds, procs, logs)]
+
+
+def _text(f) -> str:
+    f.seek(0)
+    return f.read()
 
 
 def kill_marked(marker: str) -> list[int]:

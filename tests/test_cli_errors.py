@@ -92,6 +92,8 @@ CASES = [
      ["--recipe mxfp8 casts every operand to e4m3, so --modes e5m2 auto auto-recheck cannot run with it",
       "--modes baseline e4m3 mxfp8 mxfp8_wgrad_hp"]),
     ("bench_train", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench_distributed", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench_distributed", ["--models", "d3"], 2, ["--models 'd3' is not a size preset", "d2, d4"]),
     ("export_hf", ["--model_name", "d4", "--out_dir", "{missing}", "--quantize_all"], 2,
      ["--quantize_all and --sqnr_floor_db choose what --quantize stores in FP8", "add --quantize fp8"]),
     ("bench_export", ["--repeats", "0"], 2, ["--repeats and --steps must be >= 1"]),

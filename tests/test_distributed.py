@@ -29,7 +29,8 @@ What is checked against what:
   bitwise; an interrupted save leaves the previous checkpoint loadable, its temporary directory
   is removed while a step directory nanochat did not commit is kept (and --overwrite's removal
   keeps it too); a flipped byte is refused; a NaN weight is named, and passed over by the last
-  good finite step; --fsdp in one process is a recorded fallback.
+  good finite step; --fsdp in one process is a recorded fallback; a restarted worker group on the
+  previous group's rendezvous store (torchrun's shared store) is refused, naming the fix.
 
 The fast multi-process runs share one torchrun launch (`_worker` below, this file run as
 a script): on 2 shared cores each launch costs ~10 s of startup.
@@ -40,14 +41,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from nanochat.checkpoint import PT, committed
-from tests.conftest import perturbed_init, run_launch, run_records, tiny_train_kwargs
+from tests.conftest import perturbed_init, run_launch, run_launches, run_records, tiny_train_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -98,14 +101,36 @@ def _kwargs(corpus: Path, run_dir: Path, **over) -> dict:
     return tiny_train_kwargs(corpus, run_dir, **{"num_iterations": STEPS, "eval_every": 4, **over})
 
 
+def _launch_env(cache: Path) -> dict[str, str]:
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return dict(os.environ, OMP_NUM_THREADS="1", NANOCHAT_CACHE=str(cache), PYTHONPATH=path)
+
+
 def _torchrun(nproc: int, runs: list[dict], cache: Path, timeout: int = 600) -> None:
     """Run `runs` (see _worker) in one torchrun launch of `nproc` CPU processes."""
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = dict(os.environ, OMP_NUM_THREADS="1", NANOCHAT_CACHE=str(cache), PYTHONPATH=path)
     # --standalone: a local rendezvous on a port torchrun picks itself (free, no race)
     cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(Path(__file__)), json.dumps(runs)]
-    r = run_launch(cmd, env=env, cwd=ROOT, timeout=timeout)
+    r = run_launch(cmd, env=_launch_env(cache), cwd=ROOT, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def _argv(kw: dict) -> list[str]:
+    """`kw` (eager, see tiny_train_kwargs) as base_train's flags."""
+    return ["--no_compile"] + [a for k, v in kw.items() if k != "compile" for a in (f"--{k}", str(v))]
+
+
+def _node_agent(port: int, argv: list[str], *rdzv_conf: str) -> list[str]:
+    """One node's torchrun agent of a 2-node job, one process each, meeting at a c10d rendezvous
+    on 127.0.0.1:`port` (its id unique to the port: a leftover agent of another job cannot join)."""
+    return [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id=nanochat-test-{port}",
+            *(["--rdzv_conf", ",".join(rdzv_conf)] if rdzv_conf else []), str(ROOT / "scripts" / "base_train.py"), *argv]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------- fixtures
@@ -277,17 +302,62 @@ def test_a_two_rank_run_destroys_its_process_group_after_ddp_lets_go(small_corpu
     group any more on either rank, so gloo's threads are joined without the GIL held."""
     driver = tmp_path / "driver.py"
     driver.write_text(_EXIT_DRIVER)
-    kw = _kwargs(small_corpus, tmp_path / "run", num_iterations=3, num_samples=0)
-    argv = ["--no_compile"] + [a for k, v in kw.items() if k != "compile" for a in (f"--{k}", str(v))]
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = dict(os.environ, OMP_NUM_THREADS="1", NANOCHAT_CACHE=str(cache), PYTHONPATH=path)
+    argv = _argv(_kwargs(small_corpus, tmp_path / "run", num_iterations=3, num_samples=0))
     r = run_launch([str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(driver), str(tmp_path),
-                    str(ROOT / "scripts" / "base_train.py"), *argv], env=env, cwd=ROOT, timeout=300)
+                    str(ROOT / "scripts" / "base_train.py"), *argv], env=_launch_env(cache), cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "results:" in r.stdout, r.stdout[-3000:]
     for rank in (0, 1):
         record = json.loads((tmp_path / f"destroy-rank{rank}.json").read_text())
         assert record == {"ddp_reducers_alive": 0}, (rank, record)
+
+
+@pytest.mark.two_computations
+def test_two_nodes_train_as_one_and_their_checkpoint_resumes_in_one_process(two_ranks, small_corpus, tmp_path, cache):
+    """Two torchrun agents (--nnodes=2 --nproc_per_node=1, a c10d rendezvous on 127.0.0.1) train
+    the "ddp" job of one agent with 2 processes, through base_train, into one run directory: the
+    same losses and validation losses bit for bit. Bit for bit because nothing differs but the
+    launch: each rank reads its share of the batch by RANK, whichever node holds it, and with
+    2 ranks every reduced element is one sum a + b, which IEEE rounds the same in either order.
+    Both ranks' DCP shards are in the shared directory; the checkpoint the two nodes wrote at step
+    4 resumes in one process (batch 8 x 2 micro-batches = 2 ranks x 4 x 2) with the 2-node run's
+    losses within LOSS_TOL (one batch instead of two halves reduced: see LOSS_TOL)."""
+    from nanochat.train.trainer import NanoChatTrainer
+
+    run_dir = tmp_path / "nodes"
+    kw = _kwargs(small_corpus, run_dir, batch_size=4, grad_accum_steps=2, save_every=4)
+    agent = _node_agent(_free_port(), _argv(kw))
+    for r in run_launches([agent, agent], env=_launch_env(cache), cwd=ROOT, timeout=300):
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    print(f"2 nodes: val losses {_val_losses(run_dir)}; 1 node: {_val_losses(two_ranks['ddp'])}")  # shown with -s
+    assert _losses(run_dir) == _losses(two_ranks["ddp"]) and _val_losses(run_dir) == _val_losses(two_ranks["ddp"])
+    assert json.loads((run_dir / "result.json").read_text())["parallel"] == "ddp x2 (gloo)"
+    step4 = run_dir / "checkpoint_dcp" / "step-000004"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(json.loads((step4 / "manifest.json").read_text())["files"])
+
+    cut = tmp_path / "cut"  # the 2-node run as it was after step 4
+    shutil.copytree(run_dir, cut)
+    shutil.rmtree(cut / "checkpoint_dcp" / "step-000008")
+    with perturbed_init():  # the side the perturbation pass moves (its gradients)
+        NanoChatTrainer(**{**kw, "run_dir": str(cut), "batch_size": 8, "resume": True}).train()
+    resumed, nodes = _losses(cut), _losses(run_dir)
+    _assert_close({s: resumed[s] for s in range(5, STEPS + 1)}, {s: nodes[s] for s in range(5, STEPS + 1)},
+                  LOSS_TOL, "2 nodes' checkpoint resumed in 1 process")
+
+
+def test_a_node_that_never_arrives_fails_the_rendezvous_in_time_writing_nothing(small_corpus, tmp_path, cache):
+    """One agent of a 2-node job alone: torchrun's rendezvous times out (join_timeout, 3 s here)
+    before it starts any process, so nanochat's code never runs. The agent exits 1 soon after
+    join_timeout, its stderr ending in torchrun's own line after its traceback, and the run
+    directory was never created."""
+    run_dir = tmp_path / "lone"
+    t0 = time.monotonic()
+    r = run_launch(_node_agent(_free_port(), _argv(_kwargs(small_corpus, run_dir)), "join_timeout=3"),
+                   env=_launch_env(cache), cwd=ROOT, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1 and 3 <= elapsed < 3 + 30, (r.returncode, elapsed)
+    assert r.stderr.strip().splitlines()[-1] == "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"
+    assert not run_dir.exists()
 
 
 def test_optimizer_in_backward_is_refused_under_torchrun(two_ranks):
@@ -561,6 +631,25 @@ def test_dcp_nonfinite_names_the_tensor_and_the_good_step_skips_it(tmp_path):
     assert checkpoint.newest_verified(tmp_path, finite=True).path.name == "step-000001"
 
 
+def test_a_restart_on_the_previous_groups_rendezvous_store_is_refused(monkeypatch):
+    """torchrun 2.13 keeps one rendezvous store, shared with its workers, across restarts of the
+    worker group: a restarted rank finds the mark the previous group left there and stops with
+    one error naming the fix, before it would connect to the dead group's addresses."""
+    from torch.distributed import TCPStore
+
+    from nanochat import distributed
+    from nanochat.common import NanoChatError
+
+    agent = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's own store
+    agent.set("nanochat/process_group_formed", "1")  # what the previous group's rank 0 wrote
+    for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port), "RANK": "0", "WORLD_SIZE": "2",
+                       "LOCAL_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(NanoChatError, match="Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"):
+        distributed.init_distributed(torch.device("cpu"))
+    assert not torch.distributed.is_initialized()
+
+
 def test_fsdp_without_torchrun_is_a_recorded_fallback(small_corpus, tmp_path):
     from nanochat.train.trainer import NanoChatTrainer
 
@@ -593,8 +682,7 @@ def _worker(runs: list[dict]) -> None:
             sys.path.insert(0, str(ROOT / "scripts"))
             import base_train
 
-            argv = ["--no_compile"] + [a for k, v in kwargs.items() if k != "compile" for a in (f"--{k}", str(v))]
-            assert base_train.main(argv) == 0
+            assert base_train.main(_argv(kwargs)) == 0
             continue
         trainer = NanoChatTrainer(**kwargs)
         if spec.get("crash_after_first_save"):

@@ -17,6 +17,13 @@
   and as the newest checkpoint by --resume; a checkpoint planted under another step's name is
   refused; a second process on a run directory is refused (the lock dies with its holder, kill
   -9 included); resuming a finished run, or below its step, is refused;
+- --auto_resume, the same command run again after a death: it continues from the checkpoint
+  with the uninterrupted run's losses, weights and train loss bit for bit, or starts again from
+  step 0 when the run died before its first checkpoint (each step logged once); result.json
+  counts the restarts and says where each started from; a finished run says so and exits 0; a
+  different run (another --seed in its checkpoint or in its records' start record, or records
+  that name no run) is one error line, and --resume or --overwrite with it a config error;
+  nothing in the directory changes;
 - the last checkpoint is written before the final evaluation, so a failure there keeps it, and
   also when the last step was skipped;
 - user and environment errors exit 2 (usage) or 1 (runtime) with one `error:` line naming the
@@ -24,6 +31,7 @@
   the first step (no metrics written).
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -626,3 +634,112 @@ def test_a_fresh_run_never_replaces_another_tokenizer_in_its_run_dir(small_corpu
     assert _contents(run_dir) == before and not (run_dir / "metrics.jsonl").exists()
     code, _ = _cli(capsys, kw, "--overwrite")
     assert code == 0 and BPETokenizer.load(run_dir / "tokenizer").vocab_size == 320
+
+
+# ------------------------------------------------------------------------- --auto_resume
+@contextlib.contextmanager
+def _dies_after_logging_step(n: int):
+    """A run started in the block dies (KeyboardInterrupt) right after logging step `n`."""
+    from nanochat.train.metrics import MetricsLog
+
+    real_log = MetricsLog.log
+
+    def log(self, record):
+        real_log(self, record)
+        if record.get("step") == n and "loss" in record:
+            raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MetricsLog, "log", log)
+        with pytest.raises(KeyboardInterrupt):
+            yield
+
+
+def _starts(result) -> list[tuple]:
+    return [(s["start"], s["from_step"], s["checkpoint"]) for s in result["starts"]]
+
+
+@pytest.fixture(scope="module")
+def auto_resumed(small_corpus, tmp_path_factory):
+    """The same --auto_resume command twice: the first start dies after logging step 3 (its
+    checkpoint is step 2's), the second continues the run to its end. Its run directory, the
+    second start's trainer and result."""
+    run_dir = tmp_path_factory.mktemp("auto") / "r"
+    kw = _kw(small_corpus, run_dir, auto_resume=True)
+    with _dies_after_logging_step(3):
+        NanoChatTrainer(**kw).train()
+    assert [c.step for c in committed(run_dir)] == [2]
+    trainer = NanoChatTrainer(**kw)
+    return run_dir, trainer, trainer.train()
+
+
+def test_auto_resume_continues_a_killed_run_exactly(auto_resumed, reference):
+    """The continued run's losses, final weights and train loss are the uninterrupted run's bit
+    for bit (the same eager CPU code); result.json counts the restart and where it resumed from."""
+    ref_losses, ref_weights, ref_train_loss = reference
+    run_dir, trainer, result = auto_resumed
+    assert _losses(run_dir) == ref_losses and result.train_loss == ref_train_loss
+    assert [r["step"] for r in run_records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, ref_weights[name]), name
+    saved = json.loads((run_dir / "result.json").read_text())
+    assert saved["restarts"] == 1 and _starts(saved) == [("fresh", 0, None), ("resume", 2, "checkpoint-000002.pt")]
+    assert [r["event"] for r in run_records(run_dir) if r.get("event") == "start"] == ["start", "start"]
+
+
+def test_auto_resume_reports_a_finished_run_and_refuses_others_changing_nothing(
+        small_corpus, auto_resumed, tmp_path, capsys, caplog):
+    """A finished run says so and exits 0; a different run is refused in one line: one whose
+    checkpoint has another --seed, and records without a checkpoint whose start record has
+    another --seed or that have none; a finished run without a checkpoint is done at its own
+    length and refused at another. Nothing in any directory changes."""
+    import shutil
+
+    run_dir = auto_resumed[0]
+    kw = _kw(small_corpus, run_dir, auto_resume=True)
+    before = _contents(run_dir)
+    code, errors = _cli(capsys, kw)
+    assert code == 0 and not errors, errors
+    assert f"--auto_resume: the run in {run_dir} already finished at step {STEPS} (its result.json)" in caplog.text
+    code, errors = _cli(capsys, {**kw, "seed": 7})
+    assert code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: --auto_resume: {run_dir} holds a different run: its checkpoint's settings "
+                                "differ from this run's (--seed: checkpoint 1337 vs now 7)"), errors
+    assert _contents(run_dir) == before
+    for extra in ({"resume": True}, {"overwrite": True}):  # a config error, before any work
+        code, errors = _cli(capsys, {**kw, **extra})
+        assert code == 2 and len(errors) == 1 and "--auto_resume decides by itself" in errors[0], errors
+
+    records = tmp_path / "records"  # a run's records and result, no checkpoint (--no_save_checkpoints)
+    records.mkdir()
+    for name in ("metrics.jsonl", "result.json"):
+        shutil.copy(run_dir / name, records / name)
+    kw = {**kw, "run_dir": str(records)}
+    before = _contents(records)
+    caplog.clear()
+    code, errors = _cli(capsys, kw)
+    assert code == 0 and not errors and f"the run in {records} already finished at step 8" in caplog.text, errors
+    code, errors = _cli(capsys, {**kw, "num_iterations": 10})
+    assert code == 2 and len(errors) == 1 and "kept no checkpoint to continue from" in errors[0], errors
+    code, errors = _cli(capsys, {**kw, "seed": 7})
+    assert code == 2 and len(errors) == 1, errors
+    assert "holds a different run, which saved no checkpoint" in errors[0] and "--seed: recorded 1337 vs now 7" in errors[0]
+    assert _contents(records) == before
+    lines = (records / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (records / "metrics.jsonl").write_text("".join(line for line in lines if '"event": "start"' not in line))
+    before = _contents(records)
+    code, errors = _cli(capsys, kw)
+    assert code == 2 and len(errors) == 1 and "no start record that says which run wrote them" in errors[0], errors
+    assert _contents(records) == before
+
+
+def test_auto_resume_restarts_from_step_0_a_run_lost_before_its_first_checkpoint(small_corpus, tmp_path, reference):
+    run_dir = tmp_path / "r"
+    kw = _kw(small_corpus, run_dir, auto_resume=True)
+    with _dies_after_logging_step(1):
+        NanoChatTrainer(**kw).train()
+    assert not committed(run_dir) and [r["step"] for r in run_records(run_dir) if "loss" in r] == [1]
+    result = NanoChatTrainer(**kw).train()
+    assert [r["step"] for r in run_records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))  # each once
+    assert _losses(run_dir) == reference[0]
+    assert result.restarts == 1 and _starts(result.to_dict()) == [("fresh", 0, None), ("restart", 0, None)]

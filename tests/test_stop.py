@@ -20,7 +20,11 @@ peer died ends with one error line. What is checked against what:
   traceback; the run resumes, and SIGTERM sent to rank 1 alone stops both ranks after the same
   step (their DCP checkpoint of it is collective: ranks that disagreed would never finish it),
   exit status 143 each, the line printed once; the printed command finishes the run with the
-  losses of an uninterrupted 2-rank run, bit for bit (the same code and reduction order).
+  losses of an uninterrupted 2-rank run, bit for bit (the same code and reduction order);
+- under torchrun --max-restarts 2 with --auto_resume: rank 1 killed before the first checkpoint,
+  then after one; the worker group restarts twice (from step 0, then from the checkpoint) and
+  the job exits 0 with the uninterrupted 2-rank run's losses and validation loss, bit for bit,
+  and result.json records both restarts.
 """
 
 from __future__ import annotations
@@ -253,6 +257,30 @@ def test_the_resume_command_parses_back_to_the_run(monkeypatch):
     assert resume_command(cfg, DistEnv(world_size=4)).startswith("torchrun --nnodes=2 ")
 
 
+def test_the_resume_command_and_the_lost_peer_line_follow_auto_resume(monkeypatch, tmp_path):
+    """A run that was given --auto_resume is resumed by its own command line; a rank that lost a
+    peer under torchrun --max-restarts says the restart continues the run (--auto_resume) or would
+    refuse its directory (without), and names the command where no restart is left."""
+    from types import SimpleNamespace
+
+    from nanochat.train.stop import lost_peer_message
+
+    cfg = TrainConfig(model_name="d2", run_dir="runs/r", auto_resume=True, num_iterations=50)
+    words = shlex.split(resume_command(cfg, DistEnv()))
+    assert words[-1] == "--auto_resume" and "--resume" not in words
+    assert parse_cli(TrainConfig, words[2:]) == cfg
+    newest = SimpleNamespace(path=tmp_path / "checkpoint_dcp" / "step-000005", step=5)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    line = lost_peer_message("gloo: Connection reset by peer", newest, "cmd", auto_resume=True)
+    assert line.endswith("(step 5); torchrun restarts the worker group (1 of its --max-restarts left) and "
+                         "--auto_resume continues the run from it"), line
+    line = lost_peer_message("gloo: Connection reset by peer", newest, "cmd", auto_resume=False)
+    assert "which refuses a --run_dir holding a run: pass --auto_resume" in line, line
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # none left
+    assert lost_peer_message("gloo: x", newest, "cmd", auto_resume=True).endswith("resume: cmd")
+
+
 def test_a_lost_peer_is_told_from_other_errors():
     """gloo's and NCCL's words for a rank that is gone; any other error keeps its own report."""
     from nanochat.common import NanoChatError
@@ -269,9 +297,10 @@ def test_a_lost_peer_is_told_from_other_errors():
 
 
 # --------------------------------------------------------------------------- torchrun
-def _launched(marker: str) -> dict[int, int]:
+def _launched(marker: str, restart: int | None = None) -> dict[int, int]:
     """rank (-1: torchrun itself) -> pid of the live processes whose environment holds `marker`:
-    only this launch's, never a process that reuses the pid of one of them after it exited."""
+    only this launch's, never a process that reuses the pid of one of them after it exited;
+    with `restart`, only the ranks of that restart of the worker group (TORCHELASTIC_RESTART_COUNT)."""
     out = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -281,6 +310,8 @@ def _launched(marker: str) -> dict[int, int]:
         except OSError:
             continue
         if f"NANOCHAT_TEST_LAUNCH={marker}".encode() in env:
+            if restart is not None and f"TORCHELASTIC_RESTART_COUNT={restart}".encode() not in env:
+                continue
             rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), -1)
             out[rank] = int(proc.name)
     return out
@@ -290,13 +321,13 @@ class Launch:
     """One torchrun launch (`torchrun <args>`, as printed), each rank's stdout and stderr in files
     of its own under `logs`."""
 
-    def __init__(self, command: str, logs: Path):
+    def __init__(self, command: str, logs: Path, **env: str):
         self.logs, self.marker = logs, f"{os.getpid()}-{logs.name}-{time.monotonic_ns()}"
         words = shlex.split(command)
         assert words[0] == "torchrun", words
         self.proc = subprocess.Popen(
             [str(TORCHRUN), "--log-dir", str(logs), "--redirects", "3", *words[1:]],
-            cwd=ROOT, env={**_env(), "NANOCHAT_TEST_LAUNCH": self.marker}, stdout=subprocess.PIPE,
+            cwd=ROOT, env={**_env(), **env, "NANOCHAT_TEST_LAUNCH": self.marker}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + 60
         while len(ranks := _launched(self.marker)) < 3:
@@ -324,8 +355,17 @@ class Launch:
                 pass
         self.proc.communicate()
 
-    def stderr(self, rank: int) -> str:
-        return next(self.logs.glob(f"*/attempt_0/{rank}/stderr.log")).read_text()
+    def rank_pid(self, rank: int, restart: int, timeout: float = 120) -> int:
+        """The pid of `rank` in the worker group of `restart`, once it runs."""
+        deadline = time.monotonic() + timeout
+        while rank not in (ranks := _launched(self.marker, restart)):
+            assert self.proc.poll() is None, f"torchrun ended (status {self.proc.returncode}) before restart {restart}"
+            assert time.monotonic() < deadline, f"no rank {rank} of restart {restart} within {timeout} s"
+            time.sleep(0.05)
+        return ranks[rank]
+
+    def stderr(self, rank: int, attempt: int = 0) -> str:
+        return next(self.logs.glob(f"*/attempt_{attempt}/{rank}/stderr.log")).read_text()
 
 
 def _exit_status(torchrun_stderr: str, rank: int) -> int:
@@ -335,15 +375,25 @@ def _exit_status(torchrun_stderr: str, rank: int) -> int:
     return int(m[1])
 
 
-def test_torchrun_a_killed_rank_then_sigterm_to_one_rank_then_resume(small_corpus, tmp_path):
-    kw = _kw(small_corpus, tmp_path / "r", batch_size=4)
-    run_dir = Path(kw["run_dir"])
-    torchrun = f"torchrun --standalone --nproc_per_node=2 {shlex.quote(str(ROOT / 'scripts' / 'base_train.py'))} "
-    full = Launch(torchrun + shlex.join(_flags({**kw, "run_dir": tmp_path / "full"})), tmp_path / "logs-full")
-    try:  # the uninterrupted run
+TORCHRUN_2 = f"torchrun --standalone --nproc_per_node=2 {shlex.quote(str(ROOT / 'scripts' / 'base_train.py'))} "
+
+
+@pytest.fixture(scope="module")
+def torchrun_full(small_corpus, tmp_path_factory) -> Path:
+    """The uninterrupted 2-rank run (4 sequences per rank): its run directory."""
+    out = tmp_path_factory.mktemp("torchrun")
+    full = Launch(TORCHRUN_2 + shlex.join(_flags(_kw(small_corpus, out / "full", batch_size=4))), out / "logs-full")
+    try:
         full.wait(timeout=120)
     finally:
         full.kill()
+    return out / "full"
+
+
+def test_torchrun_a_killed_rank_then_sigterm_to_one_rank_then_resume(small_corpus, tmp_path, torchrun_full):
+    kw = _kw(small_corpus, tmp_path / "r", batch_size=4)
+    run_dir = Path(kw["run_dir"])
+    torchrun = TORCHRUN_2
 
     # kill -9 of rank 1: rank 0 ends by itself (torchrun would SIGKILL it 30 s after its SIGTERM)
     launch = Launch(torchrun + shlex.join(_flags(kw)), tmp_path / "logs-a")
@@ -387,4 +437,47 @@ def test_torchrun_a_killed_rank_then_sigterm_to_one_rank_then_resume(small_corpu
     finally:
         launch.kill()
     assert [rec["step"] for rec in _records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
-    assert _losses(run_dir) == _losses(tmp_path / "full")
+    assert _losses(run_dir) == _losses(torchrun_full)
+
+
+def test_torchrun_restarts_rank_losses_and_auto_resume_ends_as_the_uninterrupted_run(
+        small_corpus, tmp_path, torchrun_full):
+    """torchrun --max-restarts 2 with --auto_resume: rank 1 killed (SIGKILL) before the first
+    checkpoint, then after one. The worker group restarts from step 0, then from the newest
+    checkpoint; the job exits 0 with the uninterrupted run's losses and validation loss, bit for
+    bit (the same code and reduction order), each step logged once, and result.json records both
+    restarts, where each started from and torchrun's restart counters. A stopped rank (SIGSTOP)
+    holds its peer at the next collective, so the first kill lands before any checkpoint."""
+    kw = _kw(small_corpus, tmp_path / "r", batch_size=4, auto_resume=True)
+    run_dir = Path(kw["run_dir"])
+    command = TORCHRUN_2.replace("--nproc_per_node=2", "--nproc_per_node=2 --max-restarts=2") + shlex.join(_flags(kw))
+    # each restart on a rendezvous store of its own (nanochat.distributed refuses a shared one)
+    launch = Launch(command, tmp_path / "logs", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    try:
+        _wait_for_steps(run_dir, 1, launch.proc)
+        os.kill(launch.rank_pid(1, restart=0), signal.SIGSTOP)
+        assert not committed(run_dir) and len(_losses(run_dir)) < SAVE_EVERY
+        os.kill(launch.rank_pid(1, restart=0), signal.SIGKILL)
+        rank1 = launch.rank_pid(1, restart=1)
+        deadline = time.monotonic() + 120
+        while not committed(run_dir) or len(_losses(run_dir)) <= committed(run_dir)[-1].step:
+            assert launch.proc.poll() is None and time.monotonic() < deadline, "restart 1 saved no checkpoint"
+            time.sleep(0.02)
+        os.kill(rank1, signal.SIGKILL)
+        launch.wait(timeout=180)
+    finally:
+        launch.kill()
+    assert launch.proc.returncode == 0, launch.stderr(0, attempt=2)[-3000:]
+    assert "torchrun restarts the worker group (2 of its --max-restarts left) and --auto_resume continues the run " \
+           "from step 0" in launch.stderr(0, attempt=0).strip().splitlines()[-1]
+    assert [rec["step"] for rec in _records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
+    assert _losses(run_dir) == _losses(torchrun_full)
+    result, full = (json.loads((d / "result.json").read_text()) for d in (run_dir, torchrun_full))
+    print(f"restarted: val loss {result['val_loss']!r}, step {STEPS} loss {_losses(run_dir)[STEPS]!r}; "
+          f"uninterrupted: {full['val_loss']!r}, {_losses(torchrun_full)[STEPS]!r}")  # shown with -s
+    assert result["val_loss"] == full["val_loss"] and result["restarts"] == 2, result
+    (first, restart, resume) = result["starts"]
+    assert (first["start"], restart["start"], resume["start"]) == ("fresh", "restart", "resume")
+    assert [s["torchelastic_restart_count"] for s in result["starts"]] == [0, 1, 2]
+    step = resume["from_step"]
+    assert step >= SAVE_EVERY and resume["checkpoint"] == f"checkpoint_dcp/step-{step:06d}", resume

@@ -16,7 +16,8 @@ tool's own reader and compared with the records themselves.
   then resumed: TensorBoard holds each step once, equal to metrics.jsonl, and W&B's second run
   has the first one's id; replayed, the steps logged after the checkpoint show the resumed run's
   values; a fresh start over a replaced run shows only its own steps and gets a new W&B id; W&B
-  does not send the steps its run already holds;
+  does not send the steps its run already holds; a restart from step 0 (--auto_resume before the
+  first checkpoint) keeps the W&B id and shows each step once in TensorBoard;
 - a tracker failing mid-run (ENOSPC) warns once, is recorded in `fallbacks`, and the other
   tracker still gets every record; one that cannot start is one error line before any step;
 - a tracker whose package does not import is a one-line UsageError with the install command;
@@ -349,6 +350,20 @@ def test_a_fresh_start_over_a_replaced_run_shows_only_its_own_steps(records, tmp
     _replay(("tensorboard",), tmp_path, steps[:3])  # --overwrite: a new run, 3 steps so far
     assert _tb_scalars(tmp_path)["train/loss"] == [(r["step"], _f32(r["loss"])) for r in steps[:3]]
     assert len(list((tmp_path / TENSORBOARD_DIR).iterdir())) == 2  # the replaced run's file is kept, hidden
+
+
+def test_a_restart_from_step_0_continues_both_trackers_runs(records, tmp_path):
+    """--auto_resume over a run that died before its first checkpoint starts again from step 0
+    (`continuing`): the same W&B run id, and TensorBoard shows each step once, the restart's."""
+    steps = [r for r in records if "event" not in r]
+    first = [{**r, "loss": r["loss"] + 100} if r.get("loss") is not None else r for r in steps[:3]]
+    _replay(("tensorboard", "wandb"), tmp_path, first)
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    _next_second()
+    _replay(("tensorboard", "wandb"), tmp_path, steps, continuing=True)
+    assert (tmp_path / WANDB_ID_FILE).read_text().strip() == run_id
+    assert _wandb_run(tmp_path, run_id, nth=1)["id"] == run_id
+    assert _tb_scalars(tmp_path)["train/loss"] == [(r["step"], _f32(r["loss"])) for r in steps if r.get("loss") is not None]
 
 
 def _wandb_records(path: Path):

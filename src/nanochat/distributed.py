@@ -24,6 +24,7 @@ docs/distributed.md.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
@@ -63,12 +64,36 @@ def init_distributed(device: torch.device) -> tuple[DistEnv, torch.device]:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+        store = _rendezvous_store(env)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
+                                world_size=env.world_size, device_id=device if device.type == "cuda" else None)
+        if env.rank == 0:  # every rank has looked for it: the group is formed
+            store.set(_GROUP_FORMED, "1")
         _owns_process_group = True
     if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
         raise RuntimeError(f"the process group (rank {dist.get_rank()} of {dist.get_world_size()}) does "
                            f"not match RANK={env.rank} WORLD_SIZE={env.world_size} from the environment")
     return env, device
+
+
+_GROUP_FORMED = "nanochat/process_group_formed"
+"""Set in the rendezvous store once a worker group's process group exists."""
+
+
+def _rendezvous_store(env: DistEnv) -> dist.Store:
+    """The store torchrun's environment names (torch's env:// rendezvous), where the process group
+    forms: each rank publishes its address there. torch 2.13's torchrun keeps one store, shared
+    with its workers, for every restart of the worker group (--max-restarts): a restarted group
+    would read the dead group's addresses and fail to connect or hang (pytorch/pytorch#135712).
+    That store still holds `_GROUP_FORMED` then, and the start is refused with the fix."""
+    store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and store.check([_GROUP_FORMED]):
+        raise NanoChatError(
+            "torchrun restarted this worker group on the rendezvous store of the previous one, which still holds "
+            "that group's addresses: its ranks would connect to dead processes and fail or hang (torch's store "
+            "shared across restarts, pytorch/pytorch#135712). Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+            "torchrun's environment: each restart then gets a store of its own")
+    return store
 
 
 def release_wrapper(module: nn.Module) -> None:
@@ -131,6 +156,31 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+RESTART_COUNTERS = {"torchelastic_restart_count": "TORCHELASTIC_RESTART_COUNT",
+                    "slurm_restart_count": "SLURM_RESTART_COUNT"}
+"""Who restarted this process, by the variable each launcher sets: torchrun for every restart of
+its worker group (--max-restarts; 0 at its first start), slurm for every requeue of a job."""
+
+
+def restart_counts() -> dict[str, int | None]:
+    """This start's restart counters (RESTART_COUNTERS), None where the variable is unset."""
+    out = {}
+    for name, var in RESTART_COUNTERS.items():
+        value = os.environ.get(var, "")
+        out[name] = int(value) if value.isdigit() else None
+    return out
+
+
+def torchrun_restarts_left() -> int:
+    """How many more times torchrun restarts this worker group, when a rank fails, into a group
+    that can form: --max-restarts minus the restarts so far; 0 outside torchrun, and where its
+    workers share its rendezvous store (`_rendezvous_store` refuses such a restart)."""
+    most, done = os.environ.get("TORCHELASTIC_MAX_RESTARTS", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    if not (most.isdigit() and done.isdigit()) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return 0
+    return int(most) - int(done)
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
@@ -270,6 +320,6 @@ def full_copy(model: nn.Module, plain: nn.Module) -> nn.Module:
 
 __all__ = [
     "init_distributed", "release_wrapper", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
-    "all_reduce_mean", "broadcast_object", "lost_peer", "backend_name", "wrap_model", "no_grad_sync", "local_numel",
-    "fp8_all_gather_problem", "full_copy", "DTensor",
+    "all_reduce_mean", "broadcast_object", "restart_counts", "torchrun_restarts_left", "lost_peer", "backend_name",
+    "wrap_model", "no_grad_sync", "local_numel", "fp8_all_gather_problem", "full_copy", "DTensor",
 ]

@@ -21,12 +21,15 @@ is reported and left alone.
 Claiming: a directory that holds a run (`run_contents`) is continued with --resume or replaced
 with --overwrite, never clobbered, and --overwrite deletes only checkpoints whose manifests say
 nanochat wrote them (the checkpoint store tells which are not: `nanochat.checkpoint.foreign`).
+Each start of a run writes a start record first (`recorded_starts`): what --auto_resume reads
+to tell this run's records from another's before the first checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -43,6 +46,9 @@ PT_NAME = re.compile(r"checkpoint-(\d+)\.pt")
 """A one-process checkpoint's file name (its manifest: the same name, .json)."""
 DCP_DIRNAME = "checkpoint_dcp"
 """Where distributed runs keep their DCP step directories."""
+START_EVENT = "start"
+"""The `event` of the metrics.jsonl record each start of a run writes first (where it started
+from, why, and the settings that identify the run)."""
 
 _held: dict[str, list] = {}  # realpath of a run directory -> [its FileLock, count]
 
@@ -56,6 +62,24 @@ def run_contents(run_dir: str | os.PathLike) -> list[str]:
     pts = sorted((int(m.group(1)), p.name) for p in d.glob("checkpoint-*.pt") if (m := PT_NAME.fullmatch(p.name)))
     found = [name for _, name in pts] + [n for n in RUN_FILES if (d / n).exists()]
     return found + ([DCP_DIRNAME + "/"] if (d / DCP_DIRNAME).exists() else [])
+
+
+def recorded_starts(run_dir: str | os.PathLike) -> list[dict]:
+    """The start records in `run_dir`'s metrics.jsonl, oldest first (a line cut by a kill ends
+    the reading); empty without one."""
+    try:
+        lines = (Path(run_dir) / RUN_FILES[0]).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    starts = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            break
+        if isinstance(rec, dict) and rec.get("event") == START_EVENT:
+            starts.append(rec)
+    return starts
 
 
 # ------------------------------------------------------------------------------ the lock
@@ -184,5 +208,5 @@ def remove_records(run_dir: str | os.PathLike) -> None:
         (Path(run_dir) / name).unlink(missing_ok=True)
 
 
-__all__ = ["LOCK_NAME", "RUN_FILES", "PT_NAME", "DCP_DIRNAME", "run_contents", "acquire", "release", "holder",
-           "holding", "check_path", "own", "check_claim", "create", "remove_records"]
+__all__ = ["LOCK_NAME", "RUN_FILES", "PT_NAME", "DCP_DIRNAME", "START_EVENT", "run_contents", "recorded_starts",
+           "acquire", "release", "holder", "holding", "check_path", "own", "check_claim", "create", "remove_records"]

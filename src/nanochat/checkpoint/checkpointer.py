@@ -1,6 +1,7 @@
 """The trainer's checkpoint component: one object, built once, called at fixed points of a run.
 
-    claim()            before any work: --run_dir checked, locked (rank 0), not clobbered (rundir.py)
+    claim()            before any work: --run_dir checked, locked (rank 0), not clobbered (rundir.py);
+                       how the run starts (`start`): fresh, restarted from step 0, or resumed
     read_init_source() --init_from: the source run's newest checkpoint, verified, and its tokenizer
     read_resume()      --resume, before the model is built: verified and compatible (resume.py)
     prepare()          just before the first step: the directory created, --overwrite's room made
@@ -8,6 +9,14 @@
     save(step)         every --save_every steps and at the end: a .pt in one process, a DCP step
                        under torchrun (every rank), the newest --keep_checkpoints kept
     release()          the run lock, when the run ends
+
+--auto_resume: rank 0 looks at --run_dir (after finishing what killed saves left there) and
+decides for every rank, which it tells (`broadcast_object`), so all take the same branch: no run
+there starts it; this run's newest checkpoint resumes it (checked as --resume checks it, once the
+tokenizer is known); this run's records without a checkpoint restart it from step 0 (their start
+records say whose they are); anything else is refused before a byte is written, and a run that
+had finished is reported (`finished`). Each start's record (`start_record`) goes first into
+metrics.jsonl: where it started from and which restart counters it came with.
 
 Which checkpoint is the newest, whether it verifies and what is kept is the store's (store.py),
 the same for both storages. Inf/nan is never saved, and never resumed (state.py).
@@ -17,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -30,7 +39,12 @@ from nanochat.checkpoint.state import nonfinite_state, rng_state, set_rng_state
 from nanochat.checkpoint.storage import Checkpoint
 from nanochat.common import DistEnv, NanoChatError, UsageError, logger
 from nanochat.config import TrainConfig, flag_text
-from nanochat.rundir import DCP_DIRNAME
+from nanochat.rundir import DCP_DIRNAME, START_EVENT
+
+Start = Literal["fresh", "restart", "resume"]
+"""How a run starts: in a directory without a run (or --overwrite's); from step 0 over the records
+of this run's earlier start, which died before its first checkpoint (--auto_resume); or from the
+newest checkpoint (--resume, or --auto_resume finding this run's)."""
 
 
 @dataclass
@@ -63,19 +77,54 @@ class Checkpointer:
     def __init__(self, config: TrainConfig, dist: DistEnv):
         self.config, self.dist = config, dist
         self.run_dir = Path(config.run_dir)
+        self.flag = "--auto_resume" if config.auto_resume else "--resume"
+        """The flag that resumes this run: errors about its checkpoint name it."""
+        self.start: Start = "resume" if config.resume else "fresh"
+        """How the run starts (`Start`); --auto_resume's is decided by `claim`."""
         self._locked = False
+
+    @property
+    def resuming(self) -> bool:
+        return self.start == "resume"
 
     # ---------------------------------------------------------------- the directory
     def claim(self) -> None:
         """Before any work: lock a --run_dir that exists (rank 0; the lock also lets it finish or
-        remove what a killed save left there) and refuse to clobber a run in it. One that does not
-        exist yet is created and locked by `prepare`, so an error before the first step leaves
-        nothing behind."""
+        remove what a killed save left there) and refuse to clobber a run in it; --auto_resume
+        decides here how the run starts. One that does not exist yet is created and locked by
+        `prepare`, so an error before the first step leaves nothing behind."""
         rundir.check_path(self.run_dir)
         if self.run_dir.is_dir():
             self._lock()
         distributed.barrier()  # the other ranks look at what rank 0 finished or removed
-        self._check_claim()
+        if self.config.auto_resume:
+            self.start = self._decide()
+        else:
+            self._check_claim()
+
+    def _decide(self) -> Start:
+        """--auto_resume: rank 0's decision (module docstring), or its refusal, on every rank."""
+        start, problem = None, None
+        if self.dist.rank == 0:
+            try:
+                start = self._auto_start()
+            except UsageError as e:
+                problem = str(e)
+        start, problem = distributed.broadcast_object((start, problem))
+        if problem is not None:
+            raise UsageError(problem)
+        if start == "restart":  # a resume says where it resumed from once it has (`restore`)
+            logger.info("--auto_resume: %s holds this run's records but no checkpoint: starting it over from step 0",
+                        self.run_dir)
+        return start
+
+    def _auto_start(self) -> Start:
+        if not rundir.run_contents(self.run_dir):
+            return "fresh"
+        if self.newest() is not None:
+            return "resume"  # whether it is this run's: read_resume, once the tokenizer is known
+        resume.check_recorded_run(rundir.recorded_starts(self.run_dir), self.config)
+        return "restart"
 
     def prepare(self) -> None:
         """Just before the first step: create --run_dir and prove it writable (every rank); rank 0
@@ -111,25 +160,57 @@ class Checkpointer:
 
     def _check_claim(self) -> None:
         cfg = self.config
-        resumable = cfg.resume and self.newest() is not None
+        resumable = self.resuming and self.newest() is not None
         foreign = store.foreign(self.run_dir) if cfg.overwrite else []
-        rundir.check_claim(self.run_dir, resume=cfg.resume, overwrite=cfg.overwrite, resumable=resumable,
+        rundir.check_claim(self.run_dir, resume=self.resuming, overwrite=cfg.overwrite, resumable=resumable,
                            foreign=foreign)
+
+    def finished(self, total_steps: int) -> int | None:
+        """--auto_resume: the step this run already finished at, when its result.json says so and
+        the run has nothing left to train (it then says so and exits 0); else None. Asked once the
+        records or checkpoint found are known to be this run's."""
+        steps = resume.finished_steps(self.run_dir) if self.config.auto_resume else None
+        if steps is None or self.start == "fresh":
+            return None
+        if self.start == "resume":
+            newest = self.newest()
+            steps = steps if newest is not None and newest.step == steps == total_steps else None
+        elif steps != total_steps:
+            raise UsageError(f"--auto_resume: the run in {self.run_dir} finished at step {steps} (its result.json) and "
+                             "kept no checkpoint to continue from; start it over with --overwrite, or choose a new "
+                             "--run_dir")
+        if steps is not None:
+            logger.info("--auto_resume: the run in %s already finished at step %d (its result.json); nothing to train",
+                        self.run_dir, steps)
+        return steps
+
+    def start_record(self, resumed: Saved | None) -> dict[str, Any]:
+        """The record this start writes first into metrics.jsonl: how and from which step it
+        started (`from_step`; the checkpoint it `resumed`), the world size, the restart counters of
+        torchrun and slurm (distributed.restart_counts) and the run's identity (resume.identity)."""
+        return {"event": START_EVENT, "start": self.start, "from_step": resumed.step if resumed else 0,
+                "checkpoint": None if resumed is None else str(resumed.path.relative_to(self.run_dir)),
+                "world_size": self.dist.world_size, **distributed.restart_counts(), **resume.identity(self.config)}
 
     # ------------------------------------------------------------------- reading
     def newest(self) -> Checkpoint | None:
-        """The checkpoint a --resume of this run starts from (store.newest: not verified here)."""
-        return store.newest(self.run_dir, "--resume")
+        """The checkpoint a resume of this run starts from (store.newest: not verified here)."""
+        return store.newest(self.run_dir, self.flag)
 
     def read_resume(self, total_steps: int, tokenizer: Any) -> Saved:
-        """--resume, before the model is built: the newest checkpoint, with steps left to train,
-        verified, whose settings and tokenizer this run shares (resume.py). Collective."""
-        c = self.newest()
-        resume.check_budget(c, self.config, total_steps)
+        """A resume, before the model is built: the newest checkpoint, with steps left to train,
+        verified, whose settings and tokenizer this run shares (resume.py). Collective.
+        --resume checks the steps first (a refusal reads nothing); --auto_resume checks the
+        settings first: a different run in --run_dir is refused even where it had finished."""
+        c, auto = self.newest(), self.config.auto_resume
+        if not auto:
+            resume.check_budget(c, self.config, total_steps)
         tensors = resume.TENSORS if c.kind == "pt" else ()  # a DCP step's tensors are outside trainer.json
-        meta = store.read(c, "--resume", resume.RESUME_KEYS + tensors)
+        meta = store.read(c, self.flag, resume.RESUME_KEYS + tensors)
         meta = {k: v for k, v in meta.items() if k not in resume.TENSORS}  # `restore` reads the tensors
-        resume.check_resume(meta, self.config, world_size=self.dist.world_size, tokenizer=tokenizer)
+        resume.check_resume(meta, self.config, world_size=self.dist.world_size, tokenizer=tokenizer, flag=self.flag)
+        if auto:
+            resume.check_budget(c, self.config, total_steps, self.flag)
         return Saved(c, meta)
 
     def read_init_source(self) -> Saved:
@@ -161,7 +242,7 @@ class Checkpointer:
         else:  # verified by read_resume; read again onto the device, tensors only
             payload, why = pt.load_payload(c, device, keys=resume.TENSORS)
             if why is not None:
-                raise NanoChatError(f"--resume: checkpoint {c.path} is not usable: {why}")
+                raise NanoChatError(f"{self.flag}: checkpoint {c.path} is not usable: {why}")
             if self.dist.is_distributed and self.config.fsdp:
                 pt.load_full_state_dicts(model, optimizer, payload["model"], payload["optimizer"])
             else:
@@ -170,7 +251,7 @@ class Checkpointer:
             rng = payload["rng"]
         bad = nonfinite_state(model, optimizer)
         if bad:
-            raise NanoChatError(f"--resume: checkpoint {c.path} holds inf/nan ({bad}), so training cannot "
+            raise NanoChatError(f"{self.flag}: checkpoint {c.path} holds inf/nan ({bad}), so training cannot "
                                 f"continue from it; move it out of {c.path.parent} to resume from the previous "
                                 "checkpoint")
         loader.load_state_dict(saved.meta["data"])
@@ -224,4 +305,4 @@ class Checkpointer:
         return f"The last good checkpoint is {good.path} (step {good.step}, {checked})"
 
 
-__all__ = ["Checkpointer", "Saved"]
+__all__ = ["Checkpointer", "Saved", "Start"]

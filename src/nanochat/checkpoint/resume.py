@@ -10,7 +10,8 @@ global batch (batch_size x ranks, so 2 ranks of 8 resume in 1 process of 16); an
 (its fingerprint). Everything else (--num_iterations, --eval_every, ...) may differ, so a run can
 be extended, but not to nothing: a checkpoint at or past the last step is refused.
 `setting_differences` is the comparison itself; FP8Trainer uses it for the FP8 settings of a
-Hugging Face Trainer checkpoint.
+Hugging Face Trainer checkpoint. --auto_resume applies the same rules to the checkpoint it
+finds, and before a run's first checkpoint to the settings its start records hold (`identity`).
 
 --init_from starts a new run (step 0, a fresh optimizer) from another run's newest checkpoint: a
 nanochat preset of the same name, read with the tokenizer it was trained with (checked by
@@ -56,50 +57,93 @@ def setting_differences(saved: Mapping[str, Any], now: Mapping[str, Any],
     return {k: (saved.get(k), now.get(k)) for k in keys if saved.get(k) != now.get(k)}
 
 
-def check_budget(c: Checkpoint, config: TrainConfig, total_steps: int) -> None:
-    """--resume from `c` must leave steps to train: refused, before anything is read, at or past
-    the last step (one whose run died before its result.json does resume, to finish)."""
+def check_budget(c: Checkpoint, config: TrainConfig, total_steps: int, flag: str = "--resume") -> None:
+    """A resume from `c` must leave steps to train: refused at or past the last step (one whose
+    run died before its result.json does resume, to finish). --auto_resume (`flag`) is not
+    refused a run that finished there: the trainer reports it (Checkpointer.finished)."""
     more = f"pass a larger --num_iterations (more than {c.step}) to train on"
     if c.step > total_steps:
         budget = (f"--num_iterations {config.num_iterations}" if config.num_iterations > 0
                   else f"--num_epochs {config.num_epochs} ({total_steps} steps)")
-        raise UsageError(f"--resume: {c.run_dir} is already at step {c.step} ({c.path.name}); {budget} would train "
+        raise UsageError(f"{flag}: {c.run_dir} is already at step {c.step} ({c.path.name}); {budget} would train "
                          f"nothing: {more}")
-    if c.step == total_steps and _finished(c.run_dir, c.step):
+    if flag == "--resume" and c.step == total_steps and finished_steps(c.run_dir) == c.step:
         raise UsageError(f"--resume: the run in {c.run_dir} already finished at step {c.step} (its result.json); "
                          f"{more}, or start it over with --overwrite")
 
 
-def _finished(run_dir: Path, step: int) -> bool:
-    """Whether the run's result.json says it finished at `step`."""
+def finished_steps(run_dir: str | os.PathLike) -> int | None:
+    """The steps the run's result.json says it finished with; None without one."""
     try:
-        return json.loads((run_dir / "result.json").read_text()).get("steps") == step
+        steps = json.loads((Path(run_dir) / "result.json").read_text()).get("steps")
     except (OSError, ValueError, AttributeError):
-        return False
+        return None
+    return steps if isinstance(steps, int) else None
 
 
-def check_resume(meta: dict[str, Any], config: TrainConfig, *, world_size: int, tokenizer: Any) -> None:
-    """Whether the checkpoint `meta` (its config, world size and tokenizer fingerprint) can
-    continue this run (module docstring); a UsageError listing every difference otherwise."""
-    saved, now = meta["config"], config.to_dict()
-    saved_paths, paths_now = meta.get("resolved_paths") or {}, resolved_paths(config)
-    diff = setting_differences(saved, now, RESUME_MUST_MATCH)
+def identity(config: TrainConfig) -> dict[str, Any]:
+    """What identifies a run before it has a checkpoint: its kept settings (`RESUME_MUST_MATCH`)
+    and resolved paths, as a checkpoint holds them. Every start record carries it."""
+    now = config.to_dict()
+    return {"settings": {k: now[k] for k in RESUME_MUST_MATCH}, "resolved_paths": resolved_paths(config)}
+
+
+def kept_differences(saved: Mapping[str, Any], saved_paths: Mapping[str, Any],
+                     config: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """{flag: (saved, now)} for each kept flag on which `saved` (a checkpoint's config, or a start
+    record's settings) differs from `config`; paths compare resolved (`saved_paths`)."""
+    paths_now = resolved_paths(config)
+    diff = setting_differences(saved, config.to_dict(), RESUME_MUST_MATCH)
     for k in PATH_FIELDS:
         if k in diff and saved_paths.get(k, saved.get(k)) == paths_now[k]:
             del diff[k]
+    return diff
+
+
+def _listed(diff: Mapping[str, tuple[Any, Any]], saved_name: str) -> str:
+    return ", ".join(f"--{k}: {saved_name} {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+
+
+def check_resume(meta: dict[str, Any], config: TrainConfig, *, world_size: int, tokenizer: Any,
+                 flag: str = "--resume") -> None:
+    """Whether the checkpoint `meta` (its config, world size and tokenizer fingerprint) can
+    continue this run (module docstring); a UsageError listing every difference otherwise
+    (for --auto_resume, `flag`: the directory holds a different run)."""
+    saved, now = meta["config"], config.to_dict()
+    diff = kept_differences(saved, meta.get("resolved_paths") or {}, config)
     saved_ranks = meta.get("world_size", 1)
     if saved["batch_size"] * saved_ranks != now["batch_size"] * world_size:
         diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks", f"{now['batch_size']} x {world_size} ranks")
+    other = f"{flag}: {config.run_dir} holds a different run" if flag == "--auto_resume" else None
     if diff:
-        lines = ", ".join(f"--{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+        if other:
+            raise UsageError(f"{other}: its checkpoint's settings differ from this run's ({_listed(diff, 'checkpoint')});"
+                             " use its values to continue it, or a new --run_dir for this run (nothing was changed)")
         level = (". FP8Optim loads moments saved at another --fp8_opt_level, but a resumed run keeps its "
                  "checkpoint's level (its optimizer state continues as saved); to change the level, start a "
                  "new run from these weights with --init_from" if "fp8_opt_level" in diff else "")
-        raise UsageError(f"--resume: this run's settings differ from the checkpoint's ({lines}); "
+        raise UsageError(f"--resume: this run's settings differ from the checkpoint's ({_listed(diff, 'checkpoint')}); "
                          f"use the checkpoint's values or a new --run_dir{level}")
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
-        raise UsageError("--resume: the tokenizer differs from the one the checkpoint was trained "
+        raise UsageError(f"{other or flag}: the tokenizer differs from the one the checkpoint was trained "
                          "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
+
+
+def check_recorded_run(starts: list[dict[str, Any]], config: TrainConfig) -> None:
+    """--auto_resume over a run's records without a checkpoint (it died before its first): they
+    must be this run's, as their first start record's `identity` says; a UsageError otherwise,
+    since starting over would replace another run's records."""
+    d = config.run_dir
+    first = starts[0] if starts else None
+    if first is None or not isinstance(first.get("settings"), dict):
+        raise UsageError(f"--auto_resume: {d} holds a run's records (metrics.jsonl or result.json) but no checkpoint, "
+                         "and no start record that says which run wrote them; continue it with --resume if it is "
+                         "this run's, replace it with --overwrite, or choose a new --run_dir")
+    diff = kept_differences(first["settings"], first.get("resolved_paths") or {}, config)
+    if diff:
+        raise UsageError(f"--auto_resume: {d} holds a different run, which saved no checkpoint: its settings differ "
+                         f"from this run's ({_listed(diff, 'recorded')}); use its values to start it over, or a new "
+                         "--run_dir for this run (nothing was changed)")
 
 
 def check_init_source(meta: dict[str, Any], config: TrainConfig, src: Path) -> Tokenizer:
@@ -117,4 +161,4 @@ def check_init_source(meta: dict[str, Any], config: TrainConfig, src: Path) -> T
 
 
 __all__ = ["RESUME_KEYS", "INIT_KEYS", "TENSORS", "resolved_paths", "setting_differences", "check_budget",
-           "check_resume", "check_init_source"]
+           "finished_steps", "identity", "kept_differences", "check_resume", "check_recorded_run", "check_init_source"]

@@ -95,10 +95,10 @@ def unusable(c: Checkpoint, why: str, flag: str = "--resume", storages: Sequence
     """The error for checkpoint `c`, unusable because of `why`: what to do, namely fall back to
     the previous checkpoint (of `storages`) that verifies, when one does."""
     prev = newest_verified(c.run_dir, before=c, storages=storages)
-    if flag == "--resume":
+    if flag in ("--resume", "--auto_resume"):
         fix = ("no older checkpoint verifies; start again with --overwrite" if prev is None else
                f"the previous checkpoint {prev.path} (step {prev.step}) verifies: delete {c.storage.files_of(c)} "
-               f"and run again with --resume to continue from step {prev.step}")
+               f"and run again with {flag} to continue from step {prev.step}")
     else:
         fix = ("no older checkpoint of that run verifies; restore this one from a copy" if prev is None else
                f"the previous checkpoint {prev.path} (step {prev.step}) verifies: move {c.storage.files_of(c)} "

@@ -103,6 +103,13 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     without its manifest, is refused, never deleted). Without it (or --resume) such a directory
     is refused."""
 
+    auto_resume: bool = False
+    """What a job that may be restarted passes (torchrun --max-restarts, slurm --requeue): the
+    same command line continues the run in --run_dir from its newest checkpoint when it holds
+    this run, starts it when it holds none (from step 0 when this run died before its first
+    checkpoint), says so and exits 0 when the run had finished, and refuses a different run (a
+    flag --resume must keep differs). It never deletes anything. docs/distributed.md"""
+
     keep_checkpoints: int = 2
     """Keep the newest N checkpoints (DCP step directories in distributed runs; older ones are
     deleted after each save), so a damaged newest checkpoint still leaves one to resume from."""
@@ -173,6 +180,10 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
         finite(self, "final_lr_frac", "weight_decay", "beta1", "beta2", "grad_clip", "temperature")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --run_dir, --overwrite deletes it: give one")
+        if self.auto_resume and (self.resume or self.overwrite):
+            other = "--resume" if self.resume else "--overwrite"
+            raise ValueError(f"--auto_resume decides by itself whether to continue the run in --run_dir; {other} "
+                             f"{'forces that' if self.resume else 'deletes it'}: give one")
         if self.init_from is not None:
             if self.tokenizer_dir is not None:
                 raise ValueError("--init_from brings the tokenizer its run was trained with (the embeddings "

@@ -18,7 +18,8 @@ the last step logged before them.
 A resumed run continues the same TensorBoard run: SummaryWriter's `purge_step` hides what the
 interrupted run logged after its checkpoint, so each step shows once. It continues the same W&B
 run too, whose id <run_dir>/wandb_id keeps; W&B never rewrites a step, so steps it already holds
-are not sent again (a resume repeats them bit for bit on the same machine).
+are not sent again (a resume repeats them bit for bit on the same machine). A restart from step 0
+of a run that died before its first checkpoint (--auto_resume) continues both the same way.
 
 Only rank 0 logs. A tracker that cannot start is an error before the first step (nothing is
 lost yet); one that fails later (disk, network) warns once, is switched off and recorded in
@@ -184,7 +185,7 @@ class _TensorBoard:
 
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, config: Mapping[str, Any], first_step: int):
+    def __init__(self, run_dir: Path, config: Mapping[str, Any], first_step: int, continuing: bool):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
 
@@ -219,11 +220,11 @@ class _WandB:
 
     name = "wandb"
 
-    def __init__(self, run_dir: Path, config: Mapping[str, Any], first_step: int):
+    def __init__(self, run_dir: Path, config: Mapping[str, Any], first_step: int, continuing: bool):
         import wandb
 
         id_file = run_dir / WANDB_ID_FILE
-        resume = first_step > 0 and id_file.is_file()
+        resume = (first_step > 0 or continuing) and id_file.is_file()
         run_id = id_file.read_text(encoding="utf-8").strip() if resume else None  # None: W&B makes one
         try:
             self.run = wandb.init(dir=str(run_dir), id=run_id, resume="allow", config=dict(config),
@@ -265,11 +266,13 @@ _TRACKERS = {"tensorboard": _TensorBoard, "wandb": _WandB}
 class Trackers:
     """The run's trackers, built once (rank 0 only; other ranks get an object that does nothing).
 
-    `start_step`: 0 for a new run, the checkpoint's step when resuming. `config`: the run's
-    config as plain data (TrainConfig.to_dict()), logged as hyperparameters."""
+    `start_step`: 0 for a new run, the checkpoint's step when resuming; `continuing`: a start
+    from step 0 of a run that logged before (a restart that found no checkpoint), which W&B
+    continues as a resume does. `config`: the run's config as plain data (TrainConfig.to_dict()),
+    logged as hyperparameters."""
 
     def __init__(self, log: Iterable[str], run_dir: str | os.PathLike, config: Mapping[str, Any], *,
-                 rank: int = 0, start_step: int = 0):
+                 rank: int = 0, start_step: int = 0, continuing: bool = False):
         self.fallbacks: list[str] = []
         """A tracker that failed mid-run, with the error (for TrainResult.fallbacks)."""
         self._active: list[_TensorBoard | _WandB] = []
@@ -279,7 +282,7 @@ class Trackers:
             return
         try:
             for name in _requested(log):
-                self._active.append(_TRACKERS[name](Path(run_dir), config, self._step))
+                self._active.append(_TRACKERS[name](Path(run_dir), config, self._step, continuing))
         except BaseException:
             self.close(exit_code=1)
             raise

@@ -10,7 +10,10 @@ The trackers of --log (nanochat.report.trackers: TensorBoard, W&B) get every rec
 
 The files are strict JSON (a non-finite float is written as null, the field kept) so any JSON
 reader takes them. A resumed run first cuts metrics.jsonl back to its checkpoint's step: the
-steps it repeats were logged by the interrupted run, and each step must appear once.
+steps it repeats were logged by the interrupted run, and each step must appear once. Every start
+then writes its start record ({"event": "start", "from_step", "checkpoint", restart counters,
+...}: nanochat.checkpoint.Checkpointer.start_record); those of earlier starts stay, so the file,
+and `TrainResult.starts`, tell every restart of the run and where it resumed from.
 `TrainResult` is what `NanoChatTrainer.train()` returns and `<run_dir>/result.json` holds.
 """
 
@@ -25,6 +28,7 @@ from typing import Any
 
 from nanochat.fs import write_atomic
 from nanochat.report.trackers import Trackers
+from nanochat.rundir import START_EVENT
 
 
 def jsonable(x: Any) -> Any:
@@ -50,23 +54,35 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.writes = rank == 0
         self.trackers: Trackers | None = None
-        """--log's TensorBoard / W&B, started by `start_trackers` before the first step."""
+        """--log's TensorBoard / W&B, started by `begin` before the first step."""
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one record (see the module docstring for the kinds), then hand it to the trackers."""
-        if self.writes:
-            with open(self.path, "a") as f:
-                f.write(json_line(record))
+        self._append(record)
         if self.trackers is not None:
             self.trackers.record(record)
 
-    def start_trackers(self, log: tuple[str, ...], config: dict[str, Any], *, rank: int, start_step: int,
-                       resumed_record: dict[str, Any] | None = None) -> None:
-        """Start --log's trackers; on a resume, first give them the checkpoint's own step record
-        when `cut_to` had to append it (the interrupted run died before logging it)."""
-        self.trackers = Trackers(log, self.path.parent, config, rank=rank, start_step=start_step)
-        if resumed_record is not None:
-            self.trackers.record(resumed_record)
+    def _append(self, record: dict[str, Any]) -> None:
+        if self.writes:
+            with open(self.path, "a") as f:
+                f.write(json_line(record))
+
+    def begin(self, start: dict[str, Any], *, log: tuple[str, ...], config: dict[str, Any],
+              resumed_record: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Before a start's first step (rank 0): metrics.jsonl cut back to where `start` (its start
+        record, nanochat.checkpoint.Checkpointer.start_record) continues, unless it is a fresh
+        start (`cut_to`, which appends `resumed_record`, the checkpoint's own step record, when the
+        interrupted run died before logging it); `start` written (to the file only: it is not a
+        step, and the trackers get the run's restarts with result.json's figures); --log's
+        trackers started, continuing the run's unless fresh, and given that record first.
+        Returns the records kept (the run's history before this start)."""
+        step, fresh = start["from_step"], start["start"] == "fresh"
+        history, appended = ([], None) if fresh else self.cut_to(step, resumed_record)
+        self._append(start)
+        self.trackers = Trackers(log, self.path.parent, config, rank=0, start_step=step, continuing=not fresh)
+        if appended is not None:
+            self.trackers.record(appended)
+        return history
 
     def close(self, *, exit_code: int) -> list[str]:
         """Close the trackers with the run's `exit_code` (Trackers.close); returns what failed in
@@ -79,8 +95,9 @@ class MetricsLog:
     def cut_to(self, step: int, record: dict[str, Any] | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """Before a resumed run's first step (rank 0): drop the lines from the first record after
         `step` on, and append `record`, the checkpoint's own line for `step`, when the interrupted
-        run died before logging it. Returns the records kept (the run's history up to `step`) and
-        the record appended, if one was."""
+        run died before logging it. At step 0 (a restart from scratch, which logs its step 0
+        again) only the start records stay. Returns the records kept (the run's history up to
+        `step`) and the record appended, if one was."""
         lines = self.path.read_text().splitlines(keepends=True) if self.path.is_file() else []
         kept = []
         for line in lines:
@@ -90,13 +107,15 @@ class MetricsLog:
                 break
             if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
                 break
-            kept.append(rec)
-        logged = any(isinstance(r, dict) and "loss" in r and r.get("step") == step for r in kept)
+            kept.append((line, rec))
+        if step == 0:
+            kept = [(line, rec) for line, rec in kept if isinstance(rec, dict) and rec.get("event") == START_EVENT]
+        logged = any(isinstance(r, dict) and "loss" in r and r.get("step") == step for _, r in kept)
         tail = [json_line(record)] if record is not None and not logged else []
         if len(kept) < len(lines) or tail:
-            write_atomic(self.path, "".join(lines[:len(kept)] + tail))
+            write_atomic(self.path, "".join([line for line, _ in kept] + tail))
         appended = jsonable(record) if tail else None
-        return [r for r in kept if isinstance(r, dict)] + ([appended] if tail else []), appended
+        return [r for _, r in kept if isinstance(r, dict)] + ([appended] if tail else []), appended
 
 
 class Throughput:
@@ -218,9 +237,25 @@ class TrainResult:
     mfu_fp8: float | None = None
     """The same against the dense FP8 peak, for runs with native FP8 layers (a lower bound on
     the FP8 tensor cores' use: the head and attention stay in bf16); None otherwise."""
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    """Every start of the run, oldest first (metrics.jsonl's start records): `start` (fresh,
+    restart from step 0, resume), `from_step`, the `checkpoint` resumed, `world_size`, and the
+    restart counters of that start, `torchelastic_restart_count` (torchrun --max-restarts) and
+    `slurm_restart_count` (a requeued slurm job), None where unset."""
+    restarts: int = 0
+    """Starts after the first: restarts by torchrun or slurm, and resumes by hand (`starts` says
+    which: their counters)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> "TrainResult":
+        """The result a finished run wrote to `<run_dir>/result.json` (fields this version does
+        not know are left out)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        saved = json.loads((Path(run_dir) / "result.json").read_text())
+        return cls(**{k: v for k, v in saved.items() if k in known})
 
     def write(self, run_dir: Path) -> None:
         """`<run_dir>/result.json`, strict JSON, replaced atomically."""

@@ -30,8 +30,10 @@ from nanochat.report.plot import check_can_draw
 from nanochat.report.trackers import check_trackers
 
 
-def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype) -> ResolvedModel:
-    """Every check of the device, the process layout and the input paths; returns what
+def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype, *,
+                      resume: bool) -> ResolvedModel:
+    """Every check of the device, the process layout and the input paths (`resume`: the run
+    continues from a checkpoint, so --init_from's source is no longer read); returns what
     --model_name names (a preset or a Hugging Face directory)."""
     if cfg.fp8 and dtype != torch.float32 and device.type != "cuda":
         raise UsageError(
@@ -55,7 +57,7 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
     if cfg.tokenizer_dir and not Path(cfg.tokenizer_dir).is_dir():
         raise UsageError(f"--tokenizer_dir {cfg.tokenizer_dir}: no such directory; make one with: python "
                          f"scripts/tok_train.py --tokenizer_dir {cfg.tokenizer_dir}")
-    if cfg.init_from is not None and not cfg.resume and not Path(cfg.init_from).is_dir():
+    if cfg.init_from is not None and not resume and not Path(cfg.init_from).is_dir():
         raise UsageError(f"--init_from {cfg.init_from}: no such directory; give the --run_dir of a finished run")
     check_trackers(cfg.log, cfg.run_dir)
     if cfg.plot:  # matplotlib, and no foreign run.png in the way: known now, not after training

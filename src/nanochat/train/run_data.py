@@ -99,14 +99,15 @@ class RunData(EvalData):
 
     @classmethod
     def load(cls, cfg: TrainConfig, *, dist: DistEnv, device: torch.device, model: ResolvedModel,
-             tokenizer: Tokenizer | None, fallback: Callable[[str], None]) -> RunData:
+             tokenizer: Tokenizer | None, fallback: Callable[[str], None], resume: bool) -> RunData:
         """The run's data. `tokenizer`: the --init_from source's (None otherwise); `fallback`
         records and logs a fallback (a vocabulary smaller than asked, the plain chat format, a
-        record longer than a window)."""
-        data = EvalData.load(cfg.dataset_path, tokenizer=tokenizer or given_tokenizer(cfg, model),
+        record longer than a window); `resume`: the run continues from a checkpoint (--resume,
+        or --auto_resume's decision)."""
+        data = EvalData.load(cfg.dataset_path, tokenizer=tokenizer or given_tokenizer(cfg, model, resume=resume),
                              seq_len=cfg.seq_len, eval_tokens=cfg.eval_tokens, device=device, fallback=fallback,
-                             vocab_size=cfg.vocab_size, chat_template=cfg.chat_template, resume=cfg.resume,
-                             recorded=recorded_sources(cfg.run_dir) if cfg.resume else None,
+                             vocab_size=cfg.vocab_size, chat_template=cfg.chat_template, resume=resume,
+                             recorded=recorded_sources(cfg.run_dir) if resume else None,
                              changes_file=Path(cfg.run_dir) / CHANGES_FILE, rank=dist.rank, world_size=dist.world_size)
         # -> batches
         train = split_stream(data.store, "train", cfg.seq_len, data.tokenizer.bos_id, fallback)
@@ -127,9 +128,9 @@ class RunData(EvalData):
                    steps_per_epoch=steps_per_epoch)
 
 
-def given_tokenizer(cfg: TrainConfig, model: ResolvedModel) -> Tokenizer | None:
+def given_tokenizer(cfg: TrainConfig, model: ResolvedModel, *, resume: bool) -> Tokenizer | None:
     """The tokenizer the run must use, loaded before the corpus; None: train one on it."""
-    if cfg.init_from is not None and cfg.resume:  # the tokenizer this run started with (the source may be gone)
+    if cfg.init_from is not None and resume:  # the tokenizer this run started with (the source may be gone)
         return BPETokenizer.load(Path(cfg.run_dir) / "tokenizer")
     if model.kind == "hf":
         return HFTokenizer.load(model.path)

@@ -204,7 +204,8 @@ def _note(text: str) -> None:
 # ----------------------------------------------------------------------------- the last line
 def resume_command(config, dist: DistEnv | None = None) -> str:
     """The command that resumes the run `config` describes: scripts/base_train.py with every
-    flag that differs from its default, and --resume (torchrun's layout prefixed)."""
+    flag that differs from its default, and --resume, or the run's own --auto_resume, which
+    continues it as well (torchrun's layout prefixed)."""
     dist = dist or dist_env()
     argv0 = sys.argv[0] if sys.argv and os.path.basename(sys.argv[0]) == "base_train.py" else "scripts/base_train.py"
     launch = "python"
@@ -227,7 +228,7 @@ def resume_command(config, dist: DistEnv | None = None) -> str:
             words += [f"--{f.name}", *map(str, value)]
         else:
             words += [f"--{f.name}", str(value)]
-    return f"{launch} {shlex.join(words + ['--resume'])}"
+    return f"{launch} {shlex.join(words if config.auto_resume else words + ['--resume'])}"
 
 
 def stopped(signum: int, what: str, newest: Checkpoint | None, resume: str, *, saved: bool,
@@ -247,13 +248,25 @@ def stopped(signum: int, what: str, newest: Checkpoint | None, resume: str, *, s
     return Stopped(signum, line)
 
 
-def lost_peer_message(reason: str, newest: Checkpoint | None, resume: str) -> str:
+def lost_peer_message(reason: str, newest: Checkpoint | None, resume: str, *, auto_resume: bool = False) -> str:
     """The one error line of a rank whose peer died: what happened, the `newest` checkpoint and
+    what comes next: torchrun's restart of the worker group where --max-restarts has one left
+    (which continues the run with --auto_resume, and would refuse its directory without), else
     the command that `resume`s the run once every rank can run again."""
-    after = (f"the newest checkpoint is {newest.path} (step {newest.step}); once every rank can run again, "
-             f"resume: {resume}" if newest is not None else "no checkpoint of this run was saved")
+    left = distributed.torchrun_restarts_left()
+    where = (f"the newest checkpoint is {newest.path} (step {newest.step})" if newest is not None
+             else "no checkpoint of this run was saved")
+    if left and auto_resume:
+        after = (f"{where}; torchrun restarts the worker group ({left} of its --max-restarts left) and "
+                 f"--auto_resume continues the run from {'it' if newest is not None else 'step 0'}")
+    elif left:
+        after = (f"{where}; torchrun restarts this command ({left} of its --max-restarts left), which refuses "
+                 "a --run_dir holding a run: pass --auto_resume for a restart to continue it")
+    else:
+        after = f"{where}; once every rank can run again, resume: {resume}" if newest is not None else where
     return (f"rank {dist_env().rank} lost its connection to another rank of this run ({reason}): that rank's "
             f"process died or was killed, and its own output says why; {after}")
+
 
 def stop_line(what: str, *, saved: str | None = None, newest: str | None = None, unsaved: str | None = None,
               resume: str | None = None) -> str:

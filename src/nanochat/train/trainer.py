@@ -40,6 +40,7 @@ from nanochat.model.gpt import GPT
 from nanochat.model.hub import ResolvedModel
 from nanochat.optim import optimizer_state_bytes, param_dtype
 from nanochat.report.plot import plot_after_run
+from nanochat.rundir import START_EVENT
 from nanochat.train import memory, mfu, preflight
 from nanochat.train.compiled import Compiled
 from nanochat.train.evaluation import Evaluator
@@ -75,7 +76,8 @@ class NanoChatTrainer:
     init_source: Saved | None          # --init_from: the checkpoint whose weights the model starts from
     data: RunData
     total_steps: int
-    resumed: Saved | None              # --resume: the checkpoint it continues, read before the model exists
+    resumed: Saved | None              # the checkpoint a resume continues, read before the model exists
+    finished: int | None               # --auto_resume: the step the run had already finished at (nothing to do)
     memory_plan: MemoryPlan            # planned and checked before a weight is allocated
     model: GPT
     """The model: what is saved, evaluated and sampled (FP8 layers converted in place)."""
@@ -96,6 +98,7 @@ class NanoChatTrainer:
     flops_per_token: int               # with `peak`, the two factors of MFU (nanochat.train.mfu)
     peak: mfu.Peak | None
     saved_step: int | None             # the step of the checkpoint this run saved last
+    starts: list[dict[str, Any]]       # every start of the run, this one last (TrainResult.starts)
     held: HeldBytes                    # weights and optimizer at setup, gradients at the first update
     stop: StopSignals
     """SIGTERM and Ctrl-C while training: the run stops after a step, with a checkpoint (set in
@@ -134,8 +137,8 @@ class NanoChatTrainer:
                         raise
                     self.stop.ignore()  # torchrun's SIGTERM to the survivors must not cut this message short
                     lost = True
-                    raise NanoChatError(lost_peer_message(reason, self._newest_checkpoint(),
-                                                          resume_command(self.config))) from e
+                    raise NanoChatError(lost_peer_message(reason, self._newest_checkpoint(), resume_command(self.config),
+                                                          auto_resume=self.config.auto_resume)) from e
             return result
         finally:
             if getattr(self, "metrics", None) is not None:
@@ -151,7 +154,8 @@ class NanoChatTrainer:
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         """Everything before the first step, in the order that makes errors come early (see the
-        module docstring); the run directory is created last."""
+        module docstring); the run directory is created last. A --auto_resume run that had
+        finished stops once its checkpoint is read (`finished`)."""
         cfg = self.config
         setup_logging()
         self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
@@ -159,15 +163,19 @@ class NanoChatTrainer:
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = Checkpointer(cfg, self.dist)
         self.checkpoints.claim()  # the run directory first: its lock makes this process the run's
-        model_source = preflight.check_environment(cfg, self.dist, self.device, self.dtype)
+        resuming = self.checkpoints.resuming  # --resume, or what --auto_resume decided
+        model_source = preflight.check_environment(cfg, self.dist, self.device, self.dtype, resume=resuming)
         self.fallbacks = []
         seed_everything(cfg.seed)
-        self.init_source = self.checkpoints.read_init_source() if cfg.init_from and not cfg.resume else None
+        self.init_source = self.checkpoints.read_init_source() if cfg.init_from and not resuming else None
         self.data = RunData.load(cfg, dist=self.dist, device=self.device, model=model_source,
                                  tokenizer=self.init_source.tokenizer if self.init_source else None,
-                                 fallback=self._fallback)
+                                 fallback=self._fallback, resume=resuming)
         self.total_steps = cfg.num_iterations if cfg.num_iterations > 0 else cfg.num_epochs * self.data.steps_per_epoch
-        self.resumed = self.checkpoints.read_resume(self.total_steps, self.data.tokenizer) if cfg.resume else None
+        self.resumed = self.checkpoints.read_resume(self.total_steps, self.data.tokenizer) if resuming else None
+        self.finished = self.checkpoints.finished(self.total_steps)
+        if self.finished is not None:
+            return  # nothing to train: no model is built, nothing is written
         model_config = gpt_config(model_source, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
         self.memory_plan = memory.plan_run(cfg, model_config, autocast=self.dtype != torch.float32, device=self.device,
                                            shards=self.dist.world_size if self.dist.is_distributed and cfg.fsdp else 1)
@@ -344,10 +352,12 @@ class NanoChatTrainer:
         t_start = time.perf_counter()
         cfg = self.config
         self._setup()
-        start_step = self._resume() if cfg.resume else 0
+        if self.finished is not None:  # --auto_resume of a run that had finished: its result, as it wrote it
+            return TrainResult.read(self.run_dir)
+        start_step = self._resume() if self.checkpoints.resuming else 0
         rank0 = self.dist.rank == 0
         meter = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size,
-                           history=self._start_files(start_step))
+                           history=self._start_files())
         print0(header(self))
         if start_step == 0 and (self.data.num_choice_items or cfg.init_from):
             self._evaluate(start := {"step": 0})  # the starting point fine-tuning improves on
@@ -395,18 +405,18 @@ class NanoChatTrainer:
                 result.write(self.run_dir)
         return result
 
-    def _start_files(self, start_step: int) -> list[dict[str, Any]]:
-        """Rank 0, before the first step: on --resume, metrics.jsonl cut back to the checkpoint's
-        step (the records kept are returned: the run's history); a fresh run saves its tokenizer;
-        --log's trackers start."""
-        if self.dist.rank != 0:
-            return []
-        cfg = self.config
-        history, appended = self.metrics.cut_to(start_step, self.resumed.meta.get("record")) if cfg.resume else ([], None)
-        if not cfg.resume:  # a fresh run replaces a tokenizer of its own only with --overwrite
-            self.data.tokenizer.save(self.run_dir / "tokenizer", overwrite=cfg.overwrite)
-            write_sources(self.data.sources, self.run_dir)  # what a --resume must find unchanged
-        self.metrics.start_trackers(cfg.log, cfg.to_dict(), rank=0, start_step=start_step, resumed_record=appended)
+    def _start_files(self) -> list[dict[str, Any]]:
+        """Before the first step: rank 0 saves a new run's tokenizer and begins the records
+        (MetricsLog.begin: metrics.jsonl cut back, the trackers, this start's record); every
+        rank learns the run's starts. Returns the records kept (the run's history)."""
+        cfg, this, history = self.config, self.checkpoints.start_record(self.resumed), []
+        if self.dist.rank == 0:
+            if self.resumed is None:  # a new run replaces a tokenizer of its own only with --overwrite
+                self.data.tokenizer.save(self.run_dir / "tokenizer", overwrite=cfg.overwrite)
+                write_sources(self.data.sources, self.run_dir)  # what a resume must find unchanged
+            history = self.metrics.begin(this, log=cfg.log, config=cfg.to_dict(),
+                                         resumed_record=self.resumed.meta.get("record") if self.resumed else None)
+        self.starts = distributed.broadcast_object([r for r in history if r.get("event") == START_EVENT] + [this])
         return history
 
     def _stop(self, step: int, signum: int) -> None:
@@ -504,6 +514,7 @@ class NanoChatTrainer:
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None,
             flops_per_token=self.flops_per_token, peak_tflops=None if self.peak is None else self.peak.bf16_tflops,
             mfu=self._mfu(meter.tokens_per_sec), mfu_fp8=self._mfu(meter.tokens_per_sec, fp8=True),
+            starts=self.starts, restarts=len(self.starts) - 1,
         )
 
 
