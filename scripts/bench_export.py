@@ -218,48 +218,51 @@ def logits_of(model, prompts: list[list[int]]) -> torch.Tensor:
         return _logits(model, torch.tensor([p[:n] for p in prompts])).float()
 
 
-def bench(cfg: BenchExportConfig) -> int:
-    import torch
-    import transformers
-
-    from nanochat.checkpoint import load_model, read_run
-    from nanochat.data import instruct
-    from nanochat.data.prepare import prepare_data
-    from nanochat.model.export import export_hf
-    from nanochat.model.hf import load_hf_model
-    from nanochat.model.hf_fp8 import require_compressed_tensors, sqnr_db
-    from nanochat.tokenizer import HFTokenizer
-    from nanochat.train.evaluation import choice_counts
+def fine_tuned(cfg: BenchExportConfig, root: Path) -> tuple[Path, Path, int]:
+    """The example written to a fresh --work_dir and fine-tuned with emulated FP8: (data, run, steps)."""
     from nanochat.train.trainer import NanoChatTrainer
 
-    setup_logging()
-    require_compressed_tensors("bench_export")
-    quick = cfg.quick
-    root = Path(cfg.work_dir)
     if root.exists():
         if not (root / ".bench_export").is_file():
             raise UsageError(f"--work_dir {root} exists and was not made by bench_export; choose another")
         shutil.rmtree(root)
     root.mkdir(parents=True)
     (root / ".bench_export").write_text("")
-    model_dir, data = build_example(root, cfg, quick)
+    model_dir, data = build_example(root, cfg, cfg.quick)
     run = root / "run"
-    steps, repeats = (2, 1) if quick else (cfg.steps, cfg.repeats)
+    steps = 2 if cfg.quick else cfg.steps
     NanoChatTrainer(model_name=str(model_dir), dataset_path=str(data), run_dir=str(run), fp8=True, fp8_emulate=True,
                     fp8_layers="all", fp8_min_dim=16, fp8_opt_level=2, num_iterations=steps, batch_size=8,
                     seq_len=128, lr=3e-3, warmup_steps=2, eval_every=0, num_samples=0, compile=False,
                     device="cpu").train()
-    model, tok = load_model(read_run(run))
-    params = model.num_params()
+    return data, run, steps
+
+
+def timed_exports(model, tok, root: Path, repeats: int) -> dict[str, list[float]]:
+    """Each kind exported `repeats` times to exports/<kind>-<i>; seconds per export."""
+    from nanochat.model.export import export_hf
 
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     for i in range(repeats):  # interleaved, so drift in the machine's load hits every kind alike
         for kind in KINDS:
-            out = root / "exports" / f"{kind}-{i}"
             start = time.perf_counter()
-            export_hf(model, tok, out, quantize=kind)
+            export_hf(model, tok, root / "exports" / f"{kind}-{i}", quantize=kind)
             times[kind].append(time.perf_counter() - start)
-    dirs = {k: root / "exports" / f"{k}-0" for k in KINDS}
+    return times
+
+
+def served_figures(dirs: dict[str, Path], data: Path, times: dict[str, list[float]], params: int) -> tuple[dict, int, int]:
+    """Per kind: size, export time, weight and logit SQNR, accuracy as nanochat and transformers load it;
+    and the counts of validation questions and logit prompts."""
+    import torch
+    import transformers
+
+    from nanochat.data import instruct
+    from nanochat.data.prepare import prepare_data
+    from nanochat.model.hf import load_hf_model
+    from nanochat.model.hf_fp8 import sqnr_db
+    from nanochat.tokenizer import HFTokenizer
+    from nanochat.train.evaluation import choice_counts
 
     tok, _ = instruct.choose_chat_template(HFTokenizer.load(dirs["none"]), None, records=True)
     store = prepare_data(data, tokenizer=tok, cache_root=cache_root()).store  # the run's, found in the cache
@@ -274,32 +277,51 @@ def bench(cfg: BenchExportConfig) -> int:
             correct, total = choice_counts(lambda x: _logits(m, x), items, batch_size=8, seq_len=128, device="cpu")
         return correct / total
 
-    rows, figures = [], {}
+    figures = {}
+    plain_size, plain_t = (dirs["none"] / "model.safetensors").stat().st_size, statistics.median(times["none"])
     for kind in KINDS:
-        size = (dirs[kind] / "model.safetensors").stat().st_size
-        t = statistics.median(times[kind])
+        size, t = (dirs[kind] / "model.safetensors").stat().st_size, statistics.median(times[kind])
         report = json.loads((dirs[kind] / "fp8_report.json").read_text()) if kind != "none" else None
         sqnrs = [la["weight_sqnr_db"] for la in report["layers"] if la["stored_as"] == "fp8_e4m3"] if report else []
-        fig = {"bytes": size, "bytes_per_param": size / params, "export_s_median": t,
-               "export_time_vs_plain": t / statistics.median(times["none"]), "size_vs_plain":
-               size / (dirs["none"] / "model.safetensors").stat().st_size,
-               "fp8_layers": f"{len(sqnrs)}/{len(report['layers'])}" if report else "-",
-               "weight_sqnr_db_min": min(sqnrs) if sqnrs else None,
-               "logit_sqnr_db_served": sqnr_db(ref, logits_of(hf[kind], prompts)) if kind != "none" else None,
-               "logit_sqnr_db_dequantized": sqnr_db(ref, logits_of(ours[kind], prompts)) if kind != "none" else None,
-               "accuracy_nanochat": accuracy(ours[kind]), "accuracy_transformers": accuracy(hf[kind])}
-        figures[kind] = fig
-        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-        rows.append([kind if kind != "none" else "plain (fp32)", f"{size / 2**20:.2f} MiB", f"{size / params:.2f}",
-                     f"{fig['size_vs_plain']:.3f}x", f"{t:.2f} s", f"{fig['export_time_vs_plain']:.2f}x",
-                     fig["fp8_layers"], fmt(fig["weight_sqnr_db_min"], ".1f"), fmt(fig["logit_sqnr_db_served"], ".1f"),
-                     fmt(fig["logit_sqnr_db_dequantized"], ".1f"), f"{fig['accuracy_nanochat']:.3f}",
-                     f"{fig['accuracy_transformers']:.3f}"])
+        figures[kind] = {
+            "bytes": size, "bytes_per_param": size / params, "export_s_median": t,
+            "export_time_vs_plain": t / plain_t, "size_vs_plain": size / plain_size,
+            "fp8_layers": f"{len(sqnrs)}/{len(report['layers'])}" if report else "-",
+            "weight_sqnr_db_min": min(sqnrs) if sqnrs else None,
+            "logit_sqnr_db_served": sqnr_db(ref, logits_of(hf[kind], prompts)) if kind != "none" else None,
+            "logit_sqnr_db_dequantized": sqnr_db(ref, logits_of(ours[kind], prompts)) if kind != "none" else None,
+            "accuracy_nanochat": accuracy(ours[kind]), "accuracy_transformers": accuracy(hf[kind])}
+    return figures, len(items), len(prompts)
+
+
+def figure_rows(figures: dict) -> list[list[str]]:
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    return [[kind if kind != "none" else "plain (fp32)", f"{fig['bytes'] / 2**20:.2f} MiB",
+             f"{fig['bytes_per_param']:.2f}", f"{fig['size_vs_plain']:.3f}x", f"{fig['export_s_median']:.2f} s",
+             f"{fig['export_time_vs_plain']:.2f}x", fig["fp8_layers"], fmt(fig["weight_sqnr_db_min"], ".1f"),
+             fmt(fig["logit_sqnr_db_served"], ".1f"), fmt(fig["logit_sqnr_db_dequantized"], ".1f"),
+             f"{fig['accuracy_nanochat']:.3f}", f"{fig['accuracy_transformers']:.3f}"] for kind, fig in figures.items()]
+
+
+def bench(cfg: BenchExportConfig) -> int:
+    import torch
+
+    from nanochat.checkpoint import load_model, read_run
+    from nanochat.model.hf_fp8 import require_compressed_tensors
+
+    setup_logging()
+    require_compressed_tensors("bench_export")
+    root = Path(cfg.work_dir)
+    data, run, steps = fine_tuned(cfg, root)
+    model, tok = load_model(read_run(run))
+    params, repeats = model.num_params(), 1 if cfg.quick else cfg.repeats
+    times = timed_exports(model, tok, root, repeats)
+    figures, questions, prompts = served_figures({k: root / "exports" / f"{k}-0" for k in KINDS}, data, times, params)
     print(f"CPU ARC example: {params / 1e6:.2f}M parameters, {steps} steps of --fp8 --fp8_emulate, "
-          f"{len(items)} validation questions, {len(prompts)} prompts for the logits, median of {repeats} exports")
+          f"{questions} validation questions, {prompts} prompts for the logits, median of {repeats} exports")
     print(format_table(["export", "model.safetensors", "B/param", "size vs plain", "export time", "vs plain",
                         "FP8 Linears", "min weight dB", "logit dB served", "logit dB dequant", "acc nanochat",
-                        "acc transformers"], rows))
+                        "acc transformers"], figure_rows(figures)))
     torch.manual_seed(0)
     dist = distribution_sqnr()
     print("\nweight SQNR (dB) of the FP8 copy of 1024 x 1024 weights; e4m3's worst case is 24.6 dB")
@@ -313,7 +335,7 @@ def bench(cfg: BenchExportConfig) -> int:
         print(format_table(["export", "model.safetensors", "B/param", "size vs plain", "export time", "vs plain"],
                            large))
     if cfg.out:
-        record = {"params": params, "steps": steps, "questions": len(items), "figures": figures,
+        record = {"params": params, "steps": steps, "questions": questions, "figures": figures,
                   "weight_sqnr_db": {r[0]: r[1:] for r in dist}, "slicing_s": {"whole": whole, "sliced": sliced},
                   "large": large}
         Path(cfg.out).write_text(json.dumps(record, indent=1) + "\n")
