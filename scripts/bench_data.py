@@ -488,6 +488,32 @@ def _median(runs) -> dict:
 
 
 
+def _sample(cfg: BenchDataConfig, work: Path, mib: int, path: Path, tok_dir: Path, run_args: list[str]) -> dict:
+    """One repeat at one size: the store built from nothing, the in-memory path right after it (the
+    same load), a short run, the store's data path alone, and the in-memory path from its cache."""
+    cache = work / f"cache-{mib}mib"
+    for sub in ("stores", "tokens"):  # a build from nothing; the generated corpus and tokenizer are kept
+        shutil.rmtree(cache / sub, ignore_errors=True)
+    env = _env(cache)
+    r: dict = {}
+    r["build"] = _measured("tokenize_corpus.py", ["--dataset_path", str(path), "--tokenizer_dir", str(tok_dir)],
+                           env, cfg, work / f"build-{mib}", poll=True)
+    manifest = json.loads(next((cache / "stores").glob("*/tokens-*/manifest.json")).read_text())
+    r["build"].update(seconds=manifest["build"]["seconds"], workers=manifest["build"]["workers"],
+                      store_bytes=sum(f["bytes"] for f in manifest["files"].values()),
+                      tokens=manifest["split"]["train"]["tokens"] + manifest["split"]["val"]["tokens"])
+    memory_args = [str(path), str(tok_dir), str(cache / "tokens"), str(ROOT / "scripts")]
+    r["memory_first"] = _snippet(IN_MEMORY, memory_args, env, cfg,
+                                 work / f"memory-first-{mib}")  # right after the build: the same load
+    r["build_vs_memory"] = (r["memory_first"]["tokenize_s"] / r["build"]["seconds"])
+    r["run"] = _measured("base_train.py", run_args, env, cfg, work / f"run-{mib}")
+    r["store_data"] = _snippet(STORE_DATA, [str(path), str(tok_dir), str(cfg.seq_len), str(cfg.batch_size),
+                                            str(cfg.steps)], env, cfg, work / f"store-data-{mib}")
+    r["memory_cached"] = _snippet(IN_MEMORY, memory_args, env, cfg, work / f"memory-cached-{mib}")
+    r["loadavg"] = os.getloadavg()[0]
+    return r
+
+
 def bench(cfg: BenchDataConfig) -> int:
     if cfg.quick:
         cfg = dataclasses.replace(cfg, sizes_mib=(2, 8), seq_len=64, vocab_size=512)
@@ -516,28 +542,8 @@ def bench(cfg: BenchDataConfig) -> int:
     samples: dict[int, list[dict]] = {mib: [] for mib in corpora}
     for rep in range(cfg.repeats):  # the sizes alternate, so that the machine's load hits both alike
         for mib, path in corpora.items():
-            cache = work / f"cache-{mib}mib"
-            for sub in ("stores", "tokens"):  # a build from nothing; the generated corpus and tokenizer are kept
-                shutil.rmtree(cache / sub, ignore_errors=True)
-            env = _env(cache)
-            r: dict = {}
             print(f"{mib} MiB, repeat {rep + 1}/{cfg.repeats}: build, {cfg.steps}-step run, data only", flush=True)
-            r["build"] = _measured("tokenize_corpus.py", ["--dataset_path", str(path), "--tokenizer_dir", str(tok_dir)],
-                                   env, cfg, work / f"build-{mib}", poll=True)
-            manifest = json.loads(next((cache / "stores").glob("*/tokens-*/manifest.json")).read_text())
-            r["build"].update(seconds=manifest["build"]["seconds"], workers=manifest["build"]["workers"],
-                              store_bytes=sum(f["bytes"] for f in manifest["files"].values()),
-                              tokens=manifest["split"]["train"]["tokens"] + manifest["split"]["val"]["tokens"])
-            memory_args = [str(path), str(tok_dir), str(cache / "tokens"), str(ROOT / "scripts")]
-            r["memory_first"] = _snippet(IN_MEMORY, memory_args, env, cfg,
-                                         work / f"memory-first-{mib}")  # right after the build: the same load
-            r["build_vs_memory"] = (r["memory_first"]["tokenize_s"] / r["build"]["seconds"])
-            r["run"] = _measured("base_train.py", train_args(mib, f"{mib}"), env, cfg, work / f"run-{mib}")
-            r["store_data"] = _snippet(STORE_DATA, [str(path), str(tok_dir), str(cfg.seq_len), str(cfg.batch_size),
-                                                    str(cfg.steps)], env, cfg, work / f"store-data-{mib}")
-            r["memory_cached"] = _snippet(IN_MEMORY, memory_args, env, cfg, work / f"memory-cached-{mib}")
-            r["loadavg"] = os.getloadavg()[0]
-            samples[mib].append(r)
+            samples[mib].append(_sample(cfg, work, mib, path, tok_dir, train_args(mib, f"{mib}")))
     for mib in corpora:
         results[str(mib)] = {key: _median(r[key] for r in samples[mib]) for key in samples[mib][0]
                              if key not in ("loadavg", "build_vs_memory")}

@@ -143,6 +143,20 @@ def _moment_bytes(opt) -> float:
     return total / n
 
 
+def _median_step_ms(opts: dict, steps: int, clock, sync) -> dict[str, float]:
+    """Each optimizer's median step in ms over `steps`, taken round-robin so that changes in the
+    machine's load hit every optimizer alike."""
+    times: dict[str, list[float]] = {name: [] for name in opts}
+    for _ in range(steps):
+        for name, opt in opts.items():
+            sync()
+            t = clock()
+            opt.step()
+            sync()
+            times[name].append(clock() - t)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+
+
 def bench_speed(args) -> dict:
     import torch
 
@@ -183,15 +197,7 @@ def bench_speed(args) -> dict:
         torch.set_num_threads(n_threads)
         runs = []
         for repeat in range(args.repeats):
-            times = {name: [] for name in opts}
-            for _ in range(args.steps):  # round-robin so load changes hit every optimizer alike
-                for name, opt in opts.items():
-                    sync()
-                    t = clock()
-                    opt.step()
-                    sync()
-                    times[name].append(clock() - t)
-            med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+            med = _median_step_ms(opts, args.steps, clock, sync)
             fused = med["torch AdamW fused"]
             ao = med.get("torchao AdamWFp8")
             rows, out = [], {}
