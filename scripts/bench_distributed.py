@@ -1,4 +1,4 @@
-"""Benchmark the process layouts on CPU (gloo): step time of one process, DDP x2 and FSDP x2.
+"""Benchmark the process layouts on CPU (gloo): step time of one process, DDP x2, FSDP x2 and TP x2.
 
     .venv/bin/python scripts/bench_distributed.py                 # d2 and d4, 3 repeats: ~5 min on 2 cores
     .venv/bin/python scripts/bench_distributed.py --quick         # seconds: a dry run
@@ -6,7 +6,8 @@
 
 Every run is scripts/base_train.py under torchrun (--nproc_per_node 1 or 2, each process with
 --threads intra-op threads), eager, with the same global batch in every layout: one process takes
---batch_size x 2 sequences a step, each of the 2 ranks --batch_size. A run's step time is its own
+--batch_size x 2 sequences a step, each of the 2 ranks --batch_size (DDP, FSDP), or both ranks
+all of them (TP: one model split over the 2 ranks; models whose heads do not split in 2 skip it). A run's step time is its own
 figure: the tokens of a step over result.json's tokens/s. The layouts alternate within each
 repeat so that machine load hits them alike; the median of --repeats runs per layout is printed
 with its ratio to one process, the training state each rank held (result.json's state_bytes:
@@ -32,16 +33,16 @@ from nanochat.common import NanoChatError, format_bytes, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-Layout = Literal["ddp", "fsdp"]
+Layout = Literal["ddp", "fsdp", "tp"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class BenchDistributedConfig:
-    """Step time of one process against DDP x2 and FSDP x2 (gloo), the same global batch."""
+    """Step time of one process against DDP x2, FSDP x2 and TP x2 (gloo), the same global batch."""
 
     models: tuple[str, ...] = ("d2", "d4")
     """Size presets to time (d2: 2 layers of width 128; d4: 4 of 256)."""
-    layouts: tuple[Layout, ...] = ("ddp", "fsdp")
+    layouts: tuple[Layout, ...] = ("ddp", "fsdp", "tp")
     """The 2-rank layouts timed against one process."""
     seq_len: int = 256
     """Tokens per training sequence."""
@@ -77,15 +78,16 @@ QUICK = dict(models=("d2",), seq_len=32, batch_size=4, num_iterations=4, vocab_s
 
 
 def run(cfg: BenchDistributedConfig, run_dir: Path, model: str, layout: str) -> dict:
-    """One training run of `layout` ("one" process, "ddp" or "fsdp" over 2 ranks) in a torchrun
-    launch of its own: result.json's figures, the step time and the load average after it."""
+    """One training run of `layout` ("one" process, "ddp", "fsdp" or "tp" over 2 ranks) in a
+    torchrun launch of its own: result.json's figures, the step time and the load average after it."""
     ranks = 1 if layout == "one" else 2
-    flags = dict(model_name=model, seq_len=cfg.seq_len, batch_size=cfg.batch_size * 2 // ranks,
+    replicas = 1 if layout in ("one", "tp") else 2
+    flags = dict(model_name=model, seq_len=cfg.seq_len, batch_size=cfg.batch_size * 2 // replicas,
                  num_iterations=cfg.num_iterations, warmup_steps=min(10, cfg.num_iterations), vocab_size=cfg.vocab_size,
                  eval_every=0, eval_tokens=cfg.seq_len * 8, num_samples=0, device="cpu", run_dir=str(run_dir))
     if cfg.dataset_path:
         flags["dataset_path"] = cfg.dataset_path
-    argv = ["--no_compile", "--no_save_checkpoints", *(["--fsdp"] if layout == "fsdp" else [])]
+    argv = ["--no_compile", "--no_save_checkpoints", *({"fsdp": ["--fsdp"], "tp": ["--tp", "2"]}.get(layout, []))]
     argv += [a for k, v in flags.items() for a in (f"--{k}", str(v))]
     env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
     r = subprocess.run([str(TORCHRUN), "--standalone", f"--nproc_per_node={ranks}",
@@ -100,18 +102,25 @@ def run(cfg: BenchDistributedConfig, run_dir: Path, model: str, layout: str) -> 
             "num_params": result["num_params"], "loadavg": os.getloadavg()[0]}
 
 
+def layouts_of(cfg: BenchDistributedConfig, model: str) -> tuple[str, ...]:
+    """One process and the --layouts `model` can take (TP x2 needs an even number of heads)."""
+    from nanochat.model.gpt import PRESETS
+
+    return ("one", *(x for x in cfg.layouts if x != "tp" or PRESETS[model]["n_head"] % 2 == 0))
+
+
 def bench(cfg: BenchDistributedConfig) -> int:
     if cfg.quick:
         cfg = dataclasses.replace(cfg, **QUICK)
-    layouts = ("one", *cfg.layouts)
     runs: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in cfg.models:
             for i in range(cfg.repeats):
-                for layout in layouts:
+                for layout in layouts_of(cfg, model):
                     runs.append(run(cfg, Path(tmp) / f"{model}-{layout}-{i}", model, layout))
     rows = []
     for model in cfg.models:
+        layouts = layouts_of(cfg, model)
         med = {layout: statistics.median(r["step_s"] for r in runs if r["model"] == model and r["layout"] == layout)
                for layout in layouts}
         for layout in layouts:

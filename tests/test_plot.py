@@ -169,7 +169,8 @@ def test_series_and_tokens_axis_of_a_real_run(fp8_run):
 
 
 def test_tokens_per_step_of_a_distributed_run_from_its_dcp_meta(tmp_path):
-    """A DCP checkpoint's trainer.json as checkpoint.save_dcp writes it (config and world size)."""
+    """A DCP checkpoint's trainer.json as checkpoint.save_dcp writes it (config, world size and the
+    data-parallel ranks; an older checkpoint has only the world size)."""
     run_dir = _write(tmp_path / "ddp", [{"step": 1, "loss": 5.0}])
     step_dir = run_dir / "checkpoint_dcp" / "step-000008"
     step_dir.mkdir(parents=True)
@@ -177,7 +178,11 @@ def test_tokens_per_step_of_a_distributed_run_from_its_dcp_meta(tmp_path):
     config = {"batch_size": 4, "seq_len": 128, "grad_accum_steps": 2, "model_name": "d2"}
     (step_dir / "trainer.json").write_text(json.dumps({"config": config, "world_size": 8, "step": 8}))
     assert read_tokens_per_step(run_dir) == (4 * 128 * 2 * 8,
-                                             "batch_size 4 x seq_len 128 x grad_accum_steps 2 x world size 8")
+                                             "batch_size 4 x seq_len 128 x grad_accum_steps 2 x data-parallel ranks 8")
+    # --tp 2 on 8 ranks: 4 groups read the data, each pair the same batches
+    (step_dir / "trainer.json").write_text(json.dumps({"config": config, "world_size": 8, "data_parallel": 4,
+                                                       "step": 8}))
+    assert read_tokens_per_step(run_dir)[0] == 4 * 128 * 2 * 4
 
 
 def test_plot_run_draws_a_real_fp8_run(fp8_run):

@@ -166,15 +166,28 @@ def warn_once(key: str, message: str) -> bool:
 
 @dataclass(frozen=True)
 class DistEnv:
-    """What torchrun told this process (a single process gets rank 0 of 1)."""
+    """What torchrun told this process (a single process gets rank 0 of 1), and the run's
+    tensor-parallel degree `tp`: groups of `tp` consecutive ranks hold one model replica and read
+    the same batches, so the data is split `dp_size` ways."""
 
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    tp: int = 1
 
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: its share of each global batch."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """How many ways each global batch is split (the world size over the tensor-parallel degree)."""
+        return self.world_size // self.tp
 
 
 def dist_env() -> DistEnv:

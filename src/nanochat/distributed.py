@@ -1,7 +1,8 @@
-"""Beyond one process: torchrun, DDP or FSDP2, FP8 all-gather.
+"""Beyond one process: torchrun, DDP or FSDP2, tensor parallelism, FP8 all-gather.
 
-    torchrun --nproc_per_node=8 scripts/base_train.py ...           # DDP
-    torchrun --nproc_per_node=8 scripts/base_train.py --fsdp ...    # FSDP2
+    torchrun --nproc_per_node=8 scripts/base_train.py ...                # DDP
+    torchrun --nproc_per_node=8 scripts/base_train.py --fsdp ...         # FSDP2
+    torchrun --nproc_per_node=8 scripts/base_train.py --fsdp --tp 2 ...  # FSDP2 x 4, TP x 2
 
 `init_distributed` joins the process group (NCCL on CUDA, gloo on CPU). Every rank reads its
 share of each global batch and gradients are averaged, so the ranks together take the step one
@@ -16,6 +17,14 @@ the MXFP8 recipes, whose scales are per row or per block of the whole weight) th
 high precision and the run header says why. Evaluation under FSDP runs on an unsharded
 high-precision copy (`full_copy`).
 
+With `--tp N` the ranks form a 2-D mesh (data parallel x tensor parallel, N consecutive ranks
+per tensor-parallel group, so a group stays within a node): each block's q/k/v and first MLP
+Linear split their output features over the group (column-wise), the two output projections
+their input features (row-wise, one all-reduce each), Megatron's layout; the embedding and the
+head split the vocabulary where it divides (`tensor_parallel`). FP8 layers of the tensorwise
+recipe use torchao's FP8 styles (activations cast once before the collective); rowwise layers
+take the plain styles. The data-parallel dimension is FSDP2 (`--fsdp`) or absent.
+
 Distributed runs checkpoint with DCP: every rank writes its shards, and a checkpoint loads into
 any world size (nanochat.checkpoint.dcp). The reasons, the measurements and the layout in full:
 docs/distributed.md.
@@ -24,13 +33,16 @@ docs/distributed.md.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 
 # FSDP2's all-gather interface, the argument type of FSDPModule.set_custom_all_gather, lives in a
 # private module in torch 2.11-2.13 (no public alias yet).
@@ -40,6 +52,7 @@ from nanochat.common import DistEnv, NanoChatError, dist_env
 
 if TYPE_CHECKING:
     from nanochat.config.fp8 import FP8Config
+    from nanochat.model.gpt import GPT, GPTConfig
 
 _owns_process_group = False
 
@@ -209,22 +222,66 @@ def backend_name() -> str:
 
 
 # ---------------------------------------------------------------------------------- wrapping
+@dataclass(frozen=True)
+class Layout:
+    """How a run spreads its model over the processes: `fsdp` shards it over the data-parallel
+    ranks, `tp` splits it within each group of that many ranks; `name` is the run header's
+    (`layout_name`), `fallbacks` what was asked and not done, with the reason."""
+
+    fsdp: bool
+    tp: int
+    name: str
+    fallbacks: tuple[str, ...] = ()
+
+
+def layout_name(*, fsdp: bool, dp: int, tp: int = 1) -> str:
+    """'ddp x2 (gloo)', 'fsdp x8 (nccl)', 'tp 2 (gloo)', 'fsdp 2 x tp 2 (gloo)'."""
+    name = f"{'fsdp' if fsdp else 'ddp'} x{dp}" if tp == 1 else f"{f'fsdp {dp} x ' if fsdp else ''}tp {tp}"
+    return f"{name} ({backend_name()})"
+
+
+def plan_layout(*, fsdp: bool, tp: int, env: DistEnv, config: GPTConfig) -> Layout:
+    """The Layout of --fsdp and --tp for this world (`env`) and model (checked before any work:
+    tp_problem)."""
+    if not env.is_distributed:
+        why = () if not fsdp else ("fsdp: --fsdp ignored in a single process (launch with torchrun "
+                                   "--nproc_per_node=N to shard)",)
+        return Layout(fsdp=False, tp=1, name="none", fallbacks=why)
+    notes = []
+    if fsdp and env.dp_size == 1:
+        notes.append(f"fsdp: --fsdp ignored: --tp {tp} on {env.world_size} ranks leaves one data-parallel group, "
+                     "nothing to shard over")
+    if tp > 1 and (whole := vocab_parallel_problem(config, tp)) is not None:
+        notes.append(f"tp: {whole}")
+    fsdp = fsdp and env.dp_size > 1
+    return Layout(fsdp=fsdp, tp=tp, name=layout_name(fsdp=fsdp, dp=env.dp_size, tp=tp), fallbacks=tuple(notes))
+
+
 def wrap_model(model: nn.Module, *, fsdp: bool, device: torch.device,
-               blocks: Iterable[nn.Module]) -> nn.Module:
+               blocks: Iterable[nn.Module], tp: int = 1) -> nn.Module:
     """The module to train with: `model` itself (one process), DDP around it, or, with `fsdp`,
-    `model` sharded in place by fully_shard on each of `blocks` and then on the root.
+    `model` sharded in place by fully_shard on each of `blocks` and then on the root. With `tp`
+    > 1 (a GPT), `model` is first split in place over groups of `tp` ranks (`tensor_parallel`),
+    then sharded by FSDP over the groups when `fsdp` and there is more than one.
 
     Under DDP keep using `model` (the unwrapped module) for evaluation and state dicts; under
-    FSDP `model` *is* the sharded module (fully_shard changes it in place).
+    FSDP and TP `model` *is* the sharded module (they change it in place).
     """
     if not is_distributed():
         return model
+    mesh = None
+    if tp > 1:
+        mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
+        tensor_parallel(model, mesh["tp"])
+        if mesh["dp"].size() == 1:
+            return model
+        mesh = mesh["dp"]
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
         for block in blocks:
-            fully_shard(block)
-        fully_shard(model)  # the root: embedding, final norm, lm_head
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root: embedding, final norm, lm_head
         if _has_fp8_all_gather(model) and dist.get_backend() == "gloo":
             for module in model.modules():
                 if hasattr(module, "set_custom_all_gather"):
@@ -253,8 +310,117 @@ def local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
+# --------------------------------------------------------------------------- tensor parallel
+def tp_problem(config: GPTConfig, tp: int, *, world_size: int, fsdp: bool) -> str | None:
+    """Why a GPT of `config` cannot train with `--tp tp` on `world_size` ranks, else None: the
+    heads and the MLP's hidden features must split evenly, the ranks form whole groups, and the
+    data-parallel dimension, if any, is FSDP's (DDP does not reduce gradients of DTensor shards)."""
+    if tp == 1:
+        return None
+    if world_size == 1:
+        return (f"--tp {tp} splits each layer over {tp} processes, and this is one; launch with torchrun "
+                f"--nproc_per_node={tp} (or more, a multiple of {tp}, with --fsdp)")
+    if world_size % tp:
+        return f"--tp {tp} on {world_size} ranks: the world size must be a multiple of --tp; launch a multiple of {tp} processes"
+    if world_size > tp and not fsdp:
+        return (f"--tp {tp} on {world_size} ranks leaves {world_size // tp} data-parallel groups, which need --fsdp "
+                "(DDP does not reduce gradients of tensor-parallel shards); add --fsdp, or launch "
+                f"--nproc_per_node={tp}")
+    sizes = {"n_head": config.n_head, "n_kv_head": config.n_kv_head, "intermediate_size": config.intermediate_size}
+    bad = [f"{name} {n}" for name, n in sizes.items() if n % tp]
+    if bad:
+        return (f"--tp {tp}: the model's {', '.join(bad)} do not divide by {tp}, and each rank must hold whole heads "
+                f"and an equal share of the MLP; choose --tp among the common divisors (e.g. "
+                f"{math.gcd(*sizes.values())} or a divisor of it)")
+    return None
+
+
+def vocab_parallel_problem(config: GPTConfig, tp: int) -> str | None:
+    """Why the embedding and the head of `config` stay whole on every rank under `--tp tp`,
+    else None (they split the vocabulary)."""
+    if config.tie_embeddings:
+        return "tied embedding and head stay whole on every rank under --tp (one weight, two layouts)"
+    if config.vocab_size % tp:
+        return (f"the vocabulary ({config.vocab_size}) does not divide by --tp {tp}: the embedding and the head "
+                "stay whole on every rank")
+    return None
+
+
+def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
+    """Split `model` in place over the ranks of the 1-D `mesh`: per block, q/k/v, the MLP's
+    c_fc (and c_gate) column-wise, the attention's and the MLP's c_proj row-wise, so the
+    residual stream stays whole on every rank and each block costs two all-reduces forward and
+    two backward; the embedding row-wise and the head column-wise over the vocabulary where
+    `vocab_parallel_problem` allows, their outputs gathered whole. The attention reads its head
+    count from the projections' local width (nanochat.model.gpt)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    col, row = _tp_styles(model)
+    for block in model.transformer.h:
+        plan = {name: col(block.get_submodule(name)) for name in ("attn.c_q", "attn.c_k", "attn.c_v", "mlp.c_fc")}
+        if block.mlp.c_gate is not None:
+            plan["mlp.c_gate"] = col(block.mlp.c_gate)
+        plan.update({name: row(block.get_submodule(name)) for name in ("attn.c_proj", "mlp.c_proj")})
+        parallelize_module(block, mesh, plan)
+    if vocab_parallel_problem(model.config, mesh.size()) is None:
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        parallelize_module(model, mesh, {
+            "transformer.wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "lm_head": col(model.lm_head, output_layouts=Replicate()),
+        })
+    _replicate_the_rest(model, mesh)
+
+
+def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every module whose own parameters no style split (norm weights; the embedding and the head
+    when they stay whole) gets them as replicated DTensors, its inputs wrapped and its outputs
+    unwrapped: each rank computes the same values from the same whole activations, and every
+    parameter is a DTensor of one mesh, as the fused optimizer and the gradient norm need (one
+    foreach kernel takes one kind of tensor). Their gradients are equal on every rank, since
+    the column-split layers all-reduce the gradients of their inputs."""
+    from torch.distributed.tensor import distribute_module
+
+    def wrap(module, inputs, device_mesh):
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+    def unwrap(module, output, device_mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    for module in model.modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            distribute_module(module, mesh, input_fn=wrap, output_fn=unwrap)
+    if model.config.tie_embeddings:  # distribute_module gave each its own parameter: one again
+        model.lm_head.weight = model.transformer.wte.weight
+
+
+def _tp_styles(model: nn.Module):
+    """(column-wise, row-wise) style makers for a Linear: torchao's FP8 styles for its tensorwise
+    FP8 layers (the activation is cast to FP8 once, by the style, with the scale of the whole
+    tensor), torch's plain styles for everything else (a rowwise FP8 layer casts inside)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import nanochat.fp8._torchao  # noqa: F401
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    def tensorwise(m: nn.Module) -> bool:
+        return (isinstance(m, Float8Linear)
+                and m.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE)
+
+    def col(m: nn.Module, **kw):
+        return (Float8ColwiseParallel if tensorwise(m) else ColwiseParallel)(**kw)
+
+    def row(m: nn.Module, **kw):
+        return (Float8RowwiseParallel if tensorwise(m) else RowwiseParallel)(**kw)
+
+    return col, row
+
+
 # --------------------------------------------------------------------------- FP8 all-gather
-def fp8_all_gather_problem(model: nn.Module, config: FP8Config, *, fsdp: bool) -> str | None:
+def fp8_all_gather_problem(model: nn.Module, config: FP8Config, *, fsdp: bool, tp: int = 1) -> str | None:
     """None if the layers `convert(model, config)` will make FP8 can all-gather their weights in
     FP8 under FSDP2, else why not. Asked before converting: the answer is the FP8Config's
     `fsdp_float8_all_gather`, which torchao applies at conversion (the weights are wrapped then)."""
@@ -262,6 +428,9 @@ def fp8_all_gather_problem(model: nn.Module, config: FP8Config, *, fsdp: bool) -
 
     if not fsdp or not is_distributed():
         return "only under FSDP (--fsdp with torchrun)"
+    if tp > 1:
+        return (f"under --tp {tp} the weights are tensor-parallel DTensors, which torchao's FP8 all-gather does not "
+                "wrap; FSDP gathers them in high precision")
     layers = layers_to_convert(model, config)
     if not layers:
         return "no FP8 layers"
@@ -321,5 +490,5 @@ def full_copy(model: nn.Module, plain: nn.Module) -> nn.Module:
 __all__ = [
     "init_distributed", "release_wrapper", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "broadcast_object", "restart_counts", "torchrun_restarts_left", "lost_peer", "backend_name",
-    "wrap_model", "no_grad_sync", "local_numel", "fp8_all_gather_problem", "full_copy", "DTensor",
+    "Layout", "layout_name", "plan_layout", "wrap_model", "tp_problem", "vocab_parallel_problem", "tensor_parallel", "no_grad_sync", "local_numel", "fp8_all_gather_problem", "full_copy", "DTensor",
 ]

@@ -190,7 +190,8 @@ class Checkpointer:
         torchrun and slurm (distributed.restart_counts) and the run's identity (resume.identity)."""
         return {"event": START_EVENT, "start": self.start, "from_step": resumed.step if resumed else 0,
                 "checkpoint": None if resumed is None else str(resumed.path.relative_to(self.run_dir)),
-                "world_size": self.dist.world_size, **distributed.restart_counts(), **resume.identity(self.config)}
+                "world_size": self.dist.world_size, "data_parallel": self.dist.dp_size, **distributed.restart_counts(),
+                **resume.identity(self.config)}
 
     # ------------------------------------------------------------------- reading
     def newest(self) -> Checkpoint | None:
@@ -208,7 +209,7 @@ class Checkpointer:
         tensors = resume.TENSORS if c.kind == "pt" else ()  # a DCP step's tensors are outside trainer.json
         meta = store.read(c, self.flag, resume.RESUME_KEYS + tensors)
         meta = {k: v for k, v in meta.items() if k not in resume.TENSORS}  # `restore` reads the tensors
-        resume.check_resume(meta, self.config, world_size=self.dist.world_size, tokenizer=tokenizer, flag=self.flag)
+        resume.check_resume(meta, self.config, world_size=self.dist.dp_size, tokenizer=tokenizer, flag=self.flag)
         if auto:
             resume.check_budget(c, self.config, total_steps, self.flag)
         return Saved(c, meta)
@@ -243,7 +244,7 @@ class Checkpointer:
             payload, why = pt.load_payload(c, device, keys=resume.TENSORS)
             if why is not None:
                 raise NanoChatError(f"{self.flag}: checkpoint {c.path} is not usable: {why}")
-            if self.dist.is_distributed and self.config.fsdp:
+            if self.dist.is_distributed and (self.config.fsdp or self.config.tp > 1):
                 pt.load_full_state_dicts(model, optimizer, payload["model"], payload["optimizer"])
             else:
                 model.load_state_dict(payload["model"])
@@ -279,7 +280,7 @@ class Checkpointer:
                 f"used). {self.good_checkpoint_note()}: lower --lr, check the data, or try "
                 "--fp8_mode e5m2 / auto")
         meta = {"config": self.config.to_dict(), "resolved_paths": resume.resolved_paths(self.config), "step": step,
-                "world_size": self.dist.world_size, **state}
+                "world_size": self.dist.world_size, "data_parallel": self.dist.dp_size, **state}
         keep = self.config.keep_checkpoints
         if self.dist.is_distributed:
             rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}

@@ -280,7 +280,8 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
     requantized by the optimizer's load_state_dict afterwards, when
     - the checkpoint holds it under a name this optimizer does not use now (a tensor whose
       shards were not whole blocks kept fp32 state; nanochat.optim.state names the states), or
-    - the saved chunks or this run's shards do not start and end on block boundaries.
+    - the saved chunks or this run's shards do not start and end on block boundaries, or a saved
+      chunk holds some of the columns (tensor parallelism's row-split weights).
     Otherwise (the usual case) quantized codes and scales load as they are, without requantization.
     """
     def whole_blocks(starts_ends: list[int], row: int) -> bool:
@@ -295,7 +296,7 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
             continue
         row = p.numel() // p.shape[0] if p.dim() else 1
         mine = []  # this run's shard boundaries (rows), FSDP2's torch.chunk split of dim 0
-        if isinstance(p, DTensor) and p.dim():
+        if isinstance(p, DTensor) and p.dim() and any(pl.is_shard() for pl in p.placements):
             chunk = -(-p.shape[0] // p.device_mesh.size())
             mine = [min(i * chunk, p.shape[0]) for i in range(p.device_mesh.size() + 1)]
         for k in set(current) - keys:
@@ -304,10 +305,13 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
             value = current.get(k)
             if k == "step" or (value is not None and value.dim() == 0):
                 continue
-            theirs = [b for c in saved[prefix + k].chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])]
+            chunks = saved[prefix + k].chunks
+            theirs = [b for c in chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])]
+            # a chunk of some columns (a tensor-parallel row-split weight's shard) is no run of blocks
+            columns = any(tuple(c.sizes[1:]) != tuple(p.shape[1:]) for c in chunks)
             local = value.to_local() if isinstance(value, DTensor) else value
             if (value is None or not whole_blocks(mine, row)  # a saved FP8 chunk would be cut
-                    or (isinstance(local, QuantizedState) and not whole_blocks(theirs, row))):
+                    or (isinstance(local, QuantizedState) and (columns or not whole_blocks(theirs, row)))):
                 current[k] = torch.zeros(p.shape, device=p.device)
                 full.append((current, k, p))
     return full

@@ -106,12 +106,12 @@ def _listed(diff: Mapping[str, tuple[Any, Any]], saved_name: str) -> str:
 
 def check_resume(meta: dict[str, Any], config: TrainConfig, *, world_size: int, tokenizer: Any,
                  flag: str = "--resume") -> None:
-    """Whether the checkpoint `meta` (its config, world size and tokenizer fingerprint) can
-    continue this run (module docstring); a UsageError listing every difference otherwise
+    """Whether the checkpoint `meta` (its config, data-parallel size and tokenizer fingerprint) can
+    continue this run at `world_size` data-parallel ranks (module docstring); a UsageError listing every difference otherwise
     (for --auto_resume, `flag`: the directory holds a different run)."""
     saved, now = meta["config"], config.to_dict()
     diff = kept_differences(saved, meta.get("resolved_paths") or {}, config)
-    saved_ranks = meta.get("world_size", 1)
+    saved_ranks = meta.get("data_parallel", meta.get("world_size", 1))  # a TP group shares one batch
     if saved["batch_size"] * saved_ranks != now["batch_size"] * world_size:
         diff["batch_size"] = (f"{saved['batch_size']} x {saved_ranks} ranks", f"{now['batch_size']} x {world_size} ranks")
     other = f"{flag}: {config.run_dir} holds a different run" if flag == "--auto_resume" else None

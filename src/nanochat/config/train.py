@@ -132,6 +132,12 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     fsdp: bool = False
     """Under torchrun: shard parameters with FSDP2 (fully_shard) instead of DDP."""
 
+    tp: int = 1
+    """Under torchrun: tensor parallelism over groups of this many consecutive ranks (keep a group
+    within a node): each block's attention and MLP split over the group (docs/distributed.md).
+    The world size must be a multiple; more than one group needs --fsdp over the groups. The
+    heads, the key/value heads and the MLP's hidden features must divide by it."""
+
     num_samples: int = 3
     """Samples generated at the end of training (0: none)."""
 
@@ -205,7 +211,11 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
             raise ValueError(flag_text(str(e))) from None
         if self.max_bad_steps < 1:
             raise ValueError(f"--max_bad_steps must be >= 1, got {self.max_bad_steps}")
-        positive(self, "grad_accum_steps", "log_every")
+        positive(self, "grad_accum_steps", "log_every", "tp")
+        if self.tp > 1 and self.fp8 and self.fp8_recipe.startswith("mxfp8"):
+            raise ValueError(f"--tp {self.tp} with --fp8_recipe {self.fp8_recipe}: torchao's MXFP8 layers have no "
+                             "tensor-parallel styles (their block scales would span the split); use --fp8_recipe "
+                             "tensorwise or rowwise with --tp, or mxfp8 with --fsdp alone")
         non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
                       "temperature")
         if self.num_iterations == -1 and self.num_epochs < 1:

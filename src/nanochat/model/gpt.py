@@ -214,9 +214,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, H, T, D)
-        k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        # -1 heads: under tensor parallelism this rank's projections hold n_head / tp of them
+        q = self.c_q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, D)
+        k = self.c_k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.c_v(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
         # The tables are fp32; rotate in the activations' dtype (bf16 under autocast), as HF does.
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -225,7 +226,7 @@ class CausalSelfAttention(nn.Module):
         # enable_gqa lets each group of n_head / n_kv_head query heads read one k/v head without
         # materializing repeated k/v tensors. Scale is the default 1/sqrt(head_dim).
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.c_proj(y)
 
 

@@ -79,6 +79,16 @@ def _quantized_type(kind: type) -> bool:
     return all(callable(getattr(kind, name, None)) for name in ("dequantize", "layout_problem", "nbytes_stored"))
 
 
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of p's gradient, laid out as `local(p)`. A tensor-parallel embedding's
+    gradient comes back replicated while its weight is split by rows (torch's sharding rule for
+    the embedding backward); it is sliced to this rank's rows, which needs no communication."""
+    g = p.grad
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return local(g)
+
+
 def like(shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A state made for this rank's shard of `p`, as a DTensor laid out like `p` (what DCP saves
     and reshards); unchanged for a plain parameter."""
@@ -92,7 +102,9 @@ def shard_problem(p: torch.Tensor, block_size: int) -> str | None:
     """Why the shards of the DTensor `p` are not whole blocks on every rank, or None. Decided
     from the global shape, so all ranks agree: FSDP2 shards dim 0 like torch.chunk, ceil(rows /
     ranks) rows per rank (the last rank fewer, and whole blocks too when the full tensor and the
-    others are)."""
+    others are); a replicated DTensor (tensor parallelism's norm weights) is whole everywhere."""
+    if all(not placement.is_shard() for placement in p.placements):  # whole on every rank
+        return None
     if tuple(p.placements) != (Shard(0),):
         return f"sharded as {tuple(p.placements)}; a block format needs rows split across one mesh dim"
     rows = p.shape[0]

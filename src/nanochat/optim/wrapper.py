@@ -33,7 +33,7 @@ from .backends import Backends
 from .format import MomentFormat
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
-from .state import DTensor, like, local
+from .state import DTensor, like, local, local_grad
 from .state_bytes import moments, optimizer_bytes, optimizer_state_bytes
 from .step import AdamTensor, adam_hypers, adam_multi, host_scalar, sgd_multi
 
@@ -200,7 +200,7 @@ class OptimWrapper(torch.optim.Optimizer):
         quantized = self.stores(p, group)
         if len(state) == 0:
             self._init_adam_state(p, state, quantized)
-        pl, g = local(p), local(p.grad)  # from here on: this rank's shard
+        pl, g = local(p), local_grad(p)  # from here on: this rank's shard
         if state["step"].device != pl.device:  # a loaded state: once, see _init_adam_state
             state["step"] = state["step"].to(pl.device, torch.float32)
         t = AdamTensor(p=pl, g=g.reshape(pl.shape), step=state["step"], group=group, salt=self._salts.get(p, 0),
@@ -268,7 +268,7 @@ class OptimWrapper(torch.optim.Optimizer):
             first = state.get("momentum_buffer") is None
             if first:
                 state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p)
-            pl, g = local(p), local(p.grad)
+            pl, g = local(p), local_grad(p)
             if id(group) not in hypers:
                 hypers[id(group)] = tuple(host_scalar(group[k]) for k in ("lr", "momentum", "dampening",
                                                                           "weight_decay"))

@@ -122,11 +122,11 @@ def read_tokens_per_step(run_dir: str | os.PathLike) -> tuple[int | None, str]:
     try:
         if why is not None:
             raise ValueError(why)
-        c, world = meta["config"], int(meta.get("world_size", 1))
+        c, world = meta["config"], int(meta.get("data_parallel", meta.get("world_size", 1)))
         sizes = [int(c["batch_size"]), int(c["seq_len"]), int(c.get("grad_accum_steps", 1)), world]
     except Exception as e:  # noqa: BLE001 -- any unreadable checkpoint: the plot falls back to steps
         return None, f"checkpoint {newest.path.name} does not give the batch size ({type(e).__name__}: {e})"
-    names = ("batch_size", "seq_len", "grad_accum_steps", "world size")
+    names = ("batch_size", "seq_len", "grad_accum_steps", "data-parallel ranks")
     return math.prod(sizes), " x ".join(f"{n} {v}" for n, v in zip(names, sizes))
 
 

@@ -57,7 +57,7 @@ def loss_and_bpb(model: torch.nn.Module, val: TokenStream, token_bytes: torch.Te
     first `eval_tokens` of `val` in windows of `seq_len` (`val_batches`); the caller sets eval
     mode and precision (`autocast`). Under `dist` each rank scores its batches and the sums are
     all-reduced. `token_bytes`: each token id's UTF-8 bytes, on `device`."""
-    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    rank, world_size = (dist.dp_rank, dist.dp_size) if dist is not None else (0, 1)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # [nats, scored tokens, bytes]
     with autocast if autocast is not None else contextlib.nullcontext():
         for x, y in val_batches(val, seq_len, batch_size, eval_tokens, rank=rank, world_size=world_size):
@@ -134,9 +134,9 @@ class Evaluator:
     @contextlib.contextmanager
     def _model(self):
         """The model in eval mode and high precision. One process and DDP: the model itself
-        (unwrapped, so no collectives) with its FP8 layers in high precision. FSDP: a plain,
+        (unwrapped, so no collectives) with its FP8 layers in high precision. FSDP and TP: a plain,
         unsharded copy gathered from the shards (collective: every rank enters; distributed.py)."""
-        if self.dist.is_distributed and self.cfg.fsdp:
+        if self.dist.is_distributed and (self.cfg.fsdp or self.cfg.tp > 1):
             with torch.device("meta"):
                 plain = GPT(self.model.config)
             plain = distributed.full_copy(self.model, plain.materialize(self.device))

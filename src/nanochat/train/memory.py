@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import format_bytes, format_table
+from nanochat.common import DistEnv, format_bytes, format_table
 from nanochat.config import TrainConfig
 from nanochat.fp8.optim import fp8_size_problem
 from nanochat.fp8.tensor import DEFAULT_BLOCK_SIZE
@@ -293,6 +293,15 @@ def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level
         activations=activation_bytes(dataclasses.replace(config, seq_len=seq_len), batch_size * seq_len,
                                      autocast=autocast, checkpointing=activation_checkpointing),
         free_bytes=free_bytes)
+
+
+def param_shards(cfg: TrainConfig, dist: DistEnv) -> int:
+    """Into how many parts a run's parameters, gradients and optimizer state are split per device:
+    FSDP's data-parallel ranks times the tensor-parallel degree. Under --tp the norm weights stay
+    whole on every rank (and the embedding and head where the vocabulary does not divide), counted
+    here as split: the plan is low by at most those tensors' bytes."""
+    fsdp = cfg.fsdp and dist.dp_size > 1
+    return (dist.dp_size if fsdp else 1) * (cfg.tp if dist.is_distributed else 1)
 
 
 def plan_run(cfg: TrainConfig, config: GPTConfig, *, autocast: bool, shards: int, device: torch.device) -> MemoryPlan:

@@ -23,7 +23,8 @@ import torch
 
 from nanochat.common import DistEnv, NanoChatError, UsageError, format_bytes
 from nanochat.config import TrainConfig
-from nanochat.distributed import backend_name
+from nanochat.checkpoint import gpt_config
+from nanochat.distributed import layout_name, tp_problem
 from nanochat.model.hub import ResolvedModel, resolve_model
 from nanochat.data.instruct import own_tokenizer_template_problem
 from nanochat.report.plot import check_can_draw
@@ -40,11 +41,15 @@ def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dty
             f"--fp8 with --dtype {cfg.dtype} on {device.type}: torchao's FP8 layers only support bf16 "
             "autocast on CUDA (elsewhere they would round outputs to the wrong dtype). Use --dtype float32 "
             "(the default off CUDA) with --fp8; --fp8_opt_level alone works with any dtype.")
-    layout = f"{'fsdp' if cfg.fsdp else 'ddp'} x{dist.world_size} ({backend_name()})" if dist.is_distributed else None
+    layout = layout_name(fsdp=cfg.fsdp, dp=dist.dp_size, tp=cfg.tp) if dist.is_distributed else None
     problem = cfg.in_backward_problem(torchrun=layout)
     if problem is not None:
         raise UsageError(problem)
     resolved = resolve_model(cfg.model_name)
+    if cfg.tp > 1:  # the heads do not depend on the vocabulary, which the corpus decides later
+        model = gpt_config(resolved, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
+        if (problem := tp_problem(model, cfg.tp, world_size=dist.world_size, fsdp=cfg.fsdp)) is not None:
+            raise UsageError(problem)
     if resolved.kind == "hf" and cfg.tokenizer_dir:
         raise UsageError(f"--tokenizer_dir cannot be combined with the Hugging Face model {cfg.model_name!r}: "
                          "its own tokenizer (in the checkpoint directory) is the one its embeddings know")

@@ -97,7 +97,7 @@ def header(t: Any) -> str:
         ["data", data.store.describe()],
         ["tokens", f"{len(data.train):,} train / {len(data.val):,} val, vocab {data.tokenizer.vocab_size}"],
         ["store", data.store.summary()],
-        ["schedule", f"{t.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * t.dist.world_size}"
+        ["schedule", f"{t.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * t.dist.dp_size}"
                      f" x {cfg.seq_len} tokens ({data.steps_per_epoch} steps/epoch)"],
         ["device", f"{t.device} ({t.dtype}), world size {t.dist.world_size}, "
                    f"compile {(cfg.compile_scope if cfg.compile else 'off')}"],
@@ -119,7 +119,7 @@ def header(t: Any) -> str:
         parts.append(t.optimizer.summary())
     if report is not None:
         parts.append("fp8: evaluation and sampling run in high precision ("
-                     + ("an unsharded copy of the FSDP shards)" if t.dist.is_distributed and cfg.fsdp
+                     + ("an unsharded copy of the shards)" if t.dist.is_distributed and (cfg.fsdp or cfg.tp > 1)
                         else "fp8_disabled)"))
     return "\n".join(parts)
 

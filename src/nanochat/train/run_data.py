@@ -108,19 +108,19 @@ class RunData(EvalData):
                              seq_len=cfg.seq_len, eval_tokens=cfg.eval_tokens, device=device, fallback=fallback,
                              vocab_size=cfg.vocab_size, chat_template=cfg.chat_template, resume=resume,
                              recorded=recorded_sources(cfg.run_dir) if resume else None,
-                             changes_file=Path(cfg.run_dir) / CHANGES_FILE, rank=dist.rank, world_size=dist.world_size)
+                             changes_file=Path(cfg.run_dir) / CHANGES_FILE, rank=dist.dp_rank, world_size=dist.dp_size)
         # -> batches
         train = split_stream(data.store, "train", cfg.seq_len, data.tokenizer.bos_id, fallback)
         loader = TokenBatches(train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-                              rank=dist.rank, world_size=dist.world_size)
+                              rank=dist.dp_rank, world_size=dist.dp_size)  # a TP group reads one share
         steps_per_epoch = loader.steps_per_epoch // cfg.grad_accum_steps
         if steps_per_epoch < 1:
             raise UsageError(f"one optimizer step needs {cfg.grad_accum_steps} batches but an epoch has only "
                              f"{loader.steps_per_epoch}; lower --grad_accum_steps or --batch_size")
         # what would otherwise fail once training has started: one evaluation window (val_batches
         # names the fix), the prompts of the samples
-        next(iter(val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=dist.rank,
-                              world_size=dist.world_size)), None)
+        next(iter(val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=dist.dp_rank,
+                              world_size=dist.dp_size)), None)
         records = data.store.kind == "instruct"
         for r in islice(data.store.val_records(), cfg.num_samples) if records else []:
             instruct.generation_prompt(data.tokenizer, r)

@@ -63,6 +63,16 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac:
     return final_lr_frac + (1 - final_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def newest_checkpoint(checkpoints: Checkpointer | None) -> Checkpoint | None:
+    """The checkpoint a --resume would start from now (not re-verified: this runs on the way
+    out), or None."""
+    if checkpoints is None:
+        return None
+    with contextlib.suppress(NanoChatError, OSError):  # a loose newest checkpoint: --resume will say so
+        return checkpoints.newest()
+    return None
+
+
 class NanoChatTrainer:
     """Train a GPT. `NanoChatTrainer(model_name="d4", fp8=True, fp8_mode="e5m2").train()`."""
 
@@ -137,7 +147,8 @@ class NanoChatTrainer:
                         raise
                     self.stop.ignore()  # torchrun's SIGTERM to the survivors must not cut this message short
                     lost = True
-                    raise NanoChatError(lost_peer_message(reason, self._newest_checkpoint(), resume_command(self.config),
+                    newest = newest_checkpoint(getattr(self, "checkpoints", None))
+                    raise NanoChatError(lost_peer_message(reason, newest, resume_command(self.config),
                                                           auto_resume=self.config.auto_resume)) from e
             return result
         finally:
@@ -158,7 +169,8 @@ class NanoChatTrainer:
         finished stops once its checkpoint is read (`finished`)."""
         cfg = self.config
         setup_logging()
-        self.dist, self.device = distributed.init_distributed(resolve_device(cfg.device))
+        env, self.device = distributed.init_distributed(resolve_device(cfg.device))
+        self.dist = dataclasses.replace(env, tp=cfg.tp)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.run_dir = Path(cfg.run_dir)
         self.checkpoints = Checkpointer(cfg, self.dist)
@@ -178,7 +190,7 @@ class NanoChatTrainer:
             return  # nothing to train: no model is built, nothing is written
         model_config = gpt_config(model_source, vocab_size=self.data.tokenizer.vocab_size, seq_len=cfg.seq_len)
         self.memory_plan = memory.plan_run(cfg, model_config, autocast=self.dtype != torch.float32, device=self.device,
-                                           shards=self.dist.world_size if self.dist.is_distributed and cfg.fsdp else 1)
+                                           shards=memory.param_shards(cfg, self.dist))
         print0(self.memory_plan.table())
         self.model = self._build_model(model_source)
         fp8_config, all_gather_problem = self._fp8_config()
@@ -248,26 +260,26 @@ class NanoChatTrainer:
             config = dataclasses.replace(config, converted_layers=tuple(saved))
         problem = None
         if cfg.fp8 and cfg.fsdp and self.dist.is_distributed:
-            problem = distributed.fp8_all_gather_problem(self.model, config, fsdp=True)
+            problem = distributed.fp8_all_gather_problem(self.model, config, fsdp=True, tp=cfg.tp)
             config = dataclasses.replace(config, fsdp_float8_all_gather=problem is None)
         return config, problem
 
     def _parallelize(self, fp8_all_gather_problem: str | None) -> tuple[torch.nn.Module, str]:
         """The module the training step calls for this world size (DDP around self.model, or
-        self.model itself: one process, or sharded in place by FSDP) and how it is spread."""
+        self.model itself: one process, or split in place by TP and FSDP) and how it is spread."""
         cfg = self.config
+        layout = distributed.plan_layout(fsdp=cfg.fsdp, tp=cfg.tp, env=self.dist, config=self.model.config)
+        for note in layout.fallbacks:
+            self._fallback(note)
         if not self.dist.is_distributed:
-            if cfg.fsdp:
-                self._fallback("fsdp: --fsdp ignored in a single process (launch with torchrun "
-                               "--nproc_per_node=N to shard)")
-            return self.model, "none"
-        parallel = f"{'fsdp' if cfg.fsdp else 'ddp'} x{self.dist.world_size} ({distributed.backend_name()})"
-        if cfg.fsdp and self.fp8.has_fp8_layers:
+            return self.model, layout.name
+        parallel = layout.name
+        if layout.fsdp and self.fp8.has_fp8_layers:
             parallel += (f", fp8 all-gather on ({len(self.fp8.report.converted)} layers' weights all-gathered in "
                          f"{cfg.fp8_mode}, scales precomputed after each optimizer step)"
                          if self.fp8.config.fsdp_float8_all_gather else f", fp8 all-gather off: {fp8_all_gather_problem}")
-        return distributed.wrap_model(self.model, fsdp=cfg.fsdp, device=self.device,
-                                      blocks=self.model.transformer.h), parallel
+        return distributed.wrap_model(self.model, fsdp=layout.fsdp, device=self.device, blocks=self.model.transformer.h,
+                                      tp=cfg.tp), parallel
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW, no weight decay on embeddings / norms / biases, as FP8Training wraps it (FP8
@@ -356,7 +368,7 @@ class NanoChatTrainer:
             return TrainResult.read(self.run_dir)
         start_step = self._resume() if self.checkpoints.resuming else 0
         rank0 = self.dist.rank == 0
-        meter = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.world_size,
+        meter = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.dist.dp_size,
                            history=self._start_files())
         print0(header(self))
         if start_step == 0 and (self.data.num_choice_items or cfg.init_from):
@@ -427,21 +439,12 @@ class NanoChatTrainer:
             self._save(step)
         raise self._stopped(signum, f"stopped by {signal_name(signum)} at step {step}", saved=cfg.save_checkpoints)
 
-    def _newest_checkpoint(self) -> Checkpoint | None:
-        """The checkpoint a --resume would start from now (not re-verified: this runs on the way
-        out), or None."""
-        if getattr(self, "checkpoints", None) is None:
-            return None
-        with contextlib.suppress(NanoChatError, OSError):  # a loose newest checkpoint: --resume will say so
-            return self.checkpoints.newest()
-        return None
-
     def _stopped(self, signum: int, what: str, *, saved: bool = False) -> Stopped:
         """The Stopped that ends a run on `signum` (nanochat.train.stop.stopped): `what` stopped
         it, the checkpoint that holds the run (the one just saved, with `saved`), how to resume."""
         self.stop.ignore()  # the run is ending: a late signal must not cut this short
-        return stopped(signum, what, self._newest_checkpoint(), resume_command(self.config), saved=saved,
-                       saving=self.config.save_checkpoints)
+        return stopped(signum, what, newest_checkpoint(getattr(self, "checkpoints", None)), resume_command(self.config),
+                       saved=saved, saving=self.config.save_checkpoints)
 
     def _save(self, step: int, record: dict[str, Any] | None = None) -> None:
         """A checkpoint of `step` (checkpoint.Checkpointer.save) holding this loop's state too:

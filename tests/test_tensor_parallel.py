@@ -1,0 +1,254 @@
+"""Tensor parallelism (--tp) on CPU: 2 gloo ranks under torchrun against one process.
+
+What is checked against what (d4: 2 heads, so --tp 2 holds one head per rank; vocabulary 320,
+so the embedding and the head split too):
+- --tp 2 on 2 ranks, fp32: the same losses, step by step, and the same validation loss as one
+  process with the same batches, within LOSS_TOL (tests/test_distributed.py argues it: only the
+  order of fp32 reductions differs, here the row-parallel all-reduces' partial sums).
+- --tp 2 with FP8 emulated, tensorwise (torchao's FP8 styles) and rowwise (plain styles on
+  torchao's Float8Linear), --fp8_opt_level 2: within FP8_LOSS_TOL of one process with the same
+  FP8 flags (argued below); FP8 moments as FP8Tensor shards of the column-split weights, fp32 for
+  the row-split ones, recorded as a fallback; the header says "tp 2 (gloo)".
+- --resume across layouts: a checkpoint written by --tp 2 (DCP) resumes in one process and as
+  DDP on 2 ranks, with the uninterrupted --tp 2 run's later losses (FP8_LOSS_TOL).
+- With `-m slow`: --fsdp --tp 2 on 4 ranks (a 2 x 2 mesh) against one process, fp32 within
+  LOSS_TOL and FP8 within FP8_LOSS_TOL; the 2-rank cases run the same tensor-parallel code.
+- Without processes: the layout's one-line refusals (heads or MLP width not divisible, one
+  process, a world that is not whole groups, several groups without --fsdp, MXFP8), the
+  vocabulary fallback, the memory plan's shards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nanochat.common import DistEnv
+from tests.conftest import perturbed_init, run_records
+from tests.test_distributed import FP8_LOSS_TOL, LOSS_TOL, _assert_close, _kwargs, _torchrun
+
+FP8 = dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2)
+HF_LOSS_TOL = 5e-5
+"""The tiny Hugging Face models (tests/test_hf.py), fp32 (absolute, losses 4.7-9.5). As LOSS_TOL
+argues, only the order of the row-split layers' partial sums differs; but their weights are
+drawn with std 0.3, 15 times d4's, so logits and gradients are that much larger and the same
+relative difference (~1e-7) moves the loss about 10 times as much. Measured 1.4e-6 (Llama) and
+7.2e-6 (Qwen2, whose tied embedding takes gradients from both ends): 5e-5 leaves 7x."""
+TP_FP8_LOSS_TOL = FP8_LOSS_TOL
+"""FP8 emulated under --tp 2 (absolute, losses ~4.4-5.8). Both ranks read the same tokens, but a
+column-split layer's output gradient reaches each rank as that rank's half of the features, and
+torchao casts it to FP8 with the scale of that half (one process: of the whole), and the
+row-split layers' moments stay fp32 (one process: FP8). So elements land on other e4m3 grids
+(2^-4 relative steps): the same kind of rounding noise as tests/test_distributed.py's FP8
+bound, which applies. Measured 8.2e-4 (tensorwise) and 2.3e-3 (rowwise) in train loss, 1.6e-3 and
+2.1e-3 in validation loss, against 8.3e-3 / 2.7e-2 between the same one-process run in FP8 and
+fp32: 1e-2 leaves 4x over the largest, and a lost shard or a wrong scale moves these by far more."""
+FSDP_TP_FP8_LOSS_TOL = 5e-2
+"""FP8 emulated under --fsdp --tp 2 on 4 ranks (absolute). On top of the above, each data-parallel
+pair reads half of every batch, so the activation scales too are per half batch, and every FP8
+moment is fp32 (2-D shards). The two runs are then two independent draws of FP8's rounding,
+each about as far from the exact (fp32) run as FP8 is, so the gap between them is bounded by
+about twice one process's FP8-vs-fp32 gap (measured 8.3e-3 train, 2.7e-2 validation at step 8):
+5e-2. Measured 1.1e-2 train and 2.1e-2 validation between the 4-rank and the one-process run."""
+
+
+def _losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in run_records(run_dir) if key in r}
+
+
+def _d4(corpus: Path, run_dir: Path, **over) -> dict:
+    return _kwargs(corpus, run_dir, model_name="d4", **over)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "nanochat-cache"  # conftest's _isolated_cache
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, Path]:
+    """Two tiny Hugging Face models (4 heads, 2 kv heads, SwiGLU, norm weights): Llama, whose
+    vocabulary splits, and Qwen2 with tied embeddings and q/k/v biases, whose embedding stays whole."""
+    from tests.test_hf import _save_model
+
+    out = {}
+    for kind in ("llama", "qwen2_tied"):
+        out[kind] = tmp_path_factory.mktemp(kind)
+        _save_model(kind, out[kind])
+    return out
+
+
+def _runs(corpus: Path, out: Path, hf_models: dict[str, Path], **over) -> dict[str, dict]:
+    """name -> the kwargs of each run compared across layouts."""
+    runs = {"fp32": _d4(corpus, out / "fp32", **over), "fp8": _d4(corpus, out / "fp8", **FP8, **over),
+            "rowwise": _d4(corpus, out / "rowwise", **FP8, fp8_recipe="rowwise", **over)}
+    for kind, directory in hf_models.items():
+        runs[kind] = _kwargs(corpus, out / kind, model_name=str(directory), **over)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def single(small_corpus, tmp_path_factory, cache, hf_models) -> dict[str, Path]:
+    """One process, batch 8: d4 in fp32, FP8 tensorwise and rowwise (each --fp8_opt_level 2), and
+    the two Hugging Face models in fp32."""
+    from nanochat.train.trainer import NanoChatTrainer
+
+    out = tmp_path_factory.mktemp("single_d4")
+    runs = _runs(small_corpus, out, hf_models)
+    with pytest.MonkeyPatch.context() as mp, perturbed_init():  # the side the perturbation pass moves
+        mp.setenv("NANOCHAT_CACHE", str(cache))
+        for kwargs in runs.values():
+            NanoChatTrainer(**kwargs).train()
+    return {name: Path(kw["run_dir"]) for name, kw in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def tp2(small_corpus, tmp_path_factory, cache, single, hf_models) -> dict[str, Path]:
+    """--tp 2 on 2 ranks, batch 8 on both (one replica): the same runs, and `cut`: the FP8 run
+    stopped right after its step-4 checkpoint."""
+    out = tmp_path_factory.mktemp("tp2")
+    runs = [dict(name=name, kwargs=kw) for name, kw in _runs(small_corpus, out, hf_models, tp=2).items()]
+    runs.append(dict(name="cut", crash_after_first_save=True,
+                     kwargs=_d4(small_corpus, out / "cut", tp=2, save_every=4, **FP8)))
+    _torchrun(2, runs, cache)
+    return {r["name"]: out / r["name"] for r in runs}
+
+
+# --------------------------------------------------------------------------- 2 ranks
+@pytest.mark.two_computations
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied"])
+def test_tp2_splits_hugging_face_models_with_norm_weights_and_biases(tp2, single, name):
+    """Norm weights stay whole on every rank, beside DTensor shards (the gradient norm and the
+    clipping take both); Qwen2's tied embedding and head stay whole, a recorded fallback."""
+    worst = _assert_close(_losses(tp2[name]), _losses(single[name]), HF_LOSS_TOL, f"tp 2 {name} train loss")
+    print(f"tp 2 vs one process, {name}: train {worst:.1e}")
+    fallbacks = json.loads((tp2[name] / "result.json").read_text())["fallbacks"]
+    assert any("tied embedding" in f for f in fallbacks) == (name == "qwen2_tied"), fallbacks
+
+
+@pytest.mark.two_computations
+def test_tp2_matches_one_process(tp2, single):
+    worst = _assert_close(_losses(tp2["fp32"]), _losses(single["fp32"]), LOSS_TOL, "tp 2 train loss")
+    worst_val = _assert_close(_losses(tp2["fp32"], "val_loss"), _losses(single["fp32"], "val_loss"), LOSS_TOL,
+                              "tp 2 val loss")
+    print(f"tp 2 vs one process, fp32: train {worst:.1e}, val {worst_val:.1e}")  # shown with -s
+    result = json.loads((tp2["fp32"] / "result.json").read_text())
+    assert result["parallel"] == "tp 2 (gloo)", result["parallel"]
+    assert not result["fallbacks"], result["fallbacks"]
+
+
+@pytest.mark.two_computations
+@pytest.mark.parametrize("name", ["fp8", "rowwise"])
+def test_tp2_fp8_matches_one_process_with_fp8_moments_of_the_column_shards(tp2, single, name):
+    got, want = tp2[name], single[name]
+    worst = _assert_close(_losses(got), _losses(want), TP_FP8_LOSS_TOL, f"tp 2 {name} train loss")
+    worst_val = _assert_close(_losses(got, "val_loss"), _losses(want, "val_loss"), TP_FP8_LOSS_TOL,
+                              f"tp 2 {name} val loss")
+    print(f"tp 2 vs one process, {name}: train {worst:.1e}, val {worst_val:.1e}")
+    states = json.loads((got / "states-rank0.json").read_text())
+    # column-split: this rank's rows, its moments FP8Tensor shards; row-split: fp32 moments
+    q = states["transformer.h.0.attn.c_q.weight"]
+    assert q["local_rows"] * 2 == q["global_rows"] and q["exp_avg"] == "DTensor(FP8Tensor)", q
+    proj = states["transformer.h.0.mlp.c_proj.weight"]
+    assert proj["exp_avg"] == "DTensor(Tensor)", proj
+    result = json.loads((got / "result.json").read_text())
+    assert any("Shard(dim=1)" in f and "fp32 moments" in f for f in result["fallbacks"]), result["fallbacks"]
+
+
+def test_tp2_checkpoint_resumes_in_one_process_and_as_ddp(tp2, cache):
+    from nanochat.train.trainer import NanoChatTrainer
+
+    cut = tp2["cut"]
+    cfg = json.loads((cut / "config.json").read_text())
+    full = _losses(tp2["fp8"])
+    later = lambda losses: {s: losses[s] for s in range(5, 9)}  # noqa: E731
+    one = Path(str(cut) + "_one")
+    ddp = Path(str(cut) + "_ddp")
+    for target in (one, ddp):
+        shutil.copytree(cut, target)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_CACHE", str(cache))
+        NanoChatTrainer(**{**cfg, "tp": 1, "run_dir": str(one), "resume": True}).train()
+    _assert_close(later(_losses(one)), later(full), TP_FP8_LOSS_TOL, "tp 2 -> one process")
+    # DDP on 2 ranks: batch 4 each, the same global batch of 8
+    _torchrun(2, [dict(name="ddp", kwargs={**cfg, "tp": 1, "batch_size": 4, "run_dir": str(ddp), "resume": True})],
+              cache)
+    _assert_close(later(_losses(ddp)), later(full), TP_FP8_LOSS_TOL, "tp 2 -> ddp x2")
+    starts = [r for r in run_records(ddp) if r.get("event") == "start"]
+    assert starts[-1]["from_step"] == 4 and starts[-1]["world_size"] == 2, starts
+
+
+# --------------------------------------------------------------------------- 4 ranks
+@pytest.mark.slow
+@pytest.mark.two_computations
+def test_fsdp_x_tp_on_four_ranks_matches_one_process(small_corpus, tmp_path, cache, single):
+    runs = [dict(name="fp32", kwargs=_d4(small_corpus, tmp_path / "fp32", tp=2, fsdp=True, batch_size=4)),
+            dict(name="fp8", kwargs=_d4(small_corpus, tmp_path / "fp8", tp=2, fsdp=True, batch_size=4, **FP8))]
+    _torchrun(4, runs, cache)
+    _assert_close(_losses(tmp_path / "fp32"), _losses(single["fp32"]), LOSS_TOL, "fsdp x tp train loss")
+    _assert_close(_losses(tmp_path / "fp32", "val_loss"), _losses(single["fp32"], "val_loss"), LOSS_TOL,
+                  "fsdp x tp val loss")
+    _assert_close(_losses(tmp_path / "fp8"), _losses(single["fp8"]), FSDP_TP_FP8_LOSS_TOL, "fsdp x tp fp8 train")
+    _assert_close(_losses(tmp_path / "fp8", "val_loss"), _losses(single["fp8"], "val_loss"), FSDP_TP_FP8_LOSS_TOL,
+                  "fsdp x tp fp8 val")
+    result = json.loads((tmp_path / "fp8" / "result.json").read_text())
+    assert result["parallel"].startswith("fsdp 2 x tp 2 (gloo), fp8 all-gather off: under --tp 2"), result["parallel"]
+
+
+# ------------------------------------------------------------------------ no processes
+def _config(**over):
+    from nanochat.model.gpt import GPTConfig
+
+    return GPTConfig(**{**dict(vocab_size=320, seq_len=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=128), **over})
+
+
+@pytest.mark.parametrize("tp, world, fsdp, config, says", [
+    (2, 1, False, {}, "and this is one; launch with torchrun --nproc_per_node=2"),
+    (2, 3, True, {}, "must be a multiple of --tp"),
+    (2, 4, False, {}, "need --fsdp"),
+    (4, 4, False, {}, "n_kv_head 2 do not divide by 4"),
+    (2, 2, False, dict(n_head=3, n_kv_head=3, n_embd=192), "n_head 3, n_kv_head 3 do not divide by 2"),
+    (2, 2, False, dict(intermediate_size=301), "intermediate_size 301"),
+])
+def test_layouts_that_cannot_split_are_refused_in_one_line(tp, world, fsdp, config, says):
+    from nanochat.distributed import tp_problem
+
+    problem = tp_problem(_config(**config), tp, world_size=world, fsdp=fsdp)
+    assert problem is not None and says in problem and "\n" not in problem, problem
+    assert tp_problem(_config(), 2, world_size=4, fsdp=True) is None
+
+
+def test_vocabulary_that_does_not_divide_stays_whole_and_is_recorded():
+    from nanochat.distributed import plan_layout
+
+    env = DistEnv(rank=0, world_size=2, tp=2)
+    assert plan_layout(fsdp=False, tp=2, env=env, config=_config()).fallbacks == ()
+    notes = plan_layout(fsdp=True, tp=2, env=env, config=_config(vocab_size=321)).fallbacks
+    assert any("--fsdp ignored" in n for n in notes) and any("vocabulary (321)" in n for n in notes), notes
+    tied = plan_layout(fsdp=False, tp=2, env=env, config=_config(tie_embeddings=True)).fallbacks
+    assert any("tied embedding" in n for n in tied), tied
+
+
+def test_tp_refusals_before_any_work(small_corpus, tmp_path):
+    from nanochat.common import UsageError
+    from nanochat.train.trainer import NanoChatTrainer
+
+    with pytest.raises(ValueError, match="--tp 2 with --fp8_recipe mxfp8"):
+        NanoChatTrainer(**_d4(small_corpus, tmp_path / "mx", tp=2, fp8=True, fp8_recipe="mxfp8")).train()
+    with pytest.raises(UsageError, match="--tp 2 splits each layer over 2 processes, and this is one"):
+        NanoChatTrainer(**_d4(small_corpus, tmp_path / "one", tp=2)).train()
+    assert not (tmp_path / "one").exists() and not (tmp_path / "mx").exists()
+
+
+def test_memory_plan_counts_tensor_parallel_shards():
+    from nanochat.config import TrainConfig
+    from nanochat.train.memory import param_shards
+
+    cfg = lambda **kw: TrainConfig(model_name="d4", **kw)  # noqa: E731
+    assert param_shards(cfg(tp=2), DistEnv(world_size=2, tp=2)) == 2
+    assert param_shards(cfg(tp=2, fsdp=True), DistEnv(world_size=8, tp=2)) == 8
+    assert param_shards(cfg(fsdp=True), DistEnv(world_size=4)) == 4
+    assert param_shards(cfg(), DistEnv(world_size=4)) == 1
