@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanochat import distributed
 from nanochat import rundir
@@ -275,18 +275,16 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
     optimizer holds them; returns the (state, key, param) entries given full fp32 templates.
 
     A quantized moment (nanochat.optim.QuantizedState, e.g. FP8) is whole `block_size`-element
-    blocks and slices only on block boundaries. So a moment loads into a full, unsharded fp32
-    template (DCP then reads whole saved chunks and dequantizes them), and is resharded and
-    requantized by the optimizer's load_state_dict afterwards, when
+    blocks and slices only along rows, on block boundaries. So a moment loads into a full,
+    unsharded fp32 template (DCP then reads whole saved chunks and dequantizes them), and is
+    resharded and requantized by the optimizer's load_state_dict afterwards, when
     - the checkpoint holds it under a name this optimizer does not use now (a tensor whose
       shards were not whole blocks kept fp32 state; nanochat.optim.state names the states), or
-    - the saved chunks or this run's shards do not start and end on block boundaries, or a saved
-      chunk holds some of the columns (tensor parallelism's row-split weights).
-    Otherwise (the usual case) quantized codes and scales load as they are, without requantization.
+    - loading would cut a quantized chunk other than along rows on block boundaries
+      (`_cuts_blocks`).
+    Otherwise (the usual case, and always where this rank's shard is one the checkpoint holds)
+    quantized codes and scales load as they are, without requantization.
     """
-    def whole_blocks(starts_ends: list[int], row: int) -> bool:
-        return block_size is None or all((r * row) % block_size == 0 for r in starts_ends)
-
     full = []
     for fqn, p in model.named_parameters():
         current = optim_state.get(fqn)
@@ -294,27 +292,47 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
         keys = {k[len(prefix):] for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]}
         if not keys or current is None:
             continue
-        row = p.numel() // p.shape[0] if p.dim() else 1
-        mine = []  # this run's shard boundaries (rows), FSDP2's torch.chunk split of dim 0
-        if isinstance(p, DTensor) and p.dim() and any(pl.is_shard() for pl in p.placements):
-            chunk = -(-p.shape[0] // p.device_mesh.size())
-            mine = [min(i * chunk, p.shape[0]) for i in range(p.device_mesh.size() + 1)]
         for k in set(current) - keys:
             del current[k]
         for k in keys:
             value = current.get(k)
             if k == "step" or (value is not None and value.dim() == 0):
                 continue
-            chunks = saved[prefix + k].chunks
-            theirs = [b for c in chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])]
-            # a chunk of some columns (a tensor-parallel row-split weight's shard) is no run of blocks
-            columns = any(tuple(c.sizes[1:]) != tuple(p.shape[1:]) for c in chunks)
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if (value is None or not whole_blocks(mine, row)  # a saved FP8 chunk would be cut
-                    or (isinstance(local, QuantizedState) and (columns or not whole_blocks(theirs, row)))):
+            if value is None or _cuts_blocks(p, value, saved[prefix + k].chunks, block_size):
                 current[k] = torch.zeros(p.shape, device=p.device)
                 full.append((current, k, p))
     return full
+
+
+def _cuts_blocks(p: torch.Tensor, value: torch.Tensor, chunks: list, block_size: int | None) -> bool:
+    """Whether reading the saved `chunks` of one moment of `p` into `value` (this run's state)
+    would cut an FP8 chunk, the saved one or this rank's, across its blocks. Not when this
+    rank's shard is exactly a saved chunk (read whole: a resume in the same layout). Otherwise:
+    when a saved chunk holds some of the columns (a tensor-parallel row-split weight's), when
+    this rank's shard is not whole rows of one mesh dim (tensor parallelism's shards), or when the row boundaries of the saved chunks or of this run's FSDP shards (torch.chunk of
+    dim 0) are not block boundaries."""
+    if block_size is None:
+        return False
+    sharded = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+    mine = p.__create_chunk_list__() if sharded else []
+    if any(tuple(c.offsets) == tuple(m.offsets) and tuple(c.sizes) == tuple(m.sizes) for m in mine for c in chunks):
+        return False
+    if not sharded and len(chunks) == 1 and tuple(chunks[0].sizes) == tuple(p.shape):
+        return False
+    local = value.to_local() if isinstance(value, DTensor) else value
+    quantized = isinstance(local, QuantizedState)
+    if any(tuple(c.sizes[1:]) != tuple(p.shape[1:]) for c in chunks):
+        return True
+    if sharded and tuple(p.placements) != (Shard(0),):  # a saved FP8 chunk would be cut across rows too
+        return True
+    row = p.numel() // p.shape[0] if p.dim() else 1
+    whole = lambda starts_ends: all((r * row) % block_size == 0 for r in starts_ends)  # noqa: E731
+    bounds = []  # this run's shard boundaries (rows), FSDP2's torch.chunk split of dim 0
+    if sharded and p.dim():
+        chunk = -(-p.shape[0] // p.device_mesh.size())
+        bounds = [min(i * chunk, p.shape[0]) for i in range(p.device_mesh.size() + 1)]
+    theirs = [b for c in chunks for b in (c.offsets[0], c.offsets[0] + c.sizes[0])]
+    return not whole(bounds) or (quantized and not whole(theirs))
 
 
 def nonfinite(path: str | os.PathLike) -> list[str]:

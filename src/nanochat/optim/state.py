@@ -100,18 +100,35 @@ def like(shard: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def shard_problem(p: torch.Tensor, block_size: int) -> str | None:
     """Why the shards of the DTensor `p` are not whole blocks on every rank, or None. Decided
-    from the global shape, so all ranks agree: FSDP2 shards dim 0 like torch.chunk, ceil(rows /
-    ranks) rows per rank (the last rank fewer, and whole blocks too when the full tensor and the
-    others are); a replicated DTensor (tensor parallelism's norm weights) is whole everywhere."""
-    if all(not placement.is_shard() for placement in p.placements):  # whole on every rank
+    from the global shape, so all ranks agree. FSDP2 alone shards dim 0 like torch.chunk,
+    ceil(rows / ranks) rows per rank (the last rank fewer, and whole blocks too when the full
+    tensor and the others are). Tensor parallelism (and FSDP2 over it) splits rows or a matrix's
+    columns over several mesh dims: every split must be even, and a shard's rows (row split) or
+    each of its rows (column split) whole blocks, so its blocks are the full tensor's blocks. A
+    replicated DTensor (norm weights under tensor parallelism) is whole everywhere."""
+    splits: dict[int, int] = {}
+    for mesh_dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            splits[placement.dim] = splits.get(placement.dim, 1) * p.device_mesh.size(mesh_dim)
+    if not splits:
         return None
-    if tuple(p.placements) != (Shard(0),):
-        return f"sharded as {tuple(p.placements)}; a block format needs rows split across one mesh dim"
-    rows = p.shape[0]
-    chunk = -(-rows // p.device_mesh.size())  # ceil
-    if chunk * (p.numel() // rows) % block_size:
-        return (f"a shard of {chunk} rows x {p.numel() // rows} is not whole {block_size}-element "
-                f"blocks at {p.device_mesh.size()} ranks")
+    row = p.numel() // p.shape[0]
+    if tuple(p.placements) == (Shard(0),):
+        chunk = -(-p.shape[0] // p.device_mesh.size())  # ceil
+        if chunk * row % block_size:
+            return (f"a shard of {chunk} rows x {row} is not whole {block_size}-element "
+                    f"blocks at {p.device_mesh.size()} ranks")
+        return None
+    layout = f"sharded as {tuple(p.placements)}"
+    if set(splits) - {0, 1} or (1 in splits and p.dim() != 2):
+        return f"{layout}; a block format needs the rows or a matrix's columns split"
+    uneven = [d for d, n in splits.items() if p.shape[d] % n]
+    if uneven:
+        return f"{layout}: dim {uneven[0]} ({p.shape[uneven[0]]}) does not split evenly over {splits[uneven[0]]} ranks"
+    if 1 in splits and (p.shape[1] // splits[1]) % block_size:
+        return f"{layout}: a shard's rows of {p.shape[1] // splits[1]} are not whole {block_size}-element blocks"
+    if 1 not in splits and (p.shape[0] // splits[0]) * row % block_size:
+        return f"{layout}: a shard of {p.shape[0] // splits[0]} rows x {row} is not whole {block_size}-element blocks"
     return None
 
 
