@@ -188,6 +188,27 @@ def test_tp2_checkpoint_resumes_exactly_and_in_one_process_and_as_ddp(tp2, cache
     assert starts[-1]["from_step"] == 4 and starts[-1]["world_size"] == 2, starts
 
 
+def test_a_tp2_run_exports_to_transformers_from_its_shards(tp2, tmp_path):
+    """scripts/export_hf.py on the --tp 2 Llama run: its newest checkpoint is a DCP step written
+    in shards; transformers' model from the export gives our model's logits (tests/test_hf.py's
+    TOL: the same weights, forward passes only)."""
+    import torch
+    import transformers
+
+    from nanochat.checkpoint import load_model, read_run
+    from tests.conftest import load_script
+    from tests.test_hf import TOL
+
+    run = tp2["llama"]
+    assert (run / "checkpoint_dcp").is_dir() and not list(run.glob("checkpoint-*.pt"))
+    assert load_script("export_hf").main(["--run_dir", str(run), "--out_dir", str(tmp_path / "out")]) == 0
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    ours, _ = load_model(read_run(run))
+    ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, ours.eval()(ids), **TOL)
+
+
 # --------------------------------------------------------------------------- 4 ranks
 @pytest.mark.slow
 @pytest.mark.two_computations

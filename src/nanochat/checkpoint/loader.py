@@ -3,7 +3,7 @@ scripts/eval.py and scripts/export_hf.py.
 
     load_model(resolve_model("d4"), vocab_size=4096, seq_len=256)   # a preset, freshly initialized
     load_model(resolve_model("org/name"), device="cuda")            # a Hugging Face directory's weights
-    load_model(read_run("runs/sft"))                                # a run's newest .pt checkpoint
+    load_model(read_run("runs/sft"))                                # a run's newest checkpoint
     load_model(checkpointer.read_init_source(), ...)                # --init_from's checkpoint (.pt or DCP)
 
 A source is what --model_name names (nanochat.model.hub.resolve_model: a preset, or a Hugging
@@ -40,9 +40,15 @@ RUN_KEYS = ("config.model_name", "step", "model")
 
 
 def read_run(run_dir: str | os.PathLike, flag: str = "--run_dir") -> Saved:
-    """The newest .pt checkpoint of `run_dir` (verified: store.load_checkpoint, whose errors name
-    `flag`), its weights memory-mapped until `load_model` reads them, with the tokenizer the run
-    trained with (checked against the checkpoint: run_tokenizer)."""
+    """The newest checkpoint of `run_dir` with the tokenizer the run trained with (checked against
+    the checkpoint: run_tokenizer), verified, errors naming `flag`: a .pt (store.load_checkpoint),
+    its weights memory-mapped until `load_model` reads them, or a distributed run's DCP step
+    (any layout: DDP, FSDP, TP), whose weights `load_model` reads whole from its shards."""
+    c = store.newest(run_dir, flag) if Path(run_dir).is_dir() else None
+    if c is not None and c.kind == "dcp":
+        meta = store.read(c, flag, RUN_KEYS[:-1])
+        tokenizer = run_tokenizer(run_dir, meta.get("tokenizer_fingerprint"), flag)
+        return Saved(c, meta, tokenizer=tokenizer, weights=None, origin=f"{flag} {run_dir}")
     payload = store.load_checkpoint(run_dir, keys=RUN_KEYS, mmap=True, flag=flag)
     tokenizer = run_tokenizer(run_dir, payload.get("tokenizer_fingerprint"), flag)
     weights = payload.pop("model")
