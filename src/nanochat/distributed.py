@@ -225,11 +225,10 @@ def backend_name() -> str:
 @dataclass(frozen=True)
 class Layout:
     """How a run spreads its model over the processes: `fsdp` shards it over the data-parallel
-    ranks, `tp` splits it within each group of that many ranks; `name` is the run header's
+    ranks (with --tp: over the groups); `name` is the run header's
     (`layout_name`), `fallbacks` what was asked and not done, with the reason."""
 
     fsdp: bool
-    tp: int
     name: str
     fallbacks: tuple[str, ...] = ()
 
@@ -246,7 +245,7 @@ def plan_layout(*, fsdp: bool, tp: int, env: DistEnv, config: GPTConfig) -> Layo
     if not env.is_distributed:
         why = () if not fsdp else ("fsdp: --fsdp ignored in a single process (launch with torchrun "
                                    "--nproc_per_node=N to shard)",)
-        return Layout(fsdp=False, tp=1, name="none", fallbacks=why)
+        return Layout(fsdp=False, name="none", fallbacks=why)
     notes = []
     if fsdp and env.dp_size == 1:
         notes.append(f"fsdp: --fsdp ignored: --tp {tp} on {env.world_size} ranks leaves one data-parallel group, "
@@ -254,7 +253,7 @@ def plan_layout(*, fsdp: bool, tp: int, env: DistEnv, config: GPTConfig) -> Layo
     if tp > 1 and (whole := vocab_parallel_problem(config, tp)) is not None:
         notes.append(f"tp: {whole}")
     fsdp = fsdp and env.dp_size > 1
-    return Layout(fsdp=fsdp, tp=tp, name=layout_name(fsdp=fsdp, dp=env.dp_size, tp=tp), fallbacks=tuple(notes))
+    return Layout(fsdp=fsdp, name=layout_name(fsdp=fsdp, dp=env.dp_size, tp=tp), fallbacks=tuple(notes))
 
 
 def wrap_model(model: nn.Module, *, fsdp: bool, device: torch.device,
@@ -271,6 +270,8 @@ def wrap_model(model: nn.Module, *, fsdp: bool, device: torch.device,
         return model
     mesh = None
     if tp > 1:
+        if dist.get_world_size() > tp and not fsdp:
+            raise ValueError(tp_problem(model.config, tp, world_size=dist.get_world_size(), fsdp=False))
         mesh = init_device_mesh(device.type, (dist.get_world_size() // tp, tp), mesh_dim_names=("dp", "tp"))
         tensor_parallel(model, mesh["tp"])
         if mesh["dp"].size() == 1:
@@ -355,7 +356,7 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> None:
     count from the projections' local width (nanochat.model.gpt)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    col, row = _tp_styles(model)
+    col, row = _tp_styles()
     for block in model.transformer.h:
         plan = {name: col(block.get_submodule(name)) for name in ("attn.c_q", "attn.c_k", "attn.c_v", "mlp.c_fc")}
         if block.mlp.c_gate is not None:
@@ -395,7 +396,7 @@ def _replicate_the_rest(model: nn.Module, mesh: DeviceMesh) -> None:
         model.lm_head.weight = model.transformer.wte.weight
 
 
-def _tp_styles(model: nn.Module):
+def _tp_styles():
     """(column-wise, row-wise) style makers for a Linear: torchao's FP8 styles for its tensorwise
     FP8 layers (the activation is cast to FP8 once, by the style, with the scale of the whole
     tensor), torch's plain styles for everything else (a rowwise FP8 layer casts inside)."""
@@ -490,5 +491,6 @@ def full_copy(model: nn.Module, plain: nn.Module) -> nn.Module:
 __all__ = [
     "init_distributed", "release_wrapper", "destroy_distributed", "is_distributed", "barrier", "all_reduce_sum",
     "all_reduce_mean", "broadcast_object", "restart_counts", "torchrun_restarts_left", "lost_peer", "backend_name",
-    "Layout", "layout_name", "plan_layout", "wrap_model", "tp_problem", "vocab_parallel_problem", "tensor_parallel", "no_grad_sync", "local_numel", "fp8_all_gather_problem", "full_copy", "DTensor",
+    "Layout", "layout_name", "plan_layout", "wrap_model", "tp_problem", "vocab_parallel_problem", "tensor_parallel",
+    "no_grad_sync", "local_numel", "fp8_all_gather_problem", "full_copy", "DTensor",
 ]

@@ -76,13 +76,14 @@ class StepGuard:
         params = list(params)
         # the norm first, clipping after: a non-finite norm must leave the gradients as they are
         # (clip_grad_norm_ would scale all of them by nan) so that the culprit can be named
-        norm = total_grad_norm([p.grad for p in params if p.grad is not None])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(norm, DTensor):  # FSDP: the norm over every rank's shard
+            norm = norm.full_tensor()
         values = host_read(_with(torch.stack([loss.float(), norm.float().to(loss.device)]), also))
         (loss_value, grad_norm), extra = values[:2], tuple(values[2:])
         flags = self.decide(step, loss_value, grad_norm, max_norm=max_norm, rerun=rerun, note=note)
         if clip and not flags.get("skipped"):
-            for group in by_mesh(params).values():  # one foreach kernel per kind of shard
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return Verdict(loss_value, grad_norm, flags, extra)
 
     def check_in_backward(self, step: int, loss: torch.Tensor, optimizer: Any, *,
@@ -177,23 +178,6 @@ class StepGuard:
         if saved is None:
             saved = state.get("counters") or {}
         self.counters.update({k: v for k, v in saved.items() if k in COUNTERS})
-
-
-def by_mesh(tensors: Iterable[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
-    """`tensors` grouped by what they are sharded over: each device mesh's DTensors (FSDP's 1-D
-    shards, FSDP x TP's 2-D ones), then the plain tensors (None: whole on every rank, e.g. norm
-    weights under TP). torch's foreach kernels take one kind at a time."""
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
-    return groups
-
-
-def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The global 2-norm of `grads`: each `by_mesh` group's norm made whole, then combined."""
-    norms = [torch.nn.utils.get_total_norm(gs) for gs in by_mesh(grads).values()] or [torch.zeros(())]
-    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
-    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
 
 
 def _with(values: torch.Tensor, also: torch.Tensor | None) -> torch.Tensor:
