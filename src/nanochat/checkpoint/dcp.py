@@ -309,8 +309,9 @@ def _cuts_blocks(p: torch.Tensor, value: torch.Tensor, chunks: list, block_size:
     would cut an FP8 chunk, the saved one or this rank's, across its blocks. Not when this
     rank's shard is exactly a saved chunk (read whole: a resume in the same layout). Otherwise:
     when a saved chunk holds some of the columns (a tensor-parallel row-split weight's), when
-    this rank's shard is not whole rows of one mesh dim (tensor parallelism's shards), or when the row boundaries of the saved chunks or of this run's FSDP shards (torch.chunk of
-    dim 0) are not block boundaries."""
+    this rank's shard is not whole rows of one mesh dim (tensor parallelism's shards), or when
+    the row boundaries of the saved chunks or of this run's FSDP shards (torch.chunk of dim 0)
+    are not block boundaries."""
     if block_size is None:
         return False
     sharded = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
