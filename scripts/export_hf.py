@@ -106,12 +106,25 @@ def export(cfg: ExportConfig) -> int:
     out = export_hf(model, tokenizer, cfg.out_dir, overwrite=cfg.overwrite, sources=sources, quantize=cfg.quantize,
                     keep=keep, quantize_all=cfg.quantize_all, sqnr_floor_db=cfg.sqnr_floor_db, provenance=provenance)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    weights = cfg.quantize if cfg.quantize != "none" else "fp32"
+    weights = _weights_label(cfg.quantize, out)
     what = (f"{provenance['checkpoint']} (step {provenance['step']}, {provenance['run']})" if cfg.run_dir is not None
             else cfg.model_name)
-    print0(f"exported {what}: {model.num_params() / 1e6:.1f}M parameters to {out} ({weights} weights, "
+    print0(f"exported {what}: {model.num_params() / 1e6:.1f}M parameters to {out} ({weights}, "
            f"{format_bytes(size)} of safetensors, {time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def _weights_label(quantize: str, out) -> str:
+    """What the export's weights are stored as, from its fp8 report: a --quantize that quantized
+    no layer is labelled bf16, not by the scheme asked for."""
+    if quantize == "none":
+        return "fp32 weights"
+    from nanochat.model.hf_fp8 import REPORT_FILE
+
+    layers = json.loads((out / REPORT_FILE).read_text())["layers"]
+    done = sum(la["stored_as"] != "bf16" for la in layers)
+    return (f"{quantize} weights in {done} of {len(layers)} Linear layers" if done
+            else f"bf16 weights: --quantize {quantize} quantized none of its {len(layers)} Linear layers")
 
 
 if __name__ == "__main__":

@@ -3,25 +3,26 @@
     bash scripts/gpu_check.sh                 # 8 minutes in all (--budget_s); figures in $OUT/gpu_check.json
     .venv/bin/python scripts/gpu_check.py --dry_run    # the same jobs at toy sizes on the CPU
 
-A scheduler over the benchmarks' own measurements (scripts/bench_*.py, imported from this folder):
-it runs them in priority order within --budget_s and records them in one JSON, the tests' log
-and junit XML beside it. Training runs are what a user runs: `NanoChatTrainer` with its defaults
-(the whole model compiled, bf16 autocast over fp32 master weights; --big_model compiled per block
-to fit the time), no checkpoints, on the stdlib's sources with a BPE trained on the fly (cached).
+A scheduler over the library's measurements (nanochat.train.measure and .linear_shapes, which
+bench/bench_optim.py, bench_train.py and bench_fp8_linear.py take too): it runs them in priority
+order within --budget_s and records them in one JSON, the tests' log and junit XML beside it.
+Training runs are what a user runs: `NanoChatTrainer` with its defaults (the whole model
+compiled, bf16 autocast over fp32 master weights; --big_model compiled per block to fit the
+time), no checkpoints, on the stdlib's sources with a BPE trained on the fly (cached).
 Jobs, in priority order (the figures no earlier run has first, FP8 `all` last):
   env     torch / torchao / GPU, what nanochat.fp8.detect decides per recipe, the MFU peak;
   tests   every test marked `gpu` (GPU_TEST_FILES): each test's outcome and full failure text
           (junit XML, the whole log in $OUT), kept when the time limit interrupts pytest;
-  optim   bench_optim.measure: fused AdamW vs FP8Optim levels 0/1/2, each alone on --opt_tensors
+  optim   measure.optimizer_steps: fused AdamW vs FP8Optim levels 0/1/2, each alone on --opt_tensors
           x --opt_dim^2 fp32 parameters: step time, peak memory, device reads, backend, fallbacks;
-  stats   bench_train.stats_cost: tokens/s over one --fp8_stats_every period with its sampled
+  stats   measure.stats_cost: tokens/s over one --fp8_stats_every period with its sampled
           step against the same steps without it (goal: <= 2%);
-  train   bench_train.train_run at --model (d12) and --big_model (d26), bf16 vs FP8 --fp8_layers
+  train   measure.train_run at --model (d12) and --big_model (d26), bf16 vs FP8 --fp8_layers
           faster (the default): tokens/s, MFU, compile time, graph breaks, recompiles, peak memory;
-  shapes  bench_fp8_linear.time_shapes: bf16 vs FP8 tensorwise and rowwise per Linear shape of
+  shapes  linear_shapes.time_shapes: bf16 vs FP8 tensorwise and rowwise per Linear shape of
           --shape_models at --shape_tokens rows, compiled, within --shapes_budget_s;
   all     both models with every Linear in FP8 (not repeated where faster converted every one),
-          and bench_train.profile_step at --model (GEMM kernels, torch._scaled_mm calls, device reads);
+          and measure.profile_step at --model (GEMM kernels, torch._scaled_mm calls, device reads);
   mxfp8   --model with every Linear in MXFP8 (--fp8_recipe mxfp8): only on sm_100+ (Blackwell),
           where it runs natively; on an Ada or Hopper GPU the row records why it did not run.
 Also on request: scope (--compile_scope blocks against model), opt_levels, master.
@@ -267,19 +268,19 @@ def job_tests(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 def job_optim(cfg: GPUCheckConfig, findings: Findings) -> None:
     def optim() -> dict:
-        from bench_optim import measure  # scripts/, this script's folder
+        from nanochat.train.measure import optimizer_steps
 
-        return measure(device_of(cfg), n_tensors=cfg.opt_tensors, dim=cfg.opt_dim, steps=cfg.opt_steps,
-                       optimizers=cfg.optimizers)
+        return optimizer_steps(device_of(cfg), n_tensors=cfg.opt_tensors, dim=cfg.opt_dim, steps=cfg.opt_steps,
+                               optimizers=cfg.optimizers)
 
     findings.measure("optim", ESTIMATES_S["optim"], optim)
 
 
 def job_stats(cfg: GPUCheckConfig, findings: Findings) -> None:
-    """--model with every eligible Linear in FP8 (the most layers to sample), then bench_train's
+    """--model with every eligible Linear in FP8 (the most layers to sample), then its
     stats_cost: one --fp8_stats_every period timed step by step."""
     def stats() -> dict:
-        from bench_train import stats_cost, train_run
+        from nanochat.train.measure import stats_cost, train_run
 
         kw = trainer_kwargs(cfg, "stats", cfg.model, cfg.batch_size, fp8=True)
         trainer, figures = train_run(kw, fp8=True, fp8_layers="all")
@@ -298,10 +299,10 @@ def _train_models(cfg: GPUCheckConfig) -> dict[str, tuple[str, int, dict]]:
 
 
 def _training(cfg: GPUCheckConfig, name: str, model: str, *, profile: bool = False, **over) -> Callable[[], dict]:
-    """One bench_train.train_run of `model` (its batch size and compile scope) with `over`, as a
-    measurement; `profile` adds one profiled step."""
+    """One train_run of `model` (its batch size and compile scope) with `over`, as a measurement;
+    `profile` adds one profiled step."""
     def run() -> dict:
-        from bench_train import profile_step, train_run
+        from nanochat.train.measure import profile_step, train_run
 
         _, batch_size, scope = _train_models(cfg)[model]
         kw = trainer_kwargs(cfg, name, model, batch_size, fp8=over.get("fp8", False))
@@ -321,11 +322,11 @@ def job_train(cfg: GPUCheckConfig, findings: Findings) -> None:
 
 def job_shapes(cfg: GPUCheckConfig, findings: Findings) -> None:
     def shapes() -> dict:
-        from bench_fp8_linear import BenchFP8LinearConfig, time_shapes
+        from nanochat.train.linear_shapes import time_shapes
 
-        bench = BenchFP8LinearConfig(models=cfg.shape_models, shape_tokens=cfg.shape_tokens, steps=10, repeats=3)
         deadline = time.perf_counter() + cfg.shapes_budget_s
-        return time_shapes(bench, device_of(cfg), emulate=cfg.dry_run, deadline=deadline,
+        return time_shapes(cfg.shape_models, device_of(cfg), tokens=cfg.shape_tokens, steps=10, repeats=3,
+                           emulate=cfg.dry_run, deadline=deadline,
                            on_result=lambda key, figures: findings.put(f"shapes/shapes/{key}", figures))
 
     findings.measure("shapes", cfg.shapes_budget_s + ESTIMATES_S["shape"], shapes)

@@ -29,7 +29,7 @@ def tokenize(cfg: TokenizeConfig) -> int:
 
     from nanochat.common import NanoChatError, UsageError, cache_root, setup_logging
     from nanochat.data.prepare import prepare_data
-    from nanochat.data.store import verify_store
+    from nanochat.data.token_store import verify_store
     from nanochat.tokenizer import BPETokenizer, HFTokenizer
 
     setup_logging()

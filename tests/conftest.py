@@ -1,10 +1,12 @@
 """Shared fixtures and helpers: a small real-text corpus, an isolated cache for tokenizers and
-tokens, a tiny training run, a script loaded as a module, a run's metrics.jsonl, a small MLP,
-process launching with a kill on timeout, and the last-bit perturbation pass."""
+tokens, the nanochat logger's records (caplog), a tiny training run, a script loaded as a
+module, a run's metrics.jsonl, a small MLP, process launching with a kill on timeout, and the
+last-bit perturbation pass."""
 
 import contextlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import secrets
@@ -34,13 +36,39 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
-"""The repository: scripts/, examples/, src/."""
+"""The repository: scripts/, bench/, examples/, src/."""
 
 
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Each test session gets its own tokenizer/token cache, never the user's `.cache`."""
     monkeypatch.setenv("NANOCHAT_CACHE", str(tmp_path_factory.getbasetemp() / "nanochat-cache"))
+
+
+@pytest.fixture
+def nanochat_log(caplog, monkeypatch):
+    """pytest's caplog holding the `nanochat` logger's records from INFO up, once each. caplog
+    listens on the root, and on the loggers that did not propagate when the test began (pytest
+    >= 9.2); a script's setup_logging run during the test stops the nanochat logger propagating,
+    and then the logger hands its records to caplog itself."""
+    from nanochat.common import logger
+
+    class ToCaplog(logging.Handler):
+        def emit(self, record):
+            if not logger.propagate and caplog.handler not in logger.handlers:
+                caplog.handler.handle(record)  # the handler of the phase running now
+
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.INFO, logger="nanochat")
+    handler = ToCaplog()
+    logger.addHandler(handler)
+    yield caplog
+    logger.removeHandler(handler)
+
+
+def warnings_in(caplog) -> list[str]:
+    """The messages of the WARNING-and-above records caplog holds."""
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.fixture(scope="session")
@@ -68,11 +96,17 @@ def tiny_train_kwargs(corpus: Path, run_dir: Path, **over) -> dict:
 
 def load_script(name: str, folder: str = "scripts") -> types.ModuleType:
     """`<folder>/<name>.py` of the repository imported as a module, its main not run; registered
-    in sys.modules (as `<folder>_<name>`) so that dataclasses defined in it resolve their types."""
+    in sys.modules (as `<folder>_<name>`) so that dataclasses defined in it resolve their types.
+    Its folder is first on sys.path while it loads, as when Python runs it (a benchmark imports
+    bench/harness.py so)."""
     spec = importlib.util.spec_from_file_location(f"{folder}_{name}", ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(ROOT / folder))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / folder))
     return module
 
 
@@ -176,7 +210,7 @@ def kill_marked(marker: str) -> list[int]:
 # ---------------------------------------------------------------- the perturbation pass
 # A test that compares two different computations (a batch split, a kernel, compiled vs eager,
 # another process layout) is marked `two_computations`. Its tolerance must hold for any order of
-# fp32 summation, not only for this CPU's: `make test-perturbed` re-runs those tests with
+# fp32 summation, not only for this CPU's: `make test-numerics` re-runs those tests with
 # NANOCHAT_PERTURB=1, where `last_bits` moves one side's inputs, gradients or initial weights by
 # about one unit in the last place (relative 2^-23). A bound that only held because both sides
 # happened to round alike fails there, on any machine.

@@ -4,10 +4,12 @@ process, no process group), and the reference is what was saved: its steps and i
 
 - `newest` is the newest committed checkpoint; a newer one without its manifest is refused (it
   names the older one to continue from), reported by `clean_interrupted`, never deleted;
-- a flipped byte is refused by `verify`, naming the file and the previous checkpoint that
-  verifies, which `newest_verified` returns;
-- a checkpoint copied under another step's name is refused, neither counted nor deleted by
-  rotation, listed by `foreign` and left by `remove`, which deletes the others;
+- a flipped byte is refused by `verify` (and for .pt by `load_checkpoint`), naming the file and
+  the previous checkpoint that verifies, which `newest_verified` returns;
+- a checkpoint copied under another step's name is refused (`load_checkpoint` names the one its
+  manifest describes), neither counted nor deleted by rotation, listed by `foreign` and left by
+  `remove`, which deletes the others; a .pt whose payload holds another step than its name is
+  refused too;
 - what a killed save left under its own temporary name is removed, any other name kept byte for
   byte;
 - across storages the later step is the newest (a tie: the DCP one).
@@ -25,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from nanochat import checkpoint
-from nanochat.checkpoint import DCP, committed, newest, newest_verified, save_checkpoint, save_dcp
+from nanochat.checkpoint import DCP, committed, load_checkpoint, newest, newest_verified, save_checkpoint, save_dcp
 from nanochat.common import NanoChatError, UsageError
 
 
@@ -96,6 +98,10 @@ def test_a_flipped_byte_names_the_file_and_the_previous_checkpoint(tmp_path, kin
     assert f"checkpoint {bad.path} is not usable" in msg and "sha256" in msg, msg
     assert "(step 1) verifies" in msg and "run again with --resume to continue from step 1" in msg, msg
     assert newest_verified(tmp_path).step == 1 and newest_verified(tmp_path, before=committed(tmp_path)[0]) is None
+    if kind == "pt":  # loading it says the same
+        with pytest.raises(NanoChatError, match=r"checkpoint-000002\.pt.*sha256.*checkpoint-000001\.pt \(step 1\) "
+                                                r"verifies"):
+            load_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -105,11 +111,20 @@ def test_a_planted_checkpoint_is_refused_never_rotated_and_never_removed(tmp_pat
     planted = _plant(committed(tmp_path)[0], 10)
     with pytest.raises(NanoChatError, match=r"renamed or copied under another step's name.*\(step 3\) verifies"):
         checkpoint.verify(newest(tmp_path))
+    if kind == "pt":  # loading it names the checkpoint the manifest describes
+        with pytest.raises(NanoChatError, match=r"checkpoint-000010\.pt is not usable: its manifest describes "
+                                                r"checkpoint-000001\.pt \(step 1\).*"
+                                                r"checkpoint-000003\.pt \(step 3\) verifies"):
+            load_checkpoint(tmp_path)
     _save(tmp_path, kind, 4, keep=2)
     assert [c.step for c in committed(tmp_path)] == [3, 4, 10]
     assert [f.split(" ")[0] for f in checkpoint.foreign(tmp_path)] == [planted.relative_to(tmp_path).as_posix()]
     checkpoint.remove(tmp_path)
     assert [c.step for c in committed(tmp_path)] == [10] and planted.exists()
+    if kind == "pt":  # a manifest that matches, around a payload of another step (saved so on purpose here)
+        save_checkpoint(tmp_path, {"model": {"w": torch.zeros(4)}, "step": 1}, step=11, keep=5)
+        with pytest.raises(NanoChatError, match=r"holds step 1 under the name of step 11"):
+            load_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,9 +14,10 @@ eval and export_hf on a run in progress that has saved no checkpoint yet; export
 run). They fail before any model is built, a few seconds each. `--help` is checked to still print the flags.
 
 Modules: every script's config (nanochat.config.tools, nanochat.config.export,
-nanochat.config.parity) and its checks, as a user meets them.
+nanochat.config.gpu_check) and the benchmarks' (bench/), and their checks, as a user meets them.
 """
 
+import concurrent.futures
 import os
 import shutil
 import subprocess
@@ -36,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(name: str, argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *argv], cwd=cwd,
+    """scripts/<name>.py, or a path from the repository's root without .py ("bench/bench_train")."""
+    path = ROOT / f"{name}.py" if "/" in name else ROOT / "scripts" / f"{name}.py"
+    return subprocess.run([sys.executable, str(path), *argv], cwd=cwd,
                           capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "COLUMNS": "120"})
 
@@ -77,29 +80,29 @@ CASES = [
     ("base_train", ["--log", "jsonl", "csv"], 2, ["--log", "'csv' is not one of jsonl, tensorboard, wandb"]),
     ("base_train", ["--fp8-mod", "e4m3"], 2, ["unknown flag --fp8-mod", "did you mean --fp8_mode?", "--help"]),
     ("eval", [], 2, ["--dataset_path is required", "give --dataset_path followed by a str"]),
-    ("bench_memory", ["--preset", "llama9"], 2, ["--preset: 'llama9' is not one of llama3-8b, llama3-1b"]),
-    ("bench_fp8_linear", ["--modes", "e4m5"], 2, ["--modes: 'e4m5' is not one of e4m3, e5m2, auto"]),
+    ("bench/bench_memory", ["--preset", "llama9"], 2, ["--preset: 'llama9' is not one of llama3-8b, llama3-1b"]),
+    ("bench/bench_fp8_linear", ["--modes", "e4m5"], 2, ["--modes: 'e4m5' is not one of e4m3, e5m2, auto"]),
     # the config dataclasses' own checks (__post_init__)
     ("base_train", ["--lr", "nan"], 2, ["--lr must be a finite number, got nan"]),
     ("tok_train", ["--vocab_size", "10"], 2, ["--vocab_size must be >= 260", "got 10"]),
     ("eval", DATA, 2, ["give exactly one of --run_dir", "--model_name"]),
     ("export_hf", ["--out_dir", "{missing}"], 2, ["give exactly one of --run_dir", "--model_name"]),
-    ("fp8_parity", ["--modes", "e4m3"], 2, ["add baseline to --modes", "--modes baseline e4m3"]),
+    ("bench/fp8_parity", ["--modes", "e4m3"], 2, ["add baseline to --modes", "--modes baseline e4m3"]),
     ("base_train", ["--fp8", "--fp8_recipe", "mxfp8", "--fp8_mode", "e5m2"], 2,
      ["--fp8_mode e5m2 asks for e5m2 operands, but --fp8_recipe mxfp8 casts every operand to e4m3",
       "use --fp8_mode e4m3 with --fp8_recipe mxfp8"]),
-    ("fp8_parity", ["--recipe", "mxfp8"], 2,
+    ("bench/fp8_parity", ["--recipe", "mxfp8"], 2,
      ["--recipe mxfp8 casts every operand to e4m3, so --modes e5m2 auto auto-recheck cannot run with it",
       "--modes baseline e4m3 mxfp8 mxfp8_wgrad_hp"]),
-    ("bench_train", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
-    ("bench_distributed", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
-    ("bench_distributed", ["--models", "d3"], 2, ["--models 'd3' is not a size preset", "d2, d4"]),
+    ("bench/bench_train", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench/bench_distributed", ["--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    ("bench/bench_distributed", ["--models", "d3"], 2, ["--models 'd3' is not a size preset", "d2, d4"]),
     ("export_hf", ["--model_name", "d4", "--out_dir", "{missing}", "--quantize_all"], 2,
      ["--quantize_all and --sqnr_floor_db choose what --quantize stores in FP8", "add --quantize fp8"]),
-    ("bench_export", ["--repeats", "0"], 2, ["--repeats and --steps must be >= 1"]),
-    ("bench_optim", ["--preset", "d3"], 2, ["--preset 'd3' is not a size preset", "d2, d4"]),
-    ("bench_memory", ["--seq_len", "0", "--plan_only"], 2, ["--seq_len must be >= 1"]),
-    ("bench_fp8_linear", ["--steps", "0"], 2, ["--steps must be >= 1"]),
+    ("bench/bench_export", ["--repeats", "0"], 2, ["--repeats and --steps must be >= 1"]),
+    ("bench/bench_optim", ["--preset", "d3"], 2, ["--preset 'd3' is not a size preset", "d2, d4"]),
+    ("bench/bench_memory", ["--seq_len", "0", "--plan_only"], 2, ["--seq_len must be >= 1"]),
+    ("bench/bench_fp8_linear", ["--steps", "0"], 2, ["--steps must be >= 1"]),
     ("gpu_check", ["--jobs", "nonsense", "--dry_run"], 2, ["--jobs: unknown job nonsense", "env tests optim stats train shapes all"]),
     ("gpu_check", ["--budget_s", "nan", "--dry_run"], 2, ["--budget_s must be a positive number"]),
     # what only a run can look at
@@ -134,16 +137,34 @@ CASES = [
      ["'d2' is a nanochat preset", "cannot be exported for transformers", "checkpoint-<step>.pt"]),
     ("export_hf", ["--out_dir", "{root}/out", "--run_dir", "{run}", "--quantize", "fp8"], 2,  # imports torchao
      ["'d2' is a nanochat preset", "cannot be exported for transformers"]),
-    ("bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
+    ("bench/bench_optim", ["--quick", "--device", "tpu9"], 2, ["--device 'tpu9'"]),
     ("base_train", ["--dataset_path", "/dev/null", "--device", "cpu", "--run_dir", "{root}/devnull"], 2,
      ["--dataset_path /dev/null is not a regular file (a FIFO, socket or device"]),
 ]
 
 
-@pytest.mark.parametrize("script, argv, code, fragments", CASES,
-                         ids=[f"{c[0]} {' '.join(c[1])}" for c in CASES])
-def test_error_is_one_line_with_its_exit_status(paths, tmp_path, script, argv, code, fragments):
-    r = _script(script, [a.format(**paths) for a in argv], tmp_path)
+@pytest.fixture(scope="module")
+def case_runs(paths, tmp_path_factory, request) -> dict[int, subprocess.CompletedProcess]:
+    """The selected CASES run, each in a process of its own in a directory of its own, as many at
+    a time as there are cores: each spends its seconds importing torch on one core (the suite
+    runs one thread), so on 2 cores two take the time of one."""
+    selected = sorted({item.callspec.params["case"] for item in request.session.items
+                       if getattr(item, "originalname", "") == "test_error_is_one_line_with_its_exit_status"})
+
+    def run(case: int) -> subprocess.CompletedProcess:
+        script, argv, _, _ = CASES[case]
+        return _script(script, [a.format(**paths) for a in argv], tmp_path_factory.mktemp(f"case{case}"))
+
+    with pytest.MonkeyPatch.context() as m:  # the cache each test gets (conftest), for every run
+        m.setenv("NANOCHAT_CACHE", str(tmp_path_factory.getbasetemp() / "nanochat-cache"))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return dict(zip(selected, pool.map(run, selected)))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]} {' '.join(c[1])}" for c in CASES])
+def test_error_is_one_line_with_its_exit_status(paths, case_runs, case):
+    _, _, code, fragments = CASES[case]
+    r = case_runs[case]
     lines = [line for line in (r.stdout + r.stderr).splitlines() if line.strip()]
     assert r.returncode == code and len(lines) == 1 and lines[0].startswith("error: "), (r.returncode, lines)
     for fragment in fragments:
@@ -167,7 +188,7 @@ def test_a_run_in_progress_without_a_checkpoint_says_so(paths, tmp_path, script)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the benchmark runs")
 def test_bench_memory_without_cuda_points_at_plan_only(tmp_path):
-    r = _script("bench_memory", [], tmp_path)
+    r = _script("bench/bench_memory", [], tmp_path)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: no CUDA device"), r.stderr
     assert "--plan_only" in r.stderr and len(r.stderr.splitlines()) == 1
 
@@ -175,10 +196,10 @@ def test_bench_memory_without_cuda_points_at_plan_only(tmp_path):
 def test_parity_sweep_with_a_failed_run_exits_1(paths, tmp_path):
     """Every run fails (the run it starts from holds a d2 model, not d4): the report is printed,
     then one error line naming the failed run, exit status 1 (it exited 0, "targets: all met")."""
-    r = _script("fp8_parity", ["--model_name", "d4", "--modes", "baseline", "--seeds", "1", "--num_iterations", "2",
-                               "--seq_len", "32", "--batch_size", "2", "--vocab_size", "320", "--eval_tokens", "512",
-                               "--device", "cpu", "--dataset_path", paths["corpus"], "--init_from", paths["run"],
-                               "--out_dir", str(tmp_path / "parity")], tmp_path)
+    r = _script("bench/fp8_parity", ["--model_name", "d4", "--modes", "baseline", "--seeds", "1",
+                                     "--num_iterations", "2", "--seq_len", "32", "--batch_size", "2", "--vocab_size",
+                                     "320", "--eval_tokens", "512", "--device", "cpu", "--dataset_path", paths["corpus"],
+                                     "--init_from", paths["run"], "--out_dir", str(tmp_path / "parity")], tmp_path)
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert r.returncode == 1 and len(errors) == 1 and r.stderr.rstrip().endswith(errors[0]), r.stderr[-3000:]
     assert "1 of 1 runs failed: seed 1 baseline" in errors[0] and "holds a d2 model" in errors[0]
@@ -187,8 +208,8 @@ def test_parity_sweep_with_a_failed_run_exits_1(paths, tmp_path):
 
 def test_parity_refuses_a_missing_init_from_before_any_run(paths, tmp_path):
     """Checked once before the sweep, exit status 2 (not an error per run with exit status 0)."""
-    r = _script("fp8_parity", ["--quick", "--modes", "baseline", "--seeds", "1", "--init_from", paths["missing"],
-                               "--dataset_path", paths["corpus"], "--out_dir", str(tmp_path / "parity")], tmp_path)
+    r = _script("bench/fp8_parity", ["--quick", "--modes", "baseline", "--seeds", "1", "--init_from", paths["missing"],
+                                     "--dataset_path", paths["corpus"], "--out_dir", str(tmp_path / "parity")], tmp_path)
     last = r.stderr.rstrip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith(f"error: --init_from {paths['missing']}: no run there"), r.stderr
     assert "the --run_dir of a finished base_train run" in last and not (tmp_path / "parity" / "seed-1").exists()
@@ -196,8 +217,8 @@ def test_parity_refuses_a_missing_init_from_before_any_run(paths, tmp_path):
 
 @pytest.mark.parametrize("script, flags", [
     ("eval", ["--dataset_path", "--run_dir", "--model_name", "--debug"]),
-    ("bench_memory", ["--preset", "--plan_only"]),
-    ("bench_fp8_linear", ["--modes", "--steps"]),
+    ("bench/bench_memory", ["--preset", "--plan_only"]),
+    ("bench/bench_fp8_linear", ["--modes", "--steps"]),
 ])
 def test_help_still_prints_the_flags(tmp_path, script, flags):
     r = _script(script, ["--help"], tmp_path)
@@ -255,7 +276,7 @@ def test_torchao_import_noise_is_muted_on_a_cpu_build_and_kept_on_a_cuda_one(mon
 
 
 def test_a_real_torchao_import_failure_still_shows(tmp_path):
-    code = "import sys; sys.modules['torchao.float8'] = None; import nanochat.fp8.tensor"
+    code = "import sys; sys.modules['torchao.float8'] = None; import nanochat.fp8.layers"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 1 and "ModuleNotFoundError" in r.stderr and "torchao.float8" in r.stderr, r.stderr[-2000:]

@@ -11,7 +11,7 @@ out-of-range hyperparameters. The step guard's limit is --max_bad_steps. Every s
 loads no torch (checked in a subprocess: the torch modules in sys.modules afterwards must be none).
 
 The package under test, nanochat.config: checks.py (types and ranges at construction), fields.py
-(the shared groups, the FP8 flags), train.py, tools.py, export.py, parity.py (the configs), cli.py
+(the shared groups, the FP8 flags), train.py, tools.py, export.py, gpu_check.py (the configs), cli.py
 (parse_cli), fp8.py (FP8Config, also tests/test_fp8_*.py).
 
 Modules: nanochat.config.cli, nanochat.config.checks, nanochat.config.fields,
@@ -127,18 +127,19 @@ def test_opt_level_needs_no_fp8_and_the_layer_flags_do():
 def test_help_shows_each_shared_flag_once_with_its_group_doc():
     """The field groups (tyro reads docstrings through inheritance): base_train, fp8_parity and
     eval show --seq_len and --device with the one docstring written for them."""
-    for script in ("base_train", "fp8_parity", "eval"):
-        out = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{script}.py"), "--help"], capture_output=True,
+    for script in ("scripts/base_train", "bench/fp8_parity", "scripts/eval"):
+        out = subprocess.run([sys.executable, str(ROOT / f"{script}.py"), "--help"], capture_output=True,
                              text=True, check=True, env={"COLUMNS": "400", "PATH": "", "PYTHONPATH": str(ROOT / "src")}
                              ).stdout
         assert out.count("--seq_len INT") == 1 and out.count("Tokens per sequence: the training context") == 1, out
         assert out.count("--device STR") == 1 and out.count("cuda, cpu, mps, or auto (cuda if available)") == 1, out
 
 
-SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if "__main__" in p.read_text())
-# Runs a script's `--help` as `python script.py --help` would (its folder first on sys.path), then
-# lists the torch modules it loaded: nanochat.config and nanochat.common import no torch, and every
-# script parses its flags before importing what needs it.
+SCRIPTS = sorted(f"{folder}/{p.name}" for folder in ("scripts", "bench") for p in (ROOT / folder).glob("*.py")
+                 if "__main__" in p.read_text())
+# Runs a script's or a benchmark's `--help` as `python script.py --help` would (its folder first on
+# sys.path), then lists the torch modules it loaded: nanochat.config and nanochat.common import no
+# torch, and every script parses its flags before importing what needs it.
 HELP_PROBE = """
 import runpy, sys
 script = sys.argv[1]
@@ -155,7 +156,7 @@ print("loaded:", sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_imports_no_torch(script):
     """--help answers without loading torch (seconds at import): the reference is the empty list."""
-    r = subprocess.run([sys.executable, "-c", HELP_PROBE, str(ROOT / "scripts" / script)], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", HELP_PROBE, str(ROOT / script)], capture_output=True,
                        text=True, timeout=120, env={"COLUMNS": "120", "PATH": "", "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--help" in r.stdout and r.stdout.rstrip().endswith("loaded: []"), r.stdout[-2000:]

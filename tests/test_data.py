@@ -1,7 +1,7 @@
 """Data: corpora, splits, token streams and batches, checked against independent references
 (nanochat.data.sources: the listing; nanochat.data.read: a unit's documents; nanochat.data.plan:
 the checks before any work; nanochat.data.split: the validation split; tests/reference_data.py:
-the in-memory path, scripts/bench_data.py's; nanochat.data.batches).
+the in-memory path; nanochat.data.batches).
 
 - corpora: the documents read back equal the files written (jsonl lines, parquet rows); order is
   sorted relative paths; hidden entries are ignored; binary / empty / other-extension files are
@@ -57,7 +57,7 @@ def tok(small_corpus) -> BPETokenizer:
 @pytest.fixture
 def warnings(monkeypatch) -> list[str]:
     seen: list[str] = []
-    monkeypatch.setattr(reference_data.bench_data, "warn_once", lambda key, msg: seen.append(msg))
+    monkeypatch.setattr(reference_data, "warn_once", lambda key, msg: seen.append(msg))
     return seen
 
 

@@ -31,11 +31,13 @@
   the first step (no metrics written).
 """
 
+import concurrent.futures
 import contextlib
 import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,7 +93,7 @@ def _argv(kw: dict) -> list[str]:
     out = []
     for k, v in kw.items():
         if isinstance(v, bool):
-            out += [f"--{k}"] if v else []
+            out += [f"--{k}" if v else f"--no_{k}"]  # --no_compile: the eager run the kwargs ask for
         else:
             out += [f"--{k}", str(v)]
     return out
@@ -110,12 +112,28 @@ def _cli(capsys, kw: dict, *extra: str, script: str = "base_train") -> tuple[int
 
 
 @pytest.fixture(scope="module")
-def reference(small_corpus, tmp_path_factory):
-    """The uninterrupted run: its losses, final weights and reported train loss."""
+def reference_run(small_corpus, tmp_path_factory):
+    """The uninterrupted run: its directory (checkpoints of steps 6 and 8), losses, final weights
+    and reported train loss."""
     run_dir = tmp_path_factory.mktemp("faults") / "full"
     trainer = NanoChatTrainer(**_kw(small_corpus, run_dir))
     result = trainer.train()
-    return _losses(run_dir), {k: v.clone() for k, v in trainer.model.state_dict().items()}, result.train_loss
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    return run_dir, _losses(run_dir), weights, result.train_loss
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run's losses, final weights and reported train loss."""
+    return reference_run[1:]
+
+
+def _finished_copy(reference_run, small_corpus, tmp_path) -> tuple[Path, dict]:
+    """A copy of the uninterrupted run's directory, to damage, and its kwargs: what the run
+    left, without training it again."""
+    run_dir = tmp_path / "r"
+    shutil.copytree(reference_run[0], run_dir, ignore=shutil.ignore_patterns(LOCK_NAME))
+    return run_dir, _kw(small_corpus, run_dir)
 
 
 # A child that trains and SIGKILLs itself at a chosen point (deterministic per seed).
@@ -174,15 +192,37 @@ def _kill_point(seed: int) -> tuple[str, int, int]:
 
 
 # seeded points, and the last step between its checkpoint and its metrics line (the final
-# evaluation runs in between)
-@pytest.mark.parametrize("point", [_kill_point(seed) for seed in range(5)] + [("step", 0, STEPS)], ids=str)
-def test_kill_9_then_resume_matches_uninterrupted(small_corpus, tmp_path, reference, point):
+# evaluation runs in between). Seed 3 kills mid-write as seed 0 does, in another save: the same
+# code path (a partly written temporary, the previous save intact), so it runs with -m slow only.
+KILL_POINTS = [pytest.param(_kill_point(s), marks=pytest.mark.slow) if s == 3 else _kill_point(s) for s in range(5)]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(small_corpus, tmp_path_factory, request) -> dict[tuple, tuple[Path, subprocess.CompletedProcess]]:
+    """Each selected kill point's child (CHILD), killed there: its run directory and its exit. As
+    many run at a time as there are cores: each trains on one (the suite runs one thread), so on
+    2 cores two take the time of one."""
+    points = sorted({item.callspec.params["point"] for item in request.session.items
+                     if getattr(item, "originalname", "") == "test_kill_9_then_resume_matches_uninterrupted"})
+
+    def run(point: tuple) -> tuple[Path, subprocess.CompletedProcess]:
+        run_dir = tmp_path_factory.mktemp("kill") / "cut"
+        kw = _kw(small_corpus, run_dir)
+        return run_dir, subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(kw), point[0], str(point[1]), str(point[2])],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})
+
+    with pytest.MonkeyPatch.context() as m:  # the cache each test gets (conftest), for every child
+        m.setenv("NANOCHAT_CACHE", str(tmp_path_factory.getbasetemp() / "nanochat-cache"))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return dict(zip(points, pool.map(run, points)))
+
+
+@pytest.mark.parametrize("point", KILL_POINTS + [("step", 0, STEPS)], ids=str)
+def test_kill_9_then_resume_matches_uninterrupted(small_corpus, reference, killed_runs, point):
     ref_losses, ref_weights, ref_train_loss = reference
-    run_dir = tmp_path / "cut"
-    kw = _kw(small_corpus, run_dir)
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(kw), point[0], str(point[1]), str(point[2])],
-                       capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])})
+    run_dir, r = killed_runs[point]
     assert r.returncode == -signal.SIGKILL, (point, r.returncode, r.stderr[-3000:])
     before = {c.step for c in committed(run_dir)}
     assert before, point  # every kill point comes after the first complete save
@@ -229,10 +269,9 @@ def test_kill_9_at_a_random_time(small_corpus, tmp_path, reference):
     assert [rec["step"] for rec in run_records(run_dir) if "loss" in rec] == list(range(1, STEPS + 1))
 
 
-def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_corpus, tmp_path, reference, capsys):
-    run_dir = tmp_path / "r"
-    kw = _kw(small_corpus, run_dir)
-    NanoChatTrainer(**kw).train()
+def test_flipped_bytes_are_detected_and_the_previous_checkpoint_resumes(small_corpus, tmp_path, reference_run,
+                                                                       reference, capsys):
+    run_dir, kw = _finished_copy(reference_run, small_corpus, tmp_path)
     newest = committed(run_dir)[-1]
     data = bytearray(newest.path.read_bytes())
     for i in range(len(data) // 3, len(data) // 3 + 200):
@@ -476,14 +515,12 @@ def test_tok_train_unwritable_output_is_one_line(small_corpus, tmp_path, capsys)
 
 
 # ------------------------------------------------------- what nanochat cannot prove it wrote
-def test_a_checkpoint_without_its_manifest_is_never_deleted(small_corpus, tmp_path, capsys):
+def test_a_checkpoint_without_its_manifest_is_never_deleted(small_corpus, tmp_path, reference_run, capsys):
     """A copied-in .pt without its manifest: a fresh start and --overwrite are refused, naming it;
     its bytes stay (it is not deleted as "left by an interrupted save")."""
-    src = tmp_path / "src"
-    NanoChatTrainer(**_kw(small_corpus, src, num_iterations=6)).train()
     d = tmp_path / "d"
     d.mkdir()
-    (d / "checkpoint-000006.pt").write_bytes((src / "checkpoint-000006.pt").read_bytes())
+    (d / "checkpoint-000006.pt").write_bytes((reference_run[0] / "checkpoint-000006.pt").read_bytes())
     before = _contents(d)
     kw = _kw(small_corpus, d, num_iterations=2)
     for extra in ((), ("--overwrite",)):
@@ -493,12 +530,10 @@ def test_a_checkpoint_without_its_manifest_is_never_deleted(small_corpus, tmp_pa
     assert "move them out" in errors[0]  # --overwrite deletes only checkpoints it can tell it wrote
 
 
-def test_resume_refuses_a_newest_checkpoint_without_manifest(small_corpus, tmp_path, capsys):
+def test_resume_refuses_a_newest_checkpoint_without_manifest(small_corpus, tmp_path, reference_run, capsys):
     """The newest checkpoint's manifest deleted: --resume refuses (naming it and step 6) instead
     of deleting it and silently resuming two steps back; nothing in the directory changes."""
-    run_dir = tmp_path / "r"
-    kw = _kw(small_corpus, run_dir)
-    NanoChatTrainer(**kw).train()
+    run_dir, kw = _finished_copy(reference_run, small_corpus, tmp_path)
     (run_dir / "checkpoint-000008.json").unlink()
     before = _contents(run_dir)
     code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": STEPS + 2})
@@ -507,18 +542,16 @@ def test_resume_refuses_a_newest_checkpoint_without_manifest(small_corpus, tmp_p
     assert _contents(run_dir) == before
 
 
-def test_a_planted_checkpoint_is_refused_and_nothing_rotated(small_corpus, tmp_path, capsys):
-    """checkpoint-000010.pt (+ manifest) holding step 2: --resume refuses it, one line, and the
-    real checkpoints survive (resuming at step 2 would rotate steps 6 and 8 away)."""
-    run_dir = tmp_path / "r"
-    kw = _kw(small_corpus, run_dir, keep_checkpoints=3)
-    NanoChatTrainer(**kw).train()
+def test_a_planted_checkpoint_is_refused_and_nothing_rotated(small_corpus, tmp_path, reference_run, capsys):
+    """checkpoint-000010.pt (+ manifest) holding step 6: --resume refuses it, one line, and the
+    real checkpoints survive (resuming at step 6 would replace step 8 and rotate it away)."""
+    run_dir, kw = _finished_copy(reference_run, small_corpus, tmp_path)
     for suffix in (".pt", ".json"):
-        (run_dir / f"checkpoint-000010{suffix}").write_bytes((run_dir / f"checkpoint-000004{suffix}").read_bytes())
+        (run_dir / f"checkpoint-000010{suffix}").write_bytes((run_dir / f"checkpoint-000006{suffix}").read_bytes())
     before = _contents(run_dir)
     code, errors = _cli(capsys, {**kw, "resume": True, "num_iterations": 12})
     assert code == 1 and len(errors) == 1, errors
-    assert "checkpoint-000010.pt is not usable" in errors[0] and "checkpoint-000004.pt (step 4)" in errors[0], errors
+    assert "checkpoint-000010.pt is not usable" in errors[0] and "checkpoint-000006.pt (step 6)" in errors[0], errors
     assert _contents(run_dir) == before
 
 

@@ -29,7 +29,7 @@ from nanochat.fp8.auto import (
 )
 from nanochat.fp8.stats import CastCounts
 from nanochat.fp8.hardware import native_gemm_problem
-from nanochat.fp8.linear import FP8_DTYPES
+from nanochat.fp8.conversion import FP8_DTYPES
 from tests.conftest import FP8_SAME_CASTS_DB, last_bits, mlp, sqnr_db
 
 

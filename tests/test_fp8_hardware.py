@@ -8,14 +8,13 @@ CUDA 12.8 and torchao's `_C_mxfp8` loaded (each faked), a recorded fallback nami
 what it needs on an Ada or Hopper GPU, where a loop then trains in high precision, warned once.
 """
 
-import logging
-
 import pytest
 import torch
 import torch.nn as nn
 
 import nanochat.fp8.hardware as hardware
 from nanochat.fp8 import convert, detect, native_gemm_problem
+from tests.conftest import warnings_in
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -150,27 +149,21 @@ def test_mx_kernel_probe_is_false_without_torchaos_cuda_kernel():
     assert hardware.mx_kernels_loaded() is False
 
 
-def test_mxfp8_on_hopper_warns_once_and_trains_without_mxfp8(fake_gpu, blackwell_ready, monkeypatch):
+def test_mxfp8_on_hopper_warns_once_and_trains_without_mxfp8(fake_gpu, blackwell_ready, monkeypatch, nanochat_log):
     """The native path on an sm_90: FP8Training converts nothing, says so once (two conversions,
     one warning), records the fallback naming the recipe and what it needs, and the loop trains
     in high precision. The model stays on the CPU; only the device it reports is the H100."""
     from nanochat import common
-    from nanochat.fp8 import FP8Config, FP8Training, linear
+    from nanochat.fp8 import FP8Config, FP8Training, conversion
 
     fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(linear, "_model_device", lambda model: torch.device("cuda"))
+    monkeypatch.setattr(conversion, "_model_device", lambda model: torch.device("cuda"))
     monkeypatch.setattr(common, "_warned", set())
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    common.logger.addHandler(handler)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
-    try:
-        fp8 = FP8Training(model, FP8Config(recipe="mxfp8", layers="all"))
-        FP8Training(nn.Sequential(nn.Linear(256, 256)), FP8Config(recipe="mxfp8", layers="all"))
-    finally:
-        common.logger.removeHandler(handler)
+    fp8 = FP8Training(model, FP8Config(recipe="mxfp8", layers="all"))
+    FP8Training(nn.Sequential(nn.Linear(256, 256)), FP8Config(recipe="mxfp8", layers="all"))
+    warnings = warnings_in(nanochat_log)
     assert fp8.report.backend == "fallback" and fp8.report.converted == [] and not fp8.has_fp8_layers
     assert len([w for w in warnings if "FP8 requested but not available" in w]) == 1, warnings
     (line,) = fp8.fallbacks

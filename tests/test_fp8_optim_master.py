@@ -1,7 +1,7 @@
-"""The native Adam kernel (nanochat.fp8.optim_kernel.c through `kernel.adam`) with bf16 master
+"""The native Adam kernel (nanochat/optim/adam_kernel.c through `adam.adam`) with bf16 master
 weights (nanochat.optim.master) and its per-tensor guard flag.
 - bf16, bf16_sr, bf16_split, each with v in FP8 (level 2) or fp32 (level 1), Adam and AdamW, 4
-  steps on 4 tensors of 2-3 blocks: equal to the eager Python step (nanochat.optim.step's
+  steps on 4 tensors of 2-3 blocks: equal to the eager Python step (nanochat.optim.adam's
   `adam_step` with the FP8 format, E4M3Blocks) on the fp32 master followed by master.py's
   `write_master` (its `sr_bits` for bf16_sr). The fp32 math
   differs by FMA contraction, so >= 99% of the bf16 weights are equal and none is more than one
@@ -19,11 +19,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat.fp8 import kernel
-from nanochat.fp8.optim import E4M3Blocks
+from nanochat.optim import adam
+from nanochat.optim.adam import adam_step
+from nanochat.optim.backends import host_scalar
 from nanochat.optim.master import join, read_master, sr_bits, write_master
-from nanochat.optim.format import MomentFormat
-from nanochat.optim.step import adam_step, host_scalar
+from nanochat.optim.moments import E4M3Blocks, MomentFormat
 from tests.conftest import assert_close_but_few, last_bits
 
 B = 256
@@ -36,7 +36,7 @@ SALTS = [0x9E3779B9, 7, 0xFFFFFFFF, 123456789]
 @pytest.fixture(scope="module", autouse=True)
 def _lib():
     try:
-        kernel.load()
+        adam.load_kernel()
     except RuntimeError as e:
         pytest.skip(f"the native kernel does not build here: {e}")
 
@@ -78,8 +78,8 @@ def _native_step(states, grads, mode, decoupled, v_fp8, *, salts=SALTS, oks=None
         st["step"] += 1  # counted first, as FP8Optim does
     tensors = [(st["p"], g, st["mc"], st["ms"], st.get("v"), st.get("vc"), st.get("vs"), st.get("lo"))
                for st, g in zip(states, grads)]
-    h = kernel.adam_table([st["step"] for st in states], [GROUP] * len(states))
-    kernel.adam(tensors, h, B, decoupled, v_fp8, master=mode, salts=salts[:len(states)], oks=oks)
+    h = adam.adam_table([st["step"] for st in states], [GROUP] * len(states))
+    adam.adam(tensors, h, B, decoupled, v_fp8, master=mode, salts=salts[:len(states)], oks=oks)
 
 
 def _reference_step(states, grads, mode, decoupled, v_fp8, salts=SALTS):
@@ -240,11 +240,11 @@ def test_bf16_rounds_ties_to_even():
     p = (p * torch.where(torch.arange(B) % 4 < 2, 1.0, -1.0)).to(torch.bfloat16).view(1, B)
     st["p"] = p.clone()
     st["step"] += 1
-    h = kernel.adam_table([st["step"]], [GROUP])
+    h = adam.adam_table([st["step"]], [GROUP])
     h[:, 5] = 0.0  # step size
     h[:, 9] = 1.0 + 2.0**-8  # decoupled weight decay factor
     g = torch.zeros(1, B, dtype=torch.bfloat16)
-    kernel.adam([(st["p"], g, st["mc"], st["ms"], None, st["vc"], st["vs"], None)], h, B, True, True, master="bf16")
+    adam.adam([(st["p"], g, st["mc"], st["ms"], None, st["vc"], st["vs"], None)], h, B, True, True, master="bf16")
     expect = (p.float() * (1.0 + 2.0**-8)).to(torch.bfloat16)
     assert torch.equal(st["p"], expect)
     assert torch.equal(st["p"][0, ::2], p[0, ::2])  # the ties stayed at the even neighbour

@@ -27,7 +27,6 @@ follows them (no figure is asserted: timings are the machine's).
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
 import subprocess
@@ -46,7 +45,7 @@ from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
 from torchao.quantization.quantize_.common import KernelPreference
 
 import nanochat.common as common
-import nanochat.fp8.linear as linear
+import nanochat.fp8.conversion as conversion
 import nanochat.fp8.policy as policy
 import nanochat.fp8.speed as speed
 from nanochat.config import TrainConfig, parse_cli
@@ -57,7 +56,7 @@ from nanochat.fp8.policy import MARGIN, LayerPolicy
 from nanochat.fp8.speed import CACHE_FORMAT, LinearShape, Timing, default_cache_path
 from nanochat.model.gpt import GPT, preset_config
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save, warnings_in
 
 M = 4096
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,16 +97,11 @@ def _model() -> nn.Module:
                               down=nn.Linear(512, 256), lm_head=nn.Linear(256, 1024)))
 
 
-def _logged(fn):
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    common.logger.addHandler(handler)
-    try:
-        result = fn()
-    finally:
-        common.logger.removeHandler(handler)
-    return result, [r.getMessage() for r in records if r.levelno == logging.WARNING]
+def _logged(log, fn):
+    """fn()'s result and the warnings the nanochat logger gave meanwhile (`log`: nanochat_log)."""
+    log.clear()
+    result = fn()
+    return result, warnings_in(log)
 
 
 # ------------------------------------------------------------------------- measured decisions
@@ -165,7 +159,7 @@ def test_second_run_times_nothing_and_the_key_holds_gpu_versions_recipe_and_shap
         assert calls() == 3
     timer = _timed(monkeypatch, speedups)
     hw = FP8Backend("emulated", "a GPU by another name", "NVIDIA Other")
-    other = LayerPolicy(FP8Config(emulate=True, micro_batch_tokens=M), hw, linear.float8_linear_config(
+    other = LayerPolicy(FP8Config(emulate=True, micro_batch_tokens=M), hw, conversion.float8_linear_config(
         "tensorwise", FP8Config().role_dtypes(), emulate=True), device="cpu", measure=timer)
     assert other.decide("a", nn.Linear(256, 256)).convert is False and len(timer.calls) == 1
     assert calls() == 0  # every variant above was cached next to the first
@@ -174,24 +168,25 @@ def test_second_run_times_nothing_and_the_key_holds_gpu_versions_recipe_and_shap
 @pytest.mark.parametrize("content", [b"{not json", b'{"timings": {}}', b"[1, 2]", b'{"format": "\xff\xfe"}',
                                      json.dumps({"format": CACHE_FORMAT, "timings": {"k": {"fp8_s": -1,
                                                                                            "bf16_s": 1}}}).encode()])
-def test_corrupt_or_foreign_cache_is_ignored_logged_once_and_left_as_it_is(cache, monkeypatch, content):
+def test_corrupt_or_foreign_cache_is_ignored_logged_once_and_left_as_it_is(cache, monkeypatch, content, nanochat_log):
     cache.parent.mkdir(parents=True)
     cache.write_bytes(content)
     timer = _timed(monkeypatch, {(256, 256): 0.9, (256, 512): 1.5, (512, 256): 0.9})
-    report, warnings = _logged(lambda: convert(_model(), emulate=True, micro_batch_tokens=M, measure=timer))
+    report, warnings = _logged(nanochat_log,
+                               lambda: convert(_model(), emulate=True, micro_batch_tokens=M, measure=timer))
     assert report.converted == ["up"] and len(timer.calls) == 3  # measured as without a cache
     assert len(warnings) == 1 and str(cache) in warnings[0] and "left as it is" in warnings[0]
     assert cache.read_bytes() == content
 
 
-def test_a_fifo_as_the_cache_neither_blocks_nor_is_replaced(cache, monkeypatch):
+def test_a_fifo_as_the_cache_neither_blocks_nor_is_replaced(cache, monkeypatch, nanochat_log):
     """Opening a FIFO for reading waits for a writer: the cache must not (it is ignored, logged
     once, and the timings go uncached rather than replace it)."""
     cache.parent.mkdir(parents=True)
     os.mkfifo(cache)
     timer = _timed(monkeypatch, {(256, 256): 0.9, (256, 512): 1.5, (512, 256): 0.9})
     done: list = []
-    worker = threading.Thread(target=lambda: done.append(_logged(lambda: convert(
+    worker = threading.Thread(target=lambda: done.append(_logged(nanochat_log, lambda: convert(
         _model(), emulate=True, micro_batch_tokens=M, measure=timer))), daemon=True)
     worker.start()
     worker.join(timeout=60)
@@ -256,7 +251,7 @@ def test_measured_mxfp8_decisions_time_each_shape_with_the_mx_layer_config(cache
     assert all("| mxfp8 |" in key for key in json.loads(cache.read_text())["timings"])
 
 
-def test_failed_timing_falls_back_to_the_rule_and_fp8_training_records_it(cache, monkeypatch):
+def test_failed_timing_falls_back_to_the_rule_and_fp8_training_records_it(cache, monkeypatch, nanochat_log):
     def broken(shape, lin_config, device):
         raise RuntimeError("inductor could not compile\nmore lines")
 
@@ -264,10 +259,10 @@ def test_failed_timing_falls_back_to_the_rule_and_fp8_training_records_it(cache,
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**kwargs, "measure": broken})
 
-    monkeypatch.setattr(linear, "LayerPolicy", BrokenTimer)
+    monkeypatch.setattr(conversion, "LayerPolicy", BrokenTimer)
     common._warned.difference_update({k for k in common._warned if k.startswith("fp8-layers:")})
     model = nn.Sequential(nn.Linear(768, 3072), nn.Linear(3072, 768))
-    fp8, warnings = _logged(lambda: FP8Training(model, FP8Config(emulate=True, micro_batch_tokens=M)))
+    fp8, warnings = _logged(nanochat_log, lambda: FP8Training(model, FP8Config(emulate=True, micro_batch_tokens=M)))
     report = fp8.report
     assert report.converted == ["0"]  # torchao's tensorwise rule: N=3072 > 1024 converts, N=768 does not
     assert "timing failed" in report.decisions["1"] and "torchao's tensorwise rule" in report.decisions["1"]
@@ -312,7 +307,7 @@ def test_module_filter_fn_replaces_the_size_rules_and_the_policy_is_torchaos_fil
     theirs = nn.Sequential(nn.Linear(768, 768), nn.Linear(768, 3072), nn.Linear(64, 64))
     config = FP8Config(emulate=True)
     hw = detect("cpu", emulate=True)
-    filter_fn = LayerPolicy(config, hw, linear.float8_linear_config("tensorwise", config.role_dtypes(), emulate=True),
+    filter_fn = LayerPolicy(config, hw, conversion.float8_linear_config("tensorwise", config.role_dtypes(), emulate=True),
                             device="cpu")
     convert_to_float8_training(theirs, module_filter_fn=filter_fn)
     assert convert(ours, config).converted == ["1"] == [n for n, m in theirs.named_children()
@@ -328,7 +323,7 @@ def test_trainer_reports_decisions_and_measuring_time(small_corpus, tmp_path, ca
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **{**kwargs, "measure": timer})
 
-    monkeypatch.setattr(linear, "LayerPolicy", TimedPolicy)
+    monkeypatch.setattr(conversion, "LayerPolicy", TimedPolicy)
     result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=3, fp8=True,
                                                  fp8_emulate=True, fp8_opt_level=2, num_samples=0)).train()
     assert result.fp8_converted == ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp.c_fc"]
@@ -371,7 +366,7 @@ def test_a_resume_converts_the_layers_its_checkpoint_converted(small_corpus, tmp
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **{**kwargs, "measure": timer})
 
-        monkeypatch.setattr(linear, "LayerPolicy", TimedPolicy)
+        monkeypatch.setattr(conversion, "LayerPolicy", TimedPolicy)
         return timer
 
     def losses(run: Path) -> list[float]:
@@ -458,7 +453,7 @@ def test_the_timing_code_runs_on_cpu_with_another_clock(recipe):
 
     rng = torch.get_rng_state()
     lin_config = (mx_training_config(recipe, emulate=True) if recipe == "mxfp8" else
-                  linear.float8_linear_config(recipe, FP8Config().role_dtypes(), emulate=True))
+                  conversion.float8_linear_config(recipe, FP8Config().role_dtypes(), emulate=True))
     timing = speed.time_fwd_bwd(LinearShape(32, 64, 64), lin_config, torch.device("cpu"), seconds=clock)
     assert torch.equal(rng, torch.get_rng_state())
     assert len(windows) == 2 * speed.WINDOWS

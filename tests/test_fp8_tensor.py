@@ -1,4 +1,4 @@
-"""FP8Tensor (nanochat.fp8.tensor) against torch's own float8 casts and against its dequantized value.
+"""FP8Tensor (nanochat.optim.moments.fp8) against torch's own float8 casts and against its dequantized value.
 
 - encode/decode are bit-identical to `tensor.to(float8_*)` / `codes.float()` for every code and
   for random values including exact ties (round-to-nearest-even).
@@ -8,8 +8,9 @@
   an op outside the table raises NotImplementedError naming the op.
 - torch.compile traces a function taking an FP8Tensor (flatten/unflatten), equal to eager.
 - torch.save / torch.load(weights_only=True) round-trips codes and scales bit-exactly, and an
-  optimizer state saved by an earlier release (tests/data/fp8_optim_state.pt) still loads to the
-  values stored beside it.
+  optimizer state saved by an earlier release (tests/data/fp8_optim_state.pt, which names the
+  class by its earlier module path, nanochat.fp8.tensor) still loads to the values stored beside
+  it, in a process that imports only nanochat.optim (that path is a registered name, no module).
 - A saved tensor whose codes, scales or block size disagree (a crafted file) still loads, and
   `layout_problem()` names the disagreement; sound tensors have none.
 """
@@ -19,12 +20,15 @@ from __future__ import annotations
 import copy
 import io
 import re
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from nanochat.fp8.tensor import FP8Tensor, decode, encode, implements
+from nanochat.optim.moments.fp8 import FP8Tensor, decode, encode, implements
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -175,6 +179,30 @@ def test_load_state_saved_by_earlier_release():
         assert m.fp8_dtype == fp8 and m.block_size == block and m.scale.shape == (256 // block,)
         assert torch.equal(m.dequantize(), saved["values"][name])
         assert torch.equal(m.clone().dequantize(), saved["values"][name])  # usable, not just loaded
+
+
+def test_state_saved_before_the_move_loads_with_only_the_optimizer_imported():
+    # the file pickles the class as nanochat.fp8.tensor.FP8Tensor; weights_only resolves that name
+    # through the alias FP8Tensor registers, without a module of that name and without nanochat.fp8
+    code = ("import sys, pathlib, importlib.util, torch, nanochat.optim\n"
+            "saved = torch.load(pathlib.Path(sys.argv[1]), weights_only=True)\n"
+            "m = saved['state'][0]['exp_avg']\n"
+            "assert type(m) is nanochat.optim.FP8Tensor, type(m)\n"
+            "assert torch.equal(m.dequantize(), saved['values']['exp_avg'])\n"
+            "print(sorted(k for k in sys.modules if k.startswith('nanochat.fp8')))\n"
+            "assert importlib.util.find_spec('nanochat.fp8.tensor') is None")
+    data = Path(__file__).parent / "data" / "fp8_optim_state.pt"
+    assert _pickled_modules(data) == {"nanochat.fp8.tensor"}  # what this test is about
+    run = subprocess.run([sys.executable, "-c", code, str(data)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+
+
+def _pickled_modules(path: Path) -> set[str]:
+    """The nanochat module paths a torch.save archive's pickle names."""
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    return {m.decode() for m in re.findall(rb"nanochat[\w.]*", pkl)}
 
 
 def _saved_and_loaded(x):

@@ -68,7 +68,7 @@ import torch.nn as nn
 from torchao.float8.float8_utils import compute_error  # SQNR in dB: 20 log10(|ref| / |ref - x|)
 
 from nanochat.fp8 import FP8Config, convert, detect, fp8_choices, native_gemm_problem, start_auto_calibration
-from nanochat.fp8.linear import FP8_DTYPES
+from nanochat.fp8.conversion import FP8_DTYPES
 from tests.conftest import mlp
 
 
@@ -241,7 +241,7 @@ SHAPES = ((256, 1024), (4096,), (10,))  # two FP8-state tensors and one that sta
 
 
 def test_fp8optim_level0_is_torch_adamw_on_cuda():
-    from nanochat.fp8.optim import FP8Optim
+    from nanochat.optim import FP8Optim
 
     ref_p, p = _params(SHAPES), _params(SHAPES)
     ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1)
@@ -253,7 +253,7 @@ def test_fp8optim_level0_is_torch_adamw_on_cuda():
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_fp8optim_first_step_math_on_cuda(level):
-    from nanochat.fp8.optim import FP8Optim
+    from nanochat.optim import FP8Optim
 
     ref_p, p = _params(SHAPES), _params(SHAPES)
     ref = torch.optim.AdamW(ref_p, lr=1e-2, weight_decay=0.1)
@@ -281,7 +281,7 @@ def test_fp8optim_tracks_adamw_on_a_quadratic_on_cuda(level):
 
 # ------------------------------------------------------------------------------------ training
 def test_fp8_training_run_on_cuda_learns():
-    from nanochat.fp8.optim import FP8Optim
+    from nanochat.optim import FP8Optim
     from nanochat.model.gpt import GPT, preset_config
 
     torch._dynamo.reset()

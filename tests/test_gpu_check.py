@@ -197,11 +197,12 @@ def test_pytest_stopped_by_the_time_limit_keeps_what_ran(tmp_path):
 
 
 def test_shapes_of_llama3_8b_and_d12():
-    bench = _script("bench_fp8_linear")
-    assert bench.linear_shapes("llama3-8b") == {
+    from nanochat.train.linear_shapes import linear_shapes
+
+    assert linear_shapes("llama3-8b") == {
         (4096, 4096): ["attn.c_q", "attn.c_proj"], (4096, 1024): ["attn.c_k", "attn.c_v"],
         (4096, 14336): ["mlp.c_fc", "mlp.c_gate"], (14336, 4096): ["mlp.c_proj"]}
-    assert bench.linear_shapes("d12") == {(768, 768): ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj"],
+    assert linear_shapes("d12") == {(768, 768): ["attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj"],
                                           (768, 3072): ["mlp.c_fc"], (3072, 768): ["mlp.c_proj"]}
 
 
@@ -247,13 +248,15 @@ def test_a_run_that_hit_the_recompile_limit_is_invalid_and_gives_no_ratio():
     RecompileLog reports it; a run so marked gives no ratio or MFU, the valid ones still do."""
     import torch
 
-    gpu_check, bench_train = _script("gpu_check"), _script("bench_train")
+    from nanochat.train.measure import RecompileLog
+
+    gpu_check = _script("gpu_check")
 
     def f(x, k):
         return x * k
 
     compiled = torch.compile(f, backend="eager")
-    log = bench_train.RecompileLog()
+    log = RecompileLog()
     with torch._dynamo.config.patch(recompile_limit=1), log:
         for k in range(3):
             compiled(torch.ones(2), k)

@@ -5,9 +5,9 @@ skips the step, names the layer where it began, drops every gradient and is coun
 `max_bad_steps` in a row stop the run naming the steps; a finite step ends such a run; a clip is
 counted with its factor and the gradients equal torch.nn.utils.clip_grad_norm_'s (the same norm
 and the same scaling kernel: bit for bit); `check` reads the device once (loss and norm
-together). The guard owns its counts and their checkpointed state: FP8Training's summary and
-state hold none of them, a saved state (through JSON) restores them, and so does a checkpoint of
-nanochat 0.1.0, which kept them among FP8Training's `counters`.
+together), and `measure` leaves that read to a caller that reads values of its own with it. The
+guard owns its counts and their checkpointed state: FP8Training's summary and state hold none of
+them, and a saved state (through JSON) restores each part's own counts.
 """
 
 import json
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from nanochat.common import NanoChatError
-from nanochat.device import DeviceReads
+from nanochat.device import DeviceReads, host_read
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.train.guard import StepGuard
 from tests.conftest import mlp
@@ -78,17 +78,28 @@ def test_the_guard_owns_its_counts_and_their_checkpoint_state():
     assert guard.summary_text("end").startswith("step guard (end): 1 skipped steps")
     guard_keys = set(counts)
     assert not guard_keys & set(fp8.summary()) and fp8.state_dict()["counters"] == {"stats_samples": 0}
+    fp8.counters["stats_samples"] = 3
     checkpoint = json.loads(json.dumps({**fp8.state_dict(), **guard.state_dict()}))  # as trainer.json holds it
-    resumed = StepGuard(mlp(128, 256, 128))
+    resumed, resumed_fp8 = StepGuard(mlp(128, 256, 128)), FP8Training(mlp(128, 256, 128), FP8Config(enabled=False))
     resumed.load_state_dict(checkpoint)
+    resumed_fp8.load_state_dict(checkpoint)
     assert resumed.counters == counts
+    assert resumed_fp8.counters == {"stats_samples": 3}
 
 
-def test_a_checkpoint_with_the_counts_in_fp8s_counters_still_resumes():
-    old = {"counters": {"overflow_events": 2, "skipped_steps": 2, "clip_events": 7, "stats_samples": 3,
-                        "min_clip_factor": 0.5}, "fp8_choices": None, "fp8_converted": None}
-    guard, fp8 = StepGuard(mlp(128, 256, 128)), FP8Training(mlp(128, 256, 128), FP8Config(enabled=False))
-    guard.load_state_dict(old)
-    fp8.load_state_dict(old)
-    assert guard.counters == {"overflow_events": 2, "skipped_steps": 2, "clip_events": 7, "min_clip_factor": 0.5}
-    assert fp8.counters == {"stats_samples": 3}
+def test_measure_leaves_the_one_read_to_the_caller_and_judges_as_check():
+    """A loop that reads values of its own in the same read (the trainer's stop votes) gets the
+    verdict `check` gives, clipping included, and still reads the device once."""
+    model, reference = mlp(128, 256, 128), mlp(128, 256, 128)
+    loss = _backward(model)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        q.grad = p.grad.clone()
+    expected = StepGuard(reference).check(0, loss, reference.parameters(), max_norm=0.5)
+    guard, own = StepGuard(model), torch.tensor([0.0, 1.0])
+    with DeviceReads() as reads:
+        reading = guard.measure(0, loss, model.parameters(), max_norm=0.5)
+        values = host_read(torch.cat([reading.values, own]))
+        verdict = reading.judge(values[:reading.values.numel()])
+    assert reads.count == 1 and values[reading.values.numel():] == [0.0, 1.0]
+    assert verdict == expected
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))

@@ -50,7 +50,7 @@ from nanochat.model.export import export_hf  # noqa: E402
 from nanochat.model.hf import gpt_config_from_hf, load_hf_model  # noqa: E402
 from nanochat.model.hub import resolve_model  # noqa: E402
 from nanochat.tokenizer.hf import HFTokenizer  # noqa: E402
-from tests.conftest import load_script, run_records  # noqa: E402
+from tests.conftest import load_script, run_records, warnings_in  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 320
@@ -477,18 +477,16 @@ def test_unsupported_options_are_named(change, match):
 # ----------------------------------------------------------------------------- export script
 
 
-def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch, capsys):
+def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch, capsys, nanochat_log):
     """A run's checkpoint (compiled-model key prefixes included) -> scripts/export_hf.py ->
     transformers reproduces the checkpoint's weights (logits within TOL of our model). The run is
     still in progress (its lock held): the export warns that it took the newest checkpoint. Its
     nanochat_export.json and its last line name the checkpoint and step; released without a
     result.json the run did not finish (one warning), with one for that step it did (none)."""
-    import logging
     import runpy
 
     from nanochat import rundir
     from nanochat.checkpoint import save_checkpoint
-    from nanochat.common import logger
     from nanochat.model.export import require_exportable
 
     directory, _ = saved["qwen2_tied"]
@@ -501,18 +499,14 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch, capsys)
                               "config": {"model_name": str(directory)}, "step": 1})
     tok.save(run_dir / "tokenizer")
     monkeypatch.setattr("sys.argv", ["export_hf.py", "--run_dir", str(run_dir), "--out_dir", str(tmp_path / "out")])
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    logger.addHandler(handler)
     rundir.acquire(run_dir)  # a training run still in progress there: its lock is held
     try:
         with pytest.raises(SystemExit) as exit_status:
             runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
     finally:
         rundir.release(run_dir)
-        logger.removeHandler(handler)
     assert exit_status.value.code == 0
+    warnings = warnings_in(nanochat_log)
     assert [w for w in warnings if "still in progress" in w and "exporting its newest checkpoint, step 1" in w]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -527,13 +521,10 @@ def test_export_script_from_run_checkpoint(saved, tmp_path, monkeypatch, capsys)
         if result is not None:
             (run_dir / "result.json").write_text(json.dumps(result))
         monkeypatch.setattr("sys.argv", ["export_hf.py", "--run_dir", str(run_dir), "--out_dir", str(tmp_path / run)])
-        warnings.clear()
-        logger.addHandler(handler)
-        try:
-            with pytest.raises(SystemExit):
-                runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
-        finally:
-            logger.removeHandler(handler)
+        nanochat_log.clear()
+        with pytest.raises(SystemExit):
+            runpy.run_path(str(Path(__file__).parents[1] / "scripts" / "export_hf.py"), run_name="__main__")
+        warnings = warnings_in(nanochat_log)
         assert json.loads((tmp_path / run / "nanochat_export.json").read_text())["run"] == run
         assert f"exported {run_dir / 'checkpoint-000001.pt'} (step 1, {run}): " in capsys.readouterr().out
         assert [w for w in warnings if "WARNING" in w] == ([] if warned is None else [

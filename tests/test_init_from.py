@@ -127,7 +127,8 @@ def _cli(capsys, kw: dict) -> tuple[int, list[str]]:
 
     logger.handlers.clear()  # log to this test's stderr (capsys replaces it per test)
     module = load_script("base_train")
-    argv = [a for k, v in kw.items() for a in ((f"--{k}",) if v is True else () if v is False else (f"--{k}", str(v)))]
+    argv = [a for k, v in kw.items()
+            for a in ((f"--{k}",) if v is True else (f"--no_{k}",) if v is False else (f"--{k}", str(v)))]
     capsys.readouterr()
     code = module.main(argv)
     err = capsys.readouterr().err

@@ -21,7 +21,7 @@ import torch
 
 from nanochat.config import TrainConfig
 from nanochat.optim import master as M
-from nanochat.fp8.optim import FP8Optim
+from nanochat.optim import FP8Optim
 from nanochat.train.trainer import NanoChatTrainer
 from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
 from tests.test_trainer import _losses, count_reads_per_step

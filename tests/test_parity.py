@@ -1,4 +1,4 @@
-"""scripts/parity.py / scripts/fp8_parity.py, the FP8-vs-high-precision parity harness, on `--quick` runs.
+"""bench/fp8_parity.py, the FP8-vs-high-precision parity sweep, on `--quick` runs.
 
 Checked against: the harness's own raw outputs, recomputed here. Every seed x mode (baseline,
 e4m3, e5m2, auto) finished with a finite final val loss; each FP8 mode really ran FP8 (emulated
@@ -23,22 +23,20 @@ from pathlib import Path
 
 import pytest
 
-from nanochat.config import QUICK, ParityConfig
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import parity  # noqa: E402  (the harness lives next to its script, outside the package)
+# importable by name, as --jobs's worker processes import it (they get this process's sys.path)
+sys.path.insert(0, str(ROOT / "bench"))
+import fp8_parity as parity  # noqa: E402  (a benchmark, outside the package)
+from fp8_parity import QUICK, ParityConfig  # noqa: E402
+
 MODES = ("baseline", "e4m3", "e5m2", "auto", "auto-recheck")
 SEEDS = (1, 2)
 
 
 def _run(argv):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import fp8_parity
-
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rc = fp8_parity.main(argv)
+        rc = parity.main(argv)
     return rc, printed.getvalue()
 
 

@@ -284,7 +284,7 @@ def test_the_resume_command_and_the_lost_peer_line_follow_auto_resume(monkeypatc
 def test_a_lost_peer_is_told_from_other_errors():
     """gloo's and NCCL's words for a rank that is gone; any other error keeps its own report."""
     from nanochat.common import NanoChatError
-    from nanochat.distributed import lost_peer
+    from nanochat.parallel.process_group import lost_peer
 
     gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1436: "
                         "Connection reset by peer. This is typically caused by a remote worker hanging")
@@ -451,8 +451,8 @@ def test_torchrun_restarts_rank_losses_and_auto_resume_ends_as_the_uninterrupted
     kw = _kw(small_corpus, tmp_path / "r", batch_size=4, auto_resume=True)
     run_dir = Path(kw["run_dir"])
     command = TORCHRUN_2.replace("--nproc_per_node=2", "--nproc_per_node=2 --max-restarts=2") + shlex.join(_flags(kw))
-    # each restart on a rendezvous store of its own (nanochat.distributed refuses a shared one)
-    launch = Launch(command, tmp_path / "logs", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    # torchrun's own environment: each restart forms its group under a store prefix of its own
+    launch = Launch(command, tmp_path / "logs")
     try:
         _wait_for_steps(run_dir, 1, launch.proc)
         os.kill(launch.rank_pid(1, restart=0), signal.SIGSTOP)

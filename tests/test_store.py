@@ -1,4 +1,4 @@
-"""The token store (nanochat.data.store: open, map, verify; nanochat.data.build: the parallel,
+"""The token store (nanochat.data.token_store: open, map, verify; nanochat.data.build: the parallel,
 resumable build under one lock) against the in-memory path and against references built here.
 
 - streams: a store built by a process pool from parquet shards (several row groups per shard),
@@ -29,7 +29,7 @@ resumable build under one lock) against the in-memory path and against reference
   inside --dataset_path is refused; a .jsonl with a UTF-8 byte-order mark reads as without one.
 Comparisons are exact: tokens are integers.
 
-Modules: nanochat.data.store, nanochat.data.build, nanochat.data.streams (the stream read
+Modules: nanochat.data.token_store, nanochat.data.build, nanochat.data.streams (the stream read
 window by window).
 """
 
@@ -506,12 +506,12 @@ def test_a_fifo_in_the_corpus_is_skipped_not_waited_on(tmp_path, tok_dir):
     (root / "b.txt").write_text(_text(2) * 5)
     os.mkfifo(root / "zz.txt")  # opening it to read would wait for a writer forever
     assert list_sources(root).skipped == {sources.SPECIAL: 1}
-    code = ("import sys; sys.path.insert(0, sys.argv[4]); from bench_data import load_corpus;"
+    code = ("import sys; sys.path.insert(0, sys.argv[4]); from tests.reference_data import load_corpus;"
             " from nanochat.common import setup_logging; from nanochat.data.prepare import prepare_data;"
             " from nanochat.tokenizer import BPETokenizer; setup_logging(); c = load_corpus(sys.argv[1]);"
             " s = prepare_data(sys.argv[1], tokenizer=BPETokenizer.load(sys.argv[2]), cache_root=sys.argv[3]).store;"
             " print('OK', c.describe() == s.describe())")
-    r = subprocess.run([sys.executable, "-c", code, str(root), str(tok_dir), str(tmp_path / "cache"), str(ROOT / "scripts")],
+    r = subprocess.run([sys.executable, "-c", code, str(root), str(tok_dir), str(tmp_path / "cache"), str(ROOT)],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert r.returncode == 0 and "OK True" in r.stdout, r.stderr

@@ -15,9 +15,9 @@ so the embedding and the head split too):
 - With `-m slow`: --fsdp --tp 2 on 4 ranks (a 2 x 2 mesh) against one process, fp32 within
   LOSS_TOL and FP8 within FSDP_TP_FP8_LOSS_TOL, its FP8 moments on 2-D shards, and its checkpoint
   resumed in one process; the 2-rank cases run the same tensor-parallel code.
-- Without processes: the layout's one-line refusals (heads or MLP width not divisible, one
-  process, a world that is not whole groups, several groups without --fsdp, MXFP8), the
-  vocabulary fallback, the memory plan's shards.
+- Without processes: the one-line refusals of the layout (one process, a world that is not
+  whole groups, several groups without --fsdp) and of the model (heads or MLP width not
+  divisible), MXFP8's; the model's plan and its vocabulary fallback; the memory plan's shards.
 """
 
 from __future__ import annotations
@@ -259,21 +259,45 @@ def _config(**over):
     (2, 2, False, dict(intermediate_size=301), "intermediate_size 301"),
 ])
 def test_layouts_that_cannot_split_are_refused_in_one_line(tp, world, fsdp, config, says):
-    from nanochat.distributed import tp_problem
+    """The world's refusals (no Layout of it can be built) and the model's (its heads and MLP)."""
+    import re
 
-    problem = tp_problem(_config(**config), tp, world_size=world, fsdp=fsdp)
+    from nanochat.common import UsageError
+    from nanochat.model.parallelize import tp_problem
+    from nanochat.parallel.layout import Layout, layout_problem
+
+    world_problem = layout_problem(world_size=world, tp=tp, fsdp=fsdp)
+    problem = world_problem or tp_problem(_config(**config), tp)
     assert problem is not None and says in problem and "\n" not in problem, problem
-    assert tp_problem(_config(), 2, world_size=4, fsdp=True) is None
+    if world_problem is not None:
+        with pytest.raises(UsageError, match=re.escape(world_problem)):
+            Layout(world_size=world, tp=tp, fsdp=fsdp)
+    assert layout_problem(world_size=4, tp=2, fsdp=True) is None and tp_problem(_config(), 2) is None
 
 
 def test_vocabulary_that_does_not_divide_stays_whole_and_is_recorded():
-    from nanochat.distributed import plan_layout
+    """The run records the layout's fallbacks and the model plan's (nanochat.train.trainer)."""
+    import torch
 
-    env = DistEnv(rank=0, world_size=2, tp=2)
-    assert plan_layout(fsdp=False, tp=2, env=env, config=_config()).fallbacks == ()
-    notes = plan_layout(fsdp=True, tp=2, env=env, config=_config(vocab_size=321)).fallbacks
+    from nanochat.model.gpt import GPT
+    from nanochat.model.parallelize import tp_plan
+    from nanochat.parallel.layout import plan_layout
+
+    def plan(**over):
+        with torch.device("meta"):
+            return tp_plan(GPT(_config(**over)), 2)
+
+    env = DistEnv(rank=0, world_size=2)
+    split = plan()
+    assert plan_layout(env, fsdp=False, tp=2).fallbacks == () and split.fallbacks == ()
+    assert split.splits["transformer.wte"] == "embedding" and split.splits["lm_head"] == "head"
+    assert split.splits["transformer.h.1.attn.c_k"] == "colwise"
+    assert split.splits["transformer.h.1.mlp.c_proj"] == "rowwise"
+    whole = plan(vocab_size=321)
+    notes = plan_layout(env, fsdp=True, tp=2).fallbacks + whole.fallbacks
     assert any("--fsdp ignored" in n for n in notes) and any("vocabulary (321)" in n for n in notes), notes
-    tied = plan_layout(fsdp=False, tp=2, env=env, config=_config(tie_embeddings=True)).fallbacks
+    assert "transformer.wte" not in whole.splits and "lm_head" not in whole.splits
+    tied = plan(tie_embeddings=True).fallbacks
     assert any("tied embedding" in n for n in tied), tied
 
 
@@ -289,11 +313,13 @@ def test_tp_refusals_before_any_work(small_corpus, tmp_path):
 
 
 def test_memory_plan_counts_tensor_parallel_shards():
-    from nanochat.config import TrainConfig
+    from nanochat.parallel.layout import plan_layout
     from nanochat.train.memory import param_shards
 
-    cfg = lambda **kw: TrainConfig(model_name="d4", **kw)  # noqa: E731
-    assert param_shards(cfg(tp=2), DistEnv(world_size=2, tp=2)) == 2
-    assert param_shards(cfg(tp=2, fsdp=True), DistEnv(world_size=8, tp=2)) == 8
-    assert param_shards(cfg(fsdp=True), DistEnv(world_size=4)) == 4
-    assert param_shards(cfg(), DistEnv(world_size=4)) == 1
+    def shards(world: int, tp: int = 1, fsdp: bool = False) -> int:
+        return param_shards(plan_layout(DistEnv(world_size=world), fsdp=fsdp, tp=tp))
+
+    assert shards(2, tp=2) == 2
+    assert shards(8, tp=2, fsdp=True) == 8
+    assert shards(4, fsdp=True) == 4
+    assert shards(4) == 1

@@ -6,7 +6,8 @@
 - bad input fails before training, with a message that names the problem;
 - the CLI entrypoint trains and reports val bpb; with its output in a file, one plain line per
   --log_every steps and no `\r` (nanochat.train.progress: a bar on a terminal, lines elsewhere);
-  FP8 on CPU falls back (recorded) or emulates.
+  FP8 on CPU falls back (recorded) or emulates;
+- every fallback goes to one list, logged once (nanochat.config.fields.Fallbacks).
 
 Modules: nanochat.train.trainer, nanochat.train.run_data, and the public names
 (nanochat.trainer, nanochat.fp8, nanochat.engine, nanochat.hf_trainer).
@@ -14,6 +15,7 @@ Modules: nanochat.train.trainer, nanochat.train.run_data, and the public names
 
 import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -93,12 +95,33 @@ def test_the_documented_import_paths_are_the_ones_that_train():
     import nanochat.train.trainer as impl
     assert (public, TrainResult, public_lr) == (impl.NanoChatTrainer, impl.TrainResult, impl.lr_multiplier)
     assert nanochat.NanoChatTrainer is public and nanochat.TrainConfig is TrainConfig
-    for name in ("apply_fp8", "restore_fp8", "FP8Optim", "FP8Training", "FP8Config", "FP8Tensor"):
+    for name in ("apply_fp8", "restore_fp8", "FP8Training", "FP8Config"):
         assert name in fp8.__all__ and getattr(fp8, name).__module__.startswith(("nanochat.fp8.", "nanochat.config."))
+    import nanochat.optim as optim
+    for name in ("FP8Optim", "FP8Tensor"):  # the optimizer's moments, re-exported by nanochat.fp8
+        assert name in fp8.__all__ and getattr(fp8, name) is getattr(optim, name)
+        assert getattr(fp8, name).__module__.startswith("nanochat.optim.")
     assert callable(nanochat.engine.generate)
     pytest.importorskip("transformers")
     from nanochat.hf_trainer import FP8Trainer
     assert FP8Trainer.__module__ == "nanochat.hf_trainer"
+
+
+def test_fallbacks_are_one_list_each_logged_once_and_named_by_flags(caplog):
+    """The run's one collector (nanochat.config.fields.Fallbacks): a fallback is logged once and
+    recorded once, FP8Config's fields shown as the CLI's flags; a part that keeps its own list
+    (the optimizer's backends, the trackers) is read with it, entries it adds later included."""
+    from nanochat.config import fields
+
+    fallbacks, own = fields.Fallbacks(translate=fields.flag_text), []
+    fallbacks.follow(lambda: own)
+    fallbacks.add("fp8: `emulate` is slow")
+    fallbacks.add("fp8: `emulate` is slow")
+    fallbacks.add("said by its part", said=True)
+    own.append("a tracker failed")
+    assert list(fallbacks) == ["fp8: --fp8_emulate is slow", "said by its part", "a tracker failed"]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "WARNING: fp8: --fp8_emulate is slow"]
 
 
 def test_lr_schedule_warmup_then_decay():

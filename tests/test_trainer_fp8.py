@@ -25,7 +25,6 @@ The emulated runs pass --fp8_layers all: a d2 model is too small for FP8 to be f
 default would keep every layer in bf16 (that default is tests/test_fp8_policy.py's).
 """
 
-import logging
 import math
 import re
 
@@ -35,7 +34,7 @@ import torch
 from nanochat.checkpoint import load_checkpoint
 from nanochat.fp8 import FP8Tensor
 from nanochat.train.trainer import NanoChatTrainer
-from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save, warnings_in
 
 POISONED = "transformer.h.1.mlp.c_fc"
 
@@ -161,19 +160,13 @@ def test_auto_recheck_needs_auto_mode():
         TrainConfig(fp8=True, fp8_mode="auto", fp8_auto_recheck_every=-1)
 
 
-def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, monkeypatch):
+def test_cpu_fallback_warns_once_and_trains(small_corpus, tmp_path, monkeypatch, nanochat_log):
     from nanochat import common
 
     monkeypatch.setattr(common, "_warned", set())  # warned once per process: maybe by an earlier test
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    common.logger.addHandler(handler)
-    try:
-        result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=8, fp8=True,
-                                                     fp8_opt_level=1, num_samples=0)).train()
-    finally:
-        common.logger.removeHandler(handler)
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=8, fp8=True,
+                                                 fp8_opt_level=1, num_samples=0)).train()
+    warnings = warnings_in(nanochat_log)
     assert result.fp8_backend == "fallback" and result.fp8_converted == []
     assert len(result.fallbacks) == 1 and "--fp8_emulate" in result.fallbacks[0]
     # the warning the user reads names the flag too, not FP8Config's field
@@ -271,21 +264,15 @@ def test_mxfp8_d2_trains_resumes_bitwise_and_evaluates(small_corpus, tmp_path, m
     assert "--fp8_recipe: checkpoint 'mxfp8' vs now 'tensorwise'" in str(e.value)
 
 
-def test_mxfp8_without_emulate_on_cpu_warns_once_and_trains(small_corpus, tmp_path, monkeypatch):
+def test_mxfp8_without_emulate_on_cpu_warns_once_and_trains(small_corpus, tmp_path, monkeypatch, nanochat_log):
     """No FP8 hardware here: the run warns once naming the recipe and what it needs (and
     --fp8_emulate), records the fallback, and trains in high precision."""
     from nanochat import common
 
     monkeypatch.setattr(common, "_warned", set())
-    warnings = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())
-    common.logger.addHandler(handler)
-    try:
-        result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=6, fp8=True,
-                                                     fp8_recipe="mxfp8", fp8_layers="all", num_samples=0)).train()
-    finally:
-        common.logger.removeHandler(handler)
+    result = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fb", num_iterations=6, fp8=True,
+                                                 fp8_recipe="mxfp8", fp8_layers="all", num_samples=0)).train()
+    warnings = warnings_in(nanochat_log)
     assert result.fp8_backend == "fallback" and result.fp8_converted == []
     (line,) = result.fallbacks
     assert "--fp8_emulate" in line and "10.0+" in line and "--fp8_recipe mxfp8" in line, line

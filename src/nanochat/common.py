@@ -62,6 +62,10 @@ def describe_error(e: BaseException) -> tuple[int, str] | None:
         if e.errno == errno.ENOSPC:
             return 1, (f"no space left on the device of{where or ' a file being written'}; free space "
                        "there or point --run_dir (or the output path) at another disk")
+        if e.errno == errno.EFBIG:
+            return 1, (f"cannot write{where}: {reason}, over the file-size limit (ulimit -f, or the file system's "
+                       "largest file); raise the limit (ulimit -f unlimited) or write to another file system "
+                       "(NANOCHAT_CACHE for token stores, --run_dir for checkpoints)")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return 1, f"cannot write or read{where}: {reason}; fix its permissions or choose another path"
         if usage:
@@ -126,7 +130,7 @@ NOISY_LOGGERS = ("torchao", "torchao.kernel.intmm", "torch.utils._pytree")
 
 def mute_import_noise() -> None:
     """Install `_ImportNoise` on the loggers that carry it, once a process: every entrypoint
-    (setup_logging) and nanochat.fp8 (its first torchao import) call it."""
+    (setup_logging), nanochat.fp8 and nanochat.optim.moments (before their torchao imports) call it."""
     for name in NOISY_LOGGERS:
         target = logging.getLogger(name)
         if not any(isinstance(f, _ImportNoise) for f in target.filters):
@@ -166,28 +170,12 @@ def warn_once(key: str, message: str) -> bool:
 
 @dataclass(frozen=True)
 class DistEnv:
-    """What torchrun told this process (a single process gets rank 0 of 1), and the run's
-    tensor-parallel degree `tp`: groups of `tp` consecutive ranks hold one model replica and read
-    the same batches, so the data is split `dp_size` ways."""
+    """What torchrun told this process (a single process gets rank 0 of 1). How a run spreads
+    over these processes is its Layout (nanochat.parallel.layout), decided once from this."""
 
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    tp: int = 1
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel index: its share of each global batch."""
-        return self.rank // self.tp
-
-    @property
-    def dp_size(self) -> int:
-        """How many ways each global batch is split (the world size over the tensor-parallel degree)."""
-        return self.world_size // self.tp
 
 
 def dist_env() -> DistEnv:
@@ -201,8 +189,18 @@ def dist_env() -> DistEnv:
 def cache_root() -> Path:
     """nanochat's cache directory, `$NANOCHAT_CACHE` (default `.cache` in the working directory):
     what can be rebuilt from the inputs, shared by every run and script (tokenizers trained on
-    the fly, token stores, FP8 layer timings). Read here only, so that all of them agree."""
-    return Path(os.environ.get("NANOCHAT_CACHE", ".cache"))
+    the fly, token stores, FP8 layer timings). Read here only, so that all of them agree. A path
+    that cannot be a directory (it, or the nearest part of it that exists, is a file) is a
+    UsageError naming the variable: the error of a file written under it would name only that file."""
+    value = os.environ.get("NANOCHAT_CACHE")
+    root = Path(value if value else ".cache")
+    existing = next((p for p in (root, *root.parents) if os.path.lexists(p)), None)
+    if existing is not None and not existing.is_dir():
+        what = "it" if existing == root else f"{existing}, part of it,"
+        name = "NANOCHAT_CACHE" if value else "the default cache directory (.cache; set NANOCHAT_CACHE)"
+        raise UsageError(f"{name} {root}: {what} is not a directory; point NANOCHAT_CACHE at a directory "
+                         "(created if missing)")
+    return root
 
 
 def read_json_object(path: Path, fix: str) -> dict:

@@ -1,5 +1,5 @@
-"""The device side of the plumbing: which device and dtype a run computes on, seeding, and
-counting the times the host waits on a device.
+"""The device side of the plumbing: which device and dtype a run computes on, seeding and RNG
+states, and counting the times the host waits on a device.
 
 Kept apart from nanochat.common because it imports torch, and common must not: the configs and
 every script's `--help` sit on common, and loading torch costs seconds. Both are the bottom of the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from typing import Any
 
 import torch
 import torch.utils._python_dispatch
@@ -86,6 +87,15 @@ def host_read(t: torch.Tensor) -> list:
     return t.to("cpu", copy=True).tolist()
 
 
+def host_read_all(*tensors: torch.Tensor) -> list[list]:
+    """Several 1-D device tensors' values, each its own list, in one device-to-host read: a step
+    whose parts each hold values the host must see (the step guard's loss and norm, the stop
+    votes) reads once, and hands each part its own."""
+    values = host_read(torch.cat([t.detach().float().reshape(-1).to(tensors[0].device) for t in tensors]))
+    sizes = [t.numel() for t in tensors]
+    return [values[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(tensors))]
+
+
 class DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
     """`with DeviceReads() as r: ...` then `r.count`: the times the code made the host wait on a
     device's values: `.item()`/`float()`/`bool()`/`int()` of a tensor (aten._local_scalar_dense)
@@ -120,6 +130,20 @@ class DeviceReads(torch.utils._python_dispatch.TorchDispatchMode):
                     dst.type == "cpu" or self.also_to_device):
                 self.reads.append(f"{func} {src.device} -> {dst}")
         return func(*args, **kwargs)
+
+
+def rng_state() -> dict[str, Any]:
+    """RNG states as tensors (weights_only-safe)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def seed_everything(seed: int) -> None:

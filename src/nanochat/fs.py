@@ -91,8 +91,8 @@ class AtomicFile:
         try:
             n = self._f.write(data)
         except OSError as e:
-            self.error = e
-            raise
+            self.error = self._named(e)
+            raise self.error from None
         self.sha.update(data)
         self.size += memoryview(data).nbytes
         return n
@@ -100,11 +100,18 @@ class AtomicFile:
     def flush(self) -> None:
         self._f.flush()
 
+    def _named(self, e: OSError) -> OSError:
+        """`e` naming this file's final path: a write's or flush's error names no file."""
+        return e if e.filename is not None or e.errno is None else OSError(e.errno, e.strerror, str(self.path))
+
     def close(self) -> dict[str, Any]:
         """The bytes on disk under the temporary name; their manifest entry {"sha256", "bytes"}."""
         if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            try:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            except OSError as e:
+                raise self._named(e) from None
             self._f.close()
         return {"sha256": self.sha.hexdigest(), "bytes": self.size}
 
@@ -158,8 +165,11 @@ def publish_directory(out: str | os.PathLike, fill: Callable[[Path], None]) -> P
     `out`'s place, so a reader sees the old directory or the complete new one and no file of the
     old one survives next to the new ones. An existing `out` is set aside and deleted only once
     the new one is in place; on any error the temporary directory goes and the old one is back.
-    The caller decides whether `out` may be replaced (nanochat.model.export.check_export_dir)."""
+    The caller decides whether `out` may be replaced (nanochat.model.export.check_export_dir).
+    A symbolic link to a directory stays: the directory it points to is the one replaced."""
     out = Path(out)
+    if os.path.islink(out) and out.is_dir():
+        out = Path(os.path.realpath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
     old = None

@@ -42,6 +42,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from nanochat.checkpoint.resume import setting_differences
 from nanochat.common import logger, print_last_line, warn_once
+from nanochat.device import host_read_all
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.config.fp8 import RESUME_FIELDS, ROLES
 from nanochat.fp8.health import fp8_health
@@ -218,10 +219,11 @@ class FP8Trainer(Trainer):
         # every rank's stop request (nanochat.train.stop), averaged over the ranks and read with the
         # loss: no host sync of its own, and every rank stops after the same step
         _, votes = self.stop.vote(self._step_loss.detach().float())
-        verdict = self.guard.check(self.state.global_step, self._step_loss, self.model.parameters(),
-                                   max_norm=max_norm, clip=False, rerun=rerun, note=self._checkpoint_note,
-                                   also=votes)
-        self.stop.decide(verdict.also)
+        reading = self.guard.measure(self.state.global_step, self._step_loss, self.model.parameters(),
+                                     max_norm=max_norm, clip=False, rerun=rerun, note=self._checkpoint_note)
+        guard_values, vote_values = host_read_all(reading.values, votes)
+        verdict = reading.judge(guard_values)
+        self.stop.decide(vote_values)
         if verdict.skipped:  # the Trainer would log the norm of the dropped gradients: 0
             self._add_logs({"grad_norm": verdict.grad_norm})
         if verdict.skipped or sampled:

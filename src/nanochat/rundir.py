@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Iterator
 
-from nanochat.common import NanoChatError, UsageError
-from nanochat.fs import FileLock, LockUnsupported
+from nanochat.common import NanoChatError, UsageError, dist_env, logger
+from nanochat.fs import FileLock, LockUnsupported, temp_pattern
 
 LOCK_NAME = ".nanochat.lock"
 RUN_FILES = ("metrics.jsonl", "result.json")
@@ -170,7 +170,8 @@ def check_claim(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, re
                 foreign: Sequence[str]) -> None:
     """The claim rules, before any work: --resume needs a checkpoint to continue (`resumable`); a
     fresh start needs a directory without a run, or --overwrite and no checkpoint nanochat cannot
-    tell it wrote (`foreign`, each with its reason: the only ones --overwrite would not delete)."""
+    tell it wrote (`foreign`, each with its reason: the only ones --overwrite would not delete).
+    --overwrite through a symbolic link says which directory's run it deletes."""
     d, existing = Path(run_dir), run_contents(run_dir)
     if resume:
         if not resumable:
@@ -186,6 +187,9 @@ def check_claim(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool, re
         raise UsageError(
             f"--overwrite: {d} holds checkpoints nanochat cannot tell it wrote ({'; '.join(foreign[:3])}), "
             "and it deletes only its own; move them out of the directory and run again")
+    elif existing and os.path.realpath(d) != os.path.abspath(d) and dist_env().rank == 0:
+        logger.warning("--overwrite: --run_dir %s is reached through a symbolic link: the run it deletes is the one "
+                       "in %s", d, os.path.realpath(d))
 
 
 def create(run_dir: str | os.PathLike, rank: int = 0) -> None:
@@ -202,6 +206,16 @@ def create(run_dir: str | os.PathLike, rank: int = 0) -> None:
                          "choose another --run_dir") from None
 
 
+_RECORD_TEMP = temp_pattern("|".join(map(re.escape, RUN_FILES)))
+
+
+def record_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """The temporaries (fs.temp_path names) of run records whose write was interrupted: only the
+    run's lock holder writes records, so under the lock none is being written."""
+    d = Path(run_dir)
+    return sorted(p for p in d.iterdir() if _RECORD_TEMP.fullmatch(p.name)) if d.is_dir() else []
+
+
 def remove_records(run_dir: str | os.PathLike) -> None:
     """--overwrite: delete the previous run's records (its checkpoints go through the store)."""
     for name in RUN_FILES:
@@ -209,4 +223,5 @@ def remove_records(run_dir: str | os.PathLike) -> None:
 
 
 __all__ = ["LOCK_NAME", "RUN_FILES", "PT_NAME", "DCP_DIRNAME", "START_EVENT", "run_contents", "recorded_starts",
-           "acquire", "release", "holder", "holding", "check_path", "own", "check_claim", "create", "remove_records"]
+           "acquire", "release", "holder", "holding", "check_path", "own", "check_claim", "create",
+           "record_temporaries", "remove_records"]

@@ -24,7 +24,7 @@ from nanochat.checkpoint.checkpointer import Checkpointer, Saved
 from nanochat.checkpoint.dcp import DCP
 from nanochat.checkpoint.loader import gpt_config, load_model, read_run
 from nanochat.checkpoint.pt import FORMAT_VERSION, PT, checkpoint_name
-from nanochat.checkpoint.state import nonfinite_state, nonfinite_tensors, rng_state, set_rng_state
+from nanochat.checkpoint.nonfinite import nonfinite_state, nonfinite_tensors
 from nanochat.checkpoint.storage import Checkpoint, Storage
 from nanochat.checkpoint.store import (
     clean_interrupted, committed, foreign, load_checkpoint, load_dcp, newest, newest_verified, problem, remove,
@@ -35,6 +35,6 @@ __all__ = [
     "Checkpoint", "Storage", "PT", "DCP", "FORMAT_VERSION", "checkpoint_name",
     "committed", "uncommitted", "newest", "problem", "verify", "newest_verified", "clean_interrupted", "foreign",
     "remove", "save_checkpoint", "load_checkpoint", "save_dcp", "load_dcp",
-    "rng_state", "set_rng_state", "nonfinite_state", "nonfinite_tensors",
+    "nonfinite_state", "nonfinite_tensors",
     "Checkpointer", "Saved", "gpt_config", "load_model", "read_run",
 ]

@@ -5,10 +5,17 @@
     read_init_source() --init_from: the source run's newest checkpoint, verified, and its tokenizer
     read_resume()      --resume, before the model is built: verified and compatible (resume.py)
     prepare()          just before the first step: the directory created, --overwrite's room made
-    restore()          the --resume checkpoint into the built model, optimizer, data position, FP8
-    save(step)         every --save_every steps and at the end: a .pt in one process, a DCP step
+    save(step, parts)  every --save_every steps and at the end: a .pt in one process, a DCP step
                        under torchrun (every rank), the newest --keep_checkpoints kept
+    restore(parts)     the --resume checkpoint into the same parts, built
     release()          the run lock, when the run ends
+
+`parts` is the run's one mapping of stateful parts, name -> an object with state_dict() and
+load_state_dict() (torch.distributed.checkpoint's Stateful): "model" and "optimizer", whose
+tensors the storage writes (.pt or DCP shards), and the parts whose state is plain data (the data
+position, FP8's, the step guard's): each of those returns checkpoint keys of its own (FP8Training
+prefixes its keys, StepGuard's sit under "guard", `Keyed` puts a part's under one key), merged into
+the checkpoint's metadata beside the run's config, and is given that whole metadata back.
 
 --auto_resume: rank 0 looks at --run_dir (after finishing what killed saves left there) and
 decides for every rank, which it tells (`broadcast_object`), so all take the same branch: no run
@@ -19,27 +26,35 @@ had finished is reported (`finished`). Each start's record (`start_record`) goes
 metrics.jsonl: where it started from and which restart counters it came with.
 
 Which checkpoint is the newest, whether it verifies and what is kept is the store's (store.py),
-the same for both storages. Inf/nan is never saved, and never resumed (state.py).
+the same for both storages. Inf/nan is never saved, and never resumed (nonfinite.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn as nn
+from torch.distributed.checkpoint.stateful import Stateful
 
-from nanochat import distributed, rundir
+from nanochat import rundir
 from nanochat.checkpoint import dcp, pt, resume, store
 from nanochat.checkpoint.dcp import DCP
 from nanochat.checkpoint.pt import PT
-from nanochat.checkpoint.state import nonfinite_state, rng_state, set_rng_state
+from nanochat.checkpoint.nonfinite import nonfinite_state
+from nanochat.device import rng_state, set_rng_state
 from nanochat.checkpoint.storage import Checkpoint
-from nanochat.common import DistEnv, NanoChatError, UsageError, logger
+from nanochat.common import NanoChatError, UsageError, logger
 from nanochat.config import TrainConfig, flag_text
+from nanochat.parallel.layout import Layout
+from nanochat.parallel.process_group import barrier, broadcast_object, restart_counts
 from nanochat.rundir import DCP_DIRNAME, START_EVENT
+
+TENSOR_PARTS = ("model", "optimizer")
+"""The parts whose state the storage writes as tensors; every other part's is plain data."""
 
 Start = Literal["fresh", "restart", "resume"]
 """How a run starts: in a directory without a run (or --overwrite's); from step 0 over the records
@@ -71,11 +86,24 @@ class Saved:
         return self.checkpoint.step
 
 
+class Keyed:
+    """A part whose plain state sits under one `key` of a checkpoint (the data position: "data")."""
+
+    def __init__(self, key: str, part: Stateful):
+        self.key, self.part = key, part
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.key: self.part.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.part.load_state_dict(state[self.key])
+
+
 class Checkpointer:
     """A training run's checkpoints and its claim on --run_dir (module docstring)."""
 
-    def __init__(self, config: TrainConfig, dist: DistEnv):
-        self.config, self.dist = config, dist
+    def __init__(self, config: TrainConfig, layout: Layout):
+        self.config, self.layout = config, layout
         self.run_dir = Path(config.run_dir)
         self.flag = "--auto_resume" if config.auto_resume else "--resume"
         """The flag that resumes this run: errors about its checkpoint name it."""
@@ -96,7 +124,7 @@ class Checkpointer:
         rundir.check_path(self.run_dir)
         if self.run_dir.is_dir():
             self._lock()
-        distributed.barrier()  # the other ranks look at what rank 0 finished or removed
+        barrier()  # the other ranks look at what rank 0 finished or removed
         if self.config.auto_resume:
             self.start = self._decide()
         else:
@@ -105,12 +133,12 @@ class Checkpointer:
     def _decide(self) -> Start:
         """--auto_resume: rank 0's decision (module docstring), or its refusal, on every rank."""
         start, problem = None, None
-        if self.dist.rank == 0:
+        if self.layout.rank == 0:
             try:
                 start = self._auto_start()
             except UsageError as e:
                 problem = str(e)
-        start, problem = distributed.broadcast_object((start, problem))
+        start, problem = broadcast_object((start, problem))
         if problem is not None:
             raise UsageError(problem)
         if start == "restart":  # a resume says where it resumed from once it has (`restore`)
@@ -132,8 +160,8 @@ class Checkpointer:
         there meanwhile), and makes room for --overwrite: the previous run's checkpoints that their
         manifests describe, and its records, are deleted (anything else was refused), with no
         barrier: the other ranks only write there later."""
-        rundir.create(self.run_dir, self.dist.rank)
-        if self.dist.rank != 0:
+        rundir.create(self.run_dir, self.layout.rank)
+        if self.layout.rank != 0:
             return
         if not self._locked:
             self._lock()
@@ -151,7 +179,7 @@ class Checkpointer:
     def _lock(self) -> None:
         """Rank 0: take --run_dir's lock, held until `release`, then finish or remove what a killed
         save left there and report what is not provably nanochat's."""
-        if self.dist.rank != 0:
+        if self.layout.rank != 0:
             return
         rundir.own(self.run_dir)
         self._locked = True
@@ -187,16 +215,23 @@ class Checkpointer:
     def start_record(self, resumed: Saved | None) -> dict[str, Any]:
         """The record this start writes first into metrics.jsonl: how and from which step it
         started (`from_step`; the checkpoint it `resumed`), the world size, the restart counters of
-        torchrun and slurm (distributed.restart_counts) and the run's identity (resume.identity)."""
+        torchrun and slurm (restart_counts) and the run's identity (resume.identity)."""
         return {"event": START_EVENT, "start": self.start, "from_step": resumed.step if resumed else 0,
                 "checkpoint": None if resumed is None else str(resumed.path.relative_to(self.run_dir)),
-                "world_size": self.dist.world_size, "data_parallel": self.dist.dp_size, **distributed.restart_counts(),
+                "world_size": self.layout.world_size, "data_parallel": self.layout.dp_size, **restart_counts(),
                 **resume.identity(self.config)}
 
     # ------------------------------------------------------------------- reading
     def newest(self) -> Checkpoint | None:
         """The checkpoint a resume of this run starts from (store.newest: not verified here)."""
         return store.newest(self.run_dir, self.flag)
+
+    def newest_if_any(self) -> Checkpoint | None:
+        """`newest`, or None where none is there or it cannot be read: for the line a run ends
+        with (not verified: it runs on the way out; a --resume from it verifies it)."""
+        with contextlib.suppress(NanoChatError, OSError):
+            return self.newest()
+        return None
 
     def read_resume(self, total_steps: int, tokenizer: Any) -> Saved:
         """A resume, before the model is built: the newest checkpoint, with steps left to train,
@@ -209,9 +244,10 @@ class Checkpointer:
         tensors = resume.TENSORS if c.kind == "pt" else ()  # a DCP step's tensors are outside trainer.json
         meta = store.read(c, self.flag, resume.RESUME_KEYS + tensors)
         meta = {k: v for k, v in meta.items() if k not in resume.TENSORS}  # `restore` reads the tensors
-        resume.check_resume(meta, self.config, world_size=self.dist.dp_size, tokenizer=tokenizer, flag=self.flag)
+        resume.check_resume(meta, self.config, world_size=self.layout.dp_size, tokenizer=tokenizer, flag=self.flag)
         if auto:
             resume.check_budget(c, self.config, total_steps, self.flag)
+        resume.warn_changed_settings(meta, self.config, total_steps)
         return Saved(c, meta)
 
     def read_init_source(self) -> Saved:
@@ -230,12 +266,11 @@ class Checkpointer:
                      origin=f"--init_from {self.config.init_from}")
 
     # ------------------------------------------------------------------- loading
-    def restore(self, saved: Saved, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Any, fp8: Any,
-                device: torch.device) -> int:
-        """The checkpoint `read_resume` found, into the built parts: the weights and optimizer
-        states (checked finite), the RNG states, the data `loader`'s position and `fp8`'s state
-        (FP8Training: counters, auto's formats). Returns its step."""
-        c = saved.checkpoint
+    def restore(self, saved: Saved, parts: Mapping[str, Stateful], device: torch.device) -> int:
+        """The checkpoint `read_resume` found, into the built `parts` (module docstring): the
+        weights and optimizer states (checked finite), every other part's plain state, then the
+        RNG states. Returns its step."""
+        c, model, optimizer = saved.checkpoint, parts["model"], parts["optimizer"]
         if c.kind == "dcp":
             tensors = {"rng_cpu": torch.get_rng_state()}
             dcp.load(c.path, model, optimizer, tensors=tensors)  # verified by read_resume
@@ -244,7 +279,7 @@ class Checkpointer:
             payload, why = pt.load_payload(c, device, keys=resume.TENSORS)
             if why is not None:
                 raise NanoChatError(f"{self.flag}: checkpoint {c.path} is not usable: {why}")
-            if self.dist.is_distributed and (self.config.fsdp or self.config.tp > 1):
+            if self.layout.sharded:
                 pt.load_full_state_dicts(model, optimizer, payload["model"], payload["optimizer"])
             else:
                 model.load_state_dict(payload["model"])
@@ -255,23 +290,25 @@ class Checkpointer:
             raise NanoChatError(f"{self.flag}: checkpoint {c.path} holds inf/nan ({bad}), so training cannot "
                                 f"continue from it; move it out of {c.path.parent} to resume from the previous "
                                 "checkpoint")
-        loader.load_state_dict(saved.meta["data"])
+        for name, part in parts.items():
+            if name not in TENSOR_PARTS:
+                try:
+                    part.load_state_dict(saved.meta)
+                except ValueError as e:  # e.g. FP8 choices that do not fit this model: said in flags
+                    raise ValueError(flag_text(str(e))) from None
         set_rng_state(rng)
-        try:
-            fp8.load_state_dict(saved.meta)
-        except ValueError as e:  # FP8 choices that do not fit this model: say it in flags
-            raise ValueError(flag_text(str(e))) from None
         logger.info("resumed from %s at step %d", c.path, c.step)
         return c.step
 
     # ------------------------------------------------------------------- writing
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """A checkpoint of `step`: the weights, the optimizer, RNG states, the config and `state`
-        (the loop's: data position, tokenizer fingerprint, FP8 state, the step's record). In one
-        process a .pt, distributed a DCP step (every rank); both verified, the newest
+    def save(self, step: int, parts: Mapping[str, Stateful], extra: dict[str, Any]) -> None:
+        """A checkpoint of `step`: the `parts` (module docstring), RNG states, the config and
+        `extra` (facts a resume checks or logs: the tokenizer's fingerprint, the step's record).
+        In one process a .pt, distributed a DCP step (every rank); both verified, the newest
         --keep_checkpoints kept, the other storage's checkpoints deleted afterwards so a resume
         finds one. A model or optimizer state holding inf/nan is never written: the run stops,
         naming the last checkpoint that is good."""
+        model, optimizer = parts["model"], parts["optimizer"]
         bad = nonfinite_state(model, optimizer)
         if bad:
             raise NanoChatError(
@@ -280,12 +317,16 @@ class Checkpointer:
                 f"used). {self.good_checkpoint_note()}: lower --lr, check the data, or try "
                 "--fp8_mode e5m2 / auto")
         meta = {"config": self.config.to_dict(), "resolved_paths": resume.resolved_paths(self.config), "step": step,
-                "world_size": self.dist.world_size, "data_parallel": self.dist.dp_size, **state}
+                "world_size": self.layout.world_size, "data_parallel": self.layout.dp_size}
+        for name, part in parts.items():
+            if name not in TENSOR_PARTS:
+                meta.update(part.state_dict())
+        meta.update(extra)
         keep = self.config.keep_checkpoints
-        if self.dist.is_distributed:
+        if self.layout.distributed:  # every rank writes its part
             rng = {f"rng_{k}": v for k, v in rng_state().items() if k == "cpu"}
             store.save_dcp(self.run_dir, model, optimizer, step=step, meta=meta, tensors=rng, keep=keep)
-            if self.dist.rank == 0:
+            if self.layout.rank == 0:
                 store.remove(self.run_dir, (PT,))
             return
         store.save_checkpoint(self.run_dir, {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -296,7 +337,7 @@ class Checkpointer:
         """Which checkpoint a resume would start from, checked now: its checksums, and its weights
         and optimizer states loaded and found finite (under torchrun by rank 0 only, without
         communication: this runs on error paths, where ranks may diverge)."""
-        if self.dist.rank == 0:
+        if self.layout.rank == 0:
             good, checked = store.newest_verified(self.run_dir, finite=True), "verified, finite"
         else:
             found = store.committed(self.run_dir)
@@ -306,4 +347,4 @@ class Checkpointer:
         return f"The last good checkpoint is {good.path} (step {good.step}, {checked})"
 
 
-__all__ = ["Checkpointer", "Saved", "Start"]
+__all__ = ["TENSOR_PARTS", "Checkpointer", "Keyed", "Saved", "Start"]

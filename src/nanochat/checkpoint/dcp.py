@@ -13,13 +13,21 @@ directory to its step's name: the commit (a directory cannot be replaced atomica
 saved again gets `step-000200-2`). LATEST is replaced afterwards. Quantized optimizer moments
 (FP8) reshard on whole blocks without requantization; where shards would cut blocks they load
 through fp32 templates (`_fp32_templates`). docs/distributed.md has the measurements.
+
+DCP keeps its index (`.metadata`) as a pickle and torch reads it with plain `pickle.load`, which
+runs whatever code the file names; the shards themselves load with `weights_only`. Every read
+here goes through `_SafeReader`, whose unpickler admits only the classes DCP's index is made of
+(`_INDEX_GLOBALS`), so a crafted `.metadata` is refused before it can run anything.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import io
 import os
+import pathlib
+import pickle
 import re
 import secrets
 import shutil
@@ -29,15 +37,18 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from nanochat import distributed
 from nanochat import rundir
 from nanochat.checkpoint.pt import missing_keys
 from nanochat.checkpoint.storage import Checkpoint, Storage
 from nanochat.common import NanoChatError, dist_env
 from nanochat.fs import commit_manifest, fsync_path, hash_file, manifest_problems, read_manifest, write_atomic
 from nanochat.optim import OptimWrapper, QuantizedState
+from nanochat.parallel.process_group import barrier, broadcast_object, is_distributed
 from nanochat.rundir import DCP_DIRNAME
 
 LATEST = "LATEST"
@@ -175,22 +186,22 @@ def save(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Op
 
     root = dcp_root(run_dir)
     rank0 = dist_env().rank == 0
-    problem, name, tmp_name = distributed.broadcast_object(_claim_step_name(run_dir, root, step) if rank0 else None)
+    problem, name, tmp_name = broadcast_object(_claim_step_name(run_dir, root, step) if rank0 else None)
     if problem is not None:
         raise NanoChatError(problem)
     final, tmp = root / name, root / tmp_name
     try:
         if rank0:
             tmp.mkdir()
-        distributed.barrier()  # the directory exists before any rank writes into it
+        barrier()  # the directory exists before any rank writes into it
         state = _state_dicts(model, optimizer)
         state["extra"] = dict(tensors or {})
         with _single_process_quiet():
-            dcp.save(state, checkpoint_id=tmp, no_dist=not distributed.is_distributed())
-        distributed.barrier()  # every rank's shards are written before rank 0 hashes and commits them
+            dcp.save(state, checkpoint_id=tmp, no_dist=not is_distributed())
+        barrier()  # every rank's shards are written before rank 0 hashes and commits them
         if rank0:
             _commit(tmp, final, step=step, meta=meta)
-        distributed.barrier()
+        barrier()
     except BaseException:
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)  # ours, never committed
@@ -230,6 +241,68 @@ def _commit(tmp: Path, final: Path, *, step: int, meta: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------- reading
+# What a DCP index holds, found by recording the globals of indexes this module writes: its
+# dataclasses and enums, _StorageInfo (where each chunk lies), torch.Size, dtypes, layouts
+# (rebuilt by torch.serialization._get_layout from their names) and the checkpoint_id path.
+_INDEX_GLOBALS = {
+    **{(dcp_metadata.__name__, n): c for n, c in vars(dcp_metadata).items()
+       if isinstance(c, type) and c.__module__ == dcp_metadata.__name__},
+    (_StorageInfo.__module__, _StorageInfo.__name__): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    **{("pathlib", c.__name__): c for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
+                                            pathlib.PureWindowsPath)},
+    **{("torch", n): d for n, d in vars(torch).items() if isinstance(d, torch.dtype)},
+}
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global outside `_INDEX_GLOBALS`; its message is the global's dotted name."""
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _INDEX_GLOBALS.get((module, name))
+        if found is None:
+            raise _Refused(f"{module}.{name}")
+        return found
+
+
+def read_index(path: str | os.PathLike) -> dcp_metadata.Metadata:
+    """The DCP index (`.metadata`) of step directory `path`, unpickled with only the classes an
+    index is made of; anything else (a payload that would run code) is refused in one line."""
+    index = Path(path) / ".metadata"
+    fix = f"move {Path(path)} away and resume from a checkpoint this run saved"
+    try:
+        data = index.read_bytes()
+    except OSError as e:
+        raise NanoChatError(f"{index}: cannot be read ({e.strerror or e}); {fix}") from None
+    try:
+        md = _IndexUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise NanoChatError(f"{index}: refused, it names {e}, which a DCP index never holds (a pickle made to "
+                            f"run code when read); {fix}") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
+        raise NanoChatError(f"{index}: not a DCP index ({type(e).__name__}: {e}); {fix}") from None
+    if not isinstance(md, dcp_metadata.Metadata):
+        raise NanoChatError(f"{index}: refused, it holds a {type(md).__name__}, not a DCP index; {fix}")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = dcp_metadata.StorageMeta()
+    return md
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with the index read by `read_index` instead of plain pickle.load."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        if kwargs.get("rank") is not None:
+            raise NanoChatError(f"{self.path}: per-rank DCP indexes are not written by nanochat; resume from a "
+                                "checkpoint nanochat saved")
+        md = read_index(self.path)
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
          tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Load DCP step directory `path` into `model` and `optimizer` (any world size, FSDP, DDP or
@@ -241,12 +314,12 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     path = Path(path)
     state = _state_dicts(model, optimizer)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = read_index(path).state_dict_metadata
     block_size = optimizer.block_size if isinstance(optimizer, OptimWrapper) else None
     full = _fp32_templates(state["optimizer"]["state"], saved, model, block_size)
     state["extra"] = dict(tensors or {})
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not distributed.is_distributed())
+        dcp.load(state, storage_reader=_SafeReader(path), no_dist=not is_distributed())
     for current, k, p in full:  # every rank holds the whole tensor: keep this rank's rows
         if isinstance(p, DTensor):
             current[k] = distribute_tensor(current[k], p.device_mesh, p.placements, src_data_rank=None)
@@ -264,8 +337,9 @@ def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}
+    read_index(path)  # refused here, in one line, before DCP reads it
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=Path(path), no_dist=True)
+        dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
     model.load_state_dict(state["model"])
 
 
@@ -279,7 +353,7 @@ def _fp32_templates(optim_state: dict[str, dict[str, Any]], saved: dict[str, Any
     unsharded fp32 template (DCP then reads whole saved chunks and dequantizes them), and is
     resharded and requantized by the optimizer's load_state_dict afterwards, when
     - the checkpoint holds it under a name this optimizer does not use now (a tensor whose
-      shards were not whole blocks kept fp32 state; nanochat.optim.state names the states), or
+      shards were not whole blocks kept fp32 state; nanochat.optim.saved_state names the states), or
     - loading would cut a quantized chunk other than along rows on block boundaries
       (`_cuts_blocks`).
     Otherwise (the usual case, and always where this rank's shard is one the checkpoint holds)
@@ -343,12 +417,12 @@ def nonfinite(path: str | os.PathLike) -> list[str]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     bad = []
-    for key, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items():
+    for key, md in read_index(path).state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata) or not md.properties.dtype.is_floating_point:
             continue
         one = {key: torch.empty(md.size, dtype=md.properties.dtype)}
         with _single_process_quiet():
-            dcp.load(one, checkpoint_id=path, no_dist=True)
+            dcp.load(one, storage_reader=_SafeReader(path), no_dist=True)
         if not torch.isfinite(one[key]).all():
             bad.append(key)
     return bad
@@ -359,10 +433,11 @@ def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it "assumes the intent" of a single process even when no_dist=True says
     so; in one process that is exactly the intent, so that warning is dropped."""
     with warnings.catch_warnings():
-        if not distributed.is_distributed():
+        if not is_distributed():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-__all__ = ["DCP", "DcpStorage", "LATEST", "META_NAME", "MANIFEST_NAME", "dcp_root", "read_meta", "save", "load",
+__all__ = ["DCP", "DcpStorage", "LATEST", "META_NAME", "MANIFEST_NAME", "dcp_root", "read_index", "read_meta", "save",
+           "load",
            "load_weights", "nonfinite"]

@@ -107,6 +107,8 @@ def _load_weights(saved: Saved, model: GPT) -> None:
             dcp.load_weights(saved.path, model)
         else:  # a model saved inside torch.compile (`_orig_mod.`) or DDP (`module.`) has prefixed keys
             model.load_state_dict({re.sub(r"^(_orig_mod\.|module\.)+", "", k): v for k, v in saved.weights.items()})
+    except NanoChatError:  # a checkpoint refused as it is read (a DCP index that is not one): said as it is
+        raise
     except (RuntimeError, KeyError) as e:
         raise UsageError(f"{saved.origin}: its weights do not fit this {saved.meta['config']['model_name']} model "
                          f"({str(e).splitlines()[0]}); it was saved by another version of the model") from None

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from nanochat.checkpoint.state import nonfinite_tensors
+from nanochat.checkpoint.nonfinite import nonfinite_tensors
 from nanochat.checkpoint.storage import Checkpoint, Storage
 from nanochat.fs import AtomicFile, commit_manifest, file_problem, read_manifest, temp_pattern
 from nanochat.optim import dense
@@ -151,9 +151,6 @@ def load_payload(c: Checkpoint, map_location, *, mmap: bool = False,
                  keys: tuple[str, ...] = ()) -> tuple[dict[str, Any] | None, str | None]:
     """(payload, None) when `c` loads as nanochat's checkpoint of its step holding `keys`, else
     (None, why not). Verify it first (store.verify): this reads, it does not check the hash."""
-    # FP8Tensor registers itself as a safe global on import (imported here: it brings torchao)
-    import nanochat.fp8.tensor  # noqa: F401
-
     try:
         payload = torch.load(c.path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:  # torch's text suggests weights_only=False: never, for a file on disk

@@ -8,7 +8,9 @@ or the optimizer's meaning must be as the checkpoint has it: the flags config ma
 form name one directory); the
 global batch (batch_size x ranks, so 2 ranks of 8 resume in 1 process of 16); and the tokenizer
 (its fingerprint). Everything else (--num_iterations, --eval_every, ...) may differ, so a run can
-be extended, but not to nothing: a checkpoint at or past the last step is refused.
+be extended, but not to nothing: a checkpoint at or past the last step is refused. Those that
+differ are said, one warning line each (`changed_settings`): a changed --lr, or a --num_iterations
+that recomputes the schedule over a new total, changes the rate at the very next step.
 `setting_differences` is the comparison itself; FP8Trainer uses it for the FP8 settings of a
 Hugging Face Trainer checkpoint. --auto_resume applies the same rules to the checkpoint it
 finds, and before a run's first checkpoint to the settings its start records hold (`identity`).
@@ -27,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from nanochat.checkpoint.storage import Checkpoint
-from nanochat.common import UsageError
+from nanochat.common import UsageError, dist_env, logger
 from nanochat.config import RESUME_MUST_MATCH, TrainConfig
 from nanochat.model.gpt import PRESETS
+from nanochat.optim.schedule import lr_multiplier
 from nanochat.tokenizer import Tokenizer, run_tokenizer
 
 RESUME_KEYS = ("config.batch_size", "step", "data", "tokenizer_fingerprint")
@@ -39,6 +42,11 @@ INIT_KEYS = ("config.model_name", "step", "tokenizer_fingerprint")
 """What a checkpoint must hold to start another run from (--init_from), besides "model"."""
 TENSORS = ("model", "optimizer", "rng")
 PATH_FIELDS = ("model_name", "dataset_path", "tokenizer_dir", "init_from")
+HOW_STARTED = ("resume", "auto_resume", "overwrite", "run_dir", "batch_size")
+"""Flags that say how this start continues the run, not what it trains: never reported as changed
+(--batch_size is checked as the global batch, which must match)."""
+SCHEDULE = ("lr", "num_iterations", "num_epochs", "warmup_steps", "final_lr_frac")
+"""The flags the learning rate at a step depends on (nanochat.optim.schedule)."""
 
 
 def resolved_paths(config: TrainConfig) -> dict[str, str | None]:
@@ -129,6 +137,44 @@ def check_resume(meta: dict[str, Any], config: TrainConfig, *, world_size: int, 
                          "with; pass the same --tokenizer_dir (or the same corpus and --vocab_size)")
 
 
+def changed_settings(meta: dict[str, Any], config: TrainConfig, total_steps: int) -> list[str]:
+    """One line per flag that may differ from the checkpoint `meta` and does (what, from, to);
+    a schedule flag's line adds the learning rate at the resumed step under the saved settings
+    and under this run's."""
+    saved, now, step = meta["config"], config.to_dict(), meta["step"]
+    keys = [k for k in now if k not in RESUME_MUST_MATCH and k not in HOW_STARTED and k in saved]
+    diff = setting_differences(saved, now, keys)
+    if not diff:
+        return []
+    rates = ""
+    if any(k in SCHEDULE for k in diff):
+        saved_total = _saved_total(saved, config, total_steps)
+        before = (None if saved_total is None else
+                  saved["lr"] * lr_multiplier(step, saved_total, saved["warmup_steps"], saved["final_lr_frac"]))
+        after = config.lr * lr_multiplier(step, total_steps, config.warmup_steps, config.final_lr_frac)
+        rates = (f"; the learning rate at step {step + 1} is {after:.3g}"
+                 + (f", {before:.3g} under the checkpoint's settings" if before is not None else ""))
+    return [f"resumed with --{k} changed from the checkpoint's {a!r} to {b!r}{rates if k in SCHEDULE else ''}"
+            for k, (a, b) in diff.items()]
+
+
+def _saved_total(saved: Mapping[str, Any], config: TrainConfig, total_steps: int) -> int | None:
+    """The steps the checkpoint's run planned; None where its --num_epochs cannot be counted here
+    (this run gives --num_iterations: its steps per epoch are unknown)."""
+    if saved.get("num_iterations", 0) > 0:
+        return saved["num_iterations"]
+    if config.num_iterations <= 0 and config.num_epochs:
+        return saved["num_epochs"] * total_steps // config.num_epochs
+    return None
+
+
+def warn_changed_settings(meta: dict[str, Any], config: TrainConfig, total_steps: int) -> None:
+    """`changed_settings` as warnings, by rank 0 (every rank reads the same checkpoint)."""
+    if dist_env().rank == 0:
+        for line in changed_settings(meta, config, total_steps):
+            logger.warning(line)
+
+
 def check_recorded_run(starts: list[dict[str, Any]], config: TrainConfig) -> None:
     """--auto_resume over a run's records without a checkpoint (it died before its first): they
     must be this run's, as their first start record's `identity` says; a UsageError otherwise,
@@ -161,4 +207,5 @@ def check_init_source(meta: dict[str, Any], config: TrainConfig, src: Path) -> T
 
 
 __all__ = ["RESUME_KEYS", "INIT_KEYS", "TENSORS", "resolved_paths", "setting_differences", "check_budget",
-           "finished_steps", "identity", "kept_differences", "check_resume", "check_recorded_run", "check_init_source"]
+           "finished_steps", "identity", "kept_differences", "check_resume", "changed_settings",
+           "warn_changed_settings", "check_recorded_run", "check_init_source"]

@@ -27,13 +27,14 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-from nanochat import distributed, rundir
+from nanochat import rundir
 from nanochat.checkpoint import dcp, pt
 from nanochat.checkpoint.dcp import DCP
 from nanochat.checkpoint.pt import PT
 from nanochat.checkpoint.storage import Checkpoint, Storage
 from nanochat.common import NanoChatError, UsageError, dist_env, format_bytes, warn_once
 from nanochat.fs import fsync_path
+from nanochat.parallel.process_group import broadcast_object
 
 STORAGES: tuple[Storage, ...] = (PT, DCP)
 
@@ -114,7 +115,7 @@ def verify(c: Checkpoint, flag: str = "--resume") -> None:
     if dist_env().rank == 0:
         why = problem(c)
         message = unusable(c, why, flag) if why is not None else None
-    message = distributed.broadcast_object(message)
+    message = broadcast_object(message)
     if message is not None:
         raise NanoChatError(message)
 
@@ -177,9 +178,9 @@ def foreign(run_dir: str | os.PathLike) -> list[str]:
 
 
 def clean_interrupted(run_dir: str | os.PathLike) -> list[str]:
-    """Finish or remove what killed saves left in `run_dir`, under its lock; one line per file
-    for the log. Checkpoints without a manifest and temporaries of other names are reported and
-    left alone."""
+    """Finish or remove what killed saves (and killed writes of the run's records) left in
+    `run_dir`, under its lock; one line per file for the log. Checkpoints without a manifest and
+    temporaries of other names are reported and left alone."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
@@ -195,6 +196,9 @@ def clean_interrupted(run_dir: str | os.PathLike) -> list[str]:
                              "loads nor deletes it; restore its manifest or move it away")
             notes += [f"left {p} alone: not a temporary name of this nanochat's saves; delete it if no other "
                       f"program writes {run_dir}" for p in others]
+        for p in rundir.record_temporaries(run_dir):
+            p.unlink(missing_ok=True)
+            notes.append(f"removed {p}, left by an interrupted write of {p.name[1:].split('.tmp-')[0]}")
     return notes
 
 

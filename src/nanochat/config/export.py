@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from nanochat.config.fields import SourceFields
+from nanochat.config.fields import ScriptFields, SourceFields
 
 Quantize = Literal["none", "fp8", "fp8_block", "mxfp8"]
 """How an export stores its Linear weights: fp32 (none), float8 e4m3 with a scale per output
@@ -20,13 +20,13 @@ power-of-two (e8m0) scale per 32 values along K (mxfp8: MXFP8, for Blackwell's M
 
 SQNR_FLOOR_DB = 28.0
 """A layer whose FP8 weight SQNR is below this stays bf16. e4m3 rounding gives 24.6 dB at worst
-(each value off by at most 1/17 of itself); every weight distribution measured sits several dB
-higher (BENCHMARKS.md §8(c)), so 28 dB, between the two, flags layers well below typical. A
-20 dB floor could never trigger: see nanochat.model.hf_fp8's docstring."""
+(each value off by at most 1/17 of itself) and realistic weights 31.5-33 dB, so 28 dB, between
+the two, flags a layer with over twice the typical rounding noise. A 20 dB floor could never
+trigger."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExportConfig(SourceFields):
+class ExportConfig(ScriptFields, SourceFields):
     """Export a run's checkpoint, or a model as loaded, to a Hugging Face model directory."""
 
     out_dir: str

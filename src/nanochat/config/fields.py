@@ -1,9 +1,9 @@
 """The field groups: flags two or more entrypoints share, each declared once.
 
 A group is a frozen dataclass mixin (ModelFields, DataFields, BatchFields, ScheduleFields,
-DeviceFields, SourceFields, FP8Fields) that the configs inherit, so the flags keep their flat
-names (`--seq_len`, not `--batch.seq_len`) and tyro reads each field's help from the docstring
-under it, in the group. Each group checks its own values in `__post_init__`, chained through
+DeviceFields, SourceFields, ScriptFields, FP8Fields) that the configs inherit, so the flags keep
+their flat names (`--seq_len`, not `--batch.seq_len`) and tyro reads each field's help from the
+docstring under it, in the group. Each group checks its own values in `__post_init__`, chained through
 `super()` down to nanochat.config.checks.Checked. Flat names because the flags are the documented
 interface and the same names are NanoChatTrainer's keyword arguments (alternatives:
 docs/design.md).
@@ -11,7 +11,8 @@ docs/design.md).
 The FP8 flags are generated from nanochat.config.fp8.FP8Config (type, help text, checks), each
 named by `FP8_FLAGS`, so FP8 has one definition: a flag's help is the `tyro.conf.arg(help=...)`
 in its FP8Config field's annotation, with the field names shown as flags. `flag_text` rewrites
-FP8Config's messages the same way, and `flags_in_log` what nanochat.fp8 logs during a CLI run.
+FP8Config's messages the same way, `flags_in_log` what nanochat.fp8 logs during a CLI run, and a
+run's `Fallbacks` (built with `translate=flag_text`) the fallbacks it records.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 import re
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Callable, Iterable, Iterator, Literal
 
 import tyro
 
@@ -44,6 +45,42 @@ without a flag (`fsdp_float8_all_gather`) is decided by the trainer, not the use
 def flag_text(text: str) -> str:
     """An FP8Config message or help text as the CLI shows it: `mode` becomes --fp8_mode."""
     return re.sub(r"`(\w+)`", lambda m: "--" + FP8_FLAGS[m[1]] if m[1] in FP8_FLAGS else m[0], text)
+
+
+class Fallbacks:
+    """Every fallback a run took, with its reason, in the order taken: TrainResult.fallbacks.
+
+    One collector per run, handed to each part as it is built. A part that falls back calls
+    `add(message)`: the message is logged once, as a warning, and recorded. A part that keeps
+    its own list as it runs (an optimizer's backends, the trackers), and says each entry itself,
+    is `follow`ed: its entries are read when the collector is. `translate` rewrites every message
+    once, as it is recorded: `flag_text` for a run configured by flags, where nanochat.fp8's
+    messages name FP8Config's fields (`emulate` becomes --fp8_emulate). Iterating gives the
+    messages; a message recorded twice is kept once."""
+
+    def __init__(self, translate: Callable[[str], str] = str):
+        self.translate = translate
+        self._taken: list[str] = []
+        self._followed: list[Callable[[], Iterable[str]]] = []
+
+    def add(self, message: str, *, said: bool = False) -> None:
+        """Record `message`, and log it unless the part that fell back has `said` it already."""
+        text = self.translate(message)
+        if text in self._taken:
+            return
+        self._taken.append(text)
+        if not said:
+            logger.warning("WARNING: %s", text)
+
+    def follow(self, entries: Callable[[], Iterable[str]]) -> None:
+        """A part's own fallbacks, read (`entries()`) whenever the collector is."""
+        self._followed.append(entries)
+
+    def __iter__(self) -> Iterator[str]:
+        seen = list(self._taken)
+        for entries in self._followed:
+            seen += [t for t in map(self.translate, entries()) if t not in seen]
+        return iter(seen)
 
 
 class _FlagText(logging.Filter):
@@ -145,6 +182,14 @@ class BatchFields(Checked):
     """Tokens per sequence: the training context (a preset's context length), and the window
     evaluation scores (a longer multiple-choice prompt keeps its last seq_len tokens)."""
 
+    packing: Literal["stream", "bestfit"] = kept("stream")
+    """How plain text is cut into sequences, for training and validation alike. stream: every
+    seq_len tokens of the corpus (most sequences begin inside a document). bestfit: every
+    sequence begins at a document's start; documents are placed whole, the largest that fits
+    first, and one is cropped to fill the sequence, its tail dropped (the cropped share is
+    logged: ~35% at seq_len 2048 on web text). Instruction data always packs its records whole:
+    bestfit is refused there."""
+
     batch_size: int = 16
     """Sequences per forward pass on each device."""
 
@@ -196,6 +241,15 @@ class DeviceFields(Checked):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ScriptFields(Checked):
+    """What every script's command line has (base_train, tok_train, tokenize_corpus, eval,
+    export_hf, plot_run, fp8_parity)."""
+
+    debug: bool = False
+    """Show the full traceback of an error instead of the one-line message."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class SourceFields(Checked):
     """The model a script reads: a training run's checkpoint, or a model as loaded (exactly one)."""
 
@@ -204,9 +258,6 @@ class SourceFields(Checked):
 
     model_name: str | None = None
     """Instead of --run_dir: a local Hugging Face directory or a cached hub id, as loaded."""
-
-    debug: bool = False
-    """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

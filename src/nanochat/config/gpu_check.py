@@ -32,9 +32,8 @@ class GPUCheckConfig:
     """Sequences per step of --big_model's runs."""
     big_compile_scope: str = "blocks"
     """--compile_scope of --big_model's runs. blocks: one block's graph compiled once and reused by
-    every block, so compiling does not grow with depth (d12 per block: 10 s bf16, 21 s FP8, against
-    20 s and 59 s whole); a whole-model compile of d26 would take ~2 minutes of the 9 in FP8 alone.
-    bf16 and FP8 are compared under the same scope."""
+    every block, so compiling does not grow with depth and fits the time budget (a whole model
+    compiles about 3x slower in FP8). bf16 and FP8 are compared under the same scope."""
     seq_len: int = 2048
     """Tokens per sequence of every training run."""
     vocab_size: int = 8192
@@ -54,8 +53,8 @@ class GPUCheckConfig:
     opt_steps: int = 10
     """Timed optimizer steps (median reported) after one that creates the state and compiles."""
     optimizers: tuple[str, ...] = ("adamw_fused", "fp8optim_l0", "fp8optim_l1", "fp8optim_l2")
-    """What the optim job times (bench_optim.OPTIMIZERS); also fp8optim_l2_bf16, fp8optim_l2_bf16_sr,
-    fp8optim_l2_bf16_split (level 2 with bf16 master weights)."""
+    """What the optim job times (nanochat.train.measure.OPTIMIZERS); also fp8optim_l2_bf16,
+    fp8optim_l2_bf16_sr, fp8optim_l2_bf16_split (level 2 with bf16 master weights)."""
     tests_timeout_s: float = 120.0
     """Interrupt the GPU tests after this many seconds (what ran is kept)."""
     run_root: str = ""

@@ -3,8 +3,8 @@ the run picture (`scripts/tok_train.py`, `tokenize_corpus.py`, `eval.py`, `plot_
 
 Each is a frozen dataclass built from the shared field groups (nanochat.config.fields) plus its
 own flags, checked at construction like TrainConfig. The export's config has its own module
-(nanochat.config.export: its quantization constants come with it), as has the parity sweep's
-(nanochat.config.parity).
+(nanochat.config.export: its quantization constants come with it), as has the GPU check's
+(nanochat.config.gpu_check).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Annotated
 
 import tyro
 
-from nanochat.config.checks import Checked, check_vocab_size, non_negative, positive
-from nanochat.config.fields import BatchFields, DataFields, DeviceFields, FP8Fields, SourceFields
+from nanochat.config.checks import check_vocab_size, non_negative, positive
+from nanochat.config.fields import BatchFields, DataFields, DeviceFields, FP8Fields, ScriptFields, SourceFields
 
 MAX_ROWS = 48
 """Health-map rows before layers are grouped (scripts/plot_run.py --max_rows, nanochat.report.plot):
@@ -24,7 +24,7 @@ beyond are grouped)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokTrainConfig(FP8Fields):  # type: ignore[misc, valid-type]
+class TokTrainConfig(ScriptFields, FP8Fields):  # type: ignore[misc, valid-type]
     """Train a BPE tokenizer on a corpus and save it. `scripts/tok_train.py`.
 
     The FP8 flags are accepted so one command line works for both scripts; they do not apply here
@@ -48,9 +48,6 @@ class TokTrainConfig(FP8Fields):  # type: ignore[misc, valid-type]
     max_chars: int = 20_000_000
     """Train on at most this many characters of the corpus (BPE merges converge long before)."""
 
-    debug: bool = False
-    """Show the full traceback of an error instead of the one-line message."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
         check_vocab_size(self)
@@ -58,7 +55,7 @@ class TokTrainConfig(FP8Fields):  # type: ignore[misc, valid-type]
 
 
 @dataclass(frozen=True, kw_only=True)
-class TokenizeConfig(DataFields):
+class TokenizeConfig(ScriptFields, DataFields):
     """Tokenize a corpus once into its token store, the memory-mapped files every run and rank
     reads (on a CPU node, or before torchrun); base_train builds the same store on first use.
     `scripts/tokenize_corpus.py`."""
@@ -79,16 +76,13 @@ class TokenizeConfig(DataFields):
     compare it with the sha256 its manifest recorded at build time (exit 1 on a difference). The
     corpus's own files are checked by size and modification time, as every start does."""
 
-    debug: bool = False
-    """Show the full traceback of an error instead of the one-line message."""
-
     def __post_init__(self) -> None:
         super().__post_init__()
         non_negative(self, "workers")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig(SourceFields, DeviceFields, BatchFields):
+class EvalConfig(ScriptFields, SourceFields, DeviceFields, BatchFields):
     """Evaluate a model on a dataset without training: validation loss and, for multiple-choice
     records, accuracy. `scripts/eval.py`."""
 
@@ -102,7 +96,7 @@ class EvalConfig(SourceFields, DeviceFields, BatchFields):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlotConfig(Checked):
+class PlotConfig(ScriptFields):
     """Draw a training run: loss and validation bpb against tokens, tokens/s, MFU and the FP8
     health map (underflow and saturation per layer and statistics step). `scripts/plot_run.py`."""
 
@@ -117,9 +111,6 @@ class PlotConfig(Checked):
 
     max_rows: int = MAX_ROWS
     """Rows of the FP8 health map before layers are grouped (each Linear over a range of blocks)."""
-
-    debug: bool = False
-    """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -19,7 +19,7 @@ from typing import Literal
 
 from nanochat.config.checks import RESUME, finite, kept, non_negative, positive
 from nanochat.config.fields import (
-    BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, flag_text,
+    BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, ScriptFields, flag_text,
 )
 
 LogChoice = Literal["jsonl", "tensorboard", "wandb"]
@@ -28,11 +28,12 @@ nanochat.report.trackers adds (TensorBoard, W&B)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields, FP8Fields):  # type: ignore[misc]
+class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataFields,  # type: ignore[misc]
+                  ModelFields, FP8Fields):
     """Train (or continue training) a GPT on a corpus. `scripts/base_train.py`."""
 
     # --help lists the groups' flags last base first (FP8, model, data, batches, schedule,
-    # device), then these
+    # device, --debug), then these
 
     tokenizer_dir: str | None = kept(None)
     """A tokenizer saved by scripts/tok_train.py. Default: train one on the corpus (cached)."""
@@ -126,8 +127,8 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     compile_scope: Literal["model", "blocks"] = "model"
     """What --compile compiles: the whole model as one graph, or each transformer block (one
     graph that every block reuses: compile time stops growing with depth). Per block compiles
-    faster but trains slower (the embedding, head and loss run eagerly) and, with FP8, recompiles
-    per block (BENCHMARKS.md §5(a)); hence model."""
+    faster but trains slower (the embedding, head and loss run eagerly: 13% fewer tokens/s at
+    d12 on an H200) and, with FP8, may recompile once per block; hence model."""
 
     fsdp: bool = False
     """Under torchrun: shard parameters with FSDP2 (fully_shard) instead of DDP."""
@@ -177,9 +178,6 @@ class TrainConfig(DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFi
     gradient: the gradients' memory is gone. Needs --grad_accum_steps 1 and --grad_clip 0 (there
     is no global norm before the last gradient); not under torchrun (DDP/FSDP reduce gradients
     after these steps). A parameter whose gradient is not finite is left unchanged."""
-
-    debug: bool = False
-    """Show the full traceback of an error instead of the one-line message."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the groups' checks

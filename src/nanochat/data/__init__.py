@@ -12,6 +12,6 @@ start-up and memory do not grow with the corpus; batches are deterministic, resu
 rank-aware. Instruction records (prompt/completion, chat, multiple choice) go the same way with a
 loss mask. Every data problem is a `DataError` raised before any model is built.
 
-Each module imports only from the ones before it in README.md's Layout (`make test` checks there
+Each module imports only from the ones before it in docs/layout.md (`make test` checks there
 is no cycle). Why each choice was made, with the figures: docs/data.md.
 """

@@ -3,10 +3,10 @@
 `build_store` cuts the corpus's units (nanochat.data.plan) into pieces (at most 32 MiB) and
 tokenizes them in a process pool (stdlib), each worker streaming documents into its own piece
 files; a piece is recorded once complete, so a killed build keeps what it finished and continues.
-Then the split is decided from the per-document tables (`SplitRule`, nanochat.data.split) and the
-pieces are concatenated, reading and writing in chunks: memory is bounded by the largest
+Then the split is decided from the per-document tables and the pieces are concatenated
+(nanochat.data.assemble), reading and writing in chunks: memory is bounded by the largest
 document, not the corpus. Every file is a nanochat.fs.AtomicFile (a temporary name, hashed as it
-is written, made durable and renamed); the manifest (nanochat.data.store) is committed last.
+is written, made durable and renamed); the manifest (nanochat.data.token_store) is committed last.
 
 `locked` makes one process build while the others (ranks, nodes on a shared file system) wait,
 then map the result; `load_plan` keeps the corpus's plan beside its stores, so a start whose
@@ -41,11 +41,12 @@ from tqdm import tqdm
 
 from nanochat.common import NanoChatError, format_bytes, logger, warn_once
 from nanochat.data import instruct
+from nanochat.data.assemble import ROLE_CODE, finalize
 from nanochat.data.plan import Plan, Unit, plan_sources
 from nanochat.data.read import read_unit
 from nanochat.data.sources import DataError, Sources
-from nanochat.data.split import VAL_FRACTION, SplitRule, cut_point, empty_corpus_message, val_hash
-from nanochat.data.store import FORMAT, MANIFEST, VERSION, TokenStore, map_store, token_dtype
+from nanochat.data.split import val_hash
+from nanochat.data.token_store import FORMAT, MANIFEST, VERSION, TokenStore, map_store, token_dtype
 from nanochat.fs import AtomicFile, FileLock, LockUnsupported, commit_manifest, write_atomic
 
 if TYPE_CHECKING:
@@ -59,8 +60,6 @@ so the progress bar moves and a killed build loses little; a 40 GB corpus makes 
 MIN_PIECES = 64
 """A smaller corpus is cut into about this many pieces (of at least 1 MiB) so that every core
 has work: the standard library's 11.6 MiB make 12."""
-COPY_CHUNK = 1 << 24  # bytes per read when pieces are concatenated
-_ROLE_CODE = {"": 0, "train": 1, "validation": 2}
 
 
 def report(message: str, *args: Any) -> None:
@@ -189,7 +188,7 @@ def build_store(plan: Plan, tokenizer: Tokenizer, path: Path, *, workers: int = 
     finally:
         meter.close()
     tokenize_s = time.perf_counter() - t0
-    manifest = _finalize(plan, tokenizer, path, [(Path(j.stem), records[j.index]) for j in jobs], dtype)
+    manifest = finalize(plan, tokenizer, path, [(Path(j.stem), records[j.index]) for j in jobs], dtype)
     seconds = time.perf_counter() - t0
     manifest["build"] = {"seconds": round(seconds, 3), "tokenize_seconds": round(tokenize_s, 3),
                          "text_bytes": manifest["split"]["train"]["bytes"] + manifest["split"]["val"]["bytes"],
@@ -295,7 +294,7 @@ def _tokenize_piece(job: _Job, tokenizer: Tokenizer | None = None) -> dict[str, 
                 pos += len(ids)
                 nbytes.append(len(doc.text.encode("utf-8")))
                 hashes.append(val_hash(doc.id))
-                roles.append(_ROLE_CODE[unit.role])
+                roles.append(ROLE_CODE[unit.role])
     except BaseException:
         for w in out.values():
             w.discard()
@@ -342,146 +341,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _finalize(plan: Plan, tokenizer: Tokenizer, path: Path, pieces: list[tuple[Path, dict[str, Any]]],
-              dtype: np.dtype) -> dict[str, Any]:
-    """Decide the split and concatenate the pieces into the store's files; the manifest's fields
-    but `build`."""
-    sources = plan.sources
-    skipped = Counter(sources.skipped)
-    shapes: Counter = Counter()
-    docs = role_val = hash_val = 0
-    smallest = largest = None  # (hash, piece, doc)
-    for k, (stem, rec) in enumerate(pieces):
-        skipped.update(rec["skipped"])
-        shapes.update(rec["shapes"])
-        if not rec["docs"]:
-            continue
-        with np.load(str(stem) + ".docs.npz", allow_pickle=False) as z:
-            h, role = z["hash"], z["role"]
-        docs += len(h)
-        role_val += int((role == _ROLE_CODE["validation"]).sum())
-        hash_val += int((h < VAL_FRACTION).sum())
-        i, j = int(np.argmin(h)), int(np.argmax(h))  # the first of equals, as min() / max() take it
-        if smallest is None or h[i] < smallest[0]:
-            smallest = (h[i], k, i)
-        if largest is None or h[j] > largest[0]:
-            largest = (h[j], k, j)
-    skipped = dict(sorted(skipped.items()))
-    if docs == 0:
-        if sources.split_layout:
-            raise DataError(f"--dataset_path {sources.source}: the train split files hold no documents or records")
-        raise DataError(empty_corpus_message(sources.source, skipped))
-    rule = SplitRule.decide(role_val_docs=role_val, docs=docs, hash_val_docs=hash_val,
-                            smallest=smallest[1:], largest=largest[1:])
-    if rule.mode == "role" and role_val == docs:
-        raise DataError(f"--dataset_path {sources.source}: the train split files hold no documents or records")
-    files: dict[str, dict[str, Any]] = {}
-    split: dict[str, Any] = {}
-    if rule.fallback == "cut":
-        if plan.kind == "instruct":
-            raise DataError(f"{sources.source}: the corpus is a single instruction record; training and "
-                            "validation need at least 2 records")
-        note = _write_cut(plan, tokenizer, path, dtype, files, split)
-    else:
-        for name in ("train", "val"):
-            split[name] = _concat(plan, path, pieces, dtype, rule, name, files)
-        note = rule.note(sources)
-    split["note"] = note
-    return {"format": FORMAT, "version": VERSION, "tokenizer": tokenizer.fingerprint,
-            "vocab_size": tokenizer.vocab_size, "dtype": dtype.name, "kind": plan.kind, "name": sources.name,
-            "source": sources.source, "sources": sources.listing(), "split": split, "skipped": skipped,
-            "shapes": dict(sorted(shapes.items())), "files": files}
-
-
-def _to_val(rule: SplitRule, k: int, h: np.ndarray, role: np.ndarray) -> np.ndarray:
-    """Which documents of piece k are in validation under `rule`."""
-    if rule.mode == "role":
-        return role == _ROLE_CODE["validation"]
-    val = h < VAL_FRACTION
-    if rule.fallback in ("to_val", "to_train") and rule.moved[0] == k:
-        val[rule.moved[1]] = rule.fallback == "to_val"
-    return val
-
-
-def _concat(plan: Plan, path: Path, pieces: list[tuple[Path, dict[str, Any]]], dtype: np.dtype, rule: SplitRule,
-            name: str, files: dict[str, dict[str, Any]]) -> dict[str, int]:
-    """The `name` split's files from the pieces' documents on that side, in corpus order."""
-    records = plan.kind == "instruct"
-    out = {"bin": AtomicFile(path / f"{name}.bin"), "docs": AtomicFile(path / f"{name}.docs.bin")}
-    if records:
-        out["mask"] = AtomicFile(path / f"{name}.mask.bin")
-        if name == "val":
-            out["records"] = AtomicFile(path / "val.records.jsonl")
-    pos = n_docs = n_bytes = 0
-    try:
-        for k, (stem, rec) in enumerate(pieces):
-            if not rec["docs"]:
-                continue
-            with np.load(str(stem) + ".docs.npz", allow_pickle=False) as z:
-                starts, nbytes, h, role = z["starts"], z["nbytes"], z["hash"], z["role"]
-            keep = _to_val(rule, k, h, role) == (name == "val")
-            if not keep.any():
-                continue
-            ends = np.append(starts[1:], rec["tokens"])
-            lengths = (ends - starts)[keep]
-            out["docs"].write((pos + np.concatenate([[0], np.cumsum(lengths)[:-1]])).astype(np.int64).tobytes())
-            n_docs += int(keep.sum())
-            n_bytes += int(nbytes[keep].sum())
-            # runs of consecutive kept documents: one copy each
-            idx = np.flatnonzero(keep)
-            breaks = np.flatnonzero(np.diff(idx) != 1)
-            for a, b in zip(np.append(idx[0], idx[breaks + 1]), np.append(idx[breaks], idx[-1])):
-                s, e = int(starts[a]), int(ends[b])
-                _copy(str(stem) + ".tokens", s * dtype.itemsize, e * dtype.itemsize, out["bin"])
-                if records:
-                    _copy(str(stem) + ".mask", s, e, out["mask"])
-                pos += e - s
-            if "records" in out:
-                with open(str(stem) + ".records.jsonl", "rb") as f:
-                    for line, kept in zip(f, keep):
-                        if kept:
-                            out["records"].write(line)
-    except BaseException:
-        for w in out.values():
-            w.discard()
-        raise
-    for key, w in out.items():
-        files[w.path.name] = w.commit()
-    return {"docs": n_docs, "bytes": n_bytes, "tokens": pos}
-
-
-def _copy(src: str, start: int, stop: int, out: AtomicFile) -> None:
-    with open(src, "rb") as f:
-        f.seek(start)
-        left = stop - start
-        while left > 0:
-            block = f.read(min(left, COPY_CHUNK))
-            if not block:
-                raise NanoChatError(f"token store piece {src} ended early (at byte {stop - left:,} of {stop:,}); "
-                                    "it was changed during the build: run again")
-            out.write(block)
-            left -= len(block)
-
-
-def _write_cut(plan: Plan, tokenizer: Tokenizer, path: Path, dtype: np.dtype, files: dict[str, dict[str, Any]],
-               split: dict[str, Any]) -> str:
-    """A corpus of one document: its last VAL_FRACTION of characters are the validation split."""
-    unit, doc = next((u, d) for u in plan.units for d in read_unit(plan.sources.root, u, Counter()))
-    cut = cut_point(doc.text)
-    if cut < 1:
-        raise DataError(f"{plan.sources.source}: the corpus is a single {len(doc.text)}-character document; "
-                        "training and validation need at least 2 characters")
-    for name, text in (("train", doc.text[:cut]), ("val", doc.text[cut:])):
-        ids = np.asarray(tokenizer.encode(text, prepend_bos=True), dtype=dtype)
-        for suffix, data in ((".bin", ids.tobytes()), (".docs.bin", np.zeros(1, np.int64).tobytes())):
-            w = AtomicFile(path / f"{name}{suffix}")
-            w.write(data)
-            files[w.path.name] = w.commit()
-        split[name] = {"docs": 1, "bytes": len(text.encode("utf-8")), "tokens": len(ids)}
-    rule = SplitRule("hash", "cut")
-    return rule.note(plan.sources, len(doc.text) - cut)
 
 
 __all__ = ["build_store", "load_plan", "locked", "report"]

@@ -9,7 +9,7 @@ A run's data goes one way: sources -> tokenizer -> token store -> batches.
    recorded in the run directory (`write_sources`): a --resume must read the corpus it started on.
 2. The tokenizer is given (a model's, a run's) or trained on the corpus's first training
    characters, cached by that listing (`get_or_train_tokenizer`: a start reads no document).
-3. The corpus is tokenized once into a token store (nanochat.data.store) that every later run
+3. The corpus is tokenized once into a token store (nanochat.data.token_store) that every later run
    and every rank memory-maps; one process builds (nanochat.data.build) while the others wait
    on a file lock. A source that changed rebuilds the store for a new run and stops a --resume,
    naming the file.
@@ -36,7 +36,7 @@ from nanochat.data.build import build_store, load_plan, locked, report
 from nanochat.data.plan import Plan
 from nanochat.data.sources import DataError, Sources, list_sources, named_changes
 from nanochat.data.split import split_texts
-from nanochat.data.store import TokenStore, dataset_dir, open_store, store_changes, store_dir
+from nanochat.data.token_store import TokenStore, dataset_dir, open_store, store_changes, store_dir
 from nanochat.fs import temp_path, write_atomic
 from nanochat.tokenizer import META_FILE, BPETokenizer, Tokenizer
 
@@ -66,16 +66,17 @@ def prepare_data(dataset_path: str | os.PathLike | None, *, tokenizer: Tokenizer
                  chat_template: str | None = None, cache_root: str | os.PathLike, resume: bool = False,
                  recorded: dict[str, Any] | None = None, workers: int = 0, progress: bool = True,
                  piece_bytes: int | None = None, max_chars: int = DEFAULT_MAX_CHARS, build: bool = True,
-                 changes_file: Path | None = None) -> PreparedData:
+                 changes_file: Path | None = None, run_dir: str | os.PathLike | None = None) -> PreparedData:
     """The token store of the corpus at `dataset_path` (None: the standard library) for
     `tokenizer` (None: one trained on the corpus, `vocab_size`, cached), built if missing or if
     its sources changed (and said why). With `resume`, sources that changed since `recorded`
     (the listing the run started on) or since the store was built are refused, naming the file:
     resuming on other data must never be silent: the refusal names RESUME_NAMED changes and
     writes all of them to `changes_file` when there are more. `chat_template`: --chat_template
-    (records). `build=False`: only find them (a DataError says what is missing)."""
+    (records). `build=False`: only find them (a DataError says what is missing). `run_dir`: the
+    run's directory, refused where a link in the corpus leads to it (list_sources)."""
     cache_root = Path(cache_root)
-    sources = list_sources(dataset_path, exclude=[cache_root])
+    sources = list_sources(dataset_path, exclude=[cache_root], run_dir=run_dir)
     if resume and recorded is not None:
         _refuse_changed(sources.changes(recorded), "since this run started", changes_file)
     directory = dataset_dir(cache_root, sources)

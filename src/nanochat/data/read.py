@@ -62,8 +62,17 @@ class Doc(NamedTuple):
 
 def read_unit(root: str | os.PathLike, unit: Unit, skipped: Counter) -> Iterator[Doc]:
     """The documents (or records) of `unit`, in order; empty or unreadable ones are counted in
-    `skipped`, a malformed line or row is a DataError naming it."""
-    root = Path(root)
+    `skipped`, a malformed line or row is a DataError naming it, and so is a file that is gone:
+    it was listed, so it disappeared since (deleted or moved during the build)."""
+    try:
+        yield from _read_unit(Path(root), unit, skipped)
+    except FileNotFoundError as e:
+        raise DataError(f"{e.filename or Path(root) / unit.path}: this corpus file disappeared while the corpus was "
+                        "being read (deleted or moved after it was listed, during the token store's build or the "
+                        "tokenizer's training); restore it, or run again to use the corpus as it is now") from None
+
+
+def _read_unit(root: Path, unit: Unit, skipped: Counter) -> Iterator[Doc]:
     path = root / unit.path
     if unit.format == "parquet":
         yield from _read_parquet(path, unit, skipped)

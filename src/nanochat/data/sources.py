@@ -2,7 +2,7 @@
 
 `list_sources(path)` finds every regular file under the path with a supported extension and
 records its relative path, size and modification time: one stat per file, which is all a start-up
-reads of a corpus whose token store (nanochat.data.store) exists. Files are sorted by relative
+reads of a corpus whose token store (nanochat.data.token_store) exists. Files are sorted by relative
 path, so the corpus is the same on every machine; links to files and folders are followed, a
 folder reached twice read once. Anything else is counted in `skipped`: other extensions, hidden
 entries, and special files (a FIFO would block the first read forever).
@@ -130,9 +130,11 @@ def _time(ns: int) -> str:
 
 
 def list_sources(dataset_path: str | os.PathLike | None = None, *,
-                 exclude: Iterable[str | os.PathLike] = ()) -> Sources:
+                 exclude: Iterable[str | os.PathLike] = (), run_dir: str | os.PathLike | None = None) -> Sources:
     """The files of the built-in stdlib corpus (None) or of `dataset_path`; `exclude`: directories
-    never read as data (nanochat's own cache when it lies inside the corpus)."""
+    never read as data (nanochat's own cache when it lies inside the corpus); `run_dir`: the run's
+    directory, refused where a link inside the corpus leads to it (its metrics and checkpoints
+    would become training data)."""
     skipped: Counter[str] = Counter()
     excluded = {os.path.realpath(p) for p in exclude}
     if dataset_path is None:
@@ -161,7 +163,7 @@ def list_sources(dataset_path: str | os.PathLike | None = None, *,
                             "plain-text file to .txt)")
         return Sources(name, source, str(path.parent.resolve()), (_source_file(path.parent, path, st, ""),), {},
                        target=os.path.realpath(path))
-    found = _walk(path, skipped, (), excluded)
+    found = _walk(path, skipped, (), excluded, run_dir)
     files = [(p, st) for p, st in found if p.suffix.lower() in SUPPORTED_EXTENSIONS]
     if not files:
         exts = Counter(p.suffix.lower() or "(no extension)" for p, _ in found)
@@ -181,16 +183,18 @@ def _source_file(root: Path, p: Path, st: os.stat_result, role: Role) -> SourceF
     return SourceFile(p.relative_to(root).as_posix(), st.st_size, st.st_mtime_ns, role)
 
 
-def _walk(root: Path, skipped: Counter, excluded_names: Iterable[str],
-          excluded_paths: set[str]) -> list[tuple[Path, os.stat_result]]:
+def _walk(root: Path, skipped: Counter, excluded_names: Iterable[str], excluded_paths: set[str],
+          run_dir: str | os.PathLike | None = None) -> list[tuple[Path, os.stat_result]]:
     """Every regular file under `root` with its stat, sorted by relative path. Links are
     followed, to files and to folders (a corpus assembled from shards kept elsewhere); a folder
     reached a second time, through a loop or a second link, is read once (at its first path in
     sorted order) and counted in `skipped`. Hidden entries (.git, .DS_Store: never training text)
     and __pycache__ are skipped silently, as are directories named in `excluded_names` or whose
     real path is in `excluded_paths`; special files (FIFOs, sockets, devices, broken links) are
-    counted in `skipped`: opening a FIFO to read it would wait for a writer forever."""
+    counted in `skipped`: opening a FIFO to read it would wait for a writer forever. A folder
+    that is `run_dir` or holds it is refused (`_refuse_run_dir`)."""
     names = set(excluded_names) | {"__pycache__"}
+    run_real = os.path.realpath(run_dir) if run_dir is not None else None
     seen = {os.path.realpath(root)}
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
@@ -199,6 +203,8 @@ def _walk(root: Path, skipped: Counter, excluded_names: Iterable[str],
             real = os.path.realpath(os.path.join(dirpath, d))
             if d.startswith(".") or d in names or real in excluded_paths:
                 continue
+            if run_real is not None and (real == run_real or run_real.startswith(real + os.sep)):
+                _refuse_run_dir(root, Path(dirpath, d), real, run_dir)
             if real in seen:
                 skipped[REACHED_TWICE] += 1
                 continue
@@ -218,6 +224,15 @@ def _walk(root: Path, skipped: Counter, excluded_names: Iterable[str],
                 continue
             out.append((p, st))
     return sorted(out, key=lambda e: e[0].relative_to(root).as_posix())
+
+
+def _refuse_run_dir(root: Path, folder: Path, real: str, run_dir: str | os.PathLike) -> None:
+    """A DataError: reading `folder` of the corpus would read the run's own directory."""
+    link = next((p for p in (folder, *folder.parents) if p != root and root in p.parents and os.path.islink(p)), None)
+    via = f" through the link {link} (to {os.readlink(link)})" if link is not None else ""
+    raise DataError(f"--dataset_path {root}: {folder}{via} leads to {real}, which is or holds --run_dir {run_dir}: "
+                    "the run's own files (metrics.jsonl, checkpoints) would become training data; choose a "
+                    "--run_dir outside the corpus, or remove the link")
 
 
 _SPLIT_NAME = re.compile(r"^(train|validation|valid|val|dev|test)(?=$|[-_.])", re.IGNORECASE)

@@ -11,11 +11,19 @@ validation, or the largest to training) and a single document is cut by characte
 (nanochat.data.build), and `split_texts`, what a tokenizer trains on, reads only until no rule
 can move a document any more. `describe` is the one line a run prints about the outcome. The
 reasons, with the figures: docs/data.md.
+
+Hashing counts documents, not their sizes: one huge document hashed to validation would take the
+corpus with it (a 48 MB file among four small ones left 200 KiB to train on). When the hashed
+validation split holds more than VAL_CAP of a text corpus's tokens, `large_val_cuts` cuts each
+validation document over the budget (VAL_FRACTION of the tokens): its last tokens, a share of the
+budget, stay validation and the rest is trained on. Corpora whose hash split is within the cap
+(every corpus of many documents) are split exactly as hashed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,6 +38,13 @@ VAL_FRACTION = 0.02
 """Share of documents (by id hash) held out. On the default corpus (Python 3.11) that is 13 files,
 230 KiB, 68k tokens with a 4096 vocabulary: twice the default --eval_tokens (32768) and 2% of the
 training text."""
+
+
+VAL_CAP = 0.25
+"""Most of a text corpus's tokens the hashed validation split may hold before its large documents
+are cut: 12x the intended share, which a corpus of a dozen files of unequal size reaches by chance
+(the stdlib's calendar.py is a fifth of the test corpus's text), while a single document taking the
+split is far above it."""
 
 
 def val_hash(doc_id: str) -> float:
@@ -77,6 +92,23 @@ class SplitRule:
                 "to_train": f"every doc hashed below {VAL_FRACTION:g}: train = the doc with the largest sha1",
                 "cut": f"one document: val = its last {cut_chars:,} characters"}[self.fallback]
         return f"train split files only, {note}" if sources.split_layout else note
+
+
+def large_val_cuts(val_tokens: dict[Any, int], total_tokens: int) -> dict[Any, int]:
+    """{document: how many of its last tokens stay validation} for the validation documents
+    (`val_tokens`: their token counts, BOS included) to cut, empty when the split holds at most
+    VAL_CAP of `total_tokens`. The cut ones share the budget, VAL_FRACTION of the tokens."""
+    if sum(val_tokens.values()) <= VAL_CAP * total_tokens:
+        return {}
+    budget = max(1, math.ceil(VAL_FRACTION * total_tokens))
+    large = [d for d, n in val_tokens.items() if n > budget]
+    return {d: max(1, budget // len(large)) for d in large}
+
+
+def cut_note(cuts: dict[Any, int], val_tokens: int, total_tokens: int) -> str:
+    """What the run header adds about documents `large_val_cuts` cut."""
+    return (f"; {len(cuts)} doc(s) held {val_tokens / total_tokens:.0%} of the tokens in val, above "
+            f"{VAL_CAP:.0%}: val keeps their last {min(cuts.values()):,} tokens, train the rest")
 
 
 def cut_point(text: str) -> int:

@@ -1,7 +1,7 @@
 """Token streams: a 1-D stream of token ids, read window by window, and records packed into windows.
 
 A `TokenStream` is what the batchers (nanochat.data.batches) read: a token store's split, whose arrays are
-numpy.memmap views of its files (nanochat.data.store), or a tensor in memory (tests, notebooks). A
+numpy.memmap views of its files (nanochat.data.token_store), or a tensor in memory (tests, notebooks). A
 window of `size` tokens starting at `s` is gathered with one fancy index, so a batch reads only
 the pages it needs and a rank's memory does not grow with the corpus.
 
@@ -74,12 +74,14 @@ class TokenStream:
     `tokens` (and `mask`) are arrays: a store file's numpy.memmap, or memory. A packed stream
     sees them through a layout: record i (`src_start[i]`, `lengths[i]` in the arrays) at position
     `out_start[i]`, the positions between records being padding (`pad_id`, never scored).
-    `docs`: where each document starts in the stream (the samples' prompts)."""
+    `docs`: where each document starts in the stream (the samples' prompts). `row_len`: the
+    stream is rows of that many tokens laid out whole (nanochat.data.packing's best fit), window k
+    being row k, not windows that share a token with the next."""
 
     def __init__(self, tokens: np.ndarray, mask: np.ndarray | None = None, *, docs: np.ndarray | None = None,
                  layout: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None, length: int | None = None,
-                 pad_id: int = 0) -> None:
-        self.tokens, self.mask, self.docs = tokens, mask, docs
+                 pad_id: int = 0, row_len: int | None = None) -> None:
+        self.tokens, self.mask, self.docs, self.row_len = tokens, mask, docs, row_len
         self._layout = layout
         self._len = len(tokens) if layout is None else int(length)
         self.pad_id = pad_id

@@ -1,4 +1,4 @@
-"""Everything FP8, for any nn.Module in anyone's training loop.
+"""FP8 matmuls for any nn.Module in anyone's training loop.
 
     from nanochat.fp8 import FP8Config, FP8Training
     fp8 = FP8Training(model, FP8Config(mode="auto", opt_level=2), optimizer)  # before torch.compile
@@ -11,9 +11,10 @@
 FP8Training holds the order a loop must follow. What it calls is usable alone: FP8Config (the
 settings: nanochat.config.fp8, which the CLI's FP8 flags come from), `detect` (native kernels,
 emulation or a fallback on this device), `apply_fp8` / `convert` (torchao's FP8 linears, its MX
-layers for the MXFP8 recipes, with a per-layer report of what converted and why), mode auto's calibration and re-checks, per-layer
-FP8 statistics, FP8Tensor and FP8Optim (Adam moments in FP8, with a C kernel on CPU). The
-reasoning and the measurements: docs/fp8.md.
+layers for the MXFP8 recipes, with a per-layer report of what converted and why), mode auto's
+calibration and re-checks, per-layer FP8 statistics. FP8Optim and FP8Tensor (Adam moments in
+FP8) are the optimizer's: they live in nanochat.optim and are re-exported here. The reasoning
+and the measurements: docs/fp8.md.
 
 Names are imported on first use, so `from nanochat.fp8 import FP8Config` (the CLI's flags)
 loads neither torch nor torchao. This package imports torch, torchao and, of nanochat, only
@@ -27,15 +28,15 @@ _EXPORTS = {
     "FP8Training": "training",
     "FP8Backend": "hardware", "detect": "hardware", "native_gemm_problem": "hardware",
     "FP8Linear": "layers", "MXLinear": "layers",
-    "ConversionReport": "linear", "LayerReport": "linear", "apply_fp8": "linear",
-    "convert": "linear", "fp8_disabled": "linear", "fp8_layers": "linear", "fp8_report": "linear",
-    "is_fp8_model": "linear", "layers_to_convert": "linear", "restore_fp8": "linear",
+    "ConversionReport": "conversion", "LayerReport": "conversion", "apply_fp8": "conversion",
+    "convert": "conversion", "fp8_disabled": "conversion", "fp8_layers": "conversion", "fp8_report": "conversion",
+    "is_fp8_model": "conversion", "layers_to_convert": "conversion", "restore_fp8": "conversion",
     "LayerPolicy": "policy",
     "AutoCalibration": "auto", "apply_fp8_choices": "auto", "fp8_choices": "auto",
     "recheck_choices": "auto", "start_auto_calibration": "auto",
     "CastStats": "stats", "FP8StatsSampler": "stats", "collect_fp8_stats": "stats",
     "first_nonfinite_layer": "stats", "tensor_stats": "stats",
-    "FP8Optim": "optim", "FP8Tensor": "tensor",
+    "FP8Optim": "nanochat.optim", "FP8Tensor": "nanochat.optim",  # the optimizer's, re-exported
 }
 __all__ = list(_EXPORTS)
 

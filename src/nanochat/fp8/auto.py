@@ -29,7 +29,7 @@ from torchao.prototype.moe_training.mxfp8_linear import MXFP8Linear
 
 from nanochat.common import format_table, logger
 from nanochat.fp8.hardware import native_gemm_problem
-from nanochat.fp8.linear import (
+from nanochat.fp8.conversion import (
     CAST_FIELDS, FP8_DTYPES, HYBRID, ROLES, fp8_layers, fp8_report, layer_dtypes, with_dtypes,
 )
 from nanochat.fp8.stats import CastCounts, RoleHooks, all_reduce_counts, flush_counts, role_counts

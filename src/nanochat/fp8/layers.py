@@ -4,7 +4,7 @@
 its MXFP8Linear (mxfp8, mxfp8_wgrad_hp: e4m3 values with one e8m0 scale per block of 32); each
 adds `fp8_enabled` (False: plain F.linear on the same Parameters, for `fp8_disabled`) and a check
 that refuses CPU/MPS autocast and non-bf16 CUDA autocast with the fix, since torchao handles CUDA
-autocast only. The casts and GEMMs are torchao's own: nothing here quantizes. linear.py decides
+autocast only. The casts and GEMMs are torchao's own: nothing here quantizes. conversion.py decides
 which layers get them; speed.py times them as the run will run them.
 """
 

@@ -40,7 +40,7 @@ from nanochat.common import format_table
 from nanochat.config.fp8 import MX_BLOCK
 from nanochat.device import host_read
 from nanochat.fp8.layers import FP8_LAYER_TYPES, autocast_operand
-from nanochat.fp8.linear import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, layer_dtypes
+from nanochat.fp8.conversion import CAST_FIELDS, DTYPE_NAMES, FP8_DTYPES, ROLES, layer_dtypes
 
 EPS = 1e-12  # torchao's amax floor (float8_utils.EPS)
 SATURATION_MARGIN = 2.0**-20

@@ -19,10 +19,11 @@ keep the auto choices and the converted layers in checkpoints. This object holds
     summary = fp8.summary()                       # and guard.summary(): each its own counts
 
 `examples/custom_loop.py` runs it on a transformers model. With `FP8Config(enabled=False)` it
-converts nothing; `opt_level` still stores the moments in FP8. `wrap_optimizer` is the one way an
-optimizer gets its moments' format and master weights (the trainer and FP8Trainer call it too),
-and `fallbacks` gathers the conversion's and the optimizer's. It never reads the device except
-where its docstrings say so.
+converts nothing; `opt_level` still stores the moments in FP8. `wrap_optimizer` gives the loop's
+optimizer the moments `opt_level` asks for (nanochat.optim.wrap_optimizer, where the optimizer's
+other options live: bf16 master weights, the step in the backward), and `fallbacks` lists the
+conversion's and that optimizer's: recorded in the loop's nanochat.config.fields.Fallbacks when one is
+passed, so a run keeps one list. It never reads the device except where its docstrings say so.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 from nanochat.common import format_table, logger, print0
 from nanochat.fp8.auto import apply_fp8_choices, choices_table, fp8_choices, recheck_choices, start_auto_calibration
 from nanochat.fp8.health import worst_layers
+from nanochat.config.fields import Fallbacks
 from nanochat.config.fp8 import FP8Config
-from nanochat.fp8.linear import ROLES, convert, fp8_disabled, is_fp8_model
-from nanochat.fp8.optim import FP8Optim
-from nanochat.optim import OptimWrapper
-from nanochat.optim import optimizer_fallbacks
+from nanochat.fp8.conversion import ROLES, convert, fp8_disabled, is_fp8_model
 from nanochat.fp8.stats import FP8StatsSampler, collect_fp8_stats
+from nanochat.optim import optimizer_fallbacks, wrap_optimizer
 
 
 class FP8Step:
@@ -85,12 +85,16 @@ class FP8Training:
     """Converts `model` now; then called at fixed points of each step (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config: FP8Config | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, *, fallbacks: Fallbacks | None = None):
         self.model = model
         self.config = config = config if config is not None else FP8Config()
         self.report = convert(model, config) if config.enabled else None
-        self._fallbacks: list[str] = ([f for f in (self.report.fallback, self.report.layers_fallback) if f]
-                                      if self.report else [])
+        self._fallbacks = fallbacks if fallbacks is not None else Fallbacks()
+        """Where this object's fallbacks are recorded: the loop's collector, or its own."""
+        for message in (self.report.fallback, self.report.layers_fallback) if self.report else ():
+            if message:  # the conversion said it as it fell back
+                self._fallbacks.add(message, said=True)
+        self._fallbacks.follow(lambda: optimizer_fallbacks(self.optimizer))
         self.counters: dict[str, Any] = {"stats_samples": 0}
         """Statistics steps sampled so far; the summary and the checkpoint state carry it."""
         self.choices: dict[str, dict[str, str]] | None = None
@@ -119,32 +123,23 @@ class FP8Training:
     @property
     def fallbacks(self) -> list[str]:
         """Every fallback taken so far, with its reason: no FP8 hardware, skipped layers, a short
-        calibration, and the optimizer's (moments kept fp32, a step backend that fell back).
-        Fields are named as `field`; nanochat.config.flag_text shows them as the CLI's flags."""
-        return self._fallbacks + optimizer_fallbacks(self.optimizer)
+        calibration, and the optimizer's (moments kept fp32, a step backend that fell back); with
+        the loop's collector passed in, the loop's too. Fields are named as `field` unless the
+        collector translates them (nanochat.config.flag_text: the CLI's flags)."""
+        return list(self._fallbacks)
 
     def add_fallback(self, message: str) -> None:
         """Record a fallback a caller took on FP8's behalf (e.g. a checkpoint without FP8 state)."""
-        self._fallbacks.append(message)
+        self._fallbacks.add(message, said=True)
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, *, master_weights: str = "fp32", seed: int = 0,
-                       emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
-        """The optimizer the loop steps, built around `optimizer` (built on the parameters the
-        loop trains: after FSDP wraps): FP8Optim for `opt_level` 1 or 2 FP8 moments; else
-        nanochat.optim.OptimWrapper for bf16 `master_weights` (`emulate`: bf16 numerics on fp32
-        tensors; `seed` seeds bf16_sr) or `in_backward` (installed here: `loss.backward()` is
-        then the step); else `optimizer` itself. Becomes `self.optimizer`."""
-        level = self.config.opt_level
-        if level:
-            wrapped = FP8Optim(optimizer, opt_level=level, master_weights=master_weights, seed=seed, emulate=emulate)
-        elif master_weights != "fp32" or in_backward:
-            wrapped = OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
-        else:
-            wrapped = optimizer
-        if in_backward:
-            wrapped.step_in_backward()
-        self.optimizer = wrapped
-        return wrapped
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, **options: Any) -> torch.optim.Optimizer:
+        """The optimizer the loop steps: nanochat.optim.wrap_optimizer(optimizer, opt_level=
+        config.opt_level, **options), FP8Optim for FP8 moments (`optimizer` built on the
+        parameters the loop trains: after FSDP wraps). `options` are that function's
+        (master_weights, seed, emulate, in_backward). Becomes `self.optimizer`, whose fallbacks
+        `fallbacks` reports."""
+        self.optimizer = wrap_optimizer(optimizer, opt_level=self.config.opt_level, **options)
+        return self.optimizer
 
     def high_precision(self):
         """Context: the FP8 layers run F.linear in high precision (evaluation, generation)."""
@@ -205,7 +200,7 @@ class FP8Training:
         if self._calibration is not None:  # keep the hybrid
             self._calibration.close()
             self._calibration = None
-            self._fallbacks.append(
+            self._fallbacks.add(
                 f"fp8 auto: the run ended after fewer than `auto_steps` {self.config.auto_steps} steps; "
                 "formats stayed at the hybrid default (e4m3 forward, e5m2 gradients)")
 
@@ -253,10 +248,8 @@ class FP8Training:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore stats_samples and auto's choices (applied to the model: no recalibration).
-        Other keys of `state` are ignored, so a whole checkpoint dict may be passed; so are the
-        step guard's counts that nanochat 0.1.0 saved among these `counters` (StepGuard reads them)."""
-        saved = state.get("counters") or {}
-        self.counters.update({k: v for k, v in saved.items() if k in self.counters})
+        Other keys of `state` are ignored, so a whole checkpoint dict may be passed."""
+        self.counters.update(state.get("counters") or {})
         if state.get("fp8_choices"):
             apply_fp8_choices(self.model, state["fp8_choices"])
             self.choices = state["fp8_choices"]

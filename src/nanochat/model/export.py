@@ -64,8 +64,12 @@ def check_export_dir(out_dir: str | os.PathLike, *, overwrite: bool,
     """Raise a UsageError, before any work, when exporting to `out_dir` would lose something: it
     is not empty (without `overwrite`: a previous export's shards would be left next to the new
     files, and loaders prefer a sharded index), or `overwrite` would delete one of `sources`, the
-    directories the export reads from (the run, its base model)."""
+    directories the export reads from (the run, its base model). A link to a directory is
+    followed: the export replaces the directory it points to (fs.publish_directory)."""
     out = Path(out_dir)
+    if os.path.islink(out) and not out.exists():
+        raise UsageError(f"--out_dir {out} is a symbolic link to {os.readlink(out)}, which does not exist; create "
+                         "that directory, repair the link, or give another --out_dir")
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out_dir {out} is a file; give a directory (new or empty)")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []

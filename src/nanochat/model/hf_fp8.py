@@ -1,28 +1,22 @@
 """FP8 weights in Hugging Face checkpoints: quantize a trained model for serving, read one back.
 
-`export_hf(..., quantize="fp8")` writes compressed-tensors' "float-quantized" format, which
-llm-compressor's FP8_DYNAMIC scheme writes and vLLM, SGLang and transformers load: a quantized
-Linear stores `weight` as float8_e4m3fn codes and `weight_scale` in fp32, one per output channel
-([N, 1]; `fp8_block`: per 128x128 block, [N/128, K/128]), and config.json's
-`quantization_config` has the engine quantize activations per token (per group of 128) at run
-time. `mxfp8` writes its "mxfp8-quantized" format (scheme MXFP8): e4m3 codes with one e8m0 scale
-per 32 values along K, stored as uint8 exponents ([N, K/32]), activations in groups of 32. Why
-this format and not vLLM's native one: docs/design.md.
+`export_hf(..., quantize="fp8")` writes compressed-tensors' float-quantized format (llm-compressor's
+FP8_DYNAMIC), which vLLM, SGLang and transformers load: a Linear's `weight` as float8_e4m3fn
+codes with an fp32 `weight_scale` per output channel ([N, 1]; `fp8_block`: per 128x128 block),
+activations quantized per token by the engine. `mxfp8` writes e4m3 codes with a uint8 e8m0
+exponent per 32 values along K. The cast and config.json are compressed-tensors' own (its
+compressor and ModelCompressor), so no part of the format is written by hand; it is imported only
+when used, so plain checkpoints load without it. Why this format and not vLLM's: docs/design.md.
 
-Scales come from the trained weights: amax / 448 (e4m3's largest value) per channel or block,
-so nothing saturates; MXFP8's are that rounded up to a power of two (2^ceil(log2(amax / 448)),
-RCEIL: the scale torchao's MXFP8 training gives the weight's forward cast), so an MXFP8 run
-serves the very codes its last forward pass multiplied. The cast is compressed-tensors' own
-compressor, the config its QuantizationConfig written by its ModelCompressor: no part of the
-format is written by hand. Each layer's weight SQNR is reported. e4m3 rounds a normal value by at most 1/17 of itself, so
-no finite weight falls below 24.6 dB (subnormals, values 2^15 below their channel's amax, add
-< 1e-7 amax^2 each); realistic weights sit several dB higher (BENCHMARKS.md §8(c)). A layer under
-SQNR_FLOOR_DB, set between the two, stays bf16 unless `quantize_all`. Embeddings, lm_head, norms
-and biases stay bf16 and are named in `ignore` with the Linears kept in bf16 (trained in high
-precision, under the floor, or fused with one of those: vLLM and SGLang run q/k/v and gate/up as
-one matmul, in one format). `FP8Checkpoint` reads such a checkpoint back as dequantized weights.
-compressed-tensors is imported only when used: plain checkpoints load without it. docs/hf.md
-has the serving side and the measurements.
+Scales are amax / 448 (e4m3's largest value) per channel or block, so nothing saturates; MXFP8's
+are that rounded up to a power of two, the scale torchao's MXFP8 training gives the weight, so an
+MXFP8 run serves the codes its last forward pass multiplied. Each layer's weight SQNR is
+reported. Embeddings, lm_head, norms and biases stay bf16; so does a Linear the run trained in
+high precision or whose SQNR is under SQNR_FLOOR_DB (unless `quantize_all`), and one fused with a
+bf16 Linear (vLLM and SGLang run q/k/v and gate/up as one matmul, in one format); all are named in
+`ignore`.
+`FP8Checkpoint` reads such a checkpoint back as dequantized weights. The serving side and the
+SQNR floor's derivation: docs/hf.md.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from nanochat.common import UsageError, format_table
+from nanochat.common import UsageError, format_table, warn_once
 from nanochat.config.export import SQNR_FLOOR_DB, Quantize
 
 E4M3_MAX = 448.0
@@ -275,6 +269,9 @@ def quantize_checkpoint(tensors: Mapping[str, torch.Tensor], linears: Sequence[s
             reasons[name] = f"fused with {held[0].rpartition('.')[2]} in vLLM/SGLang, which stays bf16"
             del quantized[name]
     layers = [LayerResult(n, shapes[n], sqnrs.get(n), reasons.get(n, "")) for n in linears]
+    if linears and not quantized:
+        warn_once(f"fp8-export-nothing:{quantize}", f"--quantize {quantize}: none of the {len(linears)} Linear layers "
+                  f"was quantized (the first, {linears[0]}: {reasons[linears[0]]}); the export holds bf16 weights")
 
     out: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():

@@ -1,25 +1,26 @@
-"""The optimizer wrapper: what nanochat adds to a torch AdamW/Adam/SGD; nothing FP8.
+"""Optimizers as nanochat steps them: torch's AdamW/Adam/SGD/Muon wrapped, with what torch's lack.
 
-    from nanochat.optim import OptimWrapper
+    from nanochat.optim import FP8Optim, MuonAdamW, OptimWrapper, muon_param_groups, wrap_optimizer
+    opt = FP8Optim(torch.optim.AdamW(model.parameters()), opt_level=2)   # Adam moments in FP8
     opt = OptimWrapper(torch.optim.AdamW(model.parameters()), master_weights="bf16_sr")
-    opt.step_in_backward()                         # optional: loss.backward() is the step
+    opt = wrap_optimizer(adamw, opt_level=2, master_weights="bf16_sr", in_backward=True)
+    split = muon_param_groups(model)   # hidden matrices -> Muon (FP8 momentum), the rest -> AdamW
+    opt = MuonAdamW(FP8Optim(torch.optim.Muon(split.muon), opt_level=1), torch.optim.AdamW(split.adamw))
 
-OptimWrapper shares the wrapped optimizer's param groups and state and steps what torch's cannot:
-bf16 master weights (rounded to nearest, stochastically, or split), the step inside the backward,
-and moments stored in another format (`MomentFormat`, the one extension point). It runs one
-Adam / SGD step natively, compiled or eagerly, and saves, checks and shards its state; the bytes
-it holds are counted (`optimizer_state_bytes`). docs/master_weights.md has the choices.
-
-Other moment formats live above this package: nanochat.fp8's E4M3Blocks keeps Adam's moments in
-FP8 (with its C kernel; FP8Optim is the wrapper with it). Nothing here imports nanochat.fp8: a
-quantized moment is recognized by what it can do (`QuantizedState`).
+A step reads here top to bottom: wrapper.py (which parameters, which backend) -> adam.py (the
+update, compiled or in its C kernel), sgd.py, muon.py -> moments/ (how a moment is stored: fp32,
+or FP8Tensor's e4m3 blocks). Around it: bf16 master weights (master.py), the step inside the backward
+(in_backward.py), backends and their fallbacks, saved state and its conversion, FSDP/TP shards,
+the bytes held. docs/master_weights.md and docs/fp8.md have the choices and the measurements.
 """
 
-from .format import MomentFormat
 from .master import MASTER_WEIGHTS, MasterWeights, param_dtype
-from .state import QuantizedState, dense
+from .moments import E4M3Blocks, FP8Tensor, MomentFormat
+from .muon import MuonAdamW, MuonSplit, Placement, muon_param_groups
+from .saved_state import QuantizedState, dense
 from .state_bytes import optimizer_bytes, optimizer_state_bytes
-from .wrapper import OptimWrapper, optimizer_fallbacks
+from .wrapper import FP8Optim, OptimWrapper, optimizer_fallbacks, wrap_optimizer
 
-__all__ = ["MASTER_WEIGHTS", "MasterWeights", "MomentFormat", "OptimWrapper", "QuantizedState", "dense", "optimizer_bytes",
-           "optimizer_fallbacks", "optimizer_state_bytes", "param_dtype"]
+__all__ = ["MASTER_WEIGHTS", "E4M3Blocks", "FP8Optim", "FP8Tensor", "MasterWeights", "MomentFormat", "MuonAdamW",
+           "MuonSplit", "OptimWrapper", "Placement", "QuantizedState", "dense", "muon_param_groups", "optimizer_bytes",
+           "optimizer_fallbacks", "optimizer_state_bytes", "param_dtype", "wrap_optimizer"]

@@ -14,7 +14,7 @@ to nearest (docs/master_weights.md). The choices (`--master_weights`):
                 bit for bit (bf16-fused-adam's layout). The weight the model sees is the master
                 truncated toward zero, at most one bf16 step from it.
 
-The update is always computed in fp32 (step.py and the native kernel read the weight as fp32,
+The update is always computed in fp32 (adam.py and the native kernel read the weight as fp32,
 from the bf16 bits or from both halves); only the write differs. `--master_weights_emulate`
 keeps fp32 tensors holding bf16 values and rounds gradients to bf16: bf16 storage's numerics
 with fp32 compute, for CPUs whose bf16 matmuls are slow (no memory saved).
@@ -81,7 +81,7 @@ def sr_bits(salt: torch.Tensor | int, step: torch.Tensor | int, shape: torch.Siz
     where mix32 is an invertible 32-bit integer mixer (xor-shift-multiply, two rounds) and
     s = sr_salt(seed, index) = mix32(mix32(seed) ^ index) for the parameter's index in the
     optimizer's groups. The same formulas run here in torch (int64 holding uint32, so inductor
-    fuses them into the step) and in the native kernel (nanochat/fp8/optim_kernel.c). Under FSDP
+    fuses them into the step) and in the native kernel (adam_kernel.c). Under FSDP
     `i` counts this rank's shard, so the noise (not its distribution) depends on the world size."""
     if torch.is_tensor(step):
         step = step.to(torch.int64)

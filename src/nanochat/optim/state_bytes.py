@@ -2,7 +2,7 @@
 
 `optimizer_bytes` is the arithmetic behind the memory plan (nanochat.train.memory), a wrapper's
 planned bytes and its summary: a moment costs 4 bytes an element in fp32, or one byte an
-element plus a 4-byte scale per block when quantized (nanochat.fp8: 1 + 4/256 bytes). The
+element plus a 4-byte scale per block when quantized (FP8 blocks of 256: 1 + 4/256 bytes). The
 measurement, `optimizer_state_bytes`, sums the tensors an optimizer holds (codes and scales of a
 quantized moment, not the values they stand for) and adds what its first step will allocate for
 parameters without state yet, so the figure means the same right after construction (the run's
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .state import QuantizedState, local
+from . import adam, muon, sgd
+from .saved_state import QuantizedState
+from .shards import local
 
 
 def optimizer_bytes(numel: int, *, quantized: int = 0, moments: int = 2, block_size: int | None = None,
@@ -28,19 +30,23 @@ def optimizer_bytes(numel: int, *, quantized: int = 0, moments: int = 2, block_s
     return blocked + (moments - quantized) * numel * moment_bytes
 
 
-def moments(optimizer: torch.optim.Optimizer, group: dict) -> int:
+def moment_count(optimizer: torch.optim.Optimizer, group: dict) -> int:
     """Moments a torch optimizer keeps per parameter of `group`: Adam(W) 2, SGD with momentum 1,
-    plain SGD none."""
-    if isinstance(optimizer, torch.optim.SGD):
-        return 1 if group["momentum"] else 0
-    return 2
+    plain SGD none, Muon 1."""
+    if isinstance(optimizer, torch.optim.Muon):
+        return muon.moments(group)
+    return sgd.moments(group) if isinstance(optimizer, torch.optim.SGD) else adam.MOMENTS
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of optimizer state on this rank (moments, quantized codes and scales, bf16_split's
     remainders; step counts excluded) of a wrapper (wrapper.py) or a plain torch Adam/AdamW/SGD:
     the tensors held, plus what the first step will allocate for parameters without state yet.
-    A wrapper says that itself (`planned_bytes`); torch makes its moments in the parameter's dtype."""
+    A wrapper says that itself (`planned_bytes`); torch makes its moments in the parameter's dtype.
+    A container of optimizers (muon.MuonAdamW: `optimizers`) holds the sum of theirs."""
+    members = getattr(optimizer, "optimizers", None)
+    if members is not None:
+        return sum(optimizer_state_bytes(opt) for opt in members)
     planned = getattr(optimizer, "planned_bytes", None)
     total = 0
     for group in optimizer.param_groups:
@@ -54,9 +60,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
             elif planned is not None:
                 total += planned(p, group)
             else:
-                total += optimizer_bytes(local(p).numel(), moments=moments(optimizer, group),
+                total += optimizer_bytes(local(p).numel(), moments=moment_count(optimizer, group),
                                          moment_bytes=p.element_size())
     return total
 
 
-__all__ = ["moments", "optimizer_bytes", "optimizer_state_bytes"]
+__all__ = ["moment_count", "optimizer_bytes", "optimizer_state_bytes"]

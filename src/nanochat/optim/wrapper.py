@@ -1,23 +1,15 @@
 """OptimWrapper: takes over the step of a constructed torch AdamW/Adam/SGD where torch's cannot do it.
 
     opt = OptimWrapper(torch.optim.AdamW(model.parameters(), lr=3e-4), master_weights="bf16_sr")
+    opt = FP8Optim(torch.optim.AdamW(model.parameters(), lr=3e-4), opt_level=2)   # FP8 moments
     ...loss.backward(); opt.step(); opt.zero_grad()   # schedulers, state_dict: as usual
 
-It *wraps* the optimizer instead of re-implementing one: its `param_groups` and `state` are the
-wrapped optimizer's own objects, so an LR scheduler (or a loop writing `param_groups[i]["lr"]`)
-drives both, and hyperparameters are read from the groups at every step. It steps a parameter
-itself (step.py) when the wrapped optimizer cannot:
-- bf16 master weights (master.py): bf16 parameters whose fp32 update is rounded to nearest,
-  stochastically, or split with a 16-bit remainder kept in the state ("master_lo"); then every
-  parameter is stepped here, with fp32 moments;
-- the step inside the backward (in_backward.py, `step_in_backward()`): every parameter too;
-- moments stored in another format (`moments=`, a format.MomentFormat: nanochat.fp8's
-  E4M3Blocks keeps them in FP8, which is FP8Optim): the parameters the format stores; the
-  others are stepped by the wrapped optimizer with those gradients hidden from it, so they
-  follow torch's math exactly.
-
-How a step runs (native kernel, compiled, eager) and its fallbacks: backends.py. Saved state,
-its checks, conversion and FSDP2 sharding: state.py. Bytes: state_bytes.py.
+It *wraps* the optimizer: its `param_groups` and `state` are the wrapped optimizer's own objects,
+so an LR scheduler drives both. It steps a parameter itself (adam.py, sgd.py) when the wrapped
+optimizer cannot: bf16 master weights (master.py) or the step inside the backward
+(in_backward.py), then every parameter; moments in another format (`moments=`, a MomentFormat;
+FP8Optim's E4M3Blocks), then those the format stores, the others by the wrapped optimizer with
+those gradients hidden from it. `wrap_optimizer` picks the wrapper a run's settings need.
 """
 
 from __future__ import annotations
@@ -28,24 +20,26 @@ import torch
 
 from nanochat.common import format_bytes, logger
 
-from . import state as states
+from . import adam, muon, saved_state, sgd
+from .adam import AdamTensor, adam_hypers, adam_multi, native_ok, native_step
 from .backends import Backends
-from .format import MomentFormat
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
-from .state import DTensor, like, local, local_grad
-from .state_bytes import moments, optimizer_bytes, optimizer_state_bytes
-from .step import AdamTensor, adam_hypers, adam_multi, host_scalar, sgd_multi
+from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
+from .muon import muon_flags, muon_hypers, muon_multi
+from .sgd import sgd_hypers, sgd_multi
+from .shards import DTensor, like, local, local_grad
+from .state_bytes import optimizer_bytes, optimizer_state_bytes
 
-SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD"
+SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Muon"
 
 
 class OptimWrapper(torch.optim.Optimizer):
-    """Steps a torch AdamW/Adam/SGD's parameters itself where torch cannot (module docstring).
+    """Steps a torch AdamW/Adam/SGD/Muon's parameters itself where torch cannot (module docstring).
 
     Args:
-        optimizer: a constructed torch.optim.AdamW, Adam or SGD (its param_groups are shared).
-        moments: how moments are stored (format.MomentFormat; default fp32).
+        optimizer: a constructed torch.optim.AdamW, Adam, SGD or Muon (its param_groups are shared).
+        moments: how moments are stored (a moments.MomentFormat; default fp32).
         compile: False forces the eager step (same as backend="eager").
         backend: "auto", "native", "compile" or "eager" (backends.py).
         master_weights: "fp32" (the parameters are the masters), or "bf16", "bf16_sr",
@@ -58,7 +52,7 @@ class OptimWrapper(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, *, moments: MomentFormat | None = None, compile: bool = True,
                  backend: str = "auto", master_weights: str = "fp32", seed: int = 0, emulate: bool = False) -> None:
         kind = type(optimizer)
-        if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+        if kind not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Muon):
             raise TypeError(
                 f"{type(self).__name__} wraps {SUPPORTED} (exactly these classes); got {kind.__module__}."
                 f"{kind.__qualname__}. Construct one of those and pass it in."
@@ -67,8 +61,11 @@ class OptimWrapper(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self.optimizer = optimizer
         self.moments = moments if moments is not None else MomentFormat()
-        """How this wrapper stores moments (format.py)."""
+        """How this wrapper stores moments (moments/)."""
         self.is_sgd = kind is torch.optim.SGD
+        self.is_muon = kind is torch.optim.Muon
+        self.muon_ns_dtype: torch.dtype | None = None
+        """Muon's Newton-Schulz dtype; None: muon.ns_dtype (bf16 on CUDA, fp32 elsewhere)."""
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self.backends = Backends(type(self).__name__, backend, compile=compile)
@@ -77,9 +74,9 @@ class OptimWrapper(torch.optim.Optimizer):
         reason; a run's results read them through `optimizer_fallbacks`."""
         if master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}; got {master_weights!r}")
-        if master_weights != "fp32" and self.is_sgd:
-            raise ValueError(f"master_weights={master_weights!r} supports Adam and AdamW; with torch.optim.SGD "
-                             "keep fp32 master weights")
+        if master_weights != "fp32" and (self.is_sgd or self.is_muon):
+            raise ValueError(f"master_weights={master_weights!r} supports Adam and AdamW; with torch.optim."
+                             f"{kind.__name__} keep fp32 master weights")
         self.master_weights = master_weights
         self.emulate = emulate and master_weights != "fp32"
         self.steps_every_parameter = master_weights != "fp32"
@@ -98,7 +95,14 @@ class OptimWrapper(torch.optim.Optimizer):
 
     def stores(self, p: torch.Tensor, group: dict) -> int:
         """How many of p's moments the format stores (0: fp32, stepped as torch would)."""
-        return self.moments.stores(p, group, sgd=self.is_sgd)
+        return self.moments.stores(p, self.moment_count(group))
+
+    def moment_count(self, group: dict) -> int:
+        """Moments the wrapped optimizer keeps per parameter of `group` (adam.MOMENTS, sgd.moments,
+        muon.moments)."""
+        if self.is_muon:
+            return muon.moments(group)
+        return sgd.moments(group) if self.is_sgd else adam.MOMENTS
 
     # ---- configuration checks ----------------------------------------------------------------
 
@@ -109,7 +113,8 @@ class OptimWrapper(torch.optim.Optimizer):
                 raise ValueError(
                     f"{type(self).__name__} does not support {', '.join(f'{k}=True' for k in bad)} (param group "
                     f"{i}). Supported: {SUPPORTED} with lr/betas/eps/weight_decay (Adam, AdamW), "
-                    "momentum/dampening/nesterov/weight_decay (SGD), foreach/fused as you like. "
+                    "momentum/dampening/nesterov/weight_decay (SGD), momentum/nesterov/weight_decay/ns_* "
+                    "(Muon), foreach/fused as you like. "
                     "Turn the option off or use the plain torch optimizer."
                 )
             for p in group["params"]:
@@ -122,6 +127,10 @@ class OptimWrapper(torch.optim.Optimizer):
                                      f"{' (emulate=True)' if self.emulate else ''}, but param group {i} has a "
                                      f"{p.dtype} {tuple(p.shape)} tensor: convert the model first "
                                      f"(model.to({want})), then build the optimizer")
+                if self.is_muon and isinstance(p, DTensor) and self.stores(p, group):
+                    raise ValueError(f"{type(self).__name__} steps Muon on whole matrices; param group {i} has an "
+                                     f"FSDP/TP-sharded {tuple(p.shape)} DTensor: keep its momentum in fp32 "
+                                     "(opt_level=0) so torch.optim.Muon steps it")
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients (param group {i}, "
                                      f"shape {tuple(p.shape)}); use dense gradients.")
@@ -143,7 +152,7 @@ class OptimWrapper(torch.optim.Optimizer):
         mine = [(p, group) for group in self.param_groups for p in group["params"]
                 if p.grad is not None and self.stores(p, group)]
         if mine:
-            self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
+            self._step_muon(mine) if self.is_muon else self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the format's hidden
         hidden = [(p, p.grad) for p, _ in mine]
         for p, _ in hidden:
@@ -170,8 +179,9 @@ class OptimWrapper(torch.optim.Optimizer):
         """Step each parameter inside the backward (in_backward.py): after this `loss.backward()`
         is the optimizer step; drop `step()` and `zero_grad()`. A parameter whose gradient holds
         inf or nan is left unchanged; `backward_stats()` says how many. Returns the hook handles."""
-        if self.is_sgd:
-            raise ValueError("step_in_backward supports Adam and AdamW (torch.optim.SGD: step after the backward)")
+        if self.is_sgd or self.is_muon:
+            raise ValueError(f"step_in_backward supports Adam and AdamW (torch.optim.{type(self.optimizer).__name__}: "
+                             "step after the backward)")
         if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
             raise ValueError("step_in_backward does not work with FSDP/DTensor parameters: their gradients are "
                              "reduced after the per-parameter hooks would run; step after the backward instead")
@@ -216,7 +226,7 @@ class OptimWrapper(torch.optim.Optimizer):
             t.v, t.v_format = fmt.view(local(state["exp_avg_sq_sqrt"])), type(fmt)
         else:
             t.v = (local(state["exp_avg_sq"]).view(-1, B),)
-        t.native = fmt.native_ok(t, master=self.master_weights, emulate=self.emulate) and g.is_contiguous()
+        t.native = native_ok(t, fmt, master=self.master_weights, emulate=self.emulate) and g.is_contiguous()
         return t
 
     def _step_adam(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
@@ -237,8 +247,8 @@ class OptimWrapper(torch.optim.Optimizer):
         for same_device in steps.values():  # torch's Adam counts steps first, then steps
             torch._foreach_add_(same_device, 1.0)
         for items in native.values():
-            if not self.backends.run_native(lambda: self.moments.native_step(items, master=self.master_weights),
-                                            len(items)):
+            if not self.backends.run_native(
+                    lambda: native_step(items, self.moments.block_size, master=self.master_weights), len(items)):
                 rest += items
         compiled: dict[tuple, list[AdamTensor]] = defaultdict(list)
         for t in rest:
@@ -270,8 +280,7 @@ class OptimWrapper(torch.optim.Optimizer):
                 state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p)
             pl, g = local(p), local_grad(p)
             if id(group) not in hypers:
-                hypers[id(group)] = tuple(host_scalar(group[k]) for k in ("lr", "momentum", "dampening",
-                                                                          "weight_decay"))
+                hypers[id(group)] = sgd_hypers(group)
             key = (first, bool(group["nesterov"]), pl.device, pl.dtype, g.dtype, (pl.numel() // B, B))
             calls[key].append((pl.view(-1, B), g.reshape(-1, B), fmt.view(local(state["momentum_buffer"])),
                                hypers[id(group)]))
@@ -279,6 +288,28 @@ class OptimWrapper(torch.optim.Optimizer):
             ps, gs, bufs, hyp = (list(x) for x in zip(*items))
             self.backends.run("sgd", sgd_multi, ps, gs, bufs, hyp, first=first, nesterov=nesterov,
                               m_format=type(fmt))
+
+    def _step_muon(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
+        """Every Muon parameter whose momentum the format stores, one compiled call per (device,
+        dtypes, shape, group settings): the buffer as [n_blocks, B] views, p and g as matrices."""
+        fmt = self.moments
+        calls: dict[tuple, list] = defaultdict(list)
+        flags: dict[tuple, dict] = {}
+        hypers: dict[int, tuple] = {}
+        for p, group in mine:
+            state = self.state[p]
+            if state.get("momentum_buffer") is None:  # torch: zeros at the first step
+                state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p)
+            pl, g = local(p), local_grad(p)
+            group_flags = muon_flags(group, pl.device, self.muon_ns_dtype)
+            key = (repr(sorted(group_flags.items())), pl.device, pl.dtype, g.dtype, tuple(pl.shape))
+            flags[key] = group_flags
+            if id(group) not in hypers:
+                hypers[id(group)] = muon_hypers(group)
+            calls[key].append((pl, g.reshape(pl.shape), fmt.view(local(state["momentum_buffer"])), hypers[id(group)]))
+        for key, items in calls.items():
+            ps, gs, bufs, hyp = (list(x) for x in zip(*items))
+            self.backends.run("muon", muon_multi, ps, gs, bufs, hyp, m_format=type(fmt), **flags[key])
 
     def _init_adam_state(self, p: torch.Tensor, state: dict, quantized: int) -> None:
         # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
@@ -304,11 +335,12 @@ class OptimWrapper(torch.optim.Optimizer):
         """Load a state dict of this wrapper (any format or level) or of the plain wrapped optimizer.
 
         Every saved state is first checked against its parameter (shape, blocks and scales,
-        dtypes), ValueError otherwise with this optimizer unchanged (state.check_loaded). The
+        dtypes), ValueError otherwise with this optimizer unchanged (saved_state.check_loaded). The
         wrapped optimizer then does the loading (param id mapping, group hyperparameters,
-        device); each state is converted to what this wrapper stores (state.convert).
+        device); each state is converted to what this wrapper stores (saved_state.convert).
         """
-        states.check_loaded(state_dict, self.param_groups, sgd=self.is_sgd, kind=type(self.optimizer).__name__)
+        saved_state.check_loaded(state_dict, self.param_groups, sgd=self.is_sgd or self.is_muon,
+                                 kind=type(self.optimizer).__name__)
         self.optimizer.load_state_dict(state_dict)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
@@ -325,7 +357,7 @@ class OptimWrapper(torch.optim.Optimizer):
         sharded = [p for g in self.param_groups for p in g["params"] if isinstance(p, DTensor) and self.state.get(p)]
         for p in sharded:
             self.state[p] = {k: local(v) if torch.is_tensor(v) and k != "step" else v for k, v in self.state[p].items()}
-        states.convert(self)
+        saved_state.convert(self)
         for p in sharded:
             self.state[p] = {k: like(v, p) if torch.is_tensor(v) and k != "step" else v for k, v in self.state[p].items()}
 
@@ -344,7 +376,7 @@ class OptimWrapper(torch.optim.Optimizer):
         quantized = self.stores(p, group)
         # the moments we allocate are fp32 (all of them when we step every parameter, or v beside
         # a quantized m), the wrapped optimizer's are in p's dtype
-        return (optimizer_bytes(n, quantized=quantized, moments=moments(self.optimizer, group),
+        return (optimizer_bytes(n, quantized=quantized, moments=self.moment_count(group),
                                 block_size=self.moments.block_size,
                                 moment_bytes=4 if quantized or self.steps_every_parameter else p.element_size())
                 + n * bytes_per_param(self.master_weights)[2])  # bf16_split's remainder
@@ -354,8 +386,9 @@ class OptimWrapper(torch.optim.Optimizer):
         (tensors, params). Empty when it stores every parameter's, or is fp32 itself."""
         kept: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for group in self.param_groups:
+            count = self.moment_count(group)
             for p in group["params"]:
-                reason = self.moments.kept(p, group, sgd=self.is_sgd)
+                reason = self.moments.kept(p, count)
                 if reason is not None:
                     kept[reason][0] += 1
                     kept[reason][1] += p.numel()
@@ -378,7 +411,7 @@ class OptimWrapper(torch.optim.Optimizer):
     def summary(self) -> str:
         """One line of layout (and one per reason some moments stay fp32), logged at the first step."""
         kind, fmt = type(self.optimizer).__name__, self.moments
-        n_moments = 1 if self.is_sgd else 2
+        n_moments = 1 if self.is_sgd or self.is_muon else 2
         if type(fmt) is MomentFormat:
             n = sum(1 for g in self.param_groups for _ in g["params"])
             numel = sum(p.numel() for g in self.param_groups for p in g["params"])
@@ -399,13 +432,64 @@ class OptimWrapper(torch.optim.Optimizer):
         return "\n".join(lines)
 
 
+class FP8Optim(OptimWrapper):
+    """OptimWrapper with Adam's moments (SGD's and Muon's momentum) in FP8: the E4M3Blocks format.
+
+    Args:
+        optimizer: a constructed torch.optim.AdamW, Adam, SGD or Muon (its param_groups are shared).
+        opt_level: 0 fp32 moments; 1 first moment FP8; 2 both moments FP8 (~2.03 bytes/param
+            instead of 8; SGD, Muon: 1 and 2 agree, ~1.02 bytes/param instead of 4).
+        block_size: elements per scale (256: moments/fp8.py has the bytes/param arithmetic).
+        min_numel: parameters with fewer elements keep fp32 state.
+        compile, backend, master_weights, seed, emulate: OptimWrapper's. backend "auto" runs the
+            native C kernel for Adam(W) on CPU, torch.compile otherwise (backends.py).
+    """
+
+    moments: E4M3Blocks
+
+    def __init__(self, optimizer: torch.optim.Optimizer, opt_level: int = 2, *,
+                 block_size: int = DEFAULT_BLOCK_SIZE, min_numel: int = MIN_NUMEL,
+                 compile: bool = True, backend: str = "auto", master_weights: str = "fp32",
+                 seed: int = 0, emulate: bool = False) -> None:
+        super().__init__(optimizer, moments=E4M3Blocks(opt_level, block_size=block_size, min_numel=min_numel),
+                         compile=compile, backend=backend, master_weights=master_weights, seed=seed, emulate=emulate)
+
+    @property
+    def opt_level(self) -> int:
+        return self.moments.opt_level
+
+    @property
+    def block_size(self) -> int:
+        return self.moments.block_size
+
+
+def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, master_weights: str = "fp32",
+                   seed: int = 0, emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
+    """The optimizer a loop steps, built around `optimizer` (on the parameters the loop trains:
+    after FSDP wraps them): FP8Optim for `opt_level` 1 or 2 (FP8 moments); else OptimWrapper for
+    bf16 `master_weights` (`emulate`: bf16 numerics on fp32 tensors; `seed` seeds bf16_sr) or
+    `in_backward` (installed here: `loss.backward()` is then the step); else `optimizer` itself."""
+    if opt_level:
+        wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
+    elif master_weights != "fp32" or in_backward:
+        wrapped = OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
+    else:
+        return optimizer
+    if in_backward:
+        wrapped.step_in_backward()
+    return wrapped
+
+
 def optimizer_fallbacks(optimizer: torch.optim.Optimizer) -> list[str]:
     """Every fallback `optimizer` took so far, with its reason: the parameters a moment format
     keeps in fp32 and the steps that fell back to another backend; none for a plain torch
     optimizer. What the trainer and FP8Trainer record in their results."""
+    members = getattr(optimizer, "optimizers", None)
+    if members is not None:  # a container of optimizers (muon.MuonAdamW)
+        return [note for opt in members for note in optimizer_fallbacks(opt)]
     if not isinstance(optimizer, OptimWrapper):
         return []
     return optimizer.fp32_state_notes() + list(optimizer.fallbacks)
 
 
-__all__ = ["SUPPORTED", "OptimWrapper", "optimizer_fallbacks"]
+__all__ = ["SUPPORTED", "FP8Optim", "OptimWrapper", "optimizer_fallbacks", "wrap_optimizer"]

@@ -3,15 +3,14 @@ compiles, and whether compiling failed.
 
 A run compiles its training module whole (--compile_scope model: one graph, the fastest steps)
 or each transformer block in place (blocks: one graph every block reuses, so compiling does not
-grow with depth). Blocks that do not share a graph (FP8 blocks did not on an H200) recompile
-once each; dynamo's default limit of 8 compiles per function would run the blocks after the
-eighth eagerly, silently, so a per-block compile may recompile once for every block, twice after
-`auto` fixes its formats. Compiling happens in the first step that runs compiled code; FP8 statistics
-and auto's calibration run eagerly (their hooks would force recompiles), and fixing auto's
-formats changes what the graphs do not guard on, so the next compiled step compiles again. A
-compile that fails (no C++ compiler for CPU code, an unsupported backend) falls back to eager
-once, recorded, instead of ending the run; an error of the model or the data is raised as eager
-would raise it.
+grow with depth). Blocks that do not share a graph recompile once each, and dynamo's default
+limit of 8 compiles per function would silently run the blocks after the eighth eagerly, so a
+per-block compile may recompile once for every block, twice after `auto` fixes its formats.
+FP8 statistics and auto's calibration run eagerly (their hooks would force recompiles); fixing
+auto's formats changes what the graphs do not guard on, so the next compiled step compiles
+again. A compile that fails (no C++ compiler for CPU code, an unsupported backend) falls back
+to eager once, recorded, instead of ending the run; an error of the model or the data is raised
+as eager would raise it.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from nanochat import distributed, engine
+from nanochat import engine
 from nanochat.checkpoint import Saved, load_model, read_run
-from nanochat.common import DistEnv, UsageError, logger
+from nanochat.common import UsageError, logger
 from nanochat.device import autocast_context, resolve_device, resolve_dtype
 from nanochat.data import instruct
 from nanochat.data.batches import val_batches
@@ -40,6 +40,9 @@ from nanochat.data.sources import list_sources
 from nanochat.data.streams import TokenStream
 from nanochat.model.gpt import GPT
 from nanochat.model.hub import resolve_model
+from nanochat.parallel.layout import Layout
+from nanochat.parallel.process_group import all_reduce_sum
+from nanochat.parallel.wrap import full_copy
 from nanochat.tokenizer import Tokenizer
 from nanochat.train.run_data import EvalData
 
@@ -52,12 +55,13 @@ if TYPE_CHECKING:
 @torch.no_grad()
 def loss_and_bpb(model: torch.nn.Module, val: TokenStream, token_bytes: torch.Tensor, *, seq_len: int,
                  batch_size: int, eval_tokens: int, device: torch.device, autocast: Any = None,
-                 dist: DistEnv | None = None) -> tuple[float, float, int]:
+                 layout: Layout = Layout()) -> tuple[float, float, int]:
     """Validation loss (nats per scored token), bits per byte and the tokens scored, over the
     first `eval_tokens` of `val` in windows of `seq_len` (`val_batches`); the caller sets eval
-    mode and precision (`autocast`). Under `dist` each rank scores its batches and the sums are
-    all-reduced. `token_bytes`: each token id's UTF-8 bytes, on `device`."""
-    rank, world_size = (dist.dp_rank, dist.dp_size) if dist is not None else (0, 1)
+    mode and precision (`autocast`). Under a distributed `layout` each data-parallel rank scores
+    its batches and the sums are all-reduced. `token_bytes`: each token id's UTF-8 bytes, on
+    `device`."""
+    rank, world_size = layout.dp_rank, layout.dp_size
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # [nats, scored tokens, bytes]
     with autocast if autocast is not None else contextlib.nullcontext():
         for x, y in val_batches(val, seq_len, batch_size, eval_tokens, rank=rank, world_size=world_size):
@@ -72,7 +76,7 @@ def loss_and_bpb(model: torch.nn.Module, val: TokenStream, token_bytes: torch.Te
             totals[0] += torch.where(counted, loss, 0.0).sum()
             totals[1] += counted.sum()
             totals[2] += nbytes.sum()
-    total_nats, total_tokens, total_bytes = distributed.all_reduce_sum(totals).tolist()
+    total_nats, total_tokens, total_bytes = all_reduce_sum(totals).tolist()
     if total_tokens == 0:
         raise ValueError("validation split has no scorable tokens; use a larger --dataset_path")
     return total_nats / total_tokens, total_nats / (math.log(2) * total_bytes), int(total_tokens)
@@ -82,10 +86,10 @@ class Evaluator:
     """A training run's measurements of `model` on `data` (see the module docstring). `eager`
     is the context that runs compiled code eagerly (blocks compiled in place)."""
 
-    def __init__(self, model: torch.nn.Module, data: RunData, cfg: TrainConfig, *, dist: DistEnv,
+    def __init__(self, model: torch.nn.Module, data: RunData, cfg: TrainConfig, *, layout: Layout,
                  device: torch.device, autocast: Any, fp8: FP8Training, eager: Callable[[], Any]):
         self.model, self.data, self.cfg = model, data, cfg
-        self.dist, self.device, self.autocast = dist, device, autocast
+        self.layout, self.device, self.autocast = layout, device, autocast
         self.fp8, self.eager = fp8, eager
 
     def all(self) -> tuple[float, float, float | None]:
@@ -99,7 +103,7 @@ class Evaluator:
         with self._model() as model:
             val_loss, val_bpb, _ = loss_and_bpb(model, self.data.val, self.data.token_bytes, seq_len=cfg.seq_len,
                                                 batch_size=cfg.batch_size, eval_tokens=cfg.eval_tokens,
-                                                device=self.device, autocast=self.autocast, dist=self.dist)
+                                                device=self.device, autocast=self.autocast, layout=self.layout)
         return val_loss, val_bpb
 
     @torch.no_grad()
@@ -110,7 +114,7 @@ class Evaluator:
         with self._model() as model:
             correct, total = choice_counts(model, self.data.choice_items, batch_size=self.cfg.batch_size,
                                            seq_len=self.cfg.seq_len, device=self.device, autocast=self.autocast)
-        counts = distributed.all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=self.device))
+        counts = all_reduce_sum(torch.tensor([correct, total], dtype=torch.float64, device=self.device))
         correct, total = counts.tolist()
         return correct / total
 
@@ -124,7 +128,7 @@ class Evaluator:
             prompts = store.val.doc_prefixes(num_samples, 16)
         out = []
         with self._model() as model, self.autocast:
-            for i, ids in enumerate(prompts if self.dist.rank == 0 else []):
+            for i, ids in enumerate(prompts if self.layout.rank == 0 else []):
                 gen = engine.generate(model, ids, max_new_tokens=cfg.sample_tokens, temperature=cfg.temperature,
                                       top_k=cfg.top_k, seed=cfg.seed + i)
                 # generate() returns only the new tokens; show the prompt with its continuation
@@ -135,11 +139,11 @@ class Evaluator:
     def _model(self):
         """The model in eval mode and high precision. One process and DDP: the model itself
         (unwrapped, so no collectives) with its FP8 layers in high precision. FSDP and TP: a plain,
-        unsharded copy gathered from the shards (collective: every rank enters; distributed.py)."""
-        if self.dist.is_distributed and (self.cfg.fsdp or self.cfg.tp > 1):
+        unsharded copy gathered from the shards (collective: every rank enters; `full_copy`)."""
+        if self.layout.sharded:
             with torch.device("meta"):
                 plain = GPT(self.model.config)
-            plain = distributed.full_copy(self.model, plain.materialize(self.device))
+            plain = full_copy(self.model, plain.materialize(self.device))
             yield plain.eval()
             return
         was_training = self.model.training
@@ -266,7 +270,7 @@ def evaluate_saved(cfg: EvalConfig) -> EvalResult:
     logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
     seq_len = min(cfg.seq_len, model.config.seq_len)
     trained = saved.meta["config"] if saved is not None else {}
-    asked = {"seq_len": seq_len, "eval_tokens": cfg.eval_tokens}
+    asked = {"seq_len": seq_len, "eval_tokens": cfg.eval_tokens, "packing": cfg.packing}
     differ = [f"--{k} {trained[k]}" for k in asked if k in trained and trained[k] != asked[k]]
     if differ:
         logger.info("the run evaluated with %s: pass the same to reproduce its val_loss and val_bpb", " ".join(differ))
@@ -277,7 +281,7 @@ def evaluate_saved(cfg: EvalConfig) -> EvalResult:
         logger.warning("WARNING: %s", message)
 
     data = EvalData.load(cfg.dataset_path, tokenizer=tok, seq_len=seq_len, eval_tokens=cfg.eval_tokens, device=device,
-                         fallback=fallback, chat_template=cfg.chat_template)
+                         fallback=fallback, chat_template=cfg.chat_template, packing=cfg.packing)
     model.eval()
     context = autocast_context(device, dtype)
     val_loss, val_bpb, tokens = loss_and_bpb(model, data.val, data.token_bytes, seq_len=seq_len,

@@ -16,6 +16,10 @@ skipping more would only burn time. A finite step is clipped to `max_norm` and t
         optimizer.step()
     ...checkpoint = {..., **guard.state_dict()}; on resume guard.load_state_dict(checkpoint)
 
+`check` is `measure` (the values on the device, no read) then the `Reading`'s `judge` on those
+values read: a loop with values of its own to read in the same step (nanochat's stop votes)
+reads both in one `host_read` and hands each part its own.
+
 Nothing here is FP8's: overflows are what low precision makes more likely, but a bf16 or fp32 run
 needs the same guard (nanochat's trainer runs it always). So the guard owns its counts
 (`counters`, `summary`), its checkpointed state and its limit; FP8's objects hold none of them.
@@ -28,10 +32,10 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from nanochat.common import NanoChatError, logger
 from nanochat.device import host_read
-from nanochat.distributed import DTensor
 from nanochat.fp8.stats import first_nonfinite_layer
 
 COUNTERS = {"overflow_events": 0, "skipped_steps": 0, "clip_events": 0, "min_clip_factor": None}
@@ -41,17 +45,23 @@ clipped steps, and the smallest clip factor (max_norm / norm) so far."""
 
 class Verdict(NamedTuple):
     """One step as the guard saw it: the loss and gradient norm on the host, and `flags` for the
-    step's metrics record (`skipped` and `nonfinite_at`, or `clip_factor` when it clipped);
-    `also`: the caller's values read with them."""
+    step's metrics record (`skipped` and `nonfinite_at`, or `clip_factor` when it clipped)."""
 
     loss: float
     grad_norm: float
     flags: dict[str, Any]
-    also: tuple[float, ...] = ()
 
     @property
     def skipped(self) -> bool:
         return bool(self.flags.get("skipped"))
+
+
+class Reading(NamedTuple):
+    """A step's check before its device read: `values` (1-D, on the device) and `judge`, the
+    verdict on them once read (host_read(values), or a slice of a read the caller made)."""
+
+    values: torch.Tensor
+    judge: Callable[[list[float]], Verdict]
 
 
 class StepGuard:
@@ -68,53 +78,69 @@ class StepGuard:
 
     def check(self, step: int, loss: torch.Tensor, params: Iterable[torch.Tensor], *, max_norm: float = math.inf,
               clip: bool = True, rerun: Callable[[], object] | None = None,
-              note: Callable[[], str] | None = None, also: torch.Tensor | None = None) -> Verdict:
+              note: Callable[[], str] | None = None) -> Verdict:
         """After the backward pass of step `step` (0-based): the global norm of `params`' gradients,
         then `loss` and that norm read together (one device read); `decide` on them; a finite step
-        is clipped to `max_norm` unless `clip` is False (a caller that clips itself). `also`: a
-        1-D tensor of the caller's own, read in the same read (Verdict.also)."""
+        is clipped to `max_norm` unless `clip` is False (a caller that clips itself)."""
+        reading = self.measure(step, loss, params, max_norm=max_norm, clip=clip, rerun=rerun, note=note)
+        return reading.judge(host_read(reading.values))
+
+    def check_in_backward(self, step: int, loss: torch.Tensor, optimizer: Any, *,
+                          note: Callable[[], str] | None = None) -> Verdict:
+        """A step whose update ran inside the backward, in one device read (`measure_in_backward`)."""
+        reading = self.measure_in_backward(step, loss, optimizer, note=note)
+        return reading.judge(host_read(reading.values))
+
+    def measure(self, step: int, loss: torch.Tensor, params: Iterable[torch.Tensor], *,
+                max_norm: float = math.inf, clip: bool = True, rerun: Callable[[], object] | None = None,
+                note: Callable[[], str] | None = None) -> Reading:
+        """`check` up to its device read: [loss, gradient norm] on the device, and the judgement
+        of those values once read (which clips a finite step)."""
         params = list(params)
         # the norm first, clipping after: a non-finite norm must leave the gradients as they are
         # (clip_grad_norm_ would scale all of them by nan) so that the culprit can be named
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if isinstance(norm, DTensor):  # FSDP: the norm over every rank's shard
             norm = norm.full_tensor()
-        values = host_read(_with(torch.stack([loss.float(), norm.float().to(loss.device)]), also))
-        (loss_value, grad_norm), extra = values[:2], tuple(values[2:])
-        flags = self.decide(step, loss_value, grad_norm, max_norm=max_norm, rerun=rerun, note=note)
-        if clip and not flags.get("skipped"):
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return Verdict(loss_value, grad_norm, flags, extra)
 
-    def check_in_backward(self, step: int, loss: torch.Tensor, optimizer: Any, *,
-                          note: Callable[[], str] | None = None, also: torch.Tensor | None = None) -> Verdict:
+        def judge(values: list[float]) -> Verdict:
+            loss_value, grad_norm = values
+            flags = self.decide(step, loss_value, grad_norm, max_norm=max_norm, rerun=rerun, note=note)
+            if clip and not flags.get("skipped"):
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            return Verdict(loss_value, grad_norm, flags)
+
+        return Reading(torch.stack([loss.float(), norm.float().to(loss.device)]), judge)
+
+    def measure_in_backward(self, step: int, loss: torch.Tensor, optimizer: Any, *,
+                            note: Callable[[], str] | None = None) -> Reading:
         """A step whose update ran inside the backward (FP8Optim.step_in_backward, which left any
-        parameter with a non-finite gradient unchanged), in one device read: the loss, the norm
+        parameter with a non-finite gradient unchanged), up to its device read: the loss, the norm
         of the finite gradients and, when some were not finite, `skipped_params` (how many
         parameters kept their values) and `skipped_param_names`. The step counts as skipped
         (`decide`: the counters, the stop after `max_bad_steps`) only when nothing was updated:
-        the loss was not finite, or every parameter with a gradient kept its value. `also` as in
-        `check`."""
+        the loss was not finite, or every parameter with a gradient kept its value."""
         stats = optimizer.backward_stats(per_param=True)
         stats = torch.zeros(3, device=loss.device) if stats is None else stats
-        n_also = 0 if also is None else also.numel()
-        values = host_read(_with(torch.cat([loss.float().view(1), stats.to(loss.device)]), also))
-        values, extra = values[:len(values) - n_also], tuple(values[len(values) - n_also:])
-        loss_value, grad_norm, skipped, with_grad = values[:4]
-        nothing_updated = not math.isfinite(loss_value) or (skipped and skipped == with_grad)
-        flags: dict[str, Any] = {}
-        if skipped:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            hooked = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-            flags["skipped_params"] = int(skipped)
-            flags["skipped_param_names"] = [names.get(id(p), f"#{i}") for i, (p, bad) in
-                                            enumerate(zip(hooked, values[4:])) if bad]
-            if not nothing_updated:
-                logger.warning("step %d: non-finite gradient of %s; left unchanged, the other parameters updated",
-                               step + 1, ", ".join(flags["skipped_param_names"]))
-        # a finite norm ends a run of skipped steps
-        flags.update(self.decide(step, loss_value, math.nan if nothing_updated else grad_norm, note=note))
-        return Verdict(loss_value, grad_norm, flags, extra)
+
+        def judge(values: list[float]) -> Verdict:
+            loss_value, grad_norm, skipped, with_grad = values[:4]
+            nothing_updated = not math.isfinite(loss_value) or (skipped and skipped == with_grad)
+            flags: dict[str, Any] = {}
+            if skipped:
+                names = {id(p): n for n, p in self.model.named_parameters()}
+                hooked = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+                flags["skipped_params"] = int(skipped)
+                flags["skipped_param_names"] = [names.get(id(p), f"#{i}") for i, (p, bad) in
+                                                enumerate(zip(hooked, values[4:])) if bad]
+                if not nothing_updated:
+                    logger.warning("step %d: non-finite gradient of %s; left unchanged, the other parameters "
+                                   "updated", step + 1, ", ".join(flags["skipped_param_names"]))
+            # a finite norm ends a run of skipped steps
+            flags.update(self.decide(step, loss_value, math.nan if nothing_updated else grad_norm, note=note))
+            return Verdict(loss_value, grad_norm, flags)
+
+        return Reading(torch.cat([loss.float().view(1), stats.to(loss.device)]), judge)
 
     def decide(self, step: int, loss: float, grad_norm: float, *, max_norm: float = math.inf,
                rerun: Callable[[], object] | None = None, note: Callable[[], str] | None = None) -> dict[str, Any]:
@@ -172,17 +198,8 @@ class StepGuard:
         return {"guard": dict(self.counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters from `state` (a whole checkpoint dict may be passed). A
-        checkpoint of nanochat 0.1.0 holds them among FP8Training's `counters` instead."""
-        saved = state.get("guard")
-        if saved is None:
-            saved = state.get("counters") or {}
-        self.counters.update({k: v for k, v in saved.items() if k in COUNTERS})
+        """Restore the counters from `state` (a whole checkpoint dict may be passed)."""
+        self.counters.update(state.get("guard") or {})
 
 
-def _with(values: torch.Tensor, also: torch.Tensor | None) -> torch.Tensor:
-    """`values` followed by the caller's `also`, one tensor for one read."""
-    return values if also is None else torch.cat([values, also.detach().float().reshape(-1).to(values.device)])
-
-
-__all__ = ["COUNTERS", "StepGuard", "Verdict"]
+__all__ = ["COUNTERS", "Reading", "StepGuard", "Verdict"]

@@ -32,6 +32,7 @@ labelled as an estimate; the measured peak (`TrainResult.peak_memory_bytes`, CUD
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterable
@@ -39,22 +40,24 @@ from dataclasses import dataclass
 
 import torch
 
-from nanochat.common import DistEnv, format_bytes, format_table
+from nanochat.common import format_bytes, format_table
 from nanochat.config import TrainConfig
-from nanochat.fp8.optim import fp8_size_problem
-from nanochat.fp8.tensor import DEFAULT_BLOCK_SIZE
 from nanochat.optim import optimizer_bytes
 from nanochat.optim.master import MASTER_WEIGHTS, bytes_per_param
-from nanochat.optim.state import local
+from nanochat.optim.moments import DEFAULT_BLOCK_SIZE, fp8_size_problem
+from nanochat.optim.shards import local
 from nanochat.model.gpt import GPT, GPTConfig
+from nanochat.parallel.layout import Layout
 
 
-def param_numels(config: GPTConfig) -> list[int]:
+@functools.lru_cache(maxsize=16)
+def param_numels(config: GPTConfig) -> tuple[int, ...]:
     """Element count of every parameter tensor (a tied embedding once), from a model built on the
-    meta device: exact, and no memory allocated."""
+    meta device: exact, and no memory allocated. Cached: a refusal's remedies replan one config
+    thousands of times."""
     with torch.device("meta"):
         model = GPT(config)
-    return [p.numel() for p in model.parameters()]
+    return tuple(p.numel() for p in model.parameters())
 
 
 def held(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
@@ -117,7 +120,7 @@ def activation_bytes(config: GPTConfig, tokens: int, *, autocast: bool, checkpoi
     return tokens * (blocks + logits)
 
 
-def in_backward_grad_numel(config: GPTConfig, numels: list[int]) -> int:
+def in_backward_grad_numel(config: GPTConfig, numels: tuple[int, ...]) -> int:
     """Gradient elements alive at once when the optimizer steps inside the backward: the largest
     tensor's, plus a tied embedding's, which stays alive between its two uses in the backward."""
     if not config.tie_embeddings:
@@ -295,13 +298,12 @@ def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level
         free_bytes=free_bytes)
 
 
-def param_shards(cfg: TrainConfig, dist: DistEnv) -> int:
-    """Into how many parts a run's parameters, gradients and optimizer state are split per device:
-    FSDP's data-parallel ranks times the tensor-parallel degree. Under --tp the norm weights stay
-    whole on every rank (and the embedding and head where the vocabulary does not divide), counted
-    here as split: the plan is low by at most those tensors' bytes."""
-    fsdp = cfg.fsdp and dist.dp_size > 1
-    return (dist.dp_size if fsdp else 1) * (cfg.tp if dist.is_distributed else 1)
+def param_shards(layout: Layout) -> int:
+    """Into how many parts a run's parameters, gradients and optimizer state are split per device
+    under `layout`: FSDP's data-parallel ranks times the tensor-parallel degree. Under --tp the
+    norm weights stay whole on every rank (and the embedding and head where the vocabulary does
+    not divide), counted here as split: the plan is low by at most those tensors' bytes."""
+    return (layout.dp_size if layout.fsdp else 1) * layout.tp
 
 
 def plan_run(cfg: TrainConfig, config: GPTConfig, *, autocast: bool, shards: int, device: torch.device) -> MemoryPlan:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanochat.config.fields import Fallbacks
 from nanochat.fs import write_atomic
 from nanochat.report.trackers import Trackers
 from nanochat.rundir import START_EVENT
@@ -50,11 +51,13 @@ def json_line(record: dict[str, Any]) -> str:
 class MetricsLog:
     """`<run_dir>/metrics.jsonl`, appended to by rank 0 (the other ranks' calls do nothing)."""
 
-    def __init__(self, run_dir: Path, *, rank: int):
+    def __init__(self, run_dir: Path, *, rank: int, fallbacks: Fallbacks | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.writes = rank == 0
         self.trackers: Trackers | None = None
         """--log's TensorBoard / W&B, started by `begin` before the first step."""
+        if fallbacks is not None:  # a tracker that fails mid-run records why (TrainResult.fallbacks)
+            fallbacks.follow(lambda: self.trackers.fallbacks if self.trackers is not None else ())
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one record (see the module docstring for the kinds), then hand it to the trackers."""

@@ -1,13 +1,14 @@
-"""Before a run does any work: the machine and the files it needs, checked in one place.
+"""Before a run does any work: its process layout, the machine and the files it needs, checked.
 
 The config classes (nanochat.config) check values on their own: a batch size is positive, an FP8
 mode exists, --resume and --overwrite exclude each other. What they cannot know is the world the
-run lands in: which device this is and what it can do, how many processes torchrun started, which
-paths exist, what a model name names, which trackers (--log) and plotting (--plot) import, how
-much disk is free. `check_environment` asks all of
-that before the corpus is read or a tokenizer trained (the run directory is claimed just before,
-nanochat.checkpoint), so each mistake is one `error:` line and the only output (a NanoChatError;
-UsageError, exit 2, for what the command line can fix).
+run lands in: how many processes torchrun started, which device this is and what it can do,
+which paths exist, what a model name names, which trackers (--log) and plotting (--plot) import,
+how much disk is free. `check_layout` decides the process layout first, once: every part built
+after it reads the value. `check_environment` asks the rest before the corpus is read or a
+tokenizer trained (the run directory is claimed in between, nanochat.checkpoint), so each
+mistake is one `error:` line and the only output (a NanoChatError; UsageError, exit 2, for what
+the command line can fix).
 `check_disk` runs once the run directory exists (with --overwrite, emptied) and a checkpoint's
 size is known, before the first step. What only the data or a checkpoint can tell (a corpus too
 small for one step, a checkpoint of another model) is refused where it is read, also before it.
@@ -15,44 +16,58 @@ small for one step, a checkpoint of another model) is refused where it is read, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from nanochat.common import DistEnv, NanoChatError, UsageError, format_bytes
+from nanochat.common import DistEnv, NanoChatError, UsageError, format_bytes, warn_once
 from nanochat.config import TrainConfig
 from nanochat.checkpoint import gpt_config
-from nanochat.distributed import layout_name, tp_problem
 from nanochat.model.hub import ResolvedModel, resolve_model
+from nanochat.model.parallelize import tp_problem
+from nanochat.parallel.layout import Layout, plan_layout
 from nanochat.data.instruct import own_tokenizer_template_problem
 from nanochat.report.plot import check_can_draw
 from nanochat.report.trackers import check_trackers
 
 
-def check_environment(cfg: TrainConfig, dist: DistEnv, device: torch.device, dtype: torch.dtype, *,
+def check_layout(cfg: TrainConfig, env: DistEnv) -> Layout:
+    """The run's process layout: --fsdp and --tp on the ranks torchrun started (`env`), decided
+    here once (nanochat.parallel.layout); a world that cannot form it, or --optimizer_in_backward
+    under torchrun, is refused."""
+    layout = plan_layout(env, fsdp=cfg.fsdp, tp=cfg.tp)
+    problem = cfg.in_backward_problem(torchrun=layout.name if layout.distributed else None)
+    if problem is not None:
+        raise UsageError(problem)
+    return layout
+
+
+def check_environment(cfg: TrainConfig, layout: Layout, device: torch.device, dtype: torch.dtype, *,
                       resume: bool) -> ResolvedModel:
-    """Every check of the device, the process layout and the input paths (`resume`: the run
-    continues from a checkpoint, so --init_from's source is no longer read); returns what
-    --model_name names (a preset or a Hugging Face directory)."""
+    """Every check of the device, the model under the process `layout` and the input paths
+    (`resume`: the run continues from a checkpoint, so --init_from's source is no longer read);
+    returns what --model_name names (a preset or a Hugging Face directory)."""
     if cfg.fp8 and dtype != torch.float32 and device.type != "cuda":
         raise UsageError(
             f"--fp8 with --dtype {cfg.dtype} on {device.type}: torchao's FP8 layers only support bf16 "
             "autocast on CUDA (elsewhere they would round outputs to the wrong dtype). Use --dtype float32 "
             "(the default off CUDA) with --fp8; --fp8_opt_level alone works with any dtype.")
-    layout = layout_name(fsdp=cfg.fsdp, dp=dist.dp_size, tp=cfg.tp) if dist.is_distributed else None
-    problem = cfg.in_backward_problem(torchrun=layout)
-    if problem is not None:
-        raise UsageError(problem)
     resolved = resolve_model(cfg.model_name)
-    if cfg.tp > 1:  # the heads do not depend on the vocabulary, which the corpus decides later
+    if layout.tp > 1:  # the heads do not depend on the vocabulary, which the corpus decides later
         model = gpt_config(resolved, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len)
-        if (problem := tp_problem(model, cfg.tp, world_size=dist.world_size, fsdp=cfg.fsdp)) is not None:
+        if (problem := tp_problem(model, layout.tp)) is not None:
             raise UsageError(problem)
     if resolved.kind == "hf" and cfg.tokenizer_dir:
         raise UsageError(f"--tokenizer_dir cannot be combined with the Hugging Face model {cfg.model_name!r}: "
                          "its own tokenizer (in the checkpoint directory) is the one its embeddings know")
+    default_vocab = next(f.default for f in dataclasses.fields(cfg) if f.name == "vocab_size")
+    if resolved.kind == "hf" and cfg.vocab_size != default_vocab:
+        warn_once(f"vocab-size-hf:{cfg.model_name}:{cfg.vocab_size}",
+                  f"--vocab_size {cfg.vocab_size} does not apply to the Hugging Face model {cfg.model_name!r} and "
+                  "is ignored: its own tokenizer (in the checkpoint directory) sets the vocabulary; drop --vocab_size")
     if resolved.kind == "preset" and cfg.chat_template is not None:  # nanochat's tokenizer, never a template
         raise UsageError(own_tokenizer_template_problem(cfg.chat_template))
     if cfg.dataset_path is not None and _inside(cfg.run_dir, cfg.dataset_path):
@@ -85,4 +100,4 @@ def check_disk(run_dir: str | os.PathLike, need: int) -> None:
                             f"{format_bytes(need)}; free space or choose a --run_dir on another disk")
 
 
-__all__ = ["check_disk", "check_environment"]
+__all__ = ["check_disk", "check_environment", "check_layout"]

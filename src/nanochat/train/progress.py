@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from nanochat.common import format_bytes, format_table
 from nanochat.config import flag_text
-from nanochat.fp8.optim import FP8Optim
 from nanochat.train import mfu
+from nanochat.train.report import RunFacts
 
 
 def on_terminal() -> bool:
@@ -85,42 +85,41 @@ class Progress:
             self.bar.close()
 
 
-def header(t: Any) -> str:
-    """What a run prints before its first step, from `t`, a NanoChatTrainer after its setup: the
-    run's table (model, data, schedule, device, parallelism, optimizer, FP8, MFU) and, with FP8,
-    the conversion report and FP8Optim's layout."""
-    cfg, m, data = t.config, t.model, t.data
+def header(facts: RunFacts) -> str:
+    """What a run prints before its first step: the run's table (model, data, schedule, device,
+    parallelism, optimizer, FP8, MFU) and, with FP8, the conversion report and FP8Optim's layout."""
+    f, cfg, m, data = facts, facts.config, facts.model, facts.data
     rows = [
-        ["model", f"{cfg.model_name}: {m.config.n_layer} layers, width {m.config.n_embd}, "
-                  f"{m.config.n_head} heads ({m.config.n_kv_head} kv), {t.num_params / 1e6:.2f}M params"],
-        *([["init", f"weights of {t.init_source.path} (step {t.init_source.step})"]] if t.init_source else []),
+        ["model", f"{cfg.model_name}: {m.n_layer} layers, width {m.n_embd}, "
+                  f"{m.n_head} heads ({m.n_kv_head} kv), {f.num_params / 1e6:.2f}M params"],
+        *([["init", f"weights of {f.init_source.path} (step {f.init_source.step})"]] if f.init_source else []),
         ["data", data.store.describe()],
         ["tokens", f"{len(data.train):,} train / {len(data.val):,} val, vocab {data.tokenizer.vocab_size}"],
         ["store", data.store.summary()],
-        ["schedule", f"{t.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * t.dist.dp_size}"
+        ["schedule", f"{f.total_steps} steps x {cfg.batch_size * cfg.grad_accum_steps * f.layout.dp_size}"
                      f" x {cfg.seq_len} tokens ({data.steps_per_epoch} steps/epoch)"],
-        ["device", f"{t.device} ({t.dtype}), world size {t.dist.world_size}, "
+        ["device", f"{f.device} ({f.dtype}), world size {f.layout.world_size}, "
                    f"compile {(cfg.compile_scope if cfg.compile else 'off')}"],
-        ["parallel", t.parallel],
-        ["optimizer", f"AdamW, {format_bytes(t.optimizer_state_bytes)} of state"
-                      f"{' on each rank' if t.dist.is_distributed else ''} "
-                      f"({t.optimizer_state_bytes / t.local_params:.3f} bytes/param)"],
+        ["parallel", f.parallel],
+        ["optimizer", f"AdamW, {format_bytes(f.optimizer_state_bytes)} of state"
+                      f"{' on each rank' if f.layout.distributed else ''} "
+                      f"({f.optimizer_state_bytes / f.local_params:.3f} bytes/param)"],
     ]
     if not cfg.save_checkpoints:
         rows.append(["checkpoints", "none (--no_save_checkpoints): this run cannot be resumed or exported"])
-    report = t.fp8.report
+    report = f.fp8
     if report is not None:
         rows.append(["fp8", flag_text(report.summary())])
-    rows.append(["mfu", mfu.describe(t.peak, t.device, t.flops_per_token)])
+    rows.append(["mfu", mfu.describe(f.peak, f.device, f.flops_per_token)])
     parts = [format_table(["run", ""], rows)]
     if report is not None:
         parts.append(report.table(flag_text))
-    if isinstance(t.optimizer, FP8Optim):
-        parts.append(t.optimizer.summary())
+    if f.optimizer_summary is not None:
+        parts.append(f.optimizer_summary)
     if report is not None:
         parts.append("fp8: evaluation and sampling run in high precision ("
-                     + ("an unsharded copy of the shards)" if t.dist.is_distributed and (cfg.fsdp or cfg.tp > 1)
-                        else "fp8_disabled)"))
+                     + ("an unsharded copy of the shards)" if f.layout.sharded else "fp8_disabled)"))
     return "\n".join(parts)
+
 
 __all__ = ["Progress", "format_eta", "header", "on_terminal"]

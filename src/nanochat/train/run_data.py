@@ -30,15 +30,16 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat.common import DistEnv, UsageError, cache_root, logger
+from nanochat.common import UsageError, cache_root, logger
 from nanochat.config import TrainConfig
 from nanochat.data import instruct
-from nanochat.data.batches import TokenBatches, split_stream, val_batches
+from nanochat.data.batches import Packing, TokenBatches, split_stream, val_batches
 from nanochat.data.prepare import CHANGES_FILE, prepare_data, recorded_sources
 from nanochat.data.sources import Sources
-from nanochat.data.store import TokenStore
+from nanochat.data.token_store import TokenStore
 from nanochat.data.streams import TokenStream
 from nanochat.model.hub import ResolvedModel
+from nanochat.parallel.layout import Layout
 from nanochat.tokenizer import BPETokenizer, HFTokenizer, Tokenizer
 
 
@@ -65,19 +66,22 @@ class EvalData:
     def load(cls, dataset_path: str | None, *, tokenizer: Tokenizer | None, seq_len: int, eval_tokens: int,
              device: torch.device, fallback: Callable[[str], None], vocab_size: int = 4096,
              chat_template: str | None = None, resume: bool = False, recorded: dict[str, Any] | None = None,
-             changes_file: Path | None = None, rank: int = 0, world_size: int = 1) -> EvalData:
+             changes_file: Path | None = None, rank: int = 0, world_size: int = 1,
+             run_dir: str | None = None, packing: Packing = "stream") -> EvalData:
         """The corpus at `dataset_path` for `tokenizer` (None: one trained on it, `vocab_size`),
         read from its token store in the cache (nanochat.common.cache_root; built if missing),
-        down to what evaluation scores. `resume`, `recorded`, `changes_file`: prepare_data's."""
+        down to what evaluation scores. `resume`, `recorded`, `changes_file`, `run_dir`: prepare_data's;
+        `packing`: how plain text is cut into windows (batches.split_stream)."""
         # tokenizer -> token store
         prepared = prepare_data(dataset_path, tokenizer=tokenizer, vocab_size=vocab_size, chat_template=chat_template,
-                                cache_root=cache_root(), resume=resume, recorded=recorded, changes_file=changes_file)
+                                cache_root=cache_root(), resume=resume, recorded=recorded, changes_file=changes_file,
+                                run_dir=run_dir)
         store, tokenizer = prepared.store, prepared.tokenizer
         for message in prepared.fallbacks:
             fallback(message)
         logger.info("corpus: %s", store.describe())
         # -> the validation stream and what evaluation scores
-        val = split_stream(store, "val", seq_len, tokenizer.bos_id, fallback)
+        val = split_stream(store, "val", seq_len, tokenizer.bos_id, fallback, packing)
         items = instruct.choice_items(tokenizer, store.val_records(), eval_tokens) if store.kind == "instruct" else []
         return cls(sources=prepared.sources, store=store, tokenizer=tokenizer, val=val,
                    choice_items=items[rank::world_size], num_choice_items=len(items),
@@ -98,7 +102,7 @@ class RunData(EvalData):
     """Optimizer steps in one pass over the training tokens."""
 
     @classmethod
-    def load(cls, cfg: TrainConfig, *, dist: DistEnv, device: torch.device, model: ResolvedModel,
+    def load(cls, cfg: TrainConfig, *, layout: Layout, device: torch.device, model: ResolvedModel,
              tokenizer: Tokenizer | None, fallback: Callable[[str], None], resume: bool) -> RunData:
         """The run's data. `tokenizer`: the --init_from source's (None otherwise); `fallback`
         records and logs a fallback (a vocabulary smaller than asked, the plain chat format, a
@@ -108,19 +112,21 @@ class RunData(EvalData):
                              seq_len=cfg.seq_len, eval_tokens=cfg.eval_tokens, device=device, fallback=fallback,
                              vocab_size=cfg.vocab_size, chat_template=cfg.chat_template, resume=resume,
                              recorded=recorded_sources(cfg.run_dir) if resume else None,
-                             changes_file=Path(cfg.run_dir) / CHANGES_FILE, rank=dist.dp_rank, world_size=dist.dp_size)
+                             changes_file=Path(cfg.run_dir) / CHANGES_FILE, rank=layout.dp_rank,
+                             world_size=layout.dp_size, run_dir=cfg.run_dir, packing=cfg.packing)
         # -> batches
-        train = split_stream(data.store, "train", cfg.seq_len, data.tokenizer.bos_id, fallback)
+        train = split_stream(data.store, "train", cfg.seq_len, data.tokenizer.bos_id, fallback, cfg.packing)
         loader = TokenBatches(train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed,
-                              rank=dist.dp_rank, world_size=dist.dp_size)  # a TP group reads one share
+                              rank=layout.dp_rank, world_size=layout.dp_size,  # a TP group reads one share
+                              packing=cfg.packing)
         steps_per_epoch = loader.steps_per_epoch // cfg.grad_accum_steps
         if steps_per_epoch < 1:
             raise UsageError(f"one optimizer step needs {cfg.grad_accum_steps} batches but an epoch has only "
                              f"{loader.steps_per_epoch}; lower --grad_accum_steps or --batch_size")
         # what would otherwise fail once training has started: one evaluation window (val_batches
         # names the fix), the prompts of the samples
-        next(iter(val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=dist.dp_rank,
-                              world_size=dist.dp_size)), None)
+        next(iter(val_batches(data.val, cfg.seq_len, cfg.batch_size, cfg.eval_tokens, rank=layout.dp_rank,
+                              world_size=layout.dp_size)), None)
         records = data.store.kind == "instruct"
         for r in islice(data.store.val_records(), cfg.num_samples) if records else []:
             instruct.generation_prompt(data.tokenizer, r)

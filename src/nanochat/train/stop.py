@@ -12,8 +12,9 @@ the first signal stops at once.
 
 Under torchrun the ranks may get the signal at different times, or only one of them may (a
 `kill` of one pid): each rank's request travels in the all-reduce of the step's loss
-(`vote`), and is read with the loss in the step guard's one device read (`decide`), so
-every rank stops after the same step, and a step gains no collective and no host sync. (An
+(`vote`), and is read in the step's one device read, beside the step guard's values (the
+loop reads both and hands each its own: `decide`), so every rank stops after the same step, and
+a step gains no collective and no host sync. (An
 all-reduced flag read on its own would add a sync a step: the host could no longer queue the
 next step's kernels while the GPU finishes this one.)
 
@@ -35,8 +36,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from nanochat import distributed
 from nanochat.common import DistEnv, dist_env, print_last_line
+from nanochat.parallel.process_group import all_reduce_mean, is_distributed, torchrun_restarts_left
 
 if TYPE_CHECKING:
     from nanochat.checkpoint import Checkpoint
@@ -107,7 +108,7 @@ class StopSignals:
         finally:
             for signum, handler in previous.items():
                 # a torchrun rank that is ending ignores the launcher's SIGTERM on its way out
-                keep = self.ignoring and signum == signal.SIGTERM and distributed.is_distributed()
+                keep = self.ignoring and signum == signal.SIGTERM and is_distributed()
                 signal.signal(signum, signal.SIG_IGN if keep else handler)
 
     def ignore(self) -> None:
@@ -164,7 +165,7 @@ class StopSignals:
         """The signal to stop on at this step boundary: the one every rank agreed on (torchrun),
         or in one process the one received (no agreement needed, so the step it came in is the
         last, wherever in the step it came)."""
-        return self.agreed if distributed.is_distributed() else self.received
+        return self.agreed if is_distributed() else self.received
 
     def requests(self, like: torch.Tensor) -> torch.Tensor:
         """This rank's request flags (one per SIGNALS entry) on `like`'s device and dtype: the
@@ -181,8 +182,8 @@ class StopSignals:
     def vote(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`loss` (a scalar) averaged over ranks and every rank's request flags averaged with it,
         in the one all-reduce the loss needs anyway: (loss, votes), both still on the device, for
-        the step guard to read together (`decide` takes the votes as read)."""
-        both = distributed.all_reduce_mean(torch.cat([loss.reshape(1), self.requests(loss)]))
+        the step's one device read (`decide` takes the votes as read)."""
+        both = all_reduce_mean(torch.cat([loss.reshape(1), self.requests(loss)]))
         return both[0], both[1:]
 
     def decide(self, votes: list[float]) -> None:
@@ -205,15 +206,20 @@ def _note(text: str) -> None:
 def resume_command(config, dist: DistEnv | None = None) -> str:
     """The command that resumes the run `config` describes: scripts/base_train.py with every
     flag that differs from its default, and --resume, or the run's own --auto_resume, which
-    continues it as well (torchrun's layout prefixed)."""
+    continues it as well (torchrun's layout prefixed). In a slurm job ($SLURM_JOB_ID) the run
+    continues in a job: its sbatch script again, whose step runs the agent command given."""
     dist = dist or dist_env()
     argv0 = sys.argv[0] if sys.argv and os.path.basename(sys.argv[0]) == "base_train.py" else "scripts/base_train.py"
     launch = "python"
-    if dist.is_distributed:
+    job = os.environ.get("SLURM_JOB_ID")
+    if dist.world_size > 1:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
         nodes = max(1, dist.world_size // local)
-        launch = (f"torchrun --standalone --nproc_per_node={local}" if nodes == 1 else
+        launch = (f"torchrun --standalone --nproc_per_node={local}" if nodes == 1 and job is None else
                   f"torchrun --nnodes={nodes} --nproc_per_node={local} <your rendezvous flags>")
+    if job is not None:
+        name = os.environ.get("SLURM_JOB_NAME", "its name unknown")
+        launch = f"sbatch with the script of slurm job {job} ({name}), its step running: srun {launch}"
     words = [argv0]
     for f in dataclasses.fields(config):
         if f.name in ("resume", "overwrite", "debug"):
@@ -253,7 +259,7 @@ def lost_peer_message(reason: str, newest: Checkpoint | None, resume: str, *, au
     what comes next: torchrun's restart of the worker group where --max-restarts has one left
     (which continues the run with --auto_resume, and would refuse its directory without), else
     the command that `resume`s the run once every rank can run again."""
-    left = distributed.torchrun_restarts_left()
+    left = torchrun_restarts_left()
     where = (f"the newest checkpoint is {newest.path} (step {newest.step})" if newest is not None
              else "no checkpoint of this run was saved")
     if left and auto_resume:

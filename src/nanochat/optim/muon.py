@@ -1,0 +1,260 @@
+"""Muon: the step over a moment format, which parameters it takes, and its AdamW companion.
+
+Muon (Keller Jordan, kellerjordan.github.io/posts/muon; torch.optim.Muon) updates a weight
+matrix by its momentum, orthogonalized: five Newton-Schulz iterations push the singular values
+of the (Nesterov) momentum towards one, so every direction of the matrix moves at the same rate.
+It is meant for the 2-D weights of hidden layers only; embeddings, the output head, norms and
+biases stay with AdamW (`muon_param_groups` splits a model, `MuonAdamW` steps the two together).
+
+A wrapper (wrapper.py) steps a Muon parameter here when its format stores the momentum buffer
+(FP8Optim: e4m3 blocks of 256 of the flattened matrix, the quantizer of Adam's first moment);
+the others are stepped by torch.optim.Muon itself. `muon_step` is torch's math: the buffer is
+read into fp32 through the format, reshaped to the matrix for Newton-Schulz, and written back.
+The e4m3 write rounds to nearest, and with momentum 0.95 a step adds 5% of (grad - buffer):
+once the gradient changes slowly that is under half an e4m3 quantum (2^-4..2^-3 of the value)
+and the buffer lags the fp32 one (measured on least squares: 8% after 40 noisy minibatch steps,
+22% after 27 full-batch steps); stochastic rounding of the write is the known remedy.
+
+Newton-Schulz runs in bf16 on CUDA, as torch's does (tensor cores; the iteration tolerates
+bf16, its output is only approximately orthogonal anyway), and in fp32 elsewhere: bf16 matmuls
+on a CPU are slower than fp32 ones (no bf16 units on AVX2: a 512x512 step took 5.0 s with
+torch's bf16 iteration, 0.14 s in fp32, one thread) and round each of the 15 products to 8
+bits. `ns_dtype` picks; given bf16 on CPU, the eager step is torch.optim.Muon's bit for bit
+(tests/test_muon.py). At a level that keeps a parameter's momentum fp32, torch.optim.Muon steps
+it, in bf16 on every device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import ChainMap
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .backends import host_scalar
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+"""The quintic Newton-Schulz coefficients (a, b, c) of Keller Jordan's Muon and torch.optim.Muon:
+the steepest slope at zero, so 5 steps suffice, at the price of singular values ending in about
+[0.5, 1.5] rather than at one (which, per torch's docstring, does not hurt training)."""
+
+
+def ns_dtype(device: torch.device) -> torch.dtype:
+    """Newton-Schulz's working dtype on `device`: bf16 on CUDA (torch's), fp32 elsewhere (module
+    docstring: bf16 matmuls on a CPU are slow and lossy)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The approximately orthogonal matrix of x (2-D), computed in `dtype`: torch.optim.Muon's
+    _zeropower_via_newtonschulz with the working dtype a choice (bf16 there)."""
+    a, b, c = coefficients
+    o = x.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:  # iterate on the wide side: the Gram matrix o @ o.T is then the smaller one
+        o = o.T
+    o = o / o.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the basin
+    for _ in range(steps):
+        gram = o @ o.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
+        o = torch.addmm(o, poly, o, beta=a)  # a o + (b G + c G^2) o
+    return o.T if tall else o
+
+
+def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """torch.optim.Muon's learning-rate factor for an (A, B) matrix: sqrt(max(1, A/B)) for None or
+    "original" (Keller Jordan's), 0.2 sqrt(max(A, B)) for "match_rms_adamw" (Moonshot's: the
+    update's RMS of AdamW's, so AdamW's lr and weight decay carry over)."""
+    A, B = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1, A / B))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(A, B))
+    return 1.0
+
+
+def muon_step(p, g, buf, lr, momentum, wd, *, nesterov: bool, coefficients: tuple, ns_steps: int, eps: float,
+              adjust_lr_fn: str | None, dtype: torch.dtype, m_format: type):
+    """Muon on one 2-D parameter, its momentum buffer as `m_format` stores it (read into fp32 in
+    the format's layout, e.g. [n_blocks, B] of the flattened matrix). Each line is torch's, and
+    eager with dtype bf16 it computes the same floats (lerp and addcmul as torch's lerp_ and
+    add_(alpha=): the same rounding)."""
+    b_old = m_format.read(buf)
+    gf = g.float()
+    b = b_old.lerp(gf.reshape(b_old.shape), 1 - momentum)  # torch: buf.lerp_(grad, 1 - momentum)
+    tie = m_format.write(buf, b, None)
+    b = b.reshape(p.shape)
+    update = gf.lerp(b, momentum) if nesterov else b  # torch: grad.lerp(buf, momentum)
+    o = newton_schulz(update, coefficients, ns_steps, eps, dtype)
+    pf = p.float() * (1 - lr * wd)  # torch: param.mul_(1 - lr * weight_decay)
+    new = torch.addcmul(pf, o, -(lr * lr_ratio(adjust_lr_fn, p.shape)))  # torch: param.add_(o, alpha=-adjusted_lr)
+    if torch.is_tensor(tie):  # a block format's zero tie, in its layout (E4M3Blocks.write)
+        new = (new.reshape(b_old.shape) + tie).reshape(p.shape)
+    p.copy_(new)
+
+
+def muon_multi(ps, gs, bufs, hypers, *, nesterov: bool, coefficients: tuple, ns_steps: int, eps: float,
+               adjust_lr_fn: str | None, dtype: torch.dtype, m_format: type):
+    """muon_step over lists of same-shape tensors; hypers[i] = (lr, momentum, weight_decay)."""
+    for i in range(len(ps)):
+        muon_step(ps[i], gs[i], bufs[i], *hypers[i], nesterov=nesterov, coefficients=coefficients,
+                  ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, dtype=dtype, m_format=m_format)
+
+
+def moments(group: dict) -> int:
+    """Moments Muon keeps per parameter: the momentum buffer (torch makes it whatever the momentum)."""
+    return 1
+
+
+def muon_hypers(group: dict) -> tuple[torch.Tensor, ...]:
+    """(lr, momentum, weight_decay) of a Muon param group, as host scalars."""
+    return tuple(host_scalar(group[k]) for k in ("lr", "momentum", "weight_decay"))
+
+
+def muon_flags(group: dict, device: torch.device, ns: torch.dtype | None = None) -> dict:
+    """The constants of a group's compiled step (a graph per distinct set): Nesterov, the
+    Newton-Schulz settings and its dtype (`ns`, default `ns_dtype(device)`), the lr rule."""
+    return dict(nesterov=bool(group["nesterov"]), coefficients=tuple(group["ns_coefficients"]),
+                ns_steps=int(group["ns_steps"]), eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
+                dtype=ns or ns_dtype(device))
+
+
+# ------------------------------------------------------------------------------ a whole model
+class Placement(NamedTuple):
+    """Where `muon_param_groups` put one parameter, and why (a run's header prints these)."""
+    name: str
+    shape: tuple[int, ...]
+    optimizer: str
+    """"muon", "adamw", or "frozen" (requires_grad False: in neither)."""
+    reason: str
+
+
+class MuonSplit(NamedTuple):
+    """A model's parameters as torch.optim.Muon and torch.optim.AdamW param groups."""
+    muon: list[dict]
+    """Hidden matrices, one group (Muon's hyperparameters from its constructor)."""
+    adamw: list[dict]
+    """The output head and other matrices (AdamW's weight decay), then embeddings and vectors
+    (weight_decay 0: decaying them only pulls scales and offsets to zero); empty groups left out."""
+    placements: list[Placement]
+
+    def summary(self) -> str:
+        """One line per optimizer: tensors, parameters and the reasons, for a run's header."""
+        lines = []
+        for kind in ("muon", "adamw", "frozen"):
+            chosen = [pl for pl in self.placements if pl.optimizer == kind]
+            if chosen:
+                reasons = ", ".join(dict.fromkeys(pl.reason for pl in chosen))
+                lines.append(f"{kind}: {len(chosen)} tensors / {sum(math.prod(pl.shape) for pl in chosen):,} "
+                             f"params ({reasons})")
+        return "\n".join(lines)
+
+
+def muon_param_groups(model: nn.Module) -> MuonSplit:
+    """Split `model`'s parameters (each once: a tied weight under its first name) for Muon and AdamW.
+
+    Muon: the 2-D weight of every nn.Linear (Float8Linear is one) but the output head. AdamW:
+    nn.Embedding weights, the output head (the module `lm_head`, else the last nn.Linear whose
+    out_features is an embedding's vocabulary: its rows are per-token, like an embedding's), 1-D
+    parameters (norm weights, biases), scalars, >2-D tensors, and 2-D parameters outside an
+    nn.Linear (a table, not a map between hidden states).
+    """
+    embeddings = {id(m.weight): m for m in model.modules() if isinstance(m, nn.Embedding)}
+    linears = {id(m.weight): m for m in model.modules() if isinstance(m, nn.Linear)}
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        vocab = {m.num_embeddings for m in embeddings.values()}
+        head = next((m for m in reversed(list(model.modules()))
+                     if isinstance(m, nn.Linear) and m.out_features in vocab), None)
+    hidden, matrices, vectors, placements = [], [], [], []
+    for name, p in model.named_parameters():
+        key = id(p)
+        if not p.requires_grad:
+            where, reason = None, "requires_grad=False"
+        elif key in embeddings:
+            where, reason = vectors, "nn.Embedding" + (" (tied with the output head)" if head is not None
+                                                       and head.weight is p else "")
+        elif head is not None and p is head.weight:
+            where, reason = matrices, "output head"
+        elif p.ndim < 2:
+            where, reason = vectors, "1-D (a norm weight or bias)" if p.ndim else "scalar"
+        elif p.ndim > 2:
+            where, reason = matrices, f"{p.ndim}-D (Muon orthogonalizes matrices)"
+        elif key in linears:
+            where, reason = hidden, "hidden nn.Linear weight"
+        else:
+            where, reason = vectors, "2-D, not an nn.Linear weight"
+        if where is not None:
+            where.append(p)
+        kind = "frozen" if where is None else "muon" if where is hidden else "adamw"
+        placements.append(Placement(name, tuple(p.shape), kind, reason))
+    adamw = [g for g in (dict(params=matrices), dict(params=vectors, weight_decay=0.0)) if g["params"]]
+    return MuonSplit([dict(params=hidden)] if hidden else [], adamw, placements)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Two optimizers stepped as one: a Muon (torch.optim.Muon, or a wrapper of it) for the hidden
+    matrices and an AdamW for the rest; torch has no such optimizer, torchtitan keeps an
+    OptimizersContainer alike. `param_groups` are both optimizers' own dicts (Muon's first), so
+    an LR scheduler scales each group from its own base lr; `state` reads both; `state_dict` is
+    {"muon": ..., "adamw": ...}.
+
+        split = muon_param_groups(model)
+        opt = MuonAdamW(FP8Optim(torch.optim.Muon(split.muon, lr=0.02), opt_level=1),
+                        FP8Optim(torch.optim.AdamW(split.adamw, lr=3e-4), opt_level=2))
+    """
+
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+        self.optimizers = (muon, adamw)
+        self._built = False
+        # Optimizer.__init__ refuses a parameter in two groups: here, in both optimizers
+        super().__init__([*muon.param_groups, *adamw.param_groups], {})
+        self.param_groups = [*muon.param_groups, *adamw.param_groups]
+        self.state = ChainMap(muon.state, adamw.state)
+        self._built = True
+
+    @property
+    def muon(self) -> torch.optim.Optimizer:
+        return self.optimizers[0]
+
+    @property
+    def adamw(self) -> torch.optim.Optimizer:
+        return self.optimizers[1]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or set(state_dict) != {"muon", "adamw"}:
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"a MuonAdamW state dict holds 'muon' and 'adamw', got {got}: load a single "
+                             "optimizer's state into that optimizer (MuonAdamW.muon or .adamw)")
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+
+    def add_param_group(self, param_group: dict) -> None:
+        if not self._built:  # Optimizer.__init__, on the shared groups
+            return super().add_param_group(param_group)
+        raise ValueError("MuonAdamW holds two optimizers: add the group to MuonAdamW.muon or .adamw, "
+                         "then build a new MuonAdamW around them")
+
+
+__all__ = ["NS_COEFFICIENTS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "moments", "muon_flags",
+           "muon_hypers", "muon_multi", "muon_param_groups", "muon_step", "newton_schulz", "ns_dtype"]

@@ -1,0 +1,79 @@
+"""The parts of a run that the model's conversion and spread decide, built from its config.
+
+Three decisions the trainer makes once, in this order, between building the model and the first
+step: FP8's config (the flags plus what only the run knows: its micro-batch, the layers a resumed
+run converted, FSDP's FP8 all-gather), the module a step calls (DDP, FSDP or TP, or the model
+itself) and the optimizer (AdamW, as FP8Training wraps it). Functions of values, so each can be
+read, and called, without a trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from nanochat.config import TrainConfig
+from nanochat.config.fields import Fallbacks
+from nanochat.fp8 import FP8Config, FP8Training
+from nanochat.fp8.all_gather import fp8_all_gather_problem
+from nanochat.model.gpt import GPT
+from nanochat.model.parallelize import tp_plan
+from nanochat.parallel.layout import Layout
+from nanochat.parallel.wrap import wrap_model
+
+
+def fp8_config(cfg: TrainConfig, model: GPT, layout: Layout,
+               resumed: dict[str, Any] | None) -> tuple[FP8Config, str | None]:
+    """The FP8 flags plus what only the trainer knows: the tokens per micro-batch (the M at
+    which --fp8_layers faster times the layers), the layers a resumed run converted (`resumed`:
+    its checkpoint's metadata), and whether FSDP all-gathers the FP8 weights in FP8 (decided
+    before converting: torchao wraps the weights for it then); and why not, if it does not
+    (None: it does, or no FSDP)."""
+    config = dataclasses.replace(cfg.fp8_config(), micro_batch_tokens=cfg.batch_size * cfg.seq_len)
+    saved = resumed.get("fp8_converted") if resumed is not None else None
+    if cfg.fp8 and saved is not None:  # a checkpoint saved without the list: the rules decide
+        config = dataclasses.replace(config, converted_layers=tuple(saved))
+    problem = None
+    if cfg.fp8 and layout.fsdp:
+        problem = fp8_all_gather_problem(model, config, shards=layout.dp_size, tp=layout.tp)
+        config = dataclasses.replace(config, fsdp_float8_all_gather=problem is None)
+    return config, problem
+
+
+def parallelize(cfg: TrainConfig, model: GPT, fp8: FP8Training, layout: Layout, *, device: torch.device,
+                all_gather_problem: str | None, fallbacks: Fallbacks) -> tuple[torch.nn.Module, str]:
+    """The module the training step calls for this world size (DDP around `model`, or `model`
+    itself: one process, or split in place by TP and FSDP) and how it is spread
+    (TrainResult.parallel). The layout's and the TP plan's fallbacks go to `fallbacks`."""
+    plan = tp_plan(model, layout.tp) if layout.tp > 1 else None
+    for note in layout.fallbacks + (plan.fallbacks if plan is not None else ()):
+        fallbacks.add(note)
+    if not layout.distributed:
+        return model, layout.name
+    parallel = layout.name
+    if layout.fsdp and fp8.has_fp8_layers:
+        parallel += (f", fp8 all-gather on ({len(fp8.report.converted)} layers' weights all-gathered in "
+                     f"{cfg.fp8_mode}, scales precomputed after each optimizer step)"
+                     if fp8.config.fsdp_float8_all_gather else f", fp8 all-gather off: {all_gather_problem}")
+    return wrap_model(model, layout, device=device, blocks=model.transformer.h, plan=plan), parallel
+
+
+def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW, no weight decay on embeddings / norms / biases, as FP8Training wraps it (FP8
+    moments: --fp8_opt_level; bf16 --master_weights; --optimizer_in_backward). Built on the
+    parameters a step trains: after FSDP has replaced them."""
+    adamw = torch.optim.AdamW(
+        model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+        # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
+        # parameters itself and hands the rest to this same optimizer, so baselines match.
+        eps=1e-8, fused=device.type in ("cpu", "cuda"),
+    )
+    for group in adamw.param_groups:
+        group["initial_lr"] = cfg.lr
+    return fp8.wrap_optimizer(adamw, master_weights=cfg.master_weights, seed=cfg.seed,
+                              emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward)
+
+
+__all__ = ["build_optimizer", "fp8_config", "parallelize"]
