@@ -11,6 +11,8 @@ side of each threshold); runs in parallel processes give the same figures as in-
 (bit for bit: same seed, same data, one thread each); --reuse takes finished runs and trains
 only what is missing; the PNG is a PNG; the printed tables have a row per seed and mode. The
 quick runs' figures say nothing about FP8 quality (d2, 8 steps): that is the default run's job.
+They run eager (--no_compile): the sweep's logic is the same either way, and the compiled trainer
+is tested in test_trainer.py.
 """
 
 import contextlib
@@ -43,7 +45,7 @@ def _run(argv):
 @pytest.fixture(scope="module")
 def quick_run(small_corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    rc, printed = _run(["--quick", "--seeds", *map(str, SEEDS), "--dataset_path", str(small_corpus),
+    rc, printed = _run(["--quick", "--no_compile", "--seeds", *map(str, SEEDS), "--dataset_path", str(small_corpus),
                         "--out_dir", str(out), "--device", "cpu"])
     return out, rc, printed
 
@@ -121,7 +123,8 @@ def test_parallel_jobs_and_reuse_give_the_same_figures(quick_run, small_corpus, 
     --reuse with one more seed trains only that seed's runs."""
     out, _, _ = quick_run
     ref = json.loads((out / "parity.json").read_text())["runs"]["1"]
-    common = ["--quick", "--dataset_path", str(small_corpus), "--device", "cpu", "--modes", "baseline", "e4m3",
+    common = ["--quick", "--no_compile", "--dataset_path", str(small_corpus), "--device", "cpu", "--modes", "baseline",
+              "e4m3",
               "--out_dir", str(tmp_path)]
     rc, printed = _run(common + ["--seeds", "1", "--jobs", "2"])
     assert rc == 0 and "2 at a time" in printed
