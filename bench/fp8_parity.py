@@ -128,8 +128,8 @@ class ParityConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, Data
     Adam moments in FP8 (it needs no FP8 matmuls), so that only the mode differs. 0: fp32 moments."""
 
     compile: bool = True
-    """torch.compile every run, base_train's default. --no_compile: eager runs; emulated FP8 trains
-    faster eager on a 2-core CPU (BENCHMARKS.md section 4, the recipe sweep)."""
+    """torch.compile every run, base_train's default. --no_compile: eager runs, which on a CPU train
+    emulated FP8 faster than compiled ones."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the groups' checks
