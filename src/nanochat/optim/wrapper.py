@@ -20,7 +20,7 @@ import torch
 
 from nanochat.common import format_bytes, logger
 
-from . import adam, muon, saved_state, sgd
+from . import saved_state
 from .adam import AdamTensor, adam_hypers, adam_multi, native_ok, native_step
 from .backends import Backends
 from .in_backward import InBackward
@@ -29,7 +29,7 @@ from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
 from .muon import muon_flags, muon_hypers, muon_multi
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
-from .state_bytes import optimizer_bytes, optimizer_state_bytes
+from .state_bytes import moment_count, optimizer_bytes, optimizer_state_bytes
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Muon"
 
@@ -98,11 +98,8 @@ class OptimWrapper(torch.optim.Optimizer):
         return self.moments.stores(p, self.moment_count(group))
 
     def moment_count(self, group: dict) -> int:
-        """Moments the wrapped optimizer keeps per parameter of `group` (adam.MOMENTS, sgd.moments,
-        muon.moments)."""
-        if self.is_muon:
-            return muon.moments(group)
-        return sgd.moments(group) if self.is_sgd else adam.MOMENTS
+        """Moments the wrapped optimizer keeps per parameter of `group` (state_bytes.moment_count)."""
+        return moment_count(self.optimizer, group)
 
     # ---- configuration checks ----------------------------------------------------------------
 
