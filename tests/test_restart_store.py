@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 WORKER = """
-import os, sys
+import os, sys, time
 from pathlib import Path
 import torch
 from nanochat.parallel.process_group import all_reduce_sum, destroy_distributed, init_distributed
@@ -31,7 +31,7 @@ total = all_reduce_sum(torch.tensor([float(env.rank + 1)])).item()
 Path(sys.argv[1], f"rank{env.rank}-attempt{attempt}").write_text(repr(total))
 if attempt == "0" and env.rank == 1:
     while not Path(sys.argv[1], "rank0-attempt0").exists():  # rank 0's record first: torchrun then kills it
-        pass
+        time.sleep(0.01)
     sys.exit(3)  # a failed rank: torchrun restarts the worker group
 destroy_distributed()
 """
