@@ -6,6 +6,13 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.nanochat-installed
+# pytest workers: one per core up to 4. The suite runs one thread per process (tests/conftest.py),
+# and most of its time is single-threaded (compiling, starting processes), so two workers on 2
+# cores take about half the time. Past 4 the memory of the workers (~2 GB each) costs more than
+# the few long files that bound the wall time give back.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+# --dist loadfile: a file's tests share one worker, so a module fixture (a trained run) is built once.
+PYTEST := $(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 .PHONY: install train test test-numerics test-all clean
 
@@ -31,7 +38,7 @@ train: install
 # --durations=25 lists the 25 slowest tests: where the time of a slower suite went.
 test: install
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q --durations=25 $(ARGS)
+	$(PYTEST) -q --durations=25 $(ARGS)
 
 # The numerics pass, after `make test`: the tests that compare two different computations
 # (marked two_computations: batch splits, kernels, compiled vs eager, process layouts), with one
@@ -44,12 +51,12 @@ test-numerics: install
 	isa=$$($(BIN)/python -c "import torch; print('avx2' if torch.backends.cpu.get_cpu_capability() == 'AVX512' else 'default')"); \
 	echo "numerics pass: last-bit perturbation, ATEN_CPU_CAPABILITY=$$isa"; \
 	export TORCHINDUCTOR_CACHE_DIR=$$(mktemp -d) ATEN_CPU_CAPABILITY=$$isa; \
-	NANOCHAT_PERTURB=1 $(BIN)/python -m pytest -q -m 'two_computations and not slow and not gpu' $(ARGS) && \
-	$(BIN)/python -m pytest -q -k compile -m 'not two_computations and not slow and not gpu' $(ARGS)
+	NANOCHAT_PERTURB=1 $(PYTEST) -q -m 'two_computations and not slow and not gpu' $(ARGS) && \
+	$(PYTEST) -q -k compile -m 'not two_computations and not slow and not gpu' $(ARGS)
 
 # Everything, the slow tests included (GPU tests still skip without a GPU).
 test-all: install
-	$(BIN)/python -m pytest -q -m 'not gpu' $(ARGS)
+	$(PYTEST) -q -m 'not gpu' $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .cache
