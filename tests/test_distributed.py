@@ -75,6 +75,15 @@ not depend on the CPU: measured 2.0-3.2e-3 in train loss and 4.2e-3 in validatio
 without the perturbation pass; between a resumed and the uninterrupted run, at most 1.2e-3
 (2 ranks -> 1 and -> 4) and 1e-4 (3 -> 2). 1e-2 leaves 2.4x over the largest, and a real fault
 (a lost shard, a wrong scale) moves these losses by far more."""
+MUON = dict(optimizer="muon", muon_lr=0.02, fp8_opt_level=1)
+MUON_LOSS_TOL = 1e-4
+"""--optimizer muon with FP8 momentum (absolute). The ranks' gradients differ from one process's
+by fp32's reduction order (~1e-7 relative, as under LOSS_TOL), but the momentum is written in
+e4m3: an element within 1e-7 of a rounding boundary (of 2^-4 relative steps) lands on the other
+side, so a few elements of the buffer differ by a whole e4m3 step, and Newton-Schulz spreads
+that over the matrix's update. The weights then differ by ~lr x 2^-4 x (share of such elements),
+far below FP8 layers' own noise (FP8_LOSS_TOL) but above fp32's: measured at most 1.9e-6 in train
+loss, 1.2e-5 in validation loss and 4.8e-7 for the run resumed in one process; 1e-4 leaves 8x."""
 MX_LOSS_TOL = FP8_LOSS_TOL
 """MXFP8 emulated under FSDP2 (absolute). Unlike tensorwise, the two sides cast the same values the
 same way at first: every MX block lies within one rank's tokens (blocks of 32 along K for the
@@ -148,7 +157,8 @@ def single(small_corpus, tmp_path_factory, cache) -> dict[str, Path]:
     runs = {"fp32": {}, "fp8": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2),
             "mxfp8": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_recipe="mxfp8"),
             "split": dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2,
-                          master_weights="bf16_split")}
+                          master_weights="bf16_split"),
+            "muon": MUON}
     with pytest.MonkeyPatch.context() as mp, perturbed_init():  # the side the perturbation pass moves
         mp.setenv("NANOCHAT_CACHE", str(cache))
         for name, extra in runs.items():
@@ -183,6 +193,9 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
                             fp8_mode="auto", fp8_auto_steps=2, fp8_stats_every=2, fp8_auto_recheck_every=2)),
         dict(name="cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "cut", fsdp=True, save_every=4, **fp8)),
+        dict(name="ddp_muon", kwargs=_kwargs(small_corpus, out / "ddp_muon", **MUON)),
+        dict(name="ddp_muon_cut", crash_after_first_save=True,
+             kwargs=_kwargs(small_corpus, out / "ddp_muon_cut", save_every=4, **MUON)),
         # "fsdp" saving every 2 steps: steps 2, 4, 6, 8 saved, the newest 2 kept
         dict(name="kept", kwargs=_kwargs(small_corpus, out / "kept", fsdp=True, save_every=2,
                                          keep_checkpoints=2)),
@@ -222,6 +235,28 @@ def test_ddp_fp8_matches_one_process(two_ranks, single):
     worst_val = _assert_close(_val_losses(run), _val_losses(single["fp8"]), FP8_LOSS_TOL, "ddp fp8 val loss")
     print(f"ddp fp8 vs one process: train {worst_train:.1e}, val {worst_val:.1e}")  # shown with -s
     assert json.loads((run / "result.json").read_text())["parallel"].startswith("ddp x2 (gloo)")
+
+
+@pytest.mark.two_computations
+def test_ddp_muon_matches_one_process_and_resumes_in_one(two_ranks, single, cache):
+    """--optimizer muon --fp8_opt_level 1 under DDP: every rank holds whole matrices and steps
+    them alike; the losses match one process with the same global batch within MUON_LOSS_TOL.
+    The run cut after its step-4 DCP checkpoint resumes in one process (batch 16) and ends as
+    the 2-rank run does."""
+    from nanochat.train.trainer import NanoChatTrainer
+
+    run = two_ranks["ddp_muon"]
+    _assert_close(_losses(run), _losses(single["muon"]), MUON_LOSS_TOL, "ddp muon train loss")
+    _assert_close(_val_losses(run), _val_losses(single["muon"]), MUON_LOSS_TOL, "ddp muon val loss")
+    cut = two_ranks["ddp_muon_cut"]
+    cfg = json.loads((cut / "config.json").read_text())
+    cfg.update(batch_size=16, resume=True)  # same global batch: 1 x 16 = 2 x 8
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOCHAT_CACHE", str(cache))
+        NanoChatTrainer(**cfg).train()
+    resumed = _losses(cut)
+    _assert_close({s: resumed[s] for s in range(5, STEPS + 1)}, {s: _losses(run)[s] for s in range(5, STEPS + 1)},
+                  MUON_LOSS_TOL, "ddp muon resumed in one process")
 
 
 @pytest.mark.two_computations

@@ -21,7 +21,7 @@
 - muon_param_groups on the d2 GPT: the 12 block matrices go to Muon, the embedding and lm_head
   to AdamW (tied: one entry); 1-D parameters to AdamW; each parameter exactly once.
 - MuonAdamW steps as its two optimizers stepped apart (torch.equal, under one LambdaLR), resumes
-  from its state_dict bit for bit, reports its members' fallbacks, refuses a parameter in both
+  from its state_dict bit for bit (an lr set through it after the load reaches both), reports its members' fallbacks, refuses a parameter in both
   and a foreign state dict.
 - Bytes: Muon's state is 4 bytes a parameter in fp32, 1 + 4/256 with FP8 momentum, planned before
   the first step as held after it; a MuonAdamW holds the sum of its two.
@@ -338,6 +338,11 @@ def test_muon_adamw_steps_both_resumes_and_refuses():
     c = copy.deepcopy(a)
     resumed = MuonAdamW(*_muon_adamw(c))
     resumed.load_state_dict(torch.load(io.BytesIO(blob.getvalue()), weights_only=True))
+    for opt in (both, resumed):  # a schedule after the resume reaches the members' loaded groups
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+    assert [g["lr"] for g in resumed.muon.param_groups + resumed.adamw.param_groups] == \
+        [g["lr"] for g in both.param_groups]
     _train(a, [both], [], 2, start=3)
     _train(c, [resumed], [], 2, start=3)
     for pa, pc in zip(a.parameters(), c.parameters()):
@@ -347,7 +352,7 @@ def test_muon_adamw_steps_both_resumes_and_refuses():
     wrapped = MuonAdamW(FP8Optim(torch.optim.Muon(muon_param_groups(c).muon), opt_level=1),
                         torch.optim.AdamW(muon_param_groups(c).adamw))
     assert [n for n in optimizer_fallbacks(wrapped) if "numel < 4096" in n] != []
-    with pytest.raises(ValueError, match="more than one parameter group"):
+    with pytest.raises(ValueError, match="appear in both the Muon and the AdamW optimizer"):
         MuonAdamW(torch.optim.Muon([a.hidden.weight]), torch.optim.AdamW([a.hidden.weight, a.norm.weight]))
     with pytest.raises(ValueError, match="holds 'muon' and 'adamw'"):
         resumed.load_state_dict(resumed.muon.state_dict())

@@ -170,7 +170,23 @@ def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
 
     # Keys are parameter names (FQNs), the same for DDP (no "module." prefix), FSDP and a single
     # process; tensors are DTensors under FSDP (DCP saves each rank's shard), plain otherwise.
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, _members(optimizer))}
+
+
+def _members(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...]:
+    """What torch's state-dict functions take for `optimizer`: a container's (MuonAdamW's)
+    optimizers, whose states they key by parameter name into one dict (each parameter is in one
+    of them), or the optimizer itself."""
+    members = getattr(optimizer, "optimizers", None)
+    return tuple(members) if members is not None else optimizer
+
+
+def _block_size(optimizer: torch.optim.Optimizer) -> int | None:
+    """The quantized moments' block size of `optimizer` (or of a container's first wrapper)."""
+    for opt in getattr(optimizer, "optimizers", (optimizer,)):
+        if isinstance(opt, OptimWrapper) and opt.moments.block_size is not None:
+            return opt.moments.block_size
+    return None
 
 
 def save(run_dir: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *, step: int,
@@ -315,7 +331,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     path = Path(path)
     state = _state_dicts(model, optimizer)
     saved = read_index(path).state_dict_metadata
-    block_size = optimizer.block_size if isinstance(optimizer, OptimWrapper) else None
+    block_size = _block_size(optimizer)
     full = _fp32_templates(state["optimizer"]["state"], saved, model, block_size)
     state["extra"] = dict(tensors or {})
     with _single_process_quiet():
@@ -324,7 +340,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         if isinstance(p, DTensor):
             current[k] = distribute_tensor(current[k], p.device_mesh, p.placements, src_data_rank=None)
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_optimizer_state_dict(model, _members(optimizer), state["optimizer"])
     if tensors is not None:
         tensors.update(state["extra"])
     return read_meta(path)

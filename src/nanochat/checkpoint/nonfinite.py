@@ -27,6 +27,15 @@ def all_finite(t: torch.Tensor) -> torch.Tensor | None:
     return torch.isfinite(t).all() if t.is_floating_point() and t.numel() else None
 
 
+def _optimizer_states(state_dict: dict, where: str = "") -> list[tuple[str, dict]]:
+    """(where, per-parameter states) of an optimizer's state dict: torch's {"state", "param_groups"},
+    or a container's {name: such a dict} (MuonAdamW: "muon", "adamw"), `where` naming the member."""
+    if "state" in state_dict:
+        return [(where, state_dict["state"])]
+    return [found for name, sub in state_dict.items() if isinstance(sub, dict)
+            for found in _optimizer_states(sub, f"{where} {name}")]
+
+
 def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """'' when every parameter and optimizer state is finite, else which tensors are not. One flag
     per tensor, stacked and reduced once: a single device-to-host read for the whole model (the
@@ -35,9 +44,10 @@ def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
         return all_finite(t.to_local() if isinstance(t, DTensor) else t)
 
     named = [(f"parameter {n}", finite(p.detach())) for n, p in model.named_parameters()]
-    for i, st in enumerate(optimizer.state_dict()["state"].values()):
-        named += [(f"optimizer state {i}.{k}", finite(v)) for k, v in st.items()
-                  if isinstance(v, torch.Tensor) and v.ndim]
+    for where, states in _optimizer_states(optimizer.state_dict()):
+        for i, st in enumerate(states.values()):
+            named += [(f"optimizer{where} state {i}.{k}", finite(v)) for k, v in st.items()
+                      if isinstance(v, torch.Tensor) and v.ndim]
     named = [(n, f) for n, f in named if f is not None]
     if not named:
         return ""
@@ -53,8 +63,9 @@ def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 def nonfinite_tensors(payload: dict[str, Any]) -> list[str]:
     """The names of a loaded checkpoint's weights and optimizer states that hold inf/nan."""
     named = list((payload.get("model") or {}).items())
-    for i, state in ((payload.get("optimizer") or {}).get("state") or {}).items():
-        named += [(f"optimizer state {i}.{k}", v) for k, v in state.items()]
+    for where, states in _optimizer_states(payload.get("optimizer") or {}):
+        for i, state in states.items():
+            named += [(f"optimizer{where} state {i}.{k}", v) for k, v in state.items()]
     flags = [(name, all_finite(t)) for name, t in named if isinstance(t, torch.Tensor)]
     return [name for name, ok in flags if ok is not None and not bool(ok)]
 

@@ -13,6 +13,7 @@ a value means for the machine or the files (a device, a path) is checked at star
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -21,6 +22,12 @@ from nanochat.config.checks import RESUME, finite, kept, non_negative, positive
 from nanochat.config.fields import (
     BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, ScriptFields, flag_text,
 )
+
+MUON_LR = 0.02
+"""Muon's default peak learning rate: Keller Jordan's and karpathy/nanochat's (their matrix_lr),
+with torch.optim.Muon's per-shape factor sqrt(max(1, rows / columns))."""
+MUON_MOMENTUM = 0.95
+"""Muon's default momentum: torch.optim.Muon's and karpathy/nanochat's."""
 
 LogChoice = Literal["jsonl", "tensorboard", "wandb"]
 """A `--log` choice (TrainConfig.log): metrics.jsonl, always written, and the trackers
@@ -47,8 +54,22 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     final_lr_frac: float = 0.1
     """The learning rate decays (cosine) from --lr to this fraction of it at the last step."""
 
+    optimizer: Literal["adamw", "muon"] = kept("adamw")
+    """adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon: momentum orthogonalized by
+    Newton-Schulz) for the hidden matrices, the attention and MLP projections, at --muon_lr; AdamW
+    at --lr for the embeddings, the output head, norms and biases (the run's header lists where
+    each tensor went). --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter
+    instead of 4). One process or DDP; fp32 --master_weights. docs/muon.md"""
+
+    muon_lr: float | None = None
+    """Peak learning rate of Muon's matrices (--optimizer muon), on the same warmup and decay as
+    --lr; scaled per matrix by sqrt(max(1, rows / columns)) as torch.optim.Muon does. None means 0.02."""
+
+    muon_momentum: float | None = None
+    """Muon's momentum (Nesterov), --optimizer muon. None means 0.95."""
+
     weight_decay: float = 0.1
-    """AdamW weight decay for matrices (norms, biases and embeddings get none)."""
+    """Decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and embeddings get none)."""
 
     beta1: float = 0.9
     """Adam beta1."""
@@ -222,13 +243,44 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
             raise ValueError(f"--final_lr_frac must be in [0, 1], got {self.final_lr_frac}")
         self._check_optimizer()
 
+    @property
+    def muon_settings(self) -> tuple[float, float]:
+        """(--muon_lr, --muon_momentum) with their defaults filled in."""
+        return (MUON_LR if self.muon_lr is None else self.muon_lr,
+                MUON_MOMENTUM if self.muon_momentum is None else self.muon_momentum)
+
     def _check_optimizer(self) -> None:
+        muon_flags = [f"--{name}" for name in ("muon_lr", "muon_momentum") if getattr(self, name) is not None]
+        if self.optimizer != "muon" and muon_flags:
+            raise ValueError(f"{' and '.join(muon_flags)} set Muon's hyperparameters, but --optimizer is "
+                             f"{self.optimizer}: pass --optimizer muon, or drop {' and '.join(muon_flags)}")
+        if self.optimizer == "muon":
+            lr, momentum = self.muon_settings
+            if not (math.isfinite(lr) and 0 < lr < 1):
+                raise ValueError(f"--muon_lr must be in (0, 1), got {lr}")
+            if not (math.isfinite(momentum) and 0 <= momentum < 1):
+                raise ValueError(f"--muon_momentum must be in [0, 1), got {momentum}")
+            if self.master_weights != "fp32":
+                raise ValueError(f"--optimizer muon keeps fp32 master weights; --master_weights {self.master_weights} "
+                                 "works with --optimizer adamw: drop one of them")
+            if self.optimizer_in_backward:
+                raise ValueError("--optimizer muon steps a matrix once its gradient is whole, after the backward: "
+                                 "drop --optimizer_in_backward, or use --optimizer adamw")
         if self.master_weights_emulate and self.master_weights == "fp32":
             raise ValueError("--master_weights_emulate emulates bf16 master weights: give --master_weights bf16, "
                              "bf16_sr or bf16_split with it")
         problem = self.in_backward_problem()
         if problem is not None:
             raise ValueError(problem)
+
+    def optimizer_problem(self, torchrun: str | None = None) -> str | None:
+        """Why --optimizer cannot run under torchrun with the process layout `torchrun` (e.g.
+        "fsdp x2 (gloo)"), else None: Muon orthogonalizes whole matrices, which FSDP and TP split."""
+        if self.optimizer == "muon" and torchrun is not None and (self.fsdp or self.tp > 1):
+            return (f"--optimizer muon under torchrun ({torchrun}): Muon orthogonalizes whole matrices, which "
+                    "--fsdp and --tp split across ranks; train Muon in one process or under DDP (drop --fsdp and "
+                    "--tp), or use --optimizer adamw")
+        return None
 
     def in_backward_problem(self, torchrun: str | None = None) -> str | None:
         """Why --optimizer_in_backward cannot run with these settings, or under torchrun with the

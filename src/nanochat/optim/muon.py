@@ -198,23 +198,44 @@ def muon_param_groups(model: nn.Module) -> MuonSplit:
 class MuonAdamW(torch.optim.Optimizer):
     """Two optimizers stepped as one: a Muon (torch.optim.Muon, or a wrapper of it) for the hidden
     matrices and an AdamW for the rest; torch has no such optimizer, torchtitan keeps an
-    OptimizersContainer alike. `param_groups` are both optimizers' own dicts (Muon's first), so
-    an LR scheduler scales each group from its own base lr; `state` reads both; `state_dict` is
-    {"muon": ..., "adamw": ...}.
+    OptimizersContainer alike. `param_groups` are both optimizers' own dicts (Muon's first), read
+    each time (a member's load_state_dict replaces its dicts, as torch's does), so an LR scheduler
+    scales each group from its own base lr, after a resume too; `state` reads both; `state_dict`
+    is {"muon": ..., "adamw": ...}.
 
         split = muon_param_groups(model)
         opt = MuonAdamW(FP8Optim(torch.optim.Muon(split.muon, lr=0.02), opt_level=1),
                         FP8Optim(torch.optim.AdamW(split.adamw, lr=3e-4), opt_level=2))
     """
 
-    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer, *,
+                 placements: list[Placement] | None = None) -> None:
         self.optimizers = (muon, adamw)
-        self._built = False
-        # Optimizer.__init__ refuses a parameter in two groups: here, in both optimizers
+        self.placements = list(placements or [])
+        """Where each parameter went (MuonSplit.placements), for `summary`."""
+        shared = {id(p) for g in muon.param_groups for p in g["params"]} & \
+            {id(p) for g in adamw.param_groups for p in g["params"]}
+        if shared:
+            raise ValueError(f"{len(shared)} parameter(s) appear in both the Muon and the AdamW optimizer: give each "
+                             "parameter to one (muon_param_groups splits a model so)")
+        # Optimizer.__init__ installs the hook dicts; its groups and state are the members' (below)
         super().__init__([*muon.param_groups, *adamw.param_groups], {})
-        self.param_groups = [*muon.param_groups, *adamw.param_groups]
-        self.state = ChainMap(muon.state, adamw.state)
-        self._built = True
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [*self.muon.param_groups, *self.adamw.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict]) -> None:
+        pass  # Optimizer.__init__ assigns an empty list first: the groups stay the members'
+
+    @property
+    def state(self) -> ChainMap:
+        return ChainMap(self.muon.state, self.adamw.state)
+
+    @state.setter
+    def state(self, state: dict) -> None:
+        pass  # Optimizer.__init__ assigns an empty state: the states stay the members'
 
     @property
     def muon(self) -> torch.optim.Optimizer:
@@ -223,6 +244,16 @@ class MuonAdamW(torch.optim.Optimizer):
     @property
     def adamw(self) -> torch.optim.Optimizer:
         return self.optimizers[1]
+
+    def summary(self) -> str:
+        """Where the parameters went, then each optimizer's own summary where it has one (a
+        wrapper's moment layout); logged in a run's header."""
+        lines = [MuonSplit([], [], self.placements).summary()] if self.placements else []
+        for opt in self.optimizers:
+            own = getattr(opt, "summary", None)
+            tensors = sum(len(g["params"]) for g in opt.param_groups)
+            lines.append(own() if callable(own) else f"{type(opt).__name__}: {tensors} tensors, fp32 state")
+        return "\n".join(lines)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -250,8 +281,8 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.load_state_dict(state_dict["adamw"])
 
     def add_param_group(self, param_group: dict) -> None:
-        if not self._built:  # Optimizer.__init__, on the shared groups
-            return super().add_param_group(param_group)
+        if any(param_group is g for g in self.param_groups):  # Optimizer.__init__, on the members' groups
+            return
         raise ValueError("MuonAdamW holds two optimizers: add the group to MuonAdamW.muon or .adamw, "
                          "then build a new MuonAdamW around them")
 

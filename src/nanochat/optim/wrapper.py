@@ -26,7 +26,7 @@ from .backends import Backends
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
-from .muon import muon_flags, muon_hypers, muon_multi
+from .muon import MuonAdamW, muon_flags, muon_hypers, muon_multi
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
 from .state_bytes import moment_count, optimizer_bytes, optimizer_state_bytes
@@ -465,7 +465,14 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, mast
     """The optimizer a loop steps, built around `optimizer` (on the parameters the loop trains:
     after FSDP wraps them): FP8Optim for `opt_level` 1 or 2 (FP8 moments); else OptimWrapper for
     bf16 `master_weights` (`emulate`: bf16 numerics on fp32 tensors; `seed` seeds bf16_sr) or
-    `in_backward` (installed here: `loss.backward()` is then the step); else `optimizer` itself."""
+    `in_backward` (installed here: `loss.backward()` is then the step); else `optimizer` itself.
+    A MuonAdamW has each of its two optimizers wrapped alike (Muon: fp32 masters, after the backward)."""
+    if isinstance(optimizer, MuonAdamW):
+        if master_weights != "fp32" or in_backward:
+            raise ValueError("MuonAdamW steps Muon after the backward on fp32 master weights: pass master_weights="
+                             "'fp32' and in_backward=False, or wrap an AdamW")
+        return MuonAdamW(*(wrap_optimizer(opt, opt_level=opt_level, seed=seed) for opt in optimizer.optimizers),
+                         placements=optimizer.placements)
     if opt_level:
         wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
     elif master_weights != "fp32" or in_backward:

@@ -11,7 +11,8 @@ Four parts, per device:
   gradient is freed as soon as its parameter steps, so the part is the largest single gradient,
   plus a tied embedding's, alive from the lm_head's backward to the embedding's
   (docs/master_weights.md);
-- optimizer: AdamW's two moments per tensor exactly as nanochat.fp8.FP8Optim allocates them:
+- optimizer: AdamW's two moments per tensor exactly as nanochat.optim.FP8Optim allocates them (Muon:
+  one for each hidden matrix):
   level 0 both fp32 (8 bytes/param), level 1 the first in FP8 (1 byte + one fp32 scale per 256),
   level 2 both (~2.03); tensors FP8Optim keeps fp32 keep 8 at every level. bf16_split adds the
   16 low bits of every fp32 master (2 bytes/param) to the optimizer state;
@@ -31,6 +32,7 @@ labelled as an estimate; the measured peak (`TrainResult.peak_memory_bytes`, CUD
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -42,7 +44,7 @@ import torch
 
 from nanochat.common import format_bytes, format_table
 from nanochat.config import TrainConfig
-from nanochat.optim import optimizer_bytes
+from nanochat.optim import muon_param_groups, optimizer_bytes
 from nanochat.optim.master import MASTER_WEIGHTS, bytes_per_param
 from nanochat.optim.moments import DEFAULT_BLOCK_SIZE, fp8_size_problem
 from nanochat.optim.shards import local
@@ -58,6 +60,30 @@ def param_numels(config: GPTConfig) -> tuple[int, ...]:
     with torch.device("meta"):
         model = GPT(config)
     return tuple(p.numel() for p in model.parameters())
+
+
+@functools.lru_cache(maxsize=16)
+def muon_numels(config: GPTConfig) -> tuple[int, ...]:
+    """Element count of every tensor --optimizer muon gives Muon (a hidden matrix: one moment,
+    the rest AdamW's two), from the model on the meta device as nanochat.optim.muon_param_groups
+    splits it."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return tuple(p.numel() for group in muon_param_groups(model).muon for p in group["params"])
+
+
+def moment_bytes(config: GPTConfig, optimizer: str, opt_level: int) -> int:
+    """Bytes of the optimizer's moments as FP8Optim lays them out at `opt_level` (fp32 on tensors
+    FP8 blocks do not fit): AdamW two per tensor; under Muon one for each hidden matrix."""
+    adamw = collections.Counter(param_numels(config))
+    muon = collections.Counter(muon_numels(config) if optimizer == "muon" else ())
+    adamw.subtract(muon)
+
+    def moments(numel: int, count: int) -> int:
+        q = 0 if fp8_size_problem(numel) else opt_level
+        return optimizer_bytes(numel, quantized=min(q, count), moments=count, block_size=DEFAULT_BLOCK_SIZE)
+    return (sum(n * moments(t, 2) for t, n in adamw.items() if n)
+            + sum(n * moments(t, 1) for t, n in muon.items()))
 
 
 def held(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
@@ -148,6 +174,8 @@ class MemoryPlan:
     """`--master_weights`: fp32, bf16, bf16_sr or bf16_split (nanochat.optim.master)."""
     optimizer_in_backward: bool
     """The optimizer steps each parameter inside the backward and frees its gradient at once."""
+    optimizer_kind: str
+    """`--optimizer`: adamw (two moments per tensor) or muon (one per hidden matrix)."""
     weight_bytes: float
     """Bytes per weight, derived from master_weights."""
     grad_bytes: float
@@ -209,7 +237,8 @@ class MemoryPlan:
         kw = dict(batch_size=self.batch_size, seq_len=self.seq_len, opt_level=self.opt_level,
                   activation_checkpointing=self.activation_checkpointing, autocast=self.autocast,
                   shards=self.shards, master_weights=self.master_weights,
-                  optimizer_in_backward=self.optimizer_in_backward, free_bytes=self.free_bytes)
+                  optimizer_in_backward=self.optimizer_in_backward, optimizer_kind=self.optimizer_kind,
+                  free_bytes=self.free_bytes)
         kw.update(changes)
         return plan_training(self.config, **kw)
 
@@ -227,11 +256,12 @@ class MemoryPlan:
             candidates.append(("--activation_checkpointing", dict(activation_checkpointing=True)))
         # bf16_split first: it keeps the fp32 master bit for bit (6 bytes of state instead of 8);
         # bf16_sr saves the remainder too (4) but rounds stochastically.
-        if self.master_weights == "fp32":
+        adamw = self.optimizer_kind == "adamw"  # Muon keeps fp32 masters and steps after the backward
+        if self.master_weights == "fp32" and adamw:
             candidates.append(("--master_weights bf16_split", dict(master_weights="bf16_split")))
-        if self.master_weights in ("fp32", "bf16_split"):
+        if self.master_weights in ("fp32", "bf16_split") and adamw:
             candidates.append(("--master_weights bf16_sr", dict(master_weights="bf16_sr")))
-        if not self.optimizer_in_backward:
+        if not self.optimizer_in_backward and adamw:
             candidates.append(("--optimizer_in_backward (needs --grad_accum_steps 1 and --grad_clip 0)",
                                dict(optimizer_in_backward=True)))
         singles = len(candidates)
@@ -253,7 +283,7 @@ class MemoryPlan:
                        f"{format_bytes(self.replan(batch_size=batch).total)}")
         else:
             out.append("a smaller --batch_size alone: not even --batch_size 1 fits")
-        gpus = next((n for n in range(self.shards + 1, 1025) if self.replan(shards=n).fits), None)
+        gpus = next((n for n in range(self.shards + 1, 1025) if self.replan(shards=n).fits), None) if adamw else None
         if gpus is not None:
             out.append(f"FSDP over {gpus} GPUs (torchrun --nproc_per_node={gpus} ... --fsdp): "
                        f"{format_bytes(self.replan(shards=gpus).total)} per GPU")
@@ -273,7 +303,7 @@ class MemoryPlan:
 
 def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level: int = 0,
                   activation_checkpointing: bool = False, autocast: bool = False, shards: int = 1,
-                  master_weights: str = "fp32", optimizer_in_backward: bool = False,
+                  master_weights: str = "fp32", optimizer_in_backward: bool = False, optimizer_kind: str = "adamw",
                   free_bytes: int | None = None) -> MemoryPlan:
     """The MemoryPlan of training `config` (see the module docstring for what each part counts)."""
     if master_weights not in MASTER_WEIGHTS:
@@ -283,13 +313,11 @@ def plan_training(config: GPTConfig, *, batch_size: int, seq_len: int, opt_level
     n = sum(numels)
     grad_numel = in_backward_grad_numel(config, numels) if optimizer_in_backward else n
     remainder = math.ceil(n * extra_bytes / shards)
-    # AdamW's moments as FP8Optim lays them out (fp32 on tensors FP8 blocks do not fit)
-    moments = sum(optimizer_bytes(t, quantized=0 if fp8_size_problem(t) else opt_level, block_size=DEFAULT_BLOCK_SIZE)
-                  for t in numels)
+    moments = moment_bytes(config, optimizer_kind, opt_level)
     return MemoryPlan(
         config=config, num_params=n, batch_size=batch_size, seq_len=seq_len, opt_level=opt_level,
         activation_checkpointing=activation_checkpointing, autocast=autocast, shards=shards,
-        master_weights=master_weights, optimizer_in_backward=optimizer_in_backward,
+        master_weights=master_weights, optimizer_in_backward=optimizer_in_backward, optimizer_kind=optimizer_kind,
         weight_bytes=weight_bytes, grad_bytes=grad_bytes, grad_numel=grad_numel,
         weights=math.ceil(n * weight_bytes / shards), gradients=math.ceil(grad_numel * grad_bytes / shards),
         optimizer=math.ceil(moments / shards) + remainder, remainder=remainder,
@@ -313,10 +341,11 @@ def plan_run(cfg: TrainConfig, config: GPTConfig, *, autocast: bool, shards: int
         config, batch_size=cfg.batch_size, seq_len=cfg.seq_len, opt_level=cfg.fp8_opt_level,
         activation_checkpointing=cfg.activation_checkpointing,
         master_weights="fp32" if cfg.master_weights_emulate else cfg.master_weights,
-        optimizer_in_backward=cfg.optimizer_in_backward, autocast=autocast, shards=shards,
-        free_bytes=free_bytes(device))
+        optimizer_in_backward=cfg.optimizer_in_backward, optimizer_kind=cfg.optimizer, autocast=autocast,
+        shards=shards, free_bytes=free_bytes(device))
     plan.check()
     return plan
+
 
 def free_bytes(device: torch.device) -> int | None:
     """Free memory of `device`: CUDA's free memory; on CPU the kernel's MemAvailable; None

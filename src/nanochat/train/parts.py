@@ -3,8 +3,8 @@
 Three decisions the trainer makes once, in this order, between building the model and the first
 step: FP8's config (the flags plus what only the run knows: its micro-batch, the layers a resumed
 run converted, FSDP's FP8 all-gather), the module a step calls (DDP, FSDP or TP, or the model
-itself) and the optimizer (AdamW, as FP8Training wraps it). Functions of values, so each can be
-read, and called, without a trainer.
+itself) and the optimizer (AdamW, or Muon with AdamW, as FP8Training wraps it). Functions of
+values, so each can be read, and called, without a trainer.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
+from nanochat.common import UsageError
 from nanochat.config import TrainConfig
 from nanochat.config.fields import Fallbacks
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.all_gather import fp8_all_gather_problem
 from nanochat.model.gpt import GPT
 from nanochat.model.parallelize import tp_plan
+from nanochat.optim import MuonAdamW, muon_param_groups
 from nanochat.parallel.layout import Layout
 from nanochat.parallel.wrap import wrap_model
 
@@ -61,18 +63,30 @@ def parallelize(cfg: TrainConfig, model: GPT, fp8: FP8Training, layout: Layout, 
 
 
 def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW, no weight decay on embeddings / norms / biases, as FP8Training wraps it (FP8
-    moments: --fp8_opt_level; bf16 --master_weights; --optimizer_in_backward). Built on the
-    parameters a step trains: after FSDP has replaced them."""
-    adamw = torch.optim.AdamW(
-        model.param_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-        # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
-        # parameters itself and hands the rest to this same optimizer, so baselines match.
-        eps=1e-8, fused=device.type in ("cpu", "cuda"),
-    )
-    for group in adamw.param_groups:
-        group["initial_lr"] = cfg.lr
-    return fp8.wrap_optimizer(adamw, master_weights=cfg.master_weights, seed=cfg.seed,
+    """--optimizer as FP8Training wraps it (FP8 moments: --fp8_opt_level; bf16 --master_weights;
+    --optimizer_in_backward), built on the parameters a step trains: after FSDP has replaced
+    them. adamw: AdamW, no weight decay on embeddings / norms / biases. muon: MuonAdamW, Muon for
+    the hidden matrices and that AdamW for the rest (nanochat.optim.muon_param_groups). Each group's
+    `initial_lr` is its peak rate, which the schedule scales."""
+    # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
+    # parameters itself and hands the rest to this same optimizer, so baselines match.
+    adam = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type in ("cpu", "cuda"))
+    if cfg.optimizer == "muon":
+        split = muon_param_groups(model)
+        if not split.muon:
+            raise UsageError(f"--optimizer muon: {cfg.model_name} has no hidden nn.Linear matrix for Muon to train "
+                             "(every parameter would go to AdamW); use --optimizer adamw")
+        muon_lr, momentum = cfg.muon_settings
+        optimizer = MuonAdamW(
+            torch.optim.Muon(split.muon, lr=muon_lr, momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay),
+            torch.optim.AdamW(split.adamw, weight_decay=cfg.weight_decay, **adam), placements=split.placements)
+        peaks = [muon_lr] * len(optimizer.muon.param_groups) + [cfg.lr] * len(optimizer.adamw.param_groups)
+    else:
+        optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), **adam)
+        peaks = [cfg.lr] * len(optimizer.param_groups)
+    for group, peak in zip(optimizer.param_groups, peaks):
+        group["initial_lr"] = peak
+    return fp8.wrap_optimizer(optimizer, master_weights=cfg.master_weights, seed=cfg.seed,
                               emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward)
 
 

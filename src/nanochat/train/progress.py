@@ -89,6 +89,8 @@ def header(facts: RunFacts) -> str:
     """What a run prints before its first step: the run's table (model, data, schedule, device,
     parallelism, optimizer, FP8, MFU) and, with FP8, the conversion report and FP8Optim's layout."""
     f, cfg, m, data = facts, facts.config, facts.model, facts.data
+    optimizer = (f"Muon for hidden matrices (lr {cfg.muon_settings[0]:g}) and AdamW (lr {cfg.lr:g})"
+                 if cfg.optimizer == "muon" else "AdamW")
     rows = [
         ["model", f"{cfg.model_name}: {m.n_layer} layers, width {m.n_embd}, "
                   f"{m.n_head} heads ({m.n_kv_head} kv), {f.num_params / 1e6:.2f}M params"],
@@ -101,7 +103,7 @@ def header(facts: RunFacts) -> str:
         ["device", f"{f.device} ({f.dtype}), world size {f.layout.world_size}, "
                    f"compile {(cfg.compile_scope if cfg.compile else 'off')}"],
         ["parallel", f.parallel],
-        ["optimizer", f"AdamW, {format_bytes(f.optimizer_state_bytes)} of state"
+        ["optimizer", f"{optimizer}, {format_bytes(f.optimizer_state_bytes)} of state"
                       f"{' on each rank' if f.layout.distributed else ''} "
                       f"({f.optimizer_state_bytes / f.local_params:.3f} bytes/param)"],
     ]

@@ -48,7 +48,7 @@ from nanochat.data.prepare import write_sources
 from nanochat.fp8 import FP8Training
 from nanochat.model.gpt import GPT
 from nanochat.model.hub import ResolvedModel
-from nanochat.optim import FP8Optim, optimizer_state_bytes, param_dtype
+from nanochat.optim import FP8Optim, MuonAdamW, optimizer_state_bytes, param_dtype
 from nanochat.optim.schedule import lr_multiplier
 from nanochat.parallel.layout import Layout
 from nanochat.parallel.process_group import (
@@ -91,6 +91,7 @@ class NanoChatTrainer:
     fp8: FP8Training
     dist_model: torch.nn.Module        # `model` wrapped for the world size (DDP), or `model`; eager steps call it
     optimizer: torch.optim.Optimizer
+    peak_lrs: list[float]              # each param group's peak rate (AdamW's --lr, Muon's --muon_lr)
     params: list[torch.Tensor]
     compiled: Compiled
     guard: StepGuard
@@ -213,6 +214,8 @@ class NanoChatTrainer:
                                                       all_gather_problem=all_gather_problem, fallbacks=self.fallbacks)
         self.closing.callback(self._unwrap)
         self.optimizer = parts.build_optimizer(cfg, self.model, self.fp8, self.device)
+        # this run's flags, read before a checkpoint's param groups replace the groups' own copies
+        self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         local_params, weight_bytes = held(self.model.parameters())
         state_bytes = optimizer_state_bytes(self.optimizer)  # this rank's, as the first step makes it
@@ -221,7 +224,7 @@ class NanoChatTrainer:
             config=cfg, model=self.model.config, num_params=self.model.num_params(), local_params=local_params,
             init_source=self.init_source, data=self.data, total_steps=self.total_steps, layout=self.layout,
             device=self.device, dtype=self.dtype, parallel=parallel, optimizer_state_bytes=state_bytes,
-            optimizer_summary=self.optimizer.summary() if isinstance(self.optimizer, FP8Optim) else None,
+            optimizer_summary=self.optimizer.summary() if isinstance(self.optimizer, (FP8Optim, MuonAdamW)) else None,
             fp8=self.fp8.report, flops_per_token=self.model.flops_per_token(cfg.seq_len),
             peak=mfu.device_peak(self.device), planned_memory_bytes=self.memory_plan.total)
 
@@ -271,9 +274,10 @@ class NanoChatTrainer:
         and the stop votes); a step that samples FP8 statistics or calibrates adds a bounded
         number of reads."""
         cfg = self.config
-        lr = cfg.lr * lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        multiplier = lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
+        lr = cfg.lr * multiplier  # AdamW's; each group scales its own peak (Muon's: --muon_lr)
+        for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
+            group["lr"] = peak * multiplier
         fp8_step = self.fp8.begin_step(step)  # calibration and statistics run eagerly: their hooks would recompile
         eager = fp8_step.eager or self.compiled.failed
         module = self.dist_model if eager else self.compiled.module

@@ -1,0 +1,193 @@
+"""A training run with --optimizer muon: nanochat.train.parts.build_optimizer, the trainer's
+per-group schedule, checkpoints and the memory plan, each against a reference.
+
+- d2, 30 steps, Muon's momentum in FP8 (--fp8_opt_level 1): the loss falls as the AdamW run of
+  test_trainer.py does (the last five steps' mean under 0.75 of the first step's); the 12 block
+  matrices are Muon's, the tied embedding and the norms AdamW's, as the header says; every
+  Muon tensor's momentum is an FP8Tensor; the state the run holds after its steps is the memory
+  plan's optimizer part and the sum optimizer_bytes gives per tensor (1 + 4/256 bytes a Muon
+  parameter).
+- Each param group follows its own peak through the schedule: Muon's --muon_lr, AdamW's --lr,
+  times lr_multiplier at the last step (both to fp64 rounding of one product).
+- A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
+  compared exactly, as test_trainer.py's AdamW resume is).
+- FP8 momentum against fp32 momentum (level 0: torch.optim.Muon itself, Newton-Schulz in bf16):
+  the two runs' losses over the last five steps within 3% (FP8 rounds the buffer by up to 2^-4
+  relative and bf16 Newton-Schulz each product by 2^-9; at d2's 30 steps that moves the loss by
+  far less than a lost momentum would: a run whose Muon group never moves ends over 10% higher).
+- Bad input, before any work: Muon's flags without --optimizer muon, bf16 master weights, the
+  step in the backward, a --muon_lr or --muon_momentum out of range; and under torchrun with
+  --fsdp or --tp (the layout check).
+
+Modules: nanochat.train.parts, nanochat.config.train, nanochat.train.memory (moment_bytes),
+nanochat.train.preflight (check_layout), nanochat.checkpoint.nonfinite (a container's state).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nanochat.common import DistEnv, UsageError
+from nanochat.config import TrainConfig
+from nanochat.optim import FP8Tensor, MuonAdamW, optimizer_bytes, optimizer_state_bytes
+from nanochat.train import memory, preflight
+from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
+
+MUON = dict(optimizer="muon", muon_lr=0.02, lr=1e-2)
+
+
+def _losses(run_dir) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in run_records(run_dir) if "loss" in r}
+
+
+def _tail(losses: dict[int, float]) -> float:
+    return sum(losses[s] for s in range(26, 31)) / 5
+
+
+@pytest.fixture(scope="module")
+def fp8_run(small_corpus, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("muon") / "run"
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, run_dir, fp8_opt_level=1, **MUON))
+    result = trainer.train()
+    return trainer, result, _losses(run_dir)
+
+
+def test_a_muon_run_trains_with_fp8_momentum_and_holds_the_planned_bytes(fp8_run):
+    trainer, result, losses = fp8_run
+    assert _tail(losses) < 0.75 * losses[1], (losses[1], _tail(losses))
+    opt = trainer.optimizer
+    assert isinstance(opt, MuonAdamW) and result.fallbacks == []
+    muon = [p for g in opt.muon.param_groups for p in g["params"]]
+    blocks = [p for name, p in trainer.model.named_parameters() if name.startswith("transformer.h.") and p.ndim == 2]
+    assert len(muon) == 12 and {id(p) for p in muon} == {id(p) for p in blocks}
+    assert all(isinstance(opt.muon.state[p]["momentum_buffer"], FP8Tensor) for p in muon)
+    summary = trainer.facts.optimizer_summary
+    assert summary.startswith("muon: 12 tensors / 393,216 params (hidden nn.Linear weight)\nadamw: 2 tensors / 81,920 "
+                              "params (nn.Embedding, output head)"), summary
+    held = optimizer_state_bytes(opt)
+    assert held == trainer.memory_plan.optimizer
+    n_muon = sum(p.numel() for p in muon)
+    adamw = [p for g in opt.adamw.param_groups for p in g["params"]]
+    by_hand = optimizer_bytes(n_muon, quantized=1, moments=1, block_size=256) + sum(
+        optimizer_bytes(p.numel(), quantized=0 if p.numel() < 4096 or p.numel() % 256 else 1, block_size=256)
+        for p in adamw)
+    assert held == by_hand and held < 4 * n_muon + 8 * sum(p.numel() for p in adamw)
+
+
+def test_each_group_follows_its_own_peak(fp8_run):
+    trainer, _, _ = fp8_run
+    cfg = trainer.config
+    last = lr_multiplier(cfg.num_iterations - 1, trainer.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
+    for g in trainer.optimizer.muon.param_groups:
+        assert g["lr"] == pytest.approx(0.02 * last, rel=1e-12)
+    for g in trainer.optimizer.adamw.param_groups:
+        assert g["lr"] == pytest.approx(1e-2 * last, rel=1e-12)
+
+
+def test_a_resumed_muon_run_is_the_uninterrupted_one(small_corpus, tmp_path, monkeypatch):
+    kw = dict(num_iterations=8, save_every=4, eval_every=4, num_samples=0, fp8_opt_level=1, **MUON)
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    reference = _losses(tmp_path / "full")
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)  # dies at step 4
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
+    resumed = _losses(tmp_path / "cut")
+    assert [resumed[s] for s in range(1, 9)] == [reference[s] for s in range(1, 9)]
+
+
+@pytest.mark.two_computations
+def test_fp8_momentum_trains_as_fp32_momentum(fp8_run, small_corpus, tmp_path):
+    _, _, fp8 = fp8_run
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fp32", num_samples=0, **MUON)).train()
+    fp32 = _losses(tmp_path / "fp32")
+    assert abs(_tail(fp8) - _tail(fp32)) <= 0.03 * _tail(fp32), (_tail(fp8), _tail(fp32))
+
+
+def test_a_frozen_muon_group_ends_far_higher(fp8_run, small_corpus, tmp_path, monkeypatch):
+    """The bound above can fail: with Muon's steps made no-ops the run ends over 10% higher."""
+    _, _, fp8 = fp8_run
+    monkeypatch.setattr(torch.optim.Muon, "step", lambda self, closure=None: None)
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "frozen", num_samples=0, **MUON)).train()
+    assert _tail(_losses(tmp_path / "frozen")) > 1.10 * _tail(fp8)
+
+
+@pytest.mark.parametrize("over, fragment", [
+    (dict(muon_lr=0.01), "--muon_lr set Muon's hyperparameters, but --optimizer is adamw"),
+    (dict(muon_momentum=0.9), "pass --optimizer muon, or drop --muon_momentum"),
+    (dict(optimizer="muon", master_weights="bf16_sr"), "--optimizer muon keeps fp32 master weights"),
+    (dict(optimizer="muon", optimizer_in_backward=True, grad_clip=0.0), "drop --optimizer_in_backward"),
+    (dict(optimizer="muon", muon_lr=1.5), "--muon_lr must be in (0, 1)"),
+    (dict(optimizer="muon", muon_momentum=1.0), "--muon_momentum must be in [0, 1)"),
+    (dict(optimizer="muon", muon_lr=math.nan), "--muon_lr must be in (0, 1)"),
+])
+def test_bad_muon_settings_are_one_line_errors(over, fragment):
+    with pytest.raises(ValueError) as e:
+        TrainConfig(**over)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("over, layout", [(dict(fsdp=True), "fsdp"), (dict(tp=2), "tp")])
+def test_muon_under_torchrun_with_split_matrices_is_refused(over, layout):
+    env = DistEnv(rank=0, local_rank=0, world_size=2)
+    with pytest.raises(UsageError, match="Muon orthogonalizes whole matrices"):
+        preflight.check_layout(TrainConfig(optimizer="muon", **over), env)
+    preflight.check_layout(TrainConfig(optimizer="muon"), env)  # DDP keeps whole matrices
+
+
+def test_the_plan_counts_one_moment_per_muon_matrix():
+    from nanochat.model.gpt import GPTConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_kv_head=2, n_embd=128, vocab_size=320, seq_len=32)
+    adamw = memory.plan_training(config, batch_size=8, seq_len=32)
+    muon = memory.plan_training(config, batch_size=8, seq_len=32, optimizer_kind="muon")
+    n_muon = sum(memory.muon_numels(config))
+    assert n_muon > 0 and adamw.optimizer - muon.optimizer == 4 * n_muon  # one fp32 moment fewer each
+    assert not any("bf16" in r or "in_backward" in r for r in muon.replan(free_bytes=1).remedies())
+
+
+def _muon_model(seed: int):
+    from nanochat.model.gpt import GPT, preset_config
+    from nanochat.optim import FP8Optim, muon_param_groups
+
+    torch.manual_seed(seed)
+    model = GPT(preset_config("d2", vocab_size=320, seq_len=16))
+    model.init_weights()
+    split = muon_param_groups(model)
+    opt = MuonAdamW(FP8Optim(torch.optim.Muon(split.muon, lr=0.02), opt_level=1, compile=False),
+                    FP8Optim(torch.optim.AdamW(split.adamw, lr=1e-2), opt_level=2, compile=False),
+                    placements=split.placements)
+    return model, opt
+
+
+def _steps(model, opt, n: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randint(0, 320, (2, 17), generator=g)
+        model(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_a_muon_checkpoint_round_trips_through_dcp(tmp_path):
+    """What a DDP run saves (torch.distributed.checkpoint, here in one process): both optimizers'
+    states by parameter name, the FP8 momentum as its codes and scales; a fresh model and
+    optimizer loaded from it take the next step exactly as the saved ones do."""
+    from nanochat import checkpoint
+    from nanochat.checkpoint.nonfinite import nonfinite_state
+
+    model, opt = _muon_model(0)
+    _steps(model, opt, 2)
+    checkpoint.save_dcp(tmp_path, model, opt, step=2, meta={})
+    fresh, fresh_opt = _muon_model(1)  # other weights, no optimizer state yet
+    checkpoint.load_dcp(checkpoint.newest(tmp_path).path, fresh, fresh_opt)
+    assert nonfinite_state(fresh, fresh_opt) == ""
+    for p, q in zip(opt.muon.param_groups[0]["params"], fresh_opt.muon.param_groups[0]["params"]):
+        a, b = opt.muon.state[p]["momentum_buffer"], fresh_opt.muon.state[q]["momentum_buffer"]
+        assert isinstance(b, FP8Tensor) and torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+        assert torch.equal(a.scale, b.scale)
+    _steps(model, opt, 1, seed=1)
+    _steps(fresh, fresh_opt, 1, seed=1)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
