@@ -18,6 +18,8 @@
 (f) --alone: each optimizer alone on fresh parameters (nanochat.train.measure.optimizer_steps,
     which scripts/gpu_check.py's optim job runs): median step time, peak memory above the
     parameters and gradients, device reads a step, state bytes, the step's backend and fallbacks.
+(g) --muon: Muon's step, torch.optim.Muon against FP8Optim's with FP8 momentum (Newton-Schulz in
+    bf16, torch's math, and in fp32, the CPU default) and fused AdamW: state bytes and step time;
 Machine load matters on a shared box: the script prints `os.getloadavg()` next to the figures.
 """
 
@@ -72,20 +74,30 @@ class BenchOptimConfig:
     """(f) also step each optimizer alone: step time, peak memory, device reads (--device cuda)."""
     skip_train: bool = False
     """Skip (c)."""
+    muon: bool = False
+    """(g) also time Muon's step: torch.optim.Muon against FP8Optim's (FP8 momentum, Newton-Schulz
+    in bf16 as torch's and in fp32, the CPU default) and fused AdamW, on --muon_tensors matrices."""
+    muon_tensors: int = 4
+    """(g) number of --muon_dim^2 matrices (torch's bf16 Newton-Schulz takes seconds a 512^2 matrix
+    on a CPU without bf16 units, hence few)."""
+    muon_dim: int = 512
+    """(g) each Muon matrix is muon_dim x muon_dim fp32."""
+    muon_steps: int = 5
+    """(g) timed steps per optimizer (the median is reported)."""
     out: str | None = None
     """Write all figures as JSON here."""
 
     def __post_init__(self) -> None:
         from nanochat.model.gpt import PRESETS
 
-        for name in ("n_tensors", "dim", "steps", "train_steps", "repeats"):
+        for name in ("n_tensors", "dim", "steps", "train_steps", "repeats", "muon_tensors", "muon_dim", "muon_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.preset not in PRESETS:
             raise ValueError(f"--preset {self.preset!r} is not a size preset; use one of {', '.join(PRESETS)}")
 
 
-QUICK = dict(n_tensors=2, dim=128, steps=3, train_steps=5)
+QUICK = dict(n_tensors=2, dim=128, steps=3, train_steps=5, muon_tensors=2, muon_dim=64, muon_steps=2)
 
 
 # ---- (a) + (b) ---------------------------------------------------------------------------------
@@ -276,6 +288,53 @@ def bench_alone(args) -> dict:
     return out
 
 
+# ---- (g) ---------------------------------------------------------------------------------------
+
+def bench_muon(args) -> dict:
+    """Muon's step on --muon_tensors matrices, every optimizer on its own copy of the same
+    parameters and gradients, round-robin; ratios to torch.optim.Muon and to fused AdamW."""
+    import torch
+
+    from nanochat.optim import FP8Optim
+
+    device = torch.device(args.device)
+    g = torch.Generator().manual_seed(0)
+    shape = (args.muon_dim, args.muon_dim)
+    base = [torch.randn(shape, generator=g).to(device) * 0.02 for _ in range(args.muon_tensors)]
+    grads = [torch.randn(shape, generator=g).to(device) * 1e-2 for _ in range(args.muon_tensors)]
+
+    def params():
+        ps = [torch.nn.Parameter(b.clone()) for b in base]
+        for p, gr in zip(ps, grads):
+            p.grad = gr.clone()
+        return ps
+
+    def fp8_muon(ns: torch.dtype) -> FP8Optim:
+        opt = FP8Optim(torch.optim.Muon(params(), lr=0.02), opt_level=1, compile=not args.quick)
+        opt.muon_ns_dtype = ns
+        return opt
+
+    opts = {"torch AdamW fused": torch.optim.AdamW(params(), lr=1e-3, fused=device.type in ("cpu", "cuda")),
+            "torch.optim.Muon": torch.optim.Muon(params(), lr=0.02),
+            "FP8Optim(Muon) level 1, NS bf16": fp8_muon(torch.bfloat16),
+            "FP8Optim(Muon) level 1, NS fp32": fp8_muon(torch.float32)}
+    cuda = device.type == "cuda"
+    warm = harness.timed(lambda: [opt.step() for opt in opts.values()], cuda=cuda)  # state and compile
+    med = _median_step_ms(opts, args.muon_steps, time.perf_counter, cuda)
+    vs_muon, vs_fused = harness.ratios(med, "torch.optim.Muon"), harness.ratios(med, "torch AdamW fused")
+    out, rows = {}, []
+    for name, opt in opts.items():
+        bpp = _moment_bytes(opt)
+        out[name] = dict(bytes_per_param=bpp, median_ms=med[name], vs_torch_muon=vs_muon[name],
+                         vs_fused_adamw=vs_fused[name])
+        rows.append([name, f"{bpp:.3f}", f"{med[name]:.1f}", f"{vs_muon[name]:.3g}x", f"{vs_fused[name]:.3g}x"])
+    print(f"\n(g) Muon: {args.muon_tensors} x {args.muon_dim}^2 fp32 matrices on {device}, median of "
+          f"{args.muon_steps} steps, {torch.get_num_threads()} threads, {harness.load()} (warm-up incl. compile "
+          f"{warm:.0f} s)")
+    print(format_table(["optimizer", "state bytes/param", "step ms", "vs torch.optim.Muon", "vs fused AdamW"], rows))
+    return dict(shape=list(shape), tensors=args.muon_tensors, device=str(device), results=out)
+
+
 # ---- (c) ---------------------------------------------------------------------------------------
 
 
@@ -447,6 +506,8 @@ def bench(args: BenchOptimConfig) -> dict:
         result["master"] = bench_master(args)
     if args.alone or args.quick:
         result["alone"] = bench_alone(args)
+    if args.muon or args.quick:
+        result["muon"] = bench_muon(args)
     if not args.skip_train:
         result["train"] = bench_train(args)
     result["load_end"] = os.getloadavg()

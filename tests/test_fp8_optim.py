@@ -507,6 +507,9 @@ def test_bench_optim_quick_dry_run(tmp_path):
     assert abs(level2["bytes_per_param"] - 2 * (1 + 4 / 256)) < 1e-9
     assert set(result["train"]) == {"AdamW", "FP8Optim level 1", "FP8Optim level 2"}
     assert "extreme b2=0.999 sqrt(v) e4m3 + floor (ours)" in result["study"]
+    muon = result["muon"]["results"]  # 64^2 matrices: FP8 momentum, 1 byte + a 4-byte scale per 256
+    assert muon["torch.optim.Muon"]["bytes_per_param"] == 4.0
+    assert abs(muon["FP8Optim(Muon) level 1, NS fp32"]["bytes_per_param"] - (1 + 4 / 256)) < 1e-9
 
 
 @pytest.mark.two_computations

@@ -2,8 +2,9 @@
 
 - muon_step is torch.optim.Muon's step: eager, with an fp32 momentum buffer and Newton-Schulz in
   bf16 (torch's dtype), 5 steps of wide, tall and square matrices, Nesterov on and off, each
-  adjust_lr_fn, weight decay: torch.equal parameters and buffers. At opt_level 0 FP8Optim is the
-  wrapped torch.optim.Muon (torch.equal).
+  adjust_lr_fn, weight decay: torch.equal parameters and buffers. At opt_level 0 with torch's bf16
+  FP8Optim is the wrapped torch.optim.Muon (torch.equal); on a CPU by default a wrapper steps the
+  fp32 momentum itself, Newton-Schulz in fp32: torch's step with its iteration in fp32 (torch.equal).
 - Newton-Schulz in fp32 (the CPU default) is within 1e-5 (relative Frobenius) of the same
   iteration in float64; torch's bf16 is over 1e-3 from it (each of its 15 products rounded to 8
   bits, 2^-9 each): the reason fp32 is the CPU default.
@@ -76,8 +77,10 @@ def test_eager_bf16_step_is_torch_muon_bit_for_bit(shape, nesterov, adjust):
 
 
 def test_opt_level_0_is_the_wrapped_muon():
+    """With torch's Newton-Schulz dtype (bf16) the wrapper leaves the step to torch.optim.Muon."""
     a, b = _matrix((128, 64)), _matrix((128, 64))
     wrapped = FP8Optim(torch.optim.Muon([a], lr=0.02), opt_level=0, compile=False)
+    wrapped.muon_ns_dtype = torch.bfloat16
     plain = torch.optim.Muon([b], lr=0.02)
     for grad in _grads((128, 64), 4):
         for p, opt in ((a, wrapped), (b, plain)):
@@ -85,6 +88,27 @@ def test_opt_level_0_is_the_wrapped_muon():
             opt.step()
     assert torch.equal(a, b)
     assert torch.equal(wrapped.state[a]["momentum_buffer"], plain.state[b]["momentum_buffer"])
+
+
+def test_level_0_on_a_cpu_steps_fp32_momentum_with_fp32_newton_schulz(monkeypatch):
+    """Off CUDA a wrapper steps Muon's fp32 momentum itself, with Newton-Schulz in fp32: the step
+    torch.optim.Muon takes with its iteration run in fp32 instead of bf16 (torch.equal, eager),
+    and the buffer stays torch's fp32 tensor (its state dict loads into torch.optim.Muon)."""
+    import torch.optim._muon as torch_muon
+
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, coefficients, steps, eps: newton_schulz(g, coefficients, steps, eps, torch.float32))
+    a, b = _matrix((128, 64)), _matrix((128, 64))
+    wrapped = OptimWrapper(torch.optim.Muon([a], lr=0.02, weight_decay=0.1), compile=False)
+    plain = torch.optim.Muon([b], lr=0.02, weight_decay=0.1)
+    for grad in _grads((128, 64), 4):
+        for p, opt in ((a, wrapped), (b, plain)):
+            p.grad = grad.clone()
+            opt.step()
+    assert wrapped.step_backends() == {"eager": (1, 1)}  # stepped here, not by torch
+    assert torch.equal(a, b)
+    assert torch.equal(wrapped.state[a]["momentum_buffer"], plain.state[b]["momentum_buffer"])
+    torch.optim.Muon([_matrix((128, 64))], lr=0.02).load_state_dict(wrapped.state_dict())
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (64, 256)])

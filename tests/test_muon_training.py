@@ -11,10 +11,10 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   times lr_multiplier at the last step (both to fp64 rounding of one product).
 - A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
   compared exactly, as test_trainer.py's AdamW resume is).
-- FP8 momentum against fp32 momentum (level 0: torch.optim.Muon itself, Newton-Schulz in bf16):
-  the two runs' losses over the last five steps within 3% (FP8 rounds the buffer by up to 2^-4
-  relative and bf16 Newton-Schulz each product by 2^-9; at d2's 30 steps that moves the loss by
-  far less than a lost momentum would: a run whose Muon group never moves ends over 10% higher).
+- FP8 momentum against fp32 momentum (level 0; both with Newton-Schulz in fp32, the CPU's): the
+  two runs' losses over the last five steps within 1% (FP8 rounds the buffer by up to 2^-4
+  relative each write, noise the orthogonalization mostly absorbs: measured 0.04%); a run whose
+  Muon steps do nothing ends over 10% higher (measured 12.5%), so the bound tells them apart.
 - Bad input, before any work: Muon's flags without --optimizer muon, bf16 master weights, the
   step in the backward, a --muon_lr or --muon_momentum out of range; and under torchrun with
   --fsdp or --tp (the layout check).
@@ -103,13 +103,13 @@ def test_fp8_momentum_trains_as_fp32_momentum(fp8_run, small_corpus, tmp_path):
     _, _, fp8 = fp8_run
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "fp32", num_samples=0, **MUON)).train()
     fp32 = _losses(tmp_path / "fp32")
-    assert abs(_tail(fp8) - _tail(fp32)) <= 0.03 * _tail(fp32), (_tail(fp8), _tail(fp32))
+    assert abs(_tail(fp8) - _tail(fp32)) <= 0.01 * _tail(fp32), (_tail(fp8), _tail(fp32))
 
 
 def test_a_frozen_muon_group_ends_far_higher(fp8_run, small_corpus, tmp_path, monkeypatch):
     """The bound above can fail: with Muon's steps made no-ops the run ends over 10% higher."""
     _, _, fp8 = fp8_run
-    monkeypatch.setattr(torch.optim.Muon, "step", lambda self, closure=None: None)
+    monkeypatch.setattr("nanochat.optim.wrapper.muon_multi", lambda *args, **flags: None)
     NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "frozen", num_samples=0, **MUON)).train()
     assert _tail(_losses(tmp_path / "frozen")) > 1.10 * _tail(fp8)
 

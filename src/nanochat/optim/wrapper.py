@@ -26,12 +26,16 @@ from .backends import Backends
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
-from .muon import MuonAdamW, muon_flags, muon_hypers, muon_multi
+from .muon import MuonAdamW, muon_flags, muon_hypers, muon_multi, ns_dtype
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
 from .state_bytes import moment_count, optimizer_bytes, optimizer_state_bytes
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Muon"
+
+
+FP32 = MomentFormat()
+"""fp32 moments as torch keeps them, for a step this wrapper runs on a moment its format does not store."""
 
 
 class OptimWrapper(torch.optim.Optimizer):
@@ -147,7 +151,7 @@ class OptimWrapper(torch.optim.Optimizer):
                              if p.grad is not None])
             return loss
         mine = [(p, group) for group in self.param_groups for p in group["params"]
-                if p.grad is not None and self.stores(p, group)]
+                if p.grad is not None and (self.stores(p, group) or self._muon_here(p))]
         if mine:
             self._step_muon(mine) if self.is_muon else self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the format's hidden
@@ -286,27 +290,34 @@ class OptimWrapper(torch.optim.Optimizer):
             self.backends.run("sgd", sgd_multi, ps, gs, bufs, hyp, first=first, nesterov=nesterov,
                               m_format=type(fmt))
 
+    def _muon_here(self, p: torch.Tensor) -> bool:
+        """A Muon parameter with fp32 momentum is stepped here, not by torch.optim.Muon, where its
+        Newton-Schulz dtype is not torch's bf16 (fp32 on a CPU: muon.py says why)."""
+        return self.is_muon and (self.muon_ns_dtype or ns_dtype(p.device)) != torch.bfloat16
+
     def _step_muon(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
-        """Every Muon parameter whose momentum the format stores, one compiled call per (device,
-        dtypes, shape, group settings): the buffer as [n_blocks, B] views, p and g as matrices."""
-        fmt = self.moments
+        """Every Muon parameter stepped here, one compiled call per (device, dtypes, shape, format,
+        group settings): a stored buffer as the format's [n_blocks, B] views, an fp32 one (torch's
+        own tensor, so its state dict is torch's) as the matrix; p and g as matrices."""
         calls: dict[tuple, list] = defaultdict(list)
         flags: dict[tuple, dict] = {}
         hypers: dict[int, tuple] = {}
         for p, group in mine:
+            fmt = self.moments if self.stores(p, group) else FP32
             state = self.state[p]
             if state.get("momentum_buffer") is None:  # torch: zeros at the first step
-                state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p)
-            pl, g = local(p), local_grad(p)
+                state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p) if fmt is not FP32 \
+                    else torch.zeros_like(p, memory_format=torch.preserve_format)
+            pl, g, buf = local(p), local_grad(p), local(state["momentum_buffer"])
             group_flags = muon_flags(group, pl.device, self.muon_ns_dtype)
-            key = (repr(sorted(group_flags.items())), pl.device, pl.dtype, g.dtype, tuple(pl.shape))
+            key = (repr(sorted(group_flags.items())), type(fmt), pl.device, pl.dtype, g.dtype, tuple(pl.shape))
             flags[key] = group_flags
             if id(group) not in hypers:
                 hypers[id(group)] = muon_hypers(group)
-            calls[key].append((pl, g.reshape(pl.shape), fmt.view(local(state["momentum_buffer"])), hypers[id(group)]))
+            calls[key].append((pl, g.reshape(pl.shape), (buf,) if fmt is FP32 else fmt.view(buf), hypers[id(group)]))
         for key, items in calls.items():
             ps, gs, bufs, hyp = (list(x) for x in zip(*items))
-            self.backends.run("muon", muon_multi, ps, gs, bufs, hyp, m_format=type(fmt), **flags[key])
+            self.backends.run("muon", muon_multi, ps, gs, bufs, hyp, m_format=key[1], **flags[key])
 
     def _init_adam_state(self, p: torch.Tensor, state: dict, quantized: int) -> None:
         # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias
@@ -412,7 +423,8 @@ class OptimWrapper(torch.optim.Optimizer):
         if type(fmt) is MomentFormat:
             n = sum(1 for g in self.param_groups for _ in g["params"])
             numel = sum(p.numel() for g in self.param_groups for p in g["params"])
-            who = "every parameter stepped here" if self.steps_every_parameter else "stepped by the wrapped optimizer"
+            here = self.steps_every_parameter or any(self._muon_here(p) for g in self.param_groups for p in g["params"])
+            who = "stepped here" if here else "stepped by the wrapped optimizer"
             return (f"{type(self).__name__}({kind}, master_weights={self.master_weights}): {n} tensors / {numel:,} "
                     f"params with fp32 moments, {who}; {format_bytes(self.state_bytes())} of state")
         stored = [(p.numel(), q) for g in self.param_groups for p in g["params"] if (q := self.stores(p, g))]
@@ -471,8 +483,10 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, mast
         if master_weights != "fp32" or in_backward:
             raise ValueError("MuonAdamW steps Muon after the backward on fp32 master weights: pass master_weights="
                              "'fp32' and in_backward=False, or wrap an AdamW")
-        return MuonAdamW(*(wrap_optimizer(opt, opt_level=opt_level, seed=seed) for opt in optimizer.optimizers),
-                         placements=optimizer.placements)
+        muon, adamw = optimizer.optimizers
+        # wrapped at every level: off CUDA the wrapper runs Newton-Schulz in fp32, not torch's bf16
+        muon = FP8Optim(muon, opt_level=opt_level, seed=seed) if opt_level else OptimWrapper(muon, seed=seed)
+        return MuonAdamW(muon, wrap_optimizer(adamw, opt_level=opt_level, seed=seed), placements=optimizer.placements)
     if opt_level:
         wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
     elif master_weights != "fp32" or in_backward:

@@ -215,7 +215,7 @@ class MemoryPlan:
                      f"x {self.grad_bytes:g} B")
         else:
             grads = f"x {self.grad_bytes:g} B"
-        opt = f"AdamW, fp8_opt_level {self.opt_level}"
+        opt = f"{'Muon + AdamW' if self.optimizer_kind == 'muon' else 'AdamW'}, fp8_opt_level {self.opt_level}"
         if self.remainder:
             opt += " + bf16_split remainder"
         rows = [["weights", gib(self.weights),
