@@ -7,9 +7,9 @@
     split = muon_param_groups(model)   # hidden matrices -> Muon (FP8 momentum), the rest -> AdamW
     opt = MuonAdamW(FP8Optim(torch.optim.Muon(split.muon), opt_level=1), torch.optim.AdamW(split.adamw))
 
-A step reads here top to bottom: wrapper.py (which parameters, which backend) -> adam.py (the
-update, compiled or in its C kernel), sgd.py, muon.py -> moments/ (how a moment is stored: fp32,
-or FP8Tensor's e4m3 blocks). Around it: bf16 master weights (master.py), the step inside the backward
+A step reads here top to bottom: wrap.py (the wrapper a run's settings ask for) -> wrapper.py
+(which parameters, which backend) -> adam.py (the update, compiled or in its C kernel), sgd.py,
+muon.py -> moments/ (how a moment is stored: fp32, or FP8Tensor's e4m3 blocks). Around it: bf16 master weights (master.py), the step inside the backward
 (in_backward.py), backends and their fallbacks, saved state and its conversion, FSDP/TP shards,
 the bytes held. docs/master_weights.md and docs/fp8.md have the choices and the measurements.
 """
@@ -19,7 +19,8 @@ from .moments import E4M3Blocks, FP8Tensor, MomentFormat
 from .muon import MuonAdamW, MuonSplit, Placement, muon_param_groups
 from .saved_state import QuantizedState, dense
 from .state_bytes import optimizer_bytes, optimizer_state_bytes
-from .wrapper import FP8Optim, OptimWrapper, optimizer_fallbacks, wrap_optimizer
+from .wrap import optimizer_fallbacks, wrap_optimizer
+from .wrapper import FP8Optim, OptimWrapper
 
 __all__ = ["MASTER_WEIGHTS", "E4M3Blocks", "FP8Optim", "FP8Tensor", "MasterWeights", "MomentFormat", "MuonAdamW",
            "MuonSplit", "OptimWrapper", "Placement", "QuantizedState", "dense", "muon_param_groups", "optimizer_bytes",

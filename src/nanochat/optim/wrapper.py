@@ -472,42 +472,4 @@ class FP8Optim(OptimWrapper):
         return self.moments.block_size
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, master_weights: str = "fp32",
-                   seed: int = 0, emulate: bool = False, in_backward: bool = False) -> torch.optim.Optimizer:
-    """The optimizer a loop steps, built around `optimizer` (on the parameters the loop trains:
-    after FSDP wraps them): FP8Optim for `opt_level` 1 or 2 (FP8 moments); else OptimWrapper for
-    bf16 `master_weights` (`emulate`: bf16 numerics on fp32 tensors; `seed` seeds bf16_sr) or
-    `in_backward` (installed here: `loss.backward()` is then the step); else `optimizer` itself.
-    A MuonAdamW has each of its two optimizers wrapped alike (Muon: fp32 masters, after the backward)."""
-    if isinstance(optimizer, MuonAdamW):
-        if master_weights != "fp32" or in_backward:
-            raise ValueError("MuonAdamW steps Muon after the backward on fp32 master weights: pass master_weights="
-                             "'fp32' and in_backward=False, or wrap an AdamW")
-        muon, adamw = optimizer.optimizers
-        # wrapped at every level: off CUDA the wrapper runs Newton-Schulz in fp32, not torch's bf16
-        muon = FP8Optim(muon, opt_level=opt_level, seed=seed) if opt_level else OptimWrapper(muon, seed=seed)
-        return MuonAdamW(muon, wrap_optimizer(adamw, opt_level=opt_level, seed=seed), placements=optimizer.placements)
-    if opt_level:
-        wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
-    elif master_weights != "fp32" or in_backward:
-        wrapped = OptimWrapper(optimizer, master_weights=master_weights, seed=seed, emulate=emulate)
-    else:
-        return optimizer
-    if in_backward:
-        wrapped.step_in_backward()
-    return wrapped
-
-
-def optimizer_fallbacks(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Every fallback `optimizer` took so far, with its reason: the parameters a moment format
-    keeps in fp32 and the steps that fell back to another backend; none for a plain torch
-    optimizer. What the trainer and FP8Trainer record in their results."""
-    members = getattr(optimizer, "optimizers", None)
-    if members is not None:  # a container of optimizers (muon.MuonAdamW)
-        return [note for opt in members for note in optimizer_fallbacks(opt)]
-    if not isinstance(optimizer, OptimWrapper):
-        return []
-    return optimizer.fp32_state_notes() + list(optimizer.fallbacks)
-
-
-__all__ = ["SUPPORTED", "FP8Optim", "OptimWrapper", "optimizer_fallbacks", "wrap_optimizer"]
+__all__ = ["SUPPORTED", "FP8Optim", "OptimWrapper"]
