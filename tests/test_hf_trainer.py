@@ -12,7 +12,9 @@ one CPU), also from the checkpoint the Trainer saved when SIGTERM came during a 
 non-finite step leaves weights and Adam's step counts as they were while the schedule moves on
 as `get_linear_schedule_with_warmup` says; with torch_compile nothing compiles until
 calibration ends, statistics steps do not recompile, and the losses follow the eager run's;
-evaluation equals the same weights in plain nn.Linear layers. What it cannot run is refused before
+evaluation equals the same weights in plain nn.Linear layers; optimizer='muon' gives the hidden
+matrices to Muon (FP8 momentum at opt_level 1), keeps each group's peak under the Trainer's
+scheduler and resumes bit for bit. What it cannot run is refused before
 the model is converted; importing nanochat.fp8 loads no transformers.
 """
 
@@ -236,6 +238,36 @@ def test_resume_from_checkpoint_is_exact(tmp_path, master_weights):
     with pytest.raises(ValueError, match="mode 'auto' -> 'e4m3'"):
         _train(tmp_path / "other", resume=str(checkpoint),
                fp8_config=FP8Config(emulate=True, layers="all", opt_level=2), **kw)
+
+
+def test_muon_trains_the_hidden_matrices_with_fp8_momentum_and_resumes_exactly(tmp_path):
+    """optimizer='muon' at opt_level 1: the Llama's attention and MLP projections are Muon's, their
+    momentum FP8; each group keeps its own peak under the Trainer's scheduler (Muon 0.02, AdamW
+    TrainingArguments' 3e-3); a resume from the step-3 checkpoint continues bit for bit."""
+    from nanochat.optim import MuonAdamW
+
+    kw = dict(steps=6, save_strategy="steps", save_steps=3, warmup_steps=2,
+              fp8_config=FP8Config(emulate=True, layers="all", opt_level=1), trainer_kw={"optimizer": "muon"})
+    full, full_record = _train(tmp_path / "full", **kw)
+    losses = full_record.losses()
+    assert losses[6] < 0.9 * losses[1], losses
+    opt = full.fp8.optimizer
+    assert isinstance(opt, MuonAdamW)
+    names = {id(p): n for n, p in full.model.named_parameters()}
+    muon = [names[id(p)] for g in opt.muon.param_groups for p in g["params"]]
+    assert muon and all(n.startswith("model.layers.") and n.endswith("_proj.weight") for n in muon)
+    assert len(muon) == 2 * 7  # 2 layers x q, k, v, o, gate, up, down
+    assert all(isinstance(opt.muon.state[p]["momentum_buffer"], FP8Tensor) for g in opt.muon.param_groups
+               for p in g["params"] if p.numel() >= 4096)
+    assert {g["initial_lr"] for g in opt.muon.param_groups} == {0.02}
+    assert {g["initial_lr"] for g in opt.adamw.param_groups} == {3e-3}
+
+    resumed, resumed_record = _train(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"), **kw)
+    assert resumed_record.losses() == {s: v for s, v in losses.items() if s > 3}
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="optimizer='muon' keeps fp32 master weights"):
+        _make(tmp_path / "bf16", trainer_kw={"optimizer": "muon", "master_weights": "bf16_sr"})
 
 
 class SignalAt(TrainerCallback):

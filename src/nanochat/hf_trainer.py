@@ -50,7 +50,7 @@ from nanochat.fs import publish_directory, write_atomic
 from nanochat.train.guard import StepGuard
 from nanochat.model.export import check_export_dir
 from nanochat.model.hf_fp8 import SQNR_FLOOR_DB, Quantize, quantize_checkpoint, require_compressed_tensors
-from nanochat.optim import MASTER_WEIGHTS, MasterWeights, param_dtype
+from nanochat.optim import MASTER_WEIGHTS, MasterWeights, MuonAdamW, muon_param_groups, param_dtype
 from nanochat.train.stop import StopNow, StopSignals, Stopped, signal_name, stop_line
 
 FP8_STATE_NAME = "fp8_state.json"
@@ -99,6 +99,11 @@ class FP8Trainer(Trainer):
             each update into them (docs/master_weights.md). TrainingArguments.seed seeds bf16_sr.
         max_bad_steps: consecutive steps with a non-finite loss or gradient norm (each skipped)
             that stop training (the step guard's limit, nanochat.train.guard).
+        optimizer: "adamw" (the Trainer's own optimizer, TrainingArguments.optim), or "muon":
+            Muon for the hidden matrices (nanochat.optim.muon_param_groups) at `muon_lr` and
+            `muon_momentum`, AdamW with TrainingArguments' lr, betas, eps and weight decay for
+            the rest; TrainingArguments.weight_decay decays Muon's matrices too. fp32
+            master_weights; fp8_config.opt_level 1 or 2 keeps Muon's momentum in FP8.
         log_layers_every: per-layer FP8 figures on every N-th statistics sample (0: never); the
             per-role worst and mean come with every sample. A Llama-3-8B has 224 FP8 layers, so
             2,016 per-layer scalars a sample, which the progress bar prints, every tracker stores
@@ -107,12 +112,22 @@ class FP8Trainer(Trainer):
     """
 
     def __init__(self, *args, fp8_config: FP8Config | None = None, master_weights: MasterWeights = "fp32",
+                 optimizer: str = "adamw", muon_lr: float = 0.02, muon_momentum: float = 0.95,
                  log_layers_every: int = 5, max_bad_steps: int = 10, **kwargs):
         config = fp8_config if fp8_config is not None else FP8Config()
         if not isinstance(config, FP8Config):
             raise TypeError(f"fp8_config must be a nanochat.fp8.FP8Config, got {type(config).__name__}")
         if master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, got {master_weights!r}")
+        if optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
+        if optimizer == "muon" and master_weights != "fp32":
+            raise ValueError(f"optimizer='muon' keeps fp32 master weights; master_weights={master_weights!r} works "
+                             "with optimizer='adamw': drop one of them")
+        if not (0 < muon_lr < 1 and 0 <= muon_momentum < 1):
+            raise ValueError(f"muon_lr must be in (0, 1) and muon_momentum in [0, 1), got {muon_lr}, {muon_momentum}")
+        self.muon = (muon_lr, muon_momentum) if optimizer == "muon" else None
+        """Muon's (lr, momentum) when optimizer='muon', else None."""
         if log_layers_every < 0:
             raise ValueError(f"log_layers_every must be >= 0 (0: per-role figures only), got {log_layers_every}")
         super().__init__(*args, **kwargs)
@@ -157,7 +172,7 @@ class FP8Trainer(Trainer):
         if config.enabled and args.bf16 and args.device.type != "cuda":
             raise ValueError(f"bf16=True on {args.device.type}: torchao's FP8 layers handle CUDA autocast only; "
                              "train in fp32 (bf16=False), or use master_weights='bf16_sr' for bf16 parameters")
-        if config.enabled or master_weights != "fp32":
+        if (config.enabled or master_weights != "fp32") and self.muon is None:
             kind = self._optimizer_class()
             if kind not in SUPPORTED_OPTIMIZERS:
                 raise ValueError(f"FP8 moments and bf16 master weights wrap torch.optim.AdamW, Adam or "
@@ -172,11 +187,23 @@ class FP8Trainer(Trainer):
         return self.get_optimizer_cls_and_kwargs(self.args, self.model)[0]
 
     # ------------------------------------------------------------------ optimizer
+    def _muon_adamw(self, model=None) -> MuonAdamW:
+        """optimizer='muon': MuonAdamW over the model's split, AdamW with TrainingArguments' settings."""
+        if self.optimizer is None:
+            args, (lr, momentum) = self.args, self.muon
+            split = muon_param_groups(model if model is not None else self.model)
+            adamw = torch.optim.AdamW(split.adamw, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                      eps=args.adam_epsilon, weight_decay=args.weight_decay)
+            self.optimizer = MuonAdamW(torch.optim.Muon(split.muon, lr=lr, momentum=momentum, nesterov=True,
+                                                        weight_decay=args.weight_decay),
+                                       adamw, placements=split.placements)
+        return self.optimizer
+
     def create_optimizer(self, model=None):
         """The Trainer's optimizer, wrapped once by FP8Training.wrap_optimizer (FP8Optim for FP8
         moments at `opt_level` 1-2, OptimWrapper for bf16 master weights alone); the scheduler the
         Trainer builds next drives the shared param_groups."""
-        optimizer = super().create_optimizer(model)
+        optimizer = super().create_optimizer(model) if self.muon is None else self._muon_adamw(model)
         if self.fp8.optimizer is None:  # a wrapper logs its layout (and fp32 moments) at its first step
             self.optimizer = self.fp8.wrap_optimizer(optimizer, master_weights=self.master_weights, seed=self.args.seed)
         return self.optimizer
