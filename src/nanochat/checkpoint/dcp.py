@@ -47,7 +47,7 @@ from nanochat.checkpoint.pt import missing_keys
 from nanochat.checkpoint.storage import Checkpoint, Storage
 from nanochat.common import NanoChatError, dist_env
 from nanochat.fs import commit_manifest, fsync_path, hash_file, manifest_problems, read_manifest, write_atomic
-from nanochat.optim import OptimWrapper, QuantizedState
+from nanochat.optim import OptimWrapper, QuantizedState, members
 from nanochat.parallel.process_group import barrier, broadcast_object, is_distributed
 from nanochat.rundir import DCP_DIRNAME
 
@@ -177,13 +177,13 @@ def _members(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | tuple[
     """What torch's state-dict functions take for `optimizer`: a container's (MuonAdamW's)
     optimizers, whose states they key by parameter name into one dict (each parameter is in one
     of them), or the optimizer itself."""
-    members = getattr(optimizer, "optimizers", None)
-    return tuple(members) if members is not None else optimizer
+    found = members(optimizer)
+    return found if len(found) > 1 else optimizer
 
 
 def _block_size(optimizer: torch.optim.Optimizer) -> int | None:
     """The quantized moments' block size of `optimizer` (or of a container's first wrapper)."""
-    for opt in getattr(optimizer, "optimizers", (optimizer,)):
+    for opt in members(optimizer):
         if isinstance(opt, OptimWrapper) and opt.moments.block_size is not None:
             return opt.moments.block_size
     return None

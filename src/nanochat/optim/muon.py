@@ -195,6 +195,11 @@ def muon_param_groups(model: nn.Module) -> MuonSplit:
     return MuonSplit([dict(params=hidden)] if hidden else [], adamw, placements)
 
 
+def members(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers `optimizer` steps: a container's (MuonAdamW's two), or itself alone."""
+    return tuple(optimizer.optimizers) if isinstance(optimizer, MuonAdamW) else (optimizer,)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Two optimizers stepped as one: a Muon (torch.optim.Muon, or a wrapper of it) for the hidden
     matrices and an AdamW for the rest; torch has no such optimizer, torchtitan keeps an
@@ -287,5 +292,5 @@ class MuonAdamW(torch.optim.Optimizer):
                          "then build a new MuonAdamW around them")
 
 
-__all__ = ["NS_COEFFICIENTS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "moments", "muon_flags",
+__all__ = ["NS_COEFFICIENTS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "members", "moments", "muon_flags",
            "muon_hypers", "muon_multi", "muon_param_groups", "muon_step", "newton_schulz", "ns_dtype"]

@@ -44,9 +44,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     the tensors held, plus what the first step will allocate for parameters without state yet.
     A wrapper says that itself (`planned_bytes`); torch makes its moments in the parameter's dtype.
     A container of optimizers (muon.MuonAdamW: `optimizers`) holds the sum of theirs."""
-    members = getattr(optimizer, "optimizers", None)
-    if members is not None:
-        return sum(optimizer_state_bytes(opt) for opt in members)
+    if isinstance(optimizer, muon.MuonAdamW):
+        return sum(optimizer_state_bytes(opt) for opt in muon.members(optimizer))
     planned = getattr(optimizer, "planned_bytes", None)
     total = 0
     for group in optimizer.param_groups:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .muon import MuonAdamW
+from .muon import MuonAdamW, members
 from .wrapper import FP8Optim, OptimWrapper
 
 
@@ -44,9 +44,8 @@ def optimizer_fallbacks(optimizer: torch.optim.Optimizer) -> list[str]:
     """Every fallback `optimizer` took so far, with its reason: the parameters a moment format
     keeps in fp32 and the steps that fell back to another backend; none for a plain torch
     optimizer. What the trainer and FP8Trainer record in their results."""
-    members = getattr(optimizer, "optimizers", None)
-    if members is not None:  # a container of optimizers (muon.MuonAdamW)
-        return [note for opt in members for note in optimizer_fallbacks(opt)]
+    if isinstance(optimizer, MuonAdamW):
+        return [note for opt in members(optimizer) for note in optimizer_fallbacks(opt)]
     if not isinstance(optimizer, OptimWrapper):
         return []
     return optimizer.fp32_state_notes() + list(optimizer.fallbacks)
