@@ -17,6 +17,10 @@ What is checked against what:
   there (batch 16) with the losses of the uninterrupted 2-rank run; with `-m slow`, also in 4.
 - With `-m slow`: a checkpoint saved by 3 ranks, whose shards cut FP8 blocks (so those moments
   are fp32 there), resumes at 2 ranks with the uninterrupted run's losses.
+- --optimizer muon --fp8_opt_level 1 under DDP and FSDP2 against one process (MUON_LOSS_TOL):
+  under FSDP2 each rank keeps its rows of every momentum (FP8 blocks of its shard) and gathers
+  each update matrix whole for Newton-Schulz; each run's step-4 DCP checkpoint resumes in one
+  process with the uninterrupted 2-rank run's later losses.
 - DDP and FSDP2 with --fp8_mode auto --fp8_auto_recheck_every 2: every rank ends with the same formats and the
   same sampled statistics, counted over the global batch (each rank's counts are all-reduced,
   so the decisions cannot differ between ranks).
@@ -82,8 +86,12 @@ by fp32's reduction order (~1e-7 relative, as under LOSS_TOL), but the momentum 
 e4m3: an element within 1e-7 of a rounding boundary (of 2^-4 relative steps) lands on the other
 side, so a few elements of the buffer differ by a whole e4m3 step, and Newton-Schulz spreads
 that over the matrix's update. The weights then differ by ~lr x 2^-4 x (share of such elements),
-far below FP8 layers' own noise (FP8_LOSS_TOL) but above fp32's: measured at most 1.9e-6 in train
-loss, 1.2e-5 in validation loss and 4.8e-7 for the run resumed in one process; 1e-4 leaves 8x."""
+far below FP8 layers' own noise (FP8_LOSS_TOL) but above fp32's. FSDP2 adds nothing of another
+kind: its gradients are reduce-scattered (another fp32 order), the gathered update matrix holds
+the same floats as one process's whole one, and each rank's momentum blocks are the whole
+matrix's blocks (tests/test_muon_sharded.py: the sharded step is the whole-matrix step bit for
+bit). Measured at most 1.9e-6 (DDP) and 2.4e-6 (FSDP2) in train loss, 1.2e-5 (both) in
+validation loss and 4.8e-7 for the runs resumed in one process; 1e-4 leaves 8x."""
 MX_LOSS_TOL = FP8_LOSS_TOL
 """MXFP8 emulated under FSDP2 (absolute). Unlike tensorwise, the two sides cast the same values the
 same way at first: every MX block lies within one rank's tokens (blocks of 32 along K for the
@@ -169,7 +177,7 @@ def single(small_corpus, tmp_path_factory, cache) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
     """2 ranks, 8 sequences per step each: DDP (through the CLI, 2 micro-batches of 4), FSDP,
-    FSDP + FP8, and an FSDP + FP8 run interrupted right after its step-4 checkpoint."""
+    FSDP + FP8, Muon under DDP and FSDP, and runs interrupted right after their step-4 checkpoint."""
     out = tmp_path_factory.mktemp("ws2")
     fp8 = dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2)
     runs = [
@@ -196,6 +204,9 @@ def two_ranks(small_corpus, tmp_path_factory, cache, single) -> dict[str, Path]:
         dict(name="ddp_muon", kwargs=_kwargs(small_corpus, out / "ddp_muon", **MUON)),
         dict(name="ddp_muon_cut", crash_after_first_save=True,
              kwargs=_kwargs(small_corpus, out / "ddp_muon_cut", save_every=4, **MUON)),
+        dict(name="fsdp_muon", kwargs=_kwargs(small_corpus, out / "fsdp_muon", fsdp=True, **MUON)),
+        dict(name="fsdp_muon_cut", crash_after_first_save=True,
+             kwargs=_kwargs(small_corpus, out / "fsdp_muon_cut", fsdp=True, save_every=4, **MUON)),
         # "fsdp" saving every 2 steps: steps 2, 4, 6, 8 saved, the newest 2 kept
         dict(name="kept", kwargs=_kwargs(small_corpus, out / "kept", fsdp=True, save_every=2,
                                          keep_checkpoints=2)),
@@ -238,17 +249,25 @@ def test_ddp_fp8_matches_one_process(two_ranks, single):
 
 
 @pytest.mark.two_computations
-def test_ddp_muon_matches_one_process_and_resumes_in_one(two_ranks, single, cache):
-    """--optimizer muon --fp8_opt_level 1 under DDP: every rank holds whole matrices and steps
-    them alike; the losses match one process with the same global batch within MUON_LOSS_TOL.
-    The run cut after its step-4 DCP checkpoint resumes in one process (batch 16) and ends as
-    the 2-rank run does."""
+@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+def test_muon_matches_one_process_and_resumes_in_one(two_ranks, single, cache, name):
+    """--optimizer muon --fp8_opt_level 1 under DDP (every rank holds whole matrices and steps
+    them alike) and FSDP2 (each rank holds its rows of every matrix and of its FP8 momentum, and
+    gathers the update matrix whole for Newton-Schulz): the losses match one process with the
+    same global batch within MUON_LOSS_TOL. The run cut after its step-4 DCP checkpoint resumes
+    in one process (batch 16: the FSDP momentum's shards stacked) and ends as the 2-rank run does."""
     from nanochat.train.trainer import NanoChatTrainer
 
-    run = two_ranks["ddp_muon"]
-    _assert_close(_losses(run), _losses(single["muon"]), MUON_LOSS_TOL, "ddp muon train loss")
-    _assert_close(_val_losses(run), _val_losses(single["muon"]), MUON_LOSS_TOL, "ddp muon val loss")
-    cut = two_ranks["ddp_muon_cut"]
+    run = two_ranks[f"{name}_muon"]
+    worst = _assert_close(_losses(run), _losses(single["muon"]), MUON_LOSS_TOL, f"{name} muon train loss")
+    worst_val = _assert_close(_val_losses(run), _val_losses(single["muon"]), MUON_LOSS_TOL, f"{name} muon val loss")
+    print(f"{name} muon vs one process: train {worst:.1e}, val {worst_val:.1e}")  # shown with -s
+    states = json.loads((run / "states-rank0.json").read_text())
+    muon = [s for n, s in states.items() if "transformer.h." in n]
+    kind, rows = ("DTensor(FP8Tensor)", 2) if name == "fsdp" else ("FP8Tensor", 1)
+    assert len(muon) == 12 and all(s["momentum_buffer"] == kind and s["local_rows"] * rows == s["global_rows"]
+                                   for s in muon), states
+    cut = two_ranks[f"{name}_muon_cut"]
     cfg = json.loads((cut / "config.json").read_text())
     cfg.update(batch_size=16, resume=True)  # same global batch: 1 x 16 = 2 x 8
     with pytest.MonkeyPatch.context() as mp:
@@ -256,7 +275,7 @@ def test_ddp_muon_matches_one_process_and_resumes_in_one(two_ranks, single, cach
         NanoChatTrainer(**cfg).train()
     resumed = _losses(cut)
     _assert_close({s: resumed[s] for s in range(5, STEPS + 1)}, {s: _losses(run)[s] for s in range(5, STEPS + 1)},
-                  MUON_LOSS_TOL, "ddp muon resumed in one process")
+                  MUON_LOSS_TOL, f"{name} muon resumed in one process")
 
 
 @pytest.mark.two_computations
@@ -762,7 +781,7 @@ def _describe_states(trainer) -> dict:
     out = {}
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     for p, state in trainer.optimizer.state.items():
-        if "exp_avg_sq_sqrt" not in state and "exp_avg" not in state:
+        if not {"exp_avg_sq_sqrt", "exp_avg", "momentum_buffer"} & set(state):
             continue
         local = p.to_local() if isinstance(p, DTensor) else p
         out[names[id(p)]] = {k: kind(v) for k, v in state.items() if k != "step"} | {

@@ -14,7 +14,8 @@ as `get_linear_schedule_with_warmup` says; with torch_compile nothing compiles u
 calibration ends, statistics steps do not recompile, and the losses follow the eager run's;
 evaluation equals the same weights in plain nn.Linear layers; optimizer='muon' gives the hidden
 matrices to Muon (FP8 momentum at opt_level 1), keeps each group's peak under the Trainer's
-scheduler and resumes bit for bit. What it cannot run is refused before
+scheduler and resumes bit for bit, and with master_weights='bf16_sr' keeps its matrices bf16,
+stepped by the wrapper. What it cannot run is refused before
 the model is converted; importing nanochat.fp8 loads no transformers.
 """
 
@@ -266,8 +267,13 @@ def test_muon_trains_the_hidden_matrices_with_fp8_momentum_and_resumes_exactly(t
     assert resumed_record.losses() == {s: v for s, v in losses.items() if s > 3}
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="optimizer='muon' keeps fp32 master weights"):
-        _make(tmp_path / "bf16", trainer_kw={"optimizer": "muon", "master_weights": "bf16_sr"})
+    # bf16 master weights reach Muon's matrices too: bf16, stepped by the wrapper with bf16_sr's count
+    bf16, _ = _train(tmp_path / "bf16", steps=2, fp8_config=kw["fp8_config"],
+                     trainer_kw={"optimizer": "muon", "master_weights": "bf16_sr"})
+    member = bf16.fp8.optimizer.muon
+    muon = [p for g in member.param_groups for p in g["params"]]
+    assert member.master_weights == "bf16_sr" and muon
+    assert all(p.dtype == torch.bfloat16 and member.state[p]["step"].item() == 2 for p in muon)
 
 
 class SignalAt(TrainerCallback):

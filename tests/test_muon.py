@@ -26,7 +26,9 @@
   and a foreign state dict.
 - Bytes: Muon's state is 4 bytes a parameter in fp32, 1 + 4/256 with FP8 momentum, planned before
   the first step as held after it; a MuonAdamW holds the sum of its two.
-- bf16 master weights and step_in_backward are refused for Muon with the fix in the message.
+- Refused with the fix in the message: bf16 master weights over an fp32 matrix, and the step in
+  the backward on a MuonAdamW whose members are plain torch optimizers (bf16 masters and the
+  step in the backward themselves: tests/test_muon_master.py).
 
 Modules: nanochat.optim.muon, nanochat.optim.wrapper (_step_muon), nanochat.optim.saved_state,
 nanochat.optim.state_bytes.
@@ -401,7 +403,8 @@ def test_state_bytes_per_parameter():
 
 def test_unsupported_muon_settings_are_refused():
     p = _matrix((128, 64))
-    with pytest.raises(ValueError, match="with torch.optim.Muon keep fp32 master weights"):
-        FP8Optim(torch.optim.Muon([nn.Parameter(p.detach().bfloat16())]), opt_level=1, master_weights="bf16")
-    with pytest.raises(ValueError, match=r"step_in_backward supports Adam and AdamW \(torch.optim.Muon"):
-        FP8Optim(torch.optim.Muon([p]), opt_level=1).step_in_backward()
+    with pytest.raises(ValueError, match=r"keeps the parameters in torch.bfloat16.*model.to\(torch.bfloat16\)"):
+        FP8Optim(torch.optim.Muon([p]), opt_level=1, master_weights="bf16")  # an fp32 matrix
+    plain = MuonAdamW(*_muon_adamw(_Tiny()))
+    with pytest.raises(ValueError, match="step_in_backward needs both members wrapped"):
+        plain.step_in_backward()

@@ -15,9 +15,14 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   two runs' losses over the last five steps within 1% (FP8 rounds the buffer by up to 2^-4
   relative each write, noise the orthogonalization mostly absorbs: measured 0.04%); a run whose
   Muon steps do nothing ends over 10% higher (measured 12.5%), so the bound tells them apart.
-- Bad input, before any work: Muon's flags without --optimizer muon, bf16 master weights, the
-  step in the backward, a --muon_lr or --muon_momentum out of range; and under torchrun with
-  --fsdp or --tp (the layout check).
+- bf16 master weights (bf16_sr, FP8 momentum), after the backward and inside it: the loss falls
+  by the same bound; every Muon matrix is bf16 with FP8 momentum and a step count; the weights,
+  optimizer state and gradients held are the plan's, byte for byte (in the backward: the largest
+  gradient, a Muon matrix's, is the plan's gradient part); a resumed run is the uninterrupted one,
+  every loss and the final weights equal.
+- Bad input, before any work: Muon's flags without --optimizer muon, a --muon_lr or
+  --muon_momentum out of range; and under torchrun with --fsdp or --tp, bf16 master weights
+  (the layout check; fp32 masters pass it there).
 
 Modules: nanochat.train.parts, nanochat.config.train, nanochat.train.memory (moment_bytes),
 nanochat.train.preflight (check_layout), nanochat.checkpoint.nonfinite (a container's state).
@@ -114,11 +119,40 @@ def test_a_frozen_muon_group_ends_far_higher(fp8_run, small_corpus, tmp_path, mo
     assert _tail(_losses(tmp_path / "frozen")) > 1.10 * _tail(fp8)
 
 
+BF16_MUON = [dict(master_weights="bf16_sr", fp8_opt_level=1),
+             dict(master_weights="bf16_sr", fp8_opt_level=1, optimizer_in_backward=True, grad_clip=0.0)]
+
+
+@pytest.mark.parametrize("extra", BF16_MUON, ids=["sr", "sr-in-backward"])
+def test_a_bf16_master_muon_run_trains_and_holds_the_planned_bytes(small_corpus, tmp_path, extra):
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_samples=0, **MUON, **extra))
+    result = trainer.train()
+    losses = _losses(tmp_path / "run")
+    assert _tail(losses) < 0.75 * losses[1], (losses[1], _tail(losses))
+    opt, plan = trainer.optimizer, trainer.memory_plan
+    assert opt.in_backward == extra.get("optimizer_in_backward", False) and result.fallbacks == []
+    muon = [p for g in opt.muon.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.bfloat16 and isinstance(opt.muon.state[p]["momentum_buffer"], FP8Tensor)
+               and opt.muon.state[p]["step"].item() == 30 for p in muon)
+    assert result.state_bytes == {"weights": plan.weights, "optimizer": plan.optimizer, "gradients": plan.gradients}
+    assert plan.weights == 2 * plan.num_params
+
+
+@pytest.mark.parametrize("extra", BF16_MUON, ids=["sr", "sr-in-backward"])
+def test_a_resumed_bf16_master_muon_run_is_the_uninterrupted_one(small_corpus, tmp_path, monkeypatch, extra):
+    kw = dict(num_iterations=8, save_every=4, eval_every=4, num_samples=0, **MUON, **extra)
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "full", **kw)).train()
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "cut", **kw), monkeypatch)  # dies at step 4
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "cut", resume=True, **kw)).train()
+    assert _losses(tmp_path / "cut") == _losses(tmp_path / "full")
+    full = torch.load(tmp_path / "full" / "checkpoint-000008.pt", weights_only=True)["model"]
+    cut = torch.load(tmp_path / "cut" / "checkpoint-000008.pt", weights_only=True)["model"]
+    assert all(torch.equal(full[k], cut[k]) for k in full)
+
+
 @pytest.mark.parametrize("over, fragment", [
     (dict(muon_lr=0.01), "--muon_lr set Muon's hyperparameters, but --optimizer is adamw"),
     (dict(muon_momentum=0.9), "pass --optimizer muon, or drop --muon_momentum"),
-    (dict(optimizer="muon", master_weights="bf16_sr"), "--optimizer muon keeps fp32 master weights"),
-    (dict(optimizer="muon", optimizer_in_backward=True, grad_clip=0.0), "drop --optimizer_in_backward"),
     (dict(optimizer="muon", muon_lr=1.5), "--muon_lr must be in (0, 1)"),
     (dict(optimizer="muon", muon_momentum=1.0), "--muon_momentum must be in [0, 1)"),
     (dict(optimizer="muon", muon_lr=math.nan), "--muon_lr must be in (0, 1)"),
@@ -129,12 +163,14 @@ def test_bad_muon_settings_are_one_line_errors(over, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("over, layout", [(dict(fsdp=True), "fsdp"), (dict(tp=2), "tp")])
-def test_muon_under_torchrun_with_split_matrices_is_refused(over, layout):
+@pytest.mark.parametrize("over, layout", [(dict(fsdp=True), "fsdp x2"), (dict(tp=2), "tp 2")])
+def test_muon_under_torchrun_takes_every_layout_and_master_setting(over, layout):
     env = DistEnv(rank=0, local_rank=0, world_size=2)
-    with pytest.raises(UsageError, match="Muon orthogonalizes whole matrices"):
-        preflight.check_layout(TrainConfig(optimizer="muon", **over), env)
-    preflight.check_layout(TrainConfig(optimizer="muon"), env)  # DDP keeps whole matrices
+    for master in ("fp32", "bf16", "bf16_sr", "bf16_split"):  # split matrices are gathered for Newton-Schulz
+        cfg = TrainConfig(optimizer="muon", master_weights=master, **over)
+        assert preflight.check_layout(cfg, env).name.startswith(layout)
+    with pytest.raises(UsageError, match="--optimizer_in_backward"):  # as for AdamW: hooks run before reduction
+        preflight.check_layout(TrainConfig(optimizer="muon", optimizer_in_backward=True, grad_clip=0, **over), env)
 
 
 def test_the_plan_counts_one_moment_per_muon_matrix():
@@ -144,7 +180,13 @@ def test_the_plan_counts_one_moment_per_muon_matrix():
     muon = memory.plan_training(config, batch_size=8, seq_len=32, optimizer_kind="muon")
     n_muon = sum(memory.muon_numels(config))
     assert n_muon > 0 and adamw.optimizer - muon.optimizer == 4 * n_muon  # one fp32 moment fewer each
-    assert not any("bf16" in r or "in_backward" in r for r in muon.replan(free_bytes=1).remedies())
+    remedies = muon.replan(free_bytes=1).remedies()  # Muon takes bf16 masters and the in-backward step
+    for flag in ("--master_weights bf16_split:", "--master_weights bf16_sr:", "--optimizer_in_backward (needs"):
+        assert any(r.startswith(flag) for r in remedies), (flag, remedies)
+    assert not any(r.startswith("FSDP") for r in remedies), remedies
+    # FSDP shards Muon's momentum as AdamW's moments: over 2 GPUs, the plan of 2 shards
+    sharded = muon.replan(free_bytes=muon.replan(shards=2).total).remedies()
+    assert any(r.startswith("FSDP over 2 GPUs") for r in sharded), sharded
 
 
 def _muon_model(seed: int):

@@ -9,6 +9,9 @@ so the embedding and the head split too):
   torchao's Float8Linear), --fp8_opt_level 2: within FP8_LOSS_TOL of one process with the same
   FP8 flags (argued below); FP8 moments as FP8Tensor shards, of the row-split weights too where a
   shard's rows are whole blocks, fp32 elsewhere, recorded as a fallback.
+- --tp 2 with --optimizer muon --fp8_opt_level 1: within TP_MUON_LOSS_TOL of one process (argued
+  below); each rank keeps its shard of every momentum (FP8 where the shard's rows are whole
+  blocks), the update matrices gathered whole for Newton-Schulz.
 - --resume across layouts: a checkpoint written by --tp 2 (DCP) resumes in one process and as
   DDP on 2 ranks, with the uninterrupted --tp 2 run's later losses (FP8_LOSS_TOL), and with
   --tp 2 again bit for bit.
@@ -30,7 +33,7 @@ import pytest
 
 from nanochat.common import DistEnv
 from tests.conftest import perturbed_init, run_records
-from tests.test_distributed import FP8_LOSS_TOL, LOSS_TOL, _assert_close, _kwargs, _torchrun
+from tests.test_distributed import FP8_LOSS_TOL, LOSS_TOL, MUON, _assert_close, _kwargs, _torchrun
 
 FP8 = dict(fp8=True, fp8_emulate=True, fp8_layers="all", fp8_opt_level=2)
 HF_LOSS_TOL = 5e-5
@@ -49,6 +52,16 @@ tests/test_distributed.py's FP8 bound, which applies. Measured 1.5e-3 (tensorwis
 train loss and 2.3e-3 / 2.2e-3 in validation loss, against 8.3e-3 / 2.7e-2 between the same
 one-process run in FP8 and fp32: 1e-2 leaves 4x over the largest, and a lost shard or a wrong
 scale moves these by far more."""
+TP_MUON_LOSS_TOL = 2e-3
+"""--optimizer muon --fp8_opt_level 1 under --tp 2 (absolute, losses ~4-5.8). The sharded step is
+the whole-matrix step (tests/test_muon_sharded.py, bit for bit), and with fp32 momentum the two
+sides differ only by fp32's reduction order (measured 4.8e-7 train, 2.1e-7 validation at
+--fp8_opt_level 0: LOSS_TOL's kind). At level 1 the attention output projections' shards hold
+rows of 128, not whole 256-element blocks, so those 4 of the 24 matrices keep fp32 momentum under
+--tp 2 (recorded) and FP8 momentum in one process: the gap is FP8's rounding of those buffers,
+bounded by the gap when all 24 change format, one process at level 1 against level 0 (measured
+1.0e-3 train, 5.4e-4 validation). 2e-3 leaves 2x over that; measured 2.0e-4 train and 2.2e-4
+validation, and a shard orthogonalized alone or a shard's lr factor moves the losses far more."""
 FSDP_TP_FP8_LOSS_TOL = 5e-2
 """FP8 emulated under --fsdp --tp 2 on 4 ranks (absolute). On top of the above, each data-parallel
 pair reads half of every batch, so the activation scales too are per half batch. The two runs
@@ -87,7 +100,8 @@ def hf_models(tmp_path_factory) -> dict[str, Path]:
 def _runs(corpus: Path, out: Path, hf_models: dict[str, Path], **over) -> dict[str, dict]:
     """name -> the kwargs of each run compared across layouts."""
     runs = {"fp32": _d4(corpus, out / "fp32", **over), "fp8": _d4(corpus, out / "fp8", **FP8, **over),
-            "rowwise": _d4(corpus, out / "rowwise", **FP8, fp8_recipe="rowwise", **over)}
+            "rowwise": _d4(corpus, out / "rowwise", **FP8, fp8_recipe="rowwise", **over),
+            "muon": _d4(corpus, out / "muon", **MUON, **over)}
     for kind, directory in hf_models.items():
         runs[kind] = _kwargs(corpus, out / kind, model_name=str(directory), **over)
     return runs
@@ -95,8 +109,8 @@ def _runs(corpus: Path, out: Path, hf_models: dict[str, Path], **over) -> dict[s
 
 @pytest.fixture(scope="module")
 def single(small_corpus, tmp_path_factory, cache, hf_models) -> dict[str, Path]:
-    """One process, batch 8: d4 in fp32, FP8 tensorwise and rowwise (each --fp8_opt_level 2), and
-    the two Hugging Face models in fp32."""
+    """One process, batch 8: d4 in fp32, FP8 tensorwise and rowwise (each --fp8_opt_level 2), Muon
+    with FP8 momentum, and the two Hugging Face models in fp32."""
     from nanochat.train.trainer import NanoChatTrainer
 
     out = tmp_path_factory.mktemp("single_d4")
@@ -159,6 +173,23 @@ def test_tp2_fp8_matches_one_process_with_fp8_moments_of_the_shards(tp2, single,
     assert q["local_rows"] * 2 == q["global_rows"] and q["exp_avg"] == "DTensor(FP8Tensor)", q
     assert states["transformer.h.0.mlp.c_proj.weight"]["exp_avg"] == "DTensor(FP8Tensor)", states
     assert states["transformer.h.0.attn.c_proj.weight"]["exp_avg"] == "DTensor(Tensor)", states
+    result = json.loads((got / "result.json").read_text())
+    assert any("4 tensors" in f and "a shard's rows of 128 are not whole 256-element blocks" in f
+               for f in result["fallbacks"]), result["fallbacks"]
+
+
+@pytest.mark.two_computations
+def test_tp2_muon_matches_one_process_with_its_shards_of_the_momentum(tp2, single):
+    got, want = tp2["muon"], single["muon"]
+    worst = _assert_close(_losses(got), _losses(want), TP_MUON_LOSS_TOL, "tp 2 muon train loss")
+    worst_val = _assert_close(_losses(got, "val_loss"), _losses(want, "val_loss"), TP_MUON_LOSS_TOL,
+                              "tp 2 muon val loss")
+    print(f"tp 2 vs one process, muon: train {worst:.1e}, val {worst_val:.1e}")
+    states = json.loads((got / "states-rank0.json").read_text())
+    q = states["transformer.h.0.attn.c_q.weight"]  # column-split: this rank's rows, FP8
+    assert q["local_rows"] * 2 == q["global_rows"] and q["momentum_buffer"] == "DTensor(FP8Tensor)", q
+    assert states["transformer.h.0.mlp.c_proj.weight"]["momentum_buffer"] == "DTensor(FP8Tensor)", states
+    assert states["transformer.h.0.attn.c_proj.weight"]["momentum_buffer"] == "DTensor(Tensor)", states
     result = json.loads((got / "result.json").read_text())
     assert any("4 tensors" in f and "a shard's rows of 128 are not whole 256-element blocks" in f
                for f in result["fallbacks"]), result["fallbacks"]

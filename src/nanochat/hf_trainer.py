@@ -102,8 +102,8 @@ class FP8Trainer(Trainer):
         optimizer: "adamw" (the Trainer's own optimizer, TrainingArguments.optim), or "muon":
             Muon for the hidden matrices (nanochat.optim.muon_param_groups) at `muon_lr` and
             `muon_momentum`, AdamW with TrainingArguments' lr, betas, eps and weight decay for
-            the rest; TrainingArguments.weight_decay decays Muon's matrices too. fp32
-            master_weights; fp8_config.opt_level 1 or 2 keeps Muon's momentum in FP8.
+            the rest; TrainingArguments.weight_decay decays Muon's matrices too, master_weights
+            applies to both, and fp8_config.opt_level 1 or 2 keeps Muon's momentum in FP8.
         log_layers_every: per-layer FP8 figures on every N-th statistics sample (0: never); the
             per-role worst and mean come with every sample. A Llama-3-8B has 224 FP8 layers, so
             2,016 per-layer scalars a sample, which the progress bar prints, every tracker stores
@@ -121,9 +121,6 @@ class FP8Trainer(Trainer):
             raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, got {master_weights!r}")
         if optimizer not in ("adamw", "muon"):
             raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
-        if optimizer == "muon" and master_weights != "fp32":
-            raise ValueError(f"optimizer='muon' keeps fp32 master weights; master_weights={master_weights!r} works "
-                             "with optimizer='adamw': drop one of them")
         if not (0 < muon_lr < 1 and 0 <= muon_momentum < 1):
             raise ValueError(f"muon_lr must be in (0, 1) and muon_momentum in [0, 1), got {muon_lr}, {muon_momentum}")
         self.muon = (muon_lr, muon_momentum) if optimizer == "muon" else None

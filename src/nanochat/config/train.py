@@ -59,7 +59,10 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     Newton-Schulz) for the hidden matrices, the attention and MLP projections, at --muon_lr; AdamW
     at --lr for the embeddings, the output head, norms and biases (the run's header lists where
     each tensor went). --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter
-    instead of 4). One process or DDP; fp32 --master_weights. docs/muon.md"""
+    instead of 4). One process, DDP, --fsdp or --tp (a split matrix is all-gathered whole for
+    Newton-Schulz, its momentum stays split). bf16 --master_weights
+    and --optimizer_in_backward work as with AdamW (a matrix steps in its hook once its gradient
+    is whole). docs/muon.md"""
 
     muon_lr: float | None = None
     """Peak learning rate of Muon's matrices (--optimizer muon), on the same warmup and decay as
@@ -104,6 +107,12 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     """Where stdout is not a terminal (nohup, slurm, a pipe, a file): one plain line (step, loss,
     lr, tokens/s, MFU, ETA) every N steps and at the last, instead of a progress bar that would
     fill the log with refreshes. On a terminal the bar shows every step."""
+
+    update_rms_every: int = 50
+    """Every N steps and at the last, record the RMS of the optimizer's update per param group
+    (update_rms_muon, update_rms_adamw, update_rms_adamw_no_decay in metrics.jsonl; train/ in
+    TensorBoard and W&B): what each group's learning rate does. A sampled step holds a copy of
+    the trained weights until its update is done. 0: never."""
 
     plot: bool = False
     """At the end of the run, draw <run_dir>/run.png: loss and validation bpb against tokens,
@@ -187,7 +196,8 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     bf16 (2 + 2) with the fp32 update written by round to nearest (bf16: small updates are
     lost), stochastic rounding (bf16_sr: seeded by --seed, unbiased) or kept exactly with a
     16-bit remainder in the optimizer state (bf16_split: 2 more bytes). With --fp8_opt_level 2:
-    ~6 bytes a parameter of training state (bf16_split ~8) instead of ~10. docs/master_weights.md."""
+    ~6 bytes a parameter of training state (bf16_split ~8) instead of ~10; --optimizer muon
+    alike, its matrices' one moment ~1.02 bytes. docs/master_weights.md."""
 
     master_weights_emulate: bool = kept(False)
     """With a bf16 --master_weights: keep the parameters as fp32 tensors holding bf16 values and
@@ -198,7 +208,8 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     """Step each parameter inside the backward as soon as its gradient is ready and free that
     gradient: the gradients' memory is gone. Needs --grad_accum_steps 1 and --grad_clip 0 (there
     is no global norm before the last gradient); not under torchrun (DDP/FSDP reduce gradients
-    after these steps). A parameter whose gradient is not finite is left unchanged."""
+    after these steps). A parameter whose gradient is not finite is left unchanged. With
+    --optimizer muon a matrix steps in its hook, its gradient being whole there."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the groups' checks
@@ -236,7 +247,7 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
                              "tensor-parallel styles (their block scales would span the split); use --fp8_recipe "
                              "tensorwise or rowwise with --tp, or mxfp8 with --fsdp alone")
         non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
-                      "temperature")
+                      "temperature", "update_rms_every")
         if self.num_iterations == -1 and self.num_epochs < 1:
             raise ValueError(f"--num_epochs must be >= 1, got {self.num_epochs}")
         if not 0 <= self.final_lr_frac <= 1:
@@ -260,27 +271,12 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
                 raise ValueError(f"--muon_lr must be in (0, 1), got {lr}")
             if not (math.isfinite(momentum) and 0 <= momentum < 1):
                 raise ValueError(f"--muon_momentum must be in [0, 1), got {momentum}")
-            if self.master_weights != "fp32":
-                raise ValueError(f"--optimizer muon keeps fp32 master weights; --master_weights {self.master_weights} "
-                                 "works with --optimizer adamw: drop one of them")
-            if self.optimizer_in_backward:
-                raise ValueError("--optimizer muon steps a matrix once its gradient is whole, after the backward: "
-                                 "drop --optimizer_in_backward, or use --optimizer adamw")
         if self.master_weights_emulate and self.master_weights == "fp32":
             raise ValueError("--master_weights_emulate emulates bf16 master weights: give --master_weights bf16, "
                              "bf16_sr or bf16_split with it")
         problem = self.in_backward_problem()
         if problem is not None:
             raise ValueError(problem)
-
-    def optimizer_problem(self, torchrun: str | None = None) -> str | None:
-        """Why --optimizer cannot run under torchrun with the process layout `torchrun` (e.g.
-        "fsdp x2 (gloo)"), else None: Muon orthogonalizes whole matrices, which FSDP and TP split."""
-        if self.optimizer == "muon" and torchrun is not None and (self.fsdp or self.tp > 1):
-            return (f"--optimizer muon under torchrun ({torchrun}): Muon orthogonalizes whole matrices, which "
-                    "--fsdp and --tp split across ranks; train Muon in one process or under DDP (drop --fsdp and "
-                    "--tp), or use --optimizer adamw")
-        return None
 
     def in_backward_problem(self, torchrun: str | None = None) -> str | None:
         """Why --optimizer_in_backward cannot run with these settings, or under torchrun with the

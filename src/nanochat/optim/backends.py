@@ -55,7 +55,7 @@ class Backends:
         """A new step begins: its counts start at zero."""
         self.counts = {}
 
-    def _count(self, backend: str, tensors: int) -> None:
+    def count(self, backend: str, tensors: int) -> None:
         calls, n = self.counts.get(backend, (0, 0))
         self.counts[backend] = (calls + 1, n + tensors)
 
@@ -71,7 +71,7 @@ class Backends:
             try:
                 with torch._dynamo.utils.disable_cache_limit():
                     compiled(*args, **flags)
-                self._count("compile", len(args[0]))
+                self.count("compile", len(args[0]))
                 return
             except Exception as e:  # no C++ compiler, unsupported backend, ...
                 self.compile = False
@@ -79,7 +79,7 @@ class Backends:
                                f"{str(e).splitlines()[0] if str(e) else ''}); running the step eagerly "
                                "(correct, several times slower). Pass compile=False to skip the attempt.")
         fn(*args, **flags)
-        self._count("eager", len(args[0]))
+        self.count("eager", len(args[0]))
 
     def run_native(self, call: Callable[[], None], tensors: int) -> bool:
         """call() runs a native kernel over `tensors` tensors; False when the kernel is
@@ -92,7 +92,7 @@ class Backends:
             self._fallback("native", f"{self.owner}: the native CPU kernel is unavailable ({e}); using "
                            "torch.compile for the step instead (several times slower on CPU).")
             return False
-        self._count("native", tensors)
+        self.count("native", tensors)
         return True
 
     def _fallback(self, kind: str, message: str) -> None:

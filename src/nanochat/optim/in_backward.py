@@ -10,9 +10,10 @@ by the global gradient norm (the norm exists only after the last parameter has s
 DDP/FSDP (their reductions run after these hooks). A step that runs on its own cannot be
 skipped by a loop that sees a non-finite loss afterwards, so each parameter is guarded where it
 steps: one whose gradient holds inf or nan is left unchanged, states and step count included,
-decided on the device (a 0-dim bool the step reads, adam.py) without a host read. The sums kept
-here, read once when the loop logs (`stats`), say how many parameters were left and give the
-global norm of the finite gradients.
+decided on the device (a 0-dim bool the step reads, adam.py and muon.py) without a host read.
+The sums kept here, read once when the loop logs (`stats`), say how many parameters were left
+and give the global norm of the finite gradients. A Muon matrix steps in its hook whole: its
+gradient is complete there. MuonAdamW sums its two members' (muon.py).
 """
 
 from __future__ import annotations

@@ -22,18 +22,32 @@ torch's bf16 iteration, 0.14 s in fp32, one thread) and round each of the 15 pro
 bits. `ns_dtype` picks; given bf16 on CPU, the eager step is torch.optim.Muon's bit for bit
 (tests/test_muon.py). At a level that keeps a parameter's momentum fp32, torch.optim.Muon steps
 it, in bf16 on every device.
+
+bf16 master weights (master.py) and the step inside the backward (in_backward.py) are the Adam
+path's: the update is computed in fp32 from the master read back (`read_master`) and written
+as `--master_weights` says; a wrapper then steps every Muon matrix here, its fp32 buffer in
+fp32 whatever the parameter's dtype (torch.optim.Muon would round the update to nearest and
+keep a bf16 buffer). In the backward a matrix steps in its own hook, its gradient being whole
+there (one process: no reduction follows); a gradient with inf or nan leaves the matrix and its
+buffer unchanged (`ok`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import ChainMap
+from collections import ChainMap, defaultdict
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .backends import host_scalar
+from .master import read_master, round_rne, sr_bits, write_master
+from .moments import MomentFormat
+from .shards import like, local, local_grad
+
+FP32 = MomentFormat()
+"""fp32 momentum as torch keeps it, for a matrix a wrapper steps whose buffer its format does not store."""
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic Newton-Schulz coefficients (a, b, c) of Keller Jordan's Muon and torch.optim.Muon:
@@ -77,31 +91,96 @@ def lr_ratio(adjust_lr_fn: str | None, shape: torch.Size) -> float:
 
 
 def muon_step(p, g, buf, lr, momentum, wd, *, nesterov: bool, coefficients: tuple, ns_steps: int, eps: float,
-              adjust_lr_fn: str | None, dtype: torch.dtype, m_format: type):
+              adjust_lr_fn: str | None, dtype: torch.dtype, m_format: type, lo=None, step=None, salt=None, ok=None,
+              master: str = "fp32", emulate: bool = False, orthogonalize=None, shape: torch.Size | None = None):
     """Muon on one 2-D parameter, its momentum buffer as `m_format` stores it (read into fp32 in
     the format's layout, e.g. [n_blocks, B] of the flattened matrix). Each line is torch's, and
-    eager with dtype bf16 it computes the same floats (lerp and addcmul as torch's lerp_ and
-    add_(alpha=): the same rounding)."""
+    eager with dtype bf16 and fp32 masters it computes the same floats (lerp and addcmul as
+    torch's lerp_ and add_(alpha=): the same rounding). bf16 masters as adam_step has them: p
+    read as its fp32 master (with its low half `lo` under bf16_split), the result written as
+    `master` says, bf16_sr's bits from `salt` and `step` (0-dim tensors); emulate: p is fp32
+    holding bf16 values, the gradient rounded to bf16 first. ok (None or a 0-dim bool): False
+    leaves p, lo and the buffer as they were. A matrix split across ranks (muon_sharded.py) is
+    stepped as its shard p with `orthogonalize` (the shard's update -> its part of the whole
+    matrix's Newton-Schulz) and `shape`, the whole matrix's, for the lr factor."""
     b_old = m_format.read(buf)
-    gf = g.float()
+    gf = round_rne(g.float()) if emulate else g.float()
     b = b_old.lerp(gf.reshape(b_old.shape), 1 - momentum)  # torch: buf.lerp_(grad, 1 - momentum)
-    tie = m_format.write(buf, b, None)
+    tie = m_format.write(buf, b, ok)
     b = b.reshape(p.shape)
     update = gf.lerp(b, momentum) if nesterov else b  # torch: grad.lerp(buf, momentum)
-    o = newton_schulz(update, coefficients, ns_steps, eps, dtype)
-    pf = p.float() * (1 - lr * wd)  # torch: param.mul_(1 - lr * weight_decay)
-    new = torch.addcmul(pf, o, -(lr * lr_ratio(adjust_lr_fn, p.shape)))  # torch: param.add_(o, alpha=-adjusted_lr)
+    o = orthogonalize(update) if orthogonalize else newton_schulz(update, coefficients, ns_steps, eps, dtype)
+    master_old = read_master(p, lo)
+    pf = master_old * (1 - lr * wd)  # torch: param.mul_(1 - lr * weight_decay)
+    new = torch.addcmul(pf, o, -(lr * lr_ratio(adjust_lr_fn, shape or p.shape)))  # torch: param.add_(o, alpha=-adjusted_lr)
     if torch.is_tensor(tie):  # a block format's zero tie, in its layout (E4M3Blocks.write)
         new = (new.reshape(b_old.shape) + tie).reshape(p.shape)
-    p.copy_(new)
+    if ok is not None:  # the old master is exactly representable: writing it back changes nothing
+        new = torch.where(ok, new, master_old)
+    write_master(p, new, master, lo=lo, bits16=sr_bits(salt, step, p.shape) if master == "bf16_sr" else None)
 
 
-def muon_multi(ps, gs, bufs, hypers, *, nesterov: bool, coefficients: tuple, ns_steps: int, eps: float,
-               adjust_lr_fn: str | None, dtype: torch.dtype, m_format: type):
-    """muon_step over lists of same-shape tensors; hypers[i] = (lr, momentum, weight_decay)."""
+def muon_multi(ps, gs, bufs, hypers, los=None, steps=None, salts=None, oks=None, *, nesterov: bool,
+               coefficients: tuple, ns_steps: int, eps: float, adjust_lr_fn: str | None, dtype: torch.dtype,
+               m_format: type, master: str = "fp32", emulate: bool = False):
+    """muon_step over lists of same-shape tensors; hypers[i] = (lr, momentum, weight_decay); los,
+    steps, salts, oks: None, or a list with tensor i's (muon_tensors), None where unused."""
     for i in range(len(ps)):
+        extra = {k: v[i] for k, v in dict(lo=los, step=steps, salt=salts, ok=oks).items() if v is not None}
         muon_step(ps[i], gs[i], bufs[i], *hypers[i], nesterov=nesterov, coefficients=coefficients,
-                  ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, dtype=dtype, m_format=m_format)
+                  ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, dtype=dtype, m_format=m_format,
+                  master=master, emulate=emulate, **extra)
+
+
+def muon_tensors(state: dict, p: torch.Tensor, fmt: MomentFormat, *, master: str, fp32_buffer: bool, salt: int,
+                 ok: torch.Tensor | None) -> tuple:
+    """(buf, lo, step, salt) of p's Muon step, its state made at its first step (torch: a zero
+    buffer): the buffer as the format's views, or an fp32 one (torch's own tensor, so the state
+    dict is torch's) as the 1-tuple `(tensor,)`, in p's dtype unless `fp32_buffer` (the wrapper
+    steps it: bf16 masters, in the backward); bf16_split's int16 low halves as p's matrix; under
+    bf16_sr the 0-dim fp32 step count, counted here before the step as Adam's (a guarded step
+    counts only where `ok`), and the salt as a 0-dim int64. Unused entries are None."""
+    pl = local(p)
+    if state.get("momentum_buffer") is None:
+        state["momentum_buffer"] = like(fmt.zeros(pl.shape, p.device), p) if type(fmt) is not MomentFormat \
+            else torch.zeros_like(p, dtype=torch.float32 if fp32_buffer else None, memory_format=torch.preserve_format)
+    if master == "bf16_split" and state.get("master_lo") is None:  # the master is the bf16 weight: low half 0
+        state["master_lo"] = like(torch.zeros(pl.shape, dtype=torch.int16, device=pl.device), p)
+    step = None
+    if master == "bf16_sr":
+        step = state.get("step")
+        if not torch.is_tensor(step) or step.device != pl.device:  # new, or loaded on another device
+            step = state["step"] = torch.tensor(float(step or 0), dtype=torch.float32, device=pl.device)
+        step.add_(1.0 if ok is None else ok.to(torch.float32))
+    buf = local(state["momentum_buffer"])
+    lo = local(state["master_lo"]).view(pl.shape) if master == "bf16_split" else None
+    return ((buf,) if type(fmt) is MomentFormat else fmt.view(buf), lo, step,
+            torch.tensor(salt, dtype=torch.int64) if master == "bf16_sr" else None)
+
+
+def muon_calls(opt, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None, *,
+               salts: dict) -> list[tuple[list, dict]]:
+    """The muon_multi calls of a wrapper's step (opt: an OptimWrapper over torch.optim.Muon) over
+    the (parameter, group) pairs `mine`, as (list arguments, flags): one per (device, dtypes,
+    shape, format, group settings), so each compiles once; every state made (muon_tensors).
+    p and g as matrices. oks: parameter -> 0-dim bool guard (step_in_backward), else None;
+    salts: parameter -> its bf16_sr salt (master.sr_salt)."""
+    calls: dict[tuple, list] = defaultdict(list)
+    flags: dict[tuple, dict] = {}
+    hypers: dict[int, tuple] = {}
+    for p, group in mine:
+        fmt = opt.moments if opt.stores(p, group) else FP32
+        ok = None if oks is None else oks[p]
+        buf, lo, step, salt = muon_tensors(opt.state[p], p, fmt, master=opt.master_weights, ok=ok,
+                                           fp32_buffer=opt.steps_every_parameter, salt=salts.get(p, 0))
+        pl, g = local(p), local_grad(p)
+        group_flags = muon_flags(group, pl.device, opt.muon_ns_dtype)
+        key = (repr(sorted(group_flags.items())), type(fmt), pl.device, pl.dtype, g.dtype, tuple(pl.shape))
+        flags[key] = dict(group_flags, m_format=type(fmt), master=opt.master_weights, emulate=opt.emulate)
+        if id(group) not in hypers:
+            hypers[id(group)] = muon_hypers(group)
+        calls[key].append((pl, g.reshape(pl.shape), buf, hypers[id(group)], lo, step, salt, ok))
+    return [([list(x) for x in zip(*items)], flags[key]) for key, items in calls.items()]
 
 
 def moments(group: dict) -> int:
@@ -273,6 +352,39 @@ class MuonAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
+
+    # ---- the step inside the backward: each member's hooks (OptimWrapper.step_in_backward) ----
+    def step_in_backward(self) -> list:
+        """Both members step inside the backward, each parameter in its own hook (a Muon matrix
+        once its gradient is whole); the members must be wrappers. Returns every hook handle."""
+        plain = [type(opt).__name__ for opt in self.optimizers if not hasattr(opt, "step_in_backward")]
+        if plain:
+            raise ValueError(f"step_in_backward needs both members wrapped (OptimWrapper, FP8Optim or "
+                             f"nanochat.optim.wrap_optimizer); {', '.join(plain)} is not")
+        return [h for opt in self.optimizers for h in opt.step_in_backward()]
+
+    @property
+    def in_backward(self) -> bool:
+        return any(getattr(opt, "in_backward", False) for opt in self.optimizers)
+
+    @property
+    def max_live_grad_bytes(self) -> int:
+        """The larger member's largest gradient: each frees one before the next is made."""
+        return max(getattr(opt, "max_live_grad_bytes", 0) for opt in self.optimizers)
+
+    def backward_stats(self, per_param: bool = False) -> torch.Tensor | None:
+        """The members' stats (InBackward.stats) as one optimizer's: the norm over both members'
+        finite gradients, the counts summed, per_param's flags in `param_groups` order (Muon's
+        first, as the members hooked them); None if no parameter stepped."""
+        parts = [opt.backward_stats(per_param=True) for opt in self.optimizers]
+        given = [s for s in parts if s is not None]
+        if not given:
+            return None
+        hooked = [sum(p.requires_grad for g in opt.param_groups for p in g["params"]) for opt in self.optimizers]
+        parts = [torch.zeros(3 + n, device=given[0].device) if s is None else s for s, n in zip(parts, hooked)]
+        norm = torch.stack([s[0] for s in parts]).square().sum().sqrt()
+        head = torch.stack([norm, sum(s[1] for s in parts), sum(s[2] for s in parts)])
+        return torch.cat([head, *(s[3:] for s in parts)]) if per_param else head[:2]
 
     def state_dict(self) -> dict:
         return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}

@@ -6,7 +6,7 @@ a checkpoint loads into the wrapped optimizer alone and a plain torch state load
     Adam   step, exp_avg, and exp_avg_sq (v) or exp_avg_sq_sqrt (sqrt(v), what a quantized format
            stores); master_lo under bf16_split (master.py)
     SGD    momentum_buffer
-    Muon   momentum_buffer
+    Muon   momentum_buffer; master_lo under bf16_split, step under bf16_sr (its bits' counter)
 
 A moment is a plain tensor or a quantized one, recognized by the `QuantizedState` members
 (moments.FP8Tensor has them), so this code serves any format and imports none. Loading checks
@@ -25,6 +25,7 @@ from .shards import local
 
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_sq_sqrt", "master_lo")
 SGD_KEYS = ("momentum_buffer",)
+MUON_KEYS = ("momentum_buffer", "step", "master_lo")
 
 
 @runtime_checkable
@@ -64,6 +65,8 @@ def _convert_one(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict, quant
         buf = state.get("momentum_buffer")
         if buf is not None:
             state["momentum_buffer"] = opt.moments.quantize(buf.to(p.device)) if quantized else _high(opt, buf, p)
+        if opt.is_muon:
+            _convert_master(opt, p, state)
         return
     m = state["exp_avg"]
     state["exp_avg"] = opt.moments.quantize(m.to(p.device)) if quantized else _high(opt, m, p)
@@ -82,8 +85,15 @@ def _convert_one(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict, quant
             state["exp_avg_sq"] = v.to(device=p.device, dtype=torch.float32).contiguous()
         else:
             state["exp_avg_sq"] = _high(opt, v, p)
-    if not torch.is_tensor(state.get("step")):
-        state["step"] = torch.tensor(float(state.get("step", 0)), dtype=torch.float32)
+    _convert_master(opt, p, state)
+
+
+def _convert_master(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict) -> None:
+    """The step count as a 0-dim fp32 tensor (Adam's always, Muon's where saved: bf16_sr's
+    counter) and bf16_split's low halves: kept under bf16_split, else dropped."""
+    if "step" in state or not opt.is_muon:
+        if not torch.is_tensor(state.get("step")):
+            state["step"] = torch.tensor(float(state.get("step", 0)), dtype=torch.float32)
     lo = state.pop("master_lo", None)
     if opt.master_weights == "bf16_split":  # from a run without it: the master is p
         state["master_lo"] = lo.to(p.device) if lo is not None else \
@@ -100,9 +110,10 @@ def _high(opt: torch.optim.Optimizer, x: torch.Tensor, p: torch.Tensor) -> torch
 # ------------------------------------------------------------------------------- loading checks
 def check_loaded(state_dict: dict, param_groups: list[dict], *, sgd: bool, kind: str) -> None:
     """ValueError naming the first saved state that does not fit its parameter, before anything
-    is loaded; `sgd`: a momentum buffer is the whole state (SGD, Muon). Parameters are matched
-    as torch matches them (in param_groups order); groups of other sizes are left to the wrapped
-    optimizer (`kind`), which refuses them."""
+    is loaded; `sgd`: a momentum buffer is the whole state (SGD; Muon, `kind` "Muon", adds its
+    bf16 masters' step and master_lo: MUON_KEYS). Parameters are matched as torch matches them
+    (in param_groups order); groups of other sizes are left to the wrapped optimizer (`kind`),
+    which refuses them."""
     saved_groups, states = state_dict.get("param_groups"), state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(states, dict):
         raise ValueError("an optimizer state dict holds 'state' (a dict) and 'param_groups' (a list); got "
@@ -128,7 +139,7 @@ def check_loaded(state_dict: dict, param_groups: list[dict], *, sgd: bool, kind:
 
 def _keys_problem(state: dict, sgd: bool, kind: str) -> str | None:
     """What is wrong with the keys of one parameter's saved state, or None."""
-    allowed = SGD_KEYS if sgd else ADAM_KEYS
+    allowed = MUON_KEYS if kind == "Muon" else SGD_KEYS if sgd else ADAM_KEYS
     extra = [k for k in state if k not in allowed]
     if extra:
         return f"unexpected state {extra} ({kind}'s state holds {', '.join(allowed)})"
@@ -179,4 +190,4 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-__all__ = ["ADAM_KEYS", "SGD_KEYS", "QuantizedState", "check_loaded", "convert", "dense"]
+__all__ = ["ADAM_KEYS", "MUON_KEYS", "SGD_KEYS", "QuantizedState", "check_loaded", "convert", "dense"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .master import sr_salt
 from .muon import MuonAdamW, members
 from .wrapper import FP8Optim, OptimWrapper
 
@@ -20,15 +21,19 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, *, opt_level: int = 0, mast
     after FSDP wraps them): FP8Optim for `opt_level` 1 or 2 (FP8 moments); else OptimWrapper for
     bf16 `master_weights` (`emulate`: bf16 numerics on fp32 tensors; `seed` seeds bf16_sr) or
     `in_backward` (installed here: `loss.backward()` is then the step); else `optimizer` itself.
-    A MuonAdamW has each of its two optimizers wrapped alike (Muon: fp32 masters, after the backward)."""
+    A MuonAdamW has each of its two optimizers wrapped alike."""
     if isinstance(optimizer, MuonAdamW):
-        if master_weights != "fp32" or in_backward:
-            raise ValueError("MuonAdamW steps Muon after the backward on fp32 master weights: pass master_weights="
-                             "'fp32' and in_backward=False, or wrap an AdamW")
         muon, adamw = optimizer.optimizers
-        # wrapped at every level: off CUDA the wrapper runs Newton-Schulz in fp32, not torch's bf16
-        muon = FP8Optim(muon, opt_level=opt_level, seed=seed) if opt_level else OptimWrapper(muon, seed=seed)
-        return MuonAdamW(muon, wrap_optimizer(adamw, opt_level=opt_level, seed=seed), placements=optimizer.placements)
+        # wrapped at every level: off CUDA the wrapper runs Newton-Schulz in fp32, not torch's bf16.
+        # its own seed (index -1 is no parameter's): else bf16_sr's bits of its tensor i would be
+        # those of the AdamW wrapper's tensor i, the same noise in two tensors
+        kw = dict(master_weights=master_weights, seed=sr_salt(seed, -1), emulate=emulate)
+        muon = FP8Optim(muon, opt_level=opt_level, **kw) if opt_level else OptimWrapper(muon, **kw)
+        if in_backward:
+            muon.step_in_backward()
+        adamw = wrap_optimizer(adamw, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate,
+                               in_backward=in_backward)
+        return MuonAdamW(muon, adamw, placements=optimizer.placements)
     if opt_level:
         wrapped = FP8Optim(optimizer, opt_level=opt_level, master_weights=master_weights, seed=seed, emulate=emulate)
     elif master_weights != "fp32" or in_backward:

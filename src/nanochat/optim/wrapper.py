@@ -26,16 +26,14 @@ from .backends import Backends
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
-from .muon import MuonAdamW, muon_flags, muon_hypers, muon_multi, ns_dtype
+from .muon import MuonAdamW, muon_calls, muon_multi, ns_dtype
+from .muon_sharded import step_sharded
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
 from .state_bytes import moment_count, optimizer_bytes, optimizer_state_bytes
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Muon"
 
-
-FP32 = MomentFormat()
-"""fp32 moments as torch keeps them, for a step this wrapper runs on a moment its format does not store."""
 
 
 class OptimWrapper(torch.optim.Optimizer):
@@ -78,8 +76,8 @@ class OptimWrapper(torch.optim.Optimizer):
         reason; a run's results read them through `optimizer_fallbacks`."""
         if master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}; got {master_weights!r}")
-        if master_weights != "fp32" and (self.is_sgd or self.is_muon):
-            raise ValueError(f"master_weights={master_weights!r} supports Adam and AdamW; with torch.optim."
+        if master_weights != "fp32" and self.is_sgd:
+            raise ValueError(f"master_weights={master_weights!r} supports Adam, AdamW and Muon; with torch.optim."
                              f"{kind.__name__} keep fp32 master weights")
         self.master_weights = master_weights
         self.emulate = emulate and master_weights != "fp32"
@@ -90,7 +88,7 @@ class OptimWrapper(torch.optim.Optimizer):
         self._seed = seed
         self._salts = self._make_salts()  # bf16_sr: from each parameter's position (stable across runs)
         self._summary_logged = False
-        self._in_backward = InBackward(self, step=lambda p, group, ok: self._step_adam([(p, group)], oks={p: ok}),
+        self._in_backward = InBackward(self, step=lambda p, group, ok: self._step_all([(p, group)], oks={p: ok}),
                                        begin=self._begin_step)
         self._check_groups()
 
@@ -128,10 +126,6 @@ class OptimWrapper(torch.optim.Optimizer):
                                      f"{' (emulate=True)' if self.emulate else ''}, but param group {i} has a "
                                      f"{p.dtype} {tuple(p.shape)} tensor: convert the model first "
                                      f"(model.to({want})), then build the optimizer")
-                if self.is_muon and isinstance(p, DTensor) and self.stores(p, group):
-                    raise ValueError(f"{type(self).__name__} steps Muon on whole matrices; param group {i} has an "
-                                     f"FSDP/TP-sharded {tuple(p.shape)} DTensor: keep its momentum in fp32 "
-                                     "(opt_level=0) so torch.optim.Muon steps it")
                 if p.grad is not None and p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients (param group {i}, "
                                      f"shape {tuple(p.shape)}); use dense gradients.")
@@ -147,8 +141,7 @@ class OptimWrapper(torch.optim.Optimizer):
         self._check_groups()
         self._begin_step()
         if self.steps_every_parameter:
-            self._step_adam([(p, group) for group in self.param_groups for p in group["params"]
-                             if p.grad is not None])
+            self._step_all([(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None])
             return loss
         mine = [(p, group) for group in self.param_groups for p in group["params"]
                 if p.grad is not None and (self.stores(p, group) or self._muon_here(p))]
@@ -165,6 +158,10 @@ class OptimWrapper(torch.optim.Optimizer):
                 p.grad = g
         return loss
 
+    def _step_all(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
+        """Step `mine` here, whatever the format stores (bf16 masters, in the backward)."""
+        (self._step_muon if self.is_muon else self._step_adam)(mine, oks)
+
     def _begin_step(self) -> None:
         self.backends.reset()
         if not self._summary_logged:
@@ -180,9 +177,9 @@ class OptimWrapper(torch.optim.Optimizer):
         """Step each parameter inside the backward (in_backward.py): after this `loss.backward()`
         is the optimizer step; drop `step()` and `zero_grad()`. A parameter whose gradient holds
         inf or nan is left unchanged; `backward_stats()` says how many. Returns the hook handles."""
-        if self.is_sgd or self.is_muon:
-            raise ValueError(f"step_in_backward supports Adam and AdamW (torch.optim.{type(self.optimizer).__name__}: "
-                             "step after the backward)")
+        if self.is_sgd:
+            raise ValueError("step_in_backward supports Adam, AdamW and Muon (torch.optim.SGD: step after the "
+                             "backward)")
         if any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
             raise ValueError("step_in_backward does not work with FSDP/DTensor parameters: their gradients are "
                              "reduced after the per-parameter hooks would run; step after the backward instead")
@@ -292,32 +289,18 @@ class OptimWrapper(torch.optim.Optimizer):
 
     def _muon_here(self, p: torch.Tensor) -> bool:
         """A Muon parameter with fp32 momentum is stepped here, not by torch.optim.Muon, where its
-        Newton-Schulz dtype is not torch's bf16 (fp32 on a CPU: muon.py says why)."""
-        return self.is_muon and (self.muon_ns_dtype or ns_dtype(p.device)) != torch.bfloat16
+        Newton-Schulz dtype is not torch's bf16 (fp32 on a CPU: muon.py says why), where it is an
+        FSDP/TP shard (torch's would orthogonalize the shard: muon_sharded.py gathers it), or where
+        every parameter is (bf16 masters, in the backward: torch's step would not honour them)."""
+        return self.is_muon and (self.steps_every_parameter or isinstance(p, DTensor)
+                                 or (self.muon_ns_dtype or ns_dtype(p.device)) != torch.bfloat16)
 
-    def _step_muon(self, mine: list[tuple[torch.Tensor, dict]]) -> None:
+    def _step_muon(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
         """Every Muon parameter stepped here, one compiled call per (device, dtypes, shape, format,
-        group settings): a stored buffer as the format's [n_blocks, B] views, an fp32 one (torch's
-        own tensor, so its state dict is torch's) as the matrix; p and g as matrices."""
-        calls: dict[tuple, list] = defaultdict(list)
-        flags: dict[tuple, dict] = {}
-        hypers: dict[int, tuple] = {}
-        for p, group in mine:
-            fmt = self.moments if self.stores(p, group) else FP32
-            state = self.state[p]
-            if state.get("momentum_buffer") is None:  # torch: zeros at the first step
-                state["momentum_buffer"] = like(fmt.zeros(local(p).shape, p.device), p) if fmt is not FP32 \
-                    else torch.zeros_like(p, memory_format=torch.preserve_format)
-            pl, g, buf = local(p), local_grad(p), local(state["momentum_buffer"])
-            group_flags = muon_flags(group, pl.device, self.muon_ns_dtype)
-            key = (repr(sorted(group_flags.items())), type(fmt), pl.device, pl.dtype, g.dtype, tuple(pl.shape))
-            flags[key] = group_flags
-            if id(group) not in hypers:
-                hypers[id(group)] = muon_hypers(group)
-            calls[key].append((pl, g.reshape(pl.shape), (buf,) if fmt is FP32 else fmt.view(buf), hypers[id(group)]))
-        for key, items in calls.items():
-            ps, gs, bufs, hyp = (list(x) for x in zip(*items))
-            self.backends.run("muon", muon_multi, ps, gs, bufs, hyp, m_format=key[1], **flags[key])
+        group settings): muon.muon_calls. oks: parameter -> 0-dim bool guard (step_in_backward)."""
+        mine = step_sharded(self, mine)  # FSDP/TP shards: each matrix gathered whole (muon_sharded.py)
+        for args, flags in muon_calls(self, mine, oks, salts=self._salts):
+            self.backends.run("muon", muon_multi, *args, **flags)
 
     def _init_adam_state(self, p: torch.Tensor, state: dict, quantized: int) -> None:
         # float32 on the parameter's device, as torch's fused Adam keeps it: on a GPU the bias

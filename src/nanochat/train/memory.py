@@ -256,12 +256,11 @@ class MemoryPlan:
             candidates.append(("--activation_checkpointing", dict(activation_checkpointing=True)))
         # bf16_split first: it keeps the fp32 master bit for bit (6 bytes of state instead of 8);
         # bf16_sr saves the remainder too (4) but rounds stochastically.
-        adamw = self.optimizer_kind == "adamw"  # Muon keeps fp32 masters and steps after the backward
-        if self.master_weights == "fp32" and adamw:
+        if self.master_weights == "fp32":
             candidates.append(("--master_weights bf16_split", dict(master_weights="bf16_split")))
-        if self.master_weights in ("fp32", "bf16_split") and adamw:
+        if self.master_weights in ("fp32", "bf16_split"):
             candidates.append(("--master_weights bf16_sr", dict(master_weights="bf16_sr")))
-        if not self.optimizer_in_backward and adamw:
+        if not self.optimizer_in_backward:
             candidates.append(("--optimizer_in_backward (needs --grad_accum_steps 1 and --grad_clip 0)",
                                dict(optimizer_in_backward=True)))
         singles = len(candidates)
@@ -283,7 +282,9 @@ class MemoryPlan:
                        f"{format_bytes(self.replan(batch_size=batch).total)}")
         else:
             out.append("a smaller --batch_size alone: not even --batch_size 1 fits")
-        gpus = next((n for n in range(self.shards + 1, 1025) if self.replan(shards=n).fits), None) if adamw else None
+        # FSDP shards Muon's momentum as AdamW's moments (each matrix is gathered whole only for
+        # its own step, a transient the plan leaves out as it does other temporaries)
+        gpus = next((n for n in range(self.shards + 1, 1025) if self.replan(shards=n).fits), None)
         if gpus is not None:
             out.append(f"FSDP over {gpus} GPUs (torchrun --nproc_per_node={gpus} ... --fsdp): "
                        f"{format_bytes(self.replan(shards=gpus).total)} per GPU")

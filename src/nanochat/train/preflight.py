@@ -36,11 +36,11 @@ from nanochat.report.trackers import check_trackers
 
 def check_layout(cfg: TrainConfig, env: DistEnv) -> Layout:
     """The run's process layout: --fsdp and --tp on the ranks torchrun started (`env`), decided
-    here once (nanochat.parallel.layout); a world that cannot form it, --optimizer_in_backward
-    under torchrun, or Muon's matrices split by --fsdp or --tp, is refused."""
+    here once (nanochat.parallel.layout); a world that cannot form it, or --optimizer_in_backward
+    under torchrun, is refused."""
     layout = plan_layout(env, fsdp=cfg.fsdp, tp=cfg.tp)
     torchrun = layout.name if layout.distributed else None
-    problem = cfg.in_backward_problem(torchrun=torchrun) or cfg.optimizer_problem(torchrun=torchrun)
+    problem = cfg.in_backward_problem(torchrun=torchrun)
     if problem is not None:
         raise UsageError(problem)
     return layout

@@ -69,6 +69,7 @@ from nanochat.train.run_data import RunData
 from nanochat.train.stop import (
     StopNow, StopSignals, Stopped, lost_peer_message, resume_command, signal_name, stopped,
 )
+from nanochat.train.updates import UpdateRMS
 
 
 class NanoChatTrainer:
@@ -216,6 +217,7 @@ class NanoChatTrainer:
         self.optimizer = parts.build_optimizer(cfg, self.model, self.fp8, self.device)
         # this run's flags, read before a checkpoint's param groups replace the groups' own copies
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        self.update_rms = UpdateRMS(self.optimizer, every=cfg.update_rms_every, total_steps=self.total_steps)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         local_params, weight_bytes = held(self.model.parameters())
         state_bytes = optimizer_state_bytes(self.optimizer)  # this rank's, as the first step makes it
@@ -282,6 +284,7 @@ class NanoChatTrainer:
         eager = fp8_step.eager or self.compiled.failed
         module = self.dist_model if eager else self.compiled.module
         loss_sum = torch.zeros((), device=self.device)
+        self.update_rms.before(step)  # a sampled step: the weights, before a backward that may update them
         with fp8_step:
             for micro in range(cfg.grad_accum_steps):  # gradients accumulate; DDP reduces them at the last
                 x, y = self.data.loader.next_batch(self.device)
@@ -295,11 +298,13 @@ class NanoChatTrainer:
         record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm,
                   **fp8_step.record(), **verdict.flags}
         if verdict.skipped and not cfg.optimizer_in_backward:  # its gradients are dropped: the weights stay
+            self.update_rms.drop()
             return record
         self.held.count_gradients(self.params, self.optimizer)  # at the first update (train.memory)
         if not cfg.optimizer_in_backward:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        record.update(self.update_rms.record())
         if self.fp8.end_step(step):  # auto's formats are fixed: compile at the next step
             self.compiled.recompile()
         for event in self.fp8.pop_events():
