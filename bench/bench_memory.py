@@ -4,6 +4,7 @@ torch.cuda.max_memory_allocated over a few AdamW steps of a randomly initialized
     python bench/bench_memory.py                       # Llama-3-8B shape, batch 16 x 256, checkpointed
     python bench/bench_memory.py --preset llama3-1b    # smaller: with and without checkpointing
     python bench/bench_memory.py --plan_only           # no GPU: README's table of which flags fit
+    python bench/bench_memory.py --plan_only --optimizer muon   # the same for Muon + AdamW
 
 Plain torch only (bf16 autocast, fp32 master weights, fused AdamW = fp8_opt_level 0): the
 weights, gradients and optimizer figures are exact, so the gap is the activation estimate plus
@@ -68,14 +69,16 @@ def measure(config: GPTConfig, batch: int, seq: int, checkpointing: bool, steps:
 # Whole device memory as nvidia-smi reports it (81559 and 143771 MiB); the CUDA context takes a
 # little of it, so a plan within a few hundred MiB of these is at the edge.
 DEVICES = {"80 GB (79.6 GiB)": int(79.6 * 2**30), "141 GB H200 (140.4 GiB)": int(140.4 * 2**30)}
-# fp32 masters at levels 0 and 2, the 16-bit choices at level 2 (their reason to exist is a model
-# that fp32 state does not leave room for); bf16 stands for bf16_sr too (same bytes).
-COMBOS = [(mw, level, inb, ckpt) for mw, levels in (("fp32", (0, 2)), ("bf16_split", (2,)), ("bf16", (2,)))
+# fp32 masters at levels 0, 1 and 2, the 16-bit choices at level 2 (their reason to exist is a model
+# that fp32 state does not leave room for) and bf16 at level 1 too (Muon's FP8 momentum with the
+# AdamW group's second moment in fp32); bf16 stands for bf16_sr too (same bytes).
+COMBOS = [(mw, level, inb, ckpt) for mw, levels in (("fp32", (0, 1, 2)), ("bf16_split", (2,)), ("bf16", (1, 2)))
           for level in levels for inb in (False, True) for ckpt in (False, True)]
 
 
-def plan_table(config: GPTConfig, batch: int, seq: int) -> str:
-    """The markdown table of README's "Will it fit" (GiB per device, bf16 autocast)."""
+def plan_table(config: GPTConfig, batch: int, seq: int, optimizer: str = "adamw") -> str:
+    """The markdown table of README's "Will it fit" (GiB per device, bf16 autocast), for
+    `optimizer` (--optimizer: adamw, or muon's one moment per hidden matrix)."""
     from nanochat.train.memory import plan_training
 
     gib = lambda n: f"{n / 2**30:.1f}"  # noqa: E731
@@ -84,7 +87,7 @@ def plan_table(config: GPTConfig, batch: int, seq: int) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for mw, level, inb, ckpt in COMBOS:
         p = plan_training(config, batch_size=batch, seq_len=seq, opt_level=level, activation_checkpointing=ckpt,
-                          autocast=True, master_weights=mw, optimizer_in_backward=inb)
+                          autocast=True, master_weights=mw, optimizer_in_backward=inb, optimizer_kind=optimizer)
         # Under 1 GiB to spare is within what the plan leaves out (temporaries, fragmentation).
         fits = ["does not fit" if p.total > free else "at the edge" if free - p.total < 2**30 else "fits"
                 for free in DEVICES.values()]
@@ -99,8 +102,9 @@ def plan_table(config: GPTConfig, batch: int, seq: int) -> str:
 class BenchMemoryConfig:
     """Planned vs measured training memory on CUDA (or, with --plan_only, the plan table)."""
 
-    preset: Literal["llama3-8b", "llama3-1b"] = "llama3-8b"
-    """Model shape: Llama 3 8B or Llama 3.2 1B (SHAPES)."""
+    preset: Literal["llama3-8b", "llama3-1b", "d26"] = "llama3-8b"
+    """Model shape: Llama 3 8B or Llama 3.2 1B (SHAPES), or nanochat's d26 preset with a 65,536-token
+    vocabulary and 2048-token context (karpathy/nanochat's speedrun size)."""
     batch_size: int = 16
     """Sequences per step."""
     seq_len: int = 256
@@ -109,8 +113,13 @@ class BenchMemoryConfig:
     """Activation checkpointing of the measured runs: on, off, or one run each."""
     plan_only: bool = False
     """Print the plan table (no GPU, nothing measured)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """The plan table's --optimizer (muon: Muon for the hidden matrices); measured runs are AdamW."""
 
     def __post_init__(self) -> None:
+        if self.optimizer != "adamw" and not self.plan_only:
+            raise ValueError(f"--optimizer {self.optimizer} applies to the plan table: add --plan_only (the "
+                             "measured runs are plain AdamW)")
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -119,14 +128,15 @@ class BenchMemoryConfig:
 def bench(args: BenchMemoryConfig) -> None:
     import torch
 
-    from nanochat.model.gpt import GPTConfig
+    from nanochat.model.gpt import GPTConfig, preset_config
     from nanochat.train.memory import plan_training
 
-    config = GPTConfig(**SHAPES[args.preset])
+    config = preset_config("d26", vocab_size=65536, seq_len=2048) if args.preset == "d26" \
+        else GPTConfig(**SHAPES[args.preset])
     if args.plan_only:
-        print(f"{args.preset}, batch {args.batch_size} x {args.seq_len}, bf16 autocast: planner estimate, "
-              "not measured (GiB per device)\n")
-        print(plan_table(config, args.batch_size, args.seq_len))
+        print(f"{args.preset}, batch {args.batch_size} x {args.seq_len}, bf16 autocast, --optimizer {args.optimizer}: "
+              "planner estimate, not measured (GiB per device)\n")
+        print(plan_table(config, args.batch_size, args.seq_len, args.optimizer))
         return
     if not torch.cuda.is_available():
         raise UsageError("no CUDA device: the measurement needs one; --plan_only prints the plan without it")

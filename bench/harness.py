@@ -18,7 +18,8 @@ when, where and from which commit they were measured, which BENCHMARKS.md record
 Measuring: a baseline and its candidates run in one process, `interleave`d (round-robin, so that
 a change in the machine's load hits every variant alike); each is reported as the median of its
 runs (`medians`, `median_of`) and as its ratio to the baseline's (`ratios`), with the load average
-beside them (`load`): most figures here come from a shared 2-core machine. `peak_rss_mb` is a
+beside them (`load`): most figures here come from a shared 2-core machine. Two training runs are
+compared by their validation curves: `steps_to` is the step at which one reaches a loss. `peak_rss_mb` is a
 process's host memory high-water mark; a training run's CUDA peak is nanochat.train.measure's,
 which scripts/gpu_check.py reports too.
 
@@ -110,6 +111,19 @@ def median_of(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     records = list(records)
     return {k: statistics.median(r[k] for r in records) if isinstance(v, (int, float)) and not isinstance(v, bool)
             else v for k, v in records[0].items()}
+
+
+def steps_to(target: float, steps: list[int], values: list[float]) -> float | None:
+    """The first step at which the curve reaches `target`, linear between evaluations; the first
+    evaluation's step when it is already there (an upper bound: nothing is measured before it),
+    None when it never does."""
+    for i, (s, v) in enumerate(zip(steps, values)):
+        if v <= target:
+            if i == 0:
+                return float(s)
+            s0, v0 = steps[i - 1], values[i - 1]
+            return s0 + (s - s0) * (v0 - target) / (v0 - v)
+    return None
 
 
 def ratios(figures: Mapping[str, float], baseline: str) -> dict[str, float]:

@@ -1,0 +1,455 @@
+"""karpathy/nanochat against ours, trained side by side on the same text: val bpb at every
+evaluation, tokens/s, wall time, and the steps and time each needs to reach the other's final bpb.
+
+    .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir /path/to/nanochat      # d2, 300 steps
+    .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir D --optimizer muon adamw --out f.json
+    .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir D --quick             # a dry run, ~1 min
+
+nanochat is driven as a subprocess from the checkout --nanochat_dir (its commit is recorded), with
+--nanochat_python (default: this Python). It needs torch, pyarrow, rustbpe, tiktoken, wandb,
+kernels, psutil and filelock; the bench checks for them before any work. Our .venv with the dev
+extras holds them all (the checkout's own `nanochat` package wins over ours: nanochat runs from
+its directory, which comes first on sys.path). Where this Python lacks some, give nanochat a
+virtual environment of its own, e.g. from its pyproject (`uv sync --extra cpu` in the checkout,
+then --nanochat_python <checkout>/.venv/bin/python), or by hand:
+
+    python -m venv /tmp/nanochat-venv
+    /tmp/nanochat-venv/bin/pip install torch pyarrow rustbpe tiktoken wandb kernels psutil filelock
+    ... --nanochat_python /tmp/nanochat-venv/bin/python
+
+Protocol.
+1. One corpus, split once (`split_corpus`): the documents of --dataset_path (default: this
+   Python's standard library, read by nanochat.data), on the sides our own rule puts them
+   (split files' roles, else sha1(id) < nanochat.data.split.VAL_FRACTION). Each document is cut
+   after a newline into pieces of at most --doc_chars characters, the documents both projects
+   see: nanochat's rows start at a document's start and drop what does not fit, so whole source
+   files would train it on their first --seq_len tokens only (0 keeps them whole).
+2. `write_corpus` writes the train pieces as parquet shards (a `text` column) and the
+   validation pieces as the last shard, nanochat's layout (nanochat/dataset.py: the last shard
+   is its validation split) in <work_dir>/nanochat_base/base_data_climbmix/; ours reads the same
+   files through links named train-*.parquet / validation-00000.parquet (split files: our
+   validation split is exactly that shard).
+3. Each project trains its own BPE tokenizer, --vocab_size, on the first --tokenizer_chars
+   characters of the train shards (nanochat: scripts.tok_train, which also caps a document at
+   10,000 characters; ours: scripts/tok_train.py), and ours builds its token store
+   (scripts/tokenize_corpus.py); nanochat tokenizes inside its training loop. These steps are
+   timed apart and not in a run's wall time.
+4. The same model: depth --depth, width 64 x depth, one head per 128 channels (ours: the d<depth>
+   preset; nanochat: --aspect-ratio 64 --head-dim 128 --window-pattern L); --batch_size sequences
+   of --seq_len tokens a step (nanochat: --total-batch-size batch x seq, no accumulation),
+   --num_iterations steps, an evaluation every --eval_every steps over --eval_tokens tokens.
+   Everything else is each project's default: nanochat's Muon + AdamW with its learning rates
+   scaled to the batch (sqrt(batch / 524288)), its warmup and warmdown, its value embeddings;
+   ours with --optimizer, --lr, --muon_lr, --packing, --fp8_opt_level (more with --ours_args;
+   nanochat's flags with --nanochat_args).
+5. bpb on one protocol: each project's own evaluator over the same validation documents, in
+   bits per byte of the text (independent of the tokenizer). The layouts differ: nanochat's
+   rows each begin with BOS at a document's start (best-fit, the rest cropped); ours cuts the
+   token stream every seq_len tokens (--packing stream) or packs best-fit (--packing bestfit).
+6. Runs alternate (nanochat, ours, nanochat, ours, ... over --seeds), each a fresh process that
+   a timeout (--timeout_s) ends with its whole process group. nanochat has no seed flag (it
+   seeds 42): its repeats differ in timing only. Both run torch.compile unless --no_compile
+   (nanochat's through TORCHDYNAMO_DISABLE=1).
+
+Figures: val bpb from nanochat's stdout (`Step 00050 | Validation bpb: ...`) and our
+metrics.jsonl; tokens/s from nanochat's step lines after its first 10 steps (as its own total
+time counts; with 10 steps or fewer, all but the first) and from our result.json (steps that
+did not compile); wall time: the training process's, start to exit. The steps to the other's
+final bpb are `harness.steps_to` on the curve; the time is those steps at the run's tokens/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import harness
+from nanochat.common import NanoChatError, format_table
+
+ROOT = Path(__file__).resolve().parents[1]
+NANOCHAT_MODULES = ("torch", "pyarrow", "rustbpe", "tiktoken", "wandb", "kernels", "psutil", "filelock")
+"""What nanochat's base_train and tok_train import (its pyproject's dependencies, numpy aside)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchVsNanochatConfig:
+    """karpathy/nanochat against ours on the same train and validation text."""
+
+    nanochat_dir: str | None = None
+    """A checkout of karpathy/nanochat (its scripts/base_train.py is run from there)."""
+    nanochat_python: str = sys.executable
+    """The Python that runs nanochat (a venv with its packages: see the module docstring)."""
+    nanochat_args: tuple[str, ...] = ()
+    """More flags for nanochat's base_train, e.g. --matrix-lr 0.02 (after the bench's own)."""
+    ours_args: tuple[str, ...] = ()
+    """More flags for our base_train (after the bench's own)."""
+    dataset_path: str | None = None
+    """The corpus (our --dataset_path: a text file or a directory); default: the stdlib sources."""
+    doc_chars: int = 1000
+    """Documents are cut after a newline into pieces of at most this many characters; 0: whole."""
+    depth: int = 2
+    """Layers (an even one, of our presets); width 64 x depth on both sides."""
+    vocab_size: int = 4096
+    """Each project's BPE vocabulary, trained on the train split."""
+    tokenizer_chars: int = 20_000_000
+    """Characters of the train split each tokenizer trains on."""
+    seq_len: int = 256
+    """Tokens a sequence (nanochat's --max-seq-len)."""
+    batch_size: int = 16
+    """Sequences a step, in one forward pass (nanochat's --device-batch-size)."""
+    num_iterations: int = 300
+    """Optimizer steps of every run."""
+    eval_every: int = 50
+    """Steps between evaluations (both also evaluate at the end; nanochat at step 0 too)."""
+    eval_tokens: int = 32768
+    """Validation tokens per evaluation: a multiple of batch_size x seq_len (nanochat's batches)."""
+    optimizer: tuple[Literal["adamw", "muon"], ...] = ("muon",)
+    """Our optimizer(s): one of our runs per optimizer and seed."""
+    lr: float | None = None
+    """Our --lr (AdamW's peak rate); default: ours."""
+    muon_lr: float | None = None
+    """Our --muon_lr; default: ours."""
+    packing: Literal["stream", "bestfit"] = "stream"
+    """Our --packing (nanochat always packs best-fit from a document's start)."""
+    fp8_opt_level: int = 0
+    """Our --fp8_opt_level (optimizer moments in FP8)."""
+    compile: bool = True
+    """torch.compile both (nanochat: TORCHDYNAMO_DISABLE=1 when off)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Where both train (nanochat's --device-type)."""
+    seeds: tuple[int, ...] = (1,)
+    """Our seeds; nanochat runs as often (it seeds 42 itself)."""
+    timeout_s: float = 3600.0
+    """A training process still running after this is killed with its process group."""
+    work_dir: str = "runs/bench_vs_nanochat"
+    """Where the corpus, tokenizers, runs and logs go."""
+    quick: bool = False
+    """Tiny sizes, no compile: a dry run (tests); its figures mean nothing."""
+    out: str | None = None
+    """Write the figures as JSON here."""
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "vocab_size", "tokenizer_chars", "seq_len", "batch_size", "num_iterations",
+                     "eval_every", "eval_tokens", "timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive, got {getattr(self, name)}")
+        if self.depth % 2:
+            raise ValueError(f"--depth {self.depth}: an odd depth is 64 x depth wide, which nanochat rounds up to a "
+                             "multiple of its 128-wide heads; use an even depth")
+        if self.eval_tokens % (self.batch_size * self.seq_len):
+            raise ValueError(f"--eval_tokens {self.eval_tokens} is not a multiple of batch_size x seq_len "
+                             f"({self.batch_size * self.seq_len}): nanochat would evaluate fewer tokens than ours")
+        if self.doc_chars < 0:
+            raise ValueError(f"--doc_chars must be >= 0 (0 keeps documents whole), got {self.doc_chars}")
+        if not self.seeds or not self.optimizer:
+            raise ValueError("--seeds and --optimizer need at least one value")
+
+
+QUICK = dict(vocab_size=512, tokenizer_chars=400_000, seq_len=64, batch_size=4, num_iterations=6, eval_every=3,
+             eval_tokens=512, compile=False, timeout_s=600.0)
+
+
+# ------------------------------------------------------------------------------------- corpus
+def split_corpus(dataset_path: str | None, doc_chars: int) -> tuple[list[str], list[str], str]:
+    """The train and validation pieces of the corpus, and a line saying how it was split."""
+    from nanochat.data.plan import iter_documents, plan_sources
+    from nanochat.data.sources import DataError, list_sources
+    from nanochat.data.split import VAL_FRACTION, val_hash
+
+    plan = plan_sources(list_sources(dataset_path))
+    if plan.kind != "text":
+        raise DataError(f"--dataset_path {dataset_path}: instruction records; this benchmark compares "
+                        "pretraining on plain text")
+    docs = [(u.role, d.id, d.text) for u, d in iter_documents(plan)]
+    by_role = any(role == "validation" for role, _, _ in docs)
+    is_val = [role == "validation" if by_role else val_hash(i) < VAL_FRACTION for role, i, _ in docs]
+    note = "split files" if by_role else f"sha1(doc id) < {VAL_FRACTION:g}"
+    if not any(is_val) or all(is_val):
+        if len(docs) < 2:
+            raise DataError(f"--dataset_path {dataset_path}: {len(docs)} document(s); the split needs two")
+        pick = (min if not any(is_val) else max)(range(len(docs)), key=lambda k: val_hash(docs[k][1]))
+        is_val[pick] = not is_val[pick]
+        note += "; one document moved to fill the empty side"
+    train = [p for (_, _, text), v in zip(docs, is_val) if not v for p in pieces(text, doc_chars)]
+    val = [p for (_, _, text), v in zip(docs, is_val) if v for p in pieces(text, doc_chars)]
+    return train, val, note
+
+
+def pieces(text: str, limit: int) -> list[str]:
+    """`text` cut after newlines into pieces of at most `limit` characters (a longer line is cut
+    inside); pieces of whitespace only are dropped (our reader skips them). 0: the text whole."""
+    if limit == 0:
+        return [text] if text.strip() else []
+    out, cur = [], ""
+    for line in text.splitlines(keepends=True):
+        while len(line) > limit:
+            out += [cur, line[:limit]]
+            cur, line = "", line[limit:]
+        if len(cur) + len(line) > limit:
+            out.append(cur)
+            cur = ""
+        cur += line
+    out.append(cur)
+    return [p for p in out if p.strip()]
+
+
+def write_corpus(train: list[str], val: list[str], work: Path, *, shard_docs: int = 20_000,
+                 row_group: int = 1024) -> dict[str, Any]:
+    """nanochat's data directory (train shards, then the validation shard last) and ours (links
+    to the same files, named by split). Returns the paths and sizes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = work / "nanochat_base" / "base_data_climbmix"
+    ours = work / "corpus"
+    for d in (data, ours):
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.iterdir():  # a shard of an earlier, larger corpus would be read as data
+            old.unlink()
+    shards = [train[i:i + shard_docs] for i in range(0, len(train), shard_docs)]
+    for i, docs in enumerate([*shards, val]):
+        path = data / f"shard_{i:05d}.parquet"
+        pq.write_table(pa.table({"text": docs}), path, row_group_size=row_group)
+        name = f"validation-00000.parquet" if i == len(shards) else f"train-{i:05d}.parquet"
+        (ours / name).symlink_to(path.resolve())
+    return dict(nanochat_data=str(data), ours_corpus=str(ours), train_docs=len(train), val_docs=len(val),
+                train_chars=sum(map(len, train)), val_chars=sum(map(len, val)), train_shards=len(shards))
+
+
+# --------------------------------------------------------------------------------- processes
+def run_process(cmd: list[str], *, cwd: Path, env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any]:
+    """`cmd` in a new session, stdout and stderr to `log`; killed with its process group after
+    `timeout_s`. Returns the exit status (None: timed out), the wall time and the log's text."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = None
+    return dict(rc=rc, wall_time_s=time.perf_counter() - t0, log=str(log), text=log.read_text(errors="replace"))
+
+
+def checked(r: dict[str, Any], what: str, timeout_s: float) -> dict[str, Any]:
+    if r["rc"] != 0:
+        tail = [line for line in r["text"].splitlines() if line.strip()][-1:] or ["(no output)"]
+        why = f"timed out after {timeout_s:g} s" if r["rc"] is None else f"exit {r['rc']}"
+        raise NanoChatError(f"{what} failed ({why}): {tail[0].strip()[:300]}; full log: {r['log']}")
+    return r
+
+
+VAL_LINE = re.compile(r"^Step (\d+) \| Validation bpb: (\S+)", re.M)
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) .*?\| dt: ([0-9.]+)ms \| tok/sec: ([0-9,]+)", re.M)
+
+
+def parse_nanochat_log(text: str, tokens_per_step: int) -> dict[str, Any]:
+    """nanochat base_train's stdout: the val bpb curve and the throughput of its timed steps
+    (after the first 10, as its own total time; all but the first when it ran 10 or fewer)."""
+    val = [(int(s), float(v)) for s, v in VAL_LINE.findall(text)]
+    dts = [(int(s), float(dt) / 1000) for s, _, dt, _ in STEP_LINE.findall(text)]
+    timed = [dt for s, dt in dts if s > 10] or [dt for s, dt in dts if s > 0]
+    return dict(val_step=[s for s, _ in val], val_bpb_curve=[v for _, v in val],
+                val_bpb=val[-1][1] if val else None, steps=len(dts),
+                tokens_per_sec=len(timed) * tokens_per_step / sum(timed) if timed else None,
+                train_time_s=sum(dt for _, dt in dts))
+
+
+def nanochat_commit(path: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def check_nanochat(cfg: BenchVsNanochatConfig) -> Path:
+    """The checkout, after checking it and its Python hold what the runs need (before any work)."""
+    if not cfg.nanochat_dir:
+        raise ValueError("--nanochat_dir is missing: pass a checkout of karpathy/nanochat")
+    from nanochat.model.gpt import PRESETS
+
+    if f"d{cfg.depth}" not in PRESETS:
+        raise ValueError(f"--depth {cfg.depth}: we have no d{cfg.depth} preset; choose among {', '.join(PRESETS)}")
+    path = Path(cfg.nanochat_dir).resolve()
+    for f in ("scripts/base_train.py", "scripts/tok_train.py", "nanochat/dataloader.py"):
+        if not (path / f).is_file():
+            raise ValueError(f"--nanochat_dir {path} has no {f}; pass the root of a karpathy/nanochat checkout")
+    probe = ("import importlib.util as u, sys; m = [n for n in sys.argv[1:] if u.find_spec(n) is None]; "
+             "print(' '.join(m))")
+    try:
+        missing = subprocess.run([cfg.nanochat_python, "-c", probe, *NANOCHAT_MODULES], capture_output=True,
+                                 text=True, timeout=120, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ValueError(f"--nanochat_python {cfg.nanochat_python} does not run ({e}); pass a Python 3 "
+                         "interpreter") from None
+    if missing:
+        raise ValueError(f"--nanochat_python {cfg.nanochat_python} lacks {', '.join(missing)}: make a venv "
+                         "for nanochat (bench/bench_vs_nanochat.py's docstring) and pass its python")
+    return path
+
+
+# -------------------------------------------------------------------------------------- runs
+@dataclass(frozen=True)
+class Setup:
+    cfg: BenchVsNanochatConfig
+    nanochat: Path
+    work: Path
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.batch_size * self.cfg.seq_len
+
+    def nanochat_env(self) -> dict[str, str]:
+        env = {**os.environ, "NANOCHAT_BASE_DIR": str(self.work / "nanochat_base")}
+        if not self.cfg.compile:
+            env["TORCHDYNAMO_DISABLE"] = "1"
+        return env
+
+    def ours_env(self) -> dict[str, str]:
+        return {**os.environ, "NANOCHAT_CACHE": str(self.work / "ours_cache")}
+
+
+def prepare(s: Setup) -> dict[str, Any]:
+    """The corpus written once, each project's tokenizer trained on it, our token store built."""
+    cfg, work = s.cfg, s.work
+    t0 = time.perf_counter()
+    train, val, note = split_corpus(cfg.dataset_path, cfg.doc_chars)
+    corpus = write_corpus(train, val, work)
+    corpus.update(split=note, write_s=time.perf_counter() - t0)
+    print(f"bench_vs_nanochat: corpus: train {corpus['train_docs']:,} docs / {corpus['train_chars']:,} chars, "
+          f"val {corpus['val_docs']:,} docs / {corpus['val_chars']:,} chars ({note}; pieces of <= {cfg.doc_chars} "
+          f"chars), {corpus['write_s']:.1f} s", flush=True)
+    logs, timeout = work / "logs", cfg.timeout_s
+    tok = str(work / "ours_tokenizer")
+    steps = {
+        "nanochat tokenizer": ([cfg.nanochat_python, "-m", "scripts.tok_train", "--vocab-size", str(cfg.vocab_size),
+                                "--max-chars", str(cfg.tokenizer_chars)], s.nanochat, s.nanochat_env()),
+        "our tokenizer": ([sys.executable, str(ROOT / "scripts/tok_train.py"), "--dataset_path", corpus["ours_corpus"],
+                           "--tokenizer_dir", tok, "--vocab_size", str(cfg.vocab_size), "--max_chars",
+                           str(cfg.tokenizer_chars), "--overwrite"], Path.cwd(), s.ours_env()),
+        "our token store": ([sys.executable, str(ROOT / "scripts/tokenize_corpus.py"), "--dataset_path",
+                             corpus["ours_corpus"], "--tokenizer_dir", tok], Path.cwd(), s.ours_env()),
+    }
+    times = {}
+    for what, (cmd, cwd, env) in steps.items():
+        r = checked(run_process(cmd, cwd=cwd, env=env, log=logs / f"{what.replace(' ', '_')}.log", timeout_s=timeout),
+                    what, timeout)
+        times[what] = r["wall_time_s"]
+        print(f"bench_vs_nanochat: {what}: {r['wall_time_s']:.1f} s", flush=True)
+    return dict(corpus=corpus, prep_s=times)
+
+
+def run_nanochat(s: Setup, seed: int) -> dict[str, Any]:
+    cfg = s.cfg
+    cmd = [cfg.nanochat_python, "-m", "scripts.base_train", "--device-type", cfg.device, "--depth", str(cfg.depth),
+           "--aspect-ratio", "64", "--head-dim", "128", "--window-pattern", "L", "--max-seq-len", str(cfg.seq_len),
+           "--device-batch-size", str(cfg.batch_size), "--total-batch-size", str(s.tokens_per_step),
+           "--num-iterations", str(cfg.num_iterations), "--eval-every", str(cfg.eval_every),
+           "--eval-tokens", str(cfg.eval_tokens), "--core-metric-every", "-1", "--sample-every", "-1",
+           "--run", "dummy", "--model-tag", f"bench-{seed}", *cfg.nanochat_args]
+    r = checked(run_process(cmd, cwd=s.nanochat, env=s.nanochat_env(), log=s.work / "logs" / f"nanochat-{seed}.log",
+                            timeout_s=cfg.timeout_s), f"nanochat run {seed}", cfg.timeout_s)
+    record = parse_nanochat_log(r["text"], s.tokens_per_step)
+    if record["val_bpb"] is None:
+        raise NanoChatError(f"nanochat run {seed} printed no validation bpb; its log: {r['log']}")
+    return finished("nanochat", seed, dict(record, wall_time_s=r["wall_time_s"], log=r["log"], loadavg=harness.load()))
+
+
+def run_ours(s: Setup, optimizer: str, seed: int) -> dict[str, Any]:
+    cfg = s.cfg
+    run_dir = s.work / "runs" / f"ours-{optimizer}" / f"seed-{seed}"
+    cmd = [sys.executable, str(ROOT / "scripts/base_train.py"), "--model_name", f"d{cfg.depth}",
+           "--dataset_path", str(s.work / "corpus"), "--tokenizer_dir", str(s.work / "ours_tokenizer"),
+           "--seq_len", str(cfg.seq_len), "--batch_size", str(cfg.batch_size), "--num_iterations",
+           str(cfg.num_iterations), "--eval_every", str(cfg.eval_every), "--eval_tokens", str(cfg.eval_tokens),
+           "--seed", str(seed), "--device", cfg.device, "--optimizer", optimizer, "--packing", cfg.packing,
+           "--fp8_opt_level", str(cfg.fp8_opt_level), "--compile" if cfg.compile else "--no_compile",
+           "--save_every", "0", "--num_samples", "0", "--no_plot", "--run_dir", str(run_dir), "--overwrite",
+           *(["--lr", str(cfg.lr)] if cfg.lr is not None else []),
+           *(["--muon_lr", str(cfg.muon_lr)] if cfg.muon_lr is not None else []), *cfg.ours_args]
+    name = f"ours-{optimizer}"
+    r = checked(run_process(cmd, cwd=Path.cwd(), env=s.ours_env(), log=s.work / "logs" / f"{name}-{seed}.log",
+                            timeout_s=cfg.timeout_s), f"our run ({optimizer}, seed {seed})", cfg.timeout_s)
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evals = [e for e in evals if isinstance(e.get("val_bpb"), (int, float))]
+    result = json.loads((run_dir / "result.json").read_text())
+    return finished(name, seed, dict(val_step=[e["step"] for e in evals], val_bpb_curve=[e["val_bpb"] for e in evals],
+                                     val_bpb=result["val_bpb"], steps=result["steps"],
+                                     tokens_per_sec=result["tokens_per_sec"], wall_time_s=r["wall_time_s"],
+                                     log=r["log"], run_dir=str(run_dir), loadavg=harness.load()))
+
+
+def finished(name: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
+    tps = record["tokens_per_sec"]
+    print(f"bench_vs_nanochat: {name} {seed}: val bpb {record['val_bpb']:.4f}, "
+          f"{'-' if tps is None else f'{tps:,.0f}'} tok/s, {record['wall_time_s']:.0f} s ({record['loadavg']})",
+          flush=True)
+    return record
+
+
+# ------------------------------------------------------------------------------------ report
+def compare(a: dict[str, Any], b: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
+    """How soon run `a` reaches `b`'s final val bpb: steps on a's curve, seconds at a's tokens/s."""
+    to = harness.steps_to(b["val_bpb"], a["val_step"], a["val_bpb_curve"])
+    seconds = None if to is None or not a["tokens_per_sec"] else to * tokens_per_step / a["tokens_per_sec"]
+    return dict(steps=to, seconds=seconds, steps_ratio=None if to is None else to / b["steps"])
+
+
+def bench(cfg: BenchVsNanochatConfig) -> dict:
+    s = Setup(cfg, check_nanochat(cfg), Path(cfg.work_dir).resolve())
+    prep = prepare(s)
+    variants = {"nanochat": lambda i: run_nanochat(s, cfg.seeds[i])}
+    variants.update({f"ours-{o}": (lambda i, o=o: run_ours(s, o, cfg.seeds[i])) for o in cfg.optimizer})
+    runs = harness.interleave(variants, len(cfg.seeds))
+    names = list(variants)
+    print(f"\nd{cfg.depth}, {cfg.num_iterations} steps of {cfg.batch_size} x {cfg.seq_len}, vocab {cfg.vocab_size}, "
+          f"packing {cfg.packing} (ours); nanochat {nanochat_commit(s.nanochat)[:12]} ({harness.load()})")
+    for i, seed in enumerate(cfg.seeds):
+        curves = {n: dict(zip(runs[n][i]["val_step"], runs[n][i]["val_bpb_curve"])) for n in names}
+        steps = sorted(set().union(*curves.values()))
+        print(f"\nval bpb at each evaluation (seed {seed})")
+        print(format_table(["step", *names], [[st, *(f"{curves[n][st]:.4f}" if st in curves[n] else "-"
+                                                     for n in names)] for st in steps]))
+    rows = [[n, f"{statistics.fmean(r['val_bpb'] for r in runs[n]):.4f}",
+             f"{statistics.median(r['tokens_per_sec'] or 0 for r in runs[n]):,.0f}",
+             f"{statistics.median(r['wall_time_s'] for r in runs[n]):.0f}"] for n in names]
+    print(f"\nfinal (mean over {len(cfg.seeds)} run(s); tokens/s and wall time: medians)")
+    print(format_table(["run", "final val bpb", "tokens/s", "wall s"], rows))
+    comparisons, rows = [], []
+    fmt = lambda c: "never" if c["steps"] is None else (  # noqa: E731
+        f"{c['steps']:.0f} ({c['steps_ratio']:.2f}x)" + ("" if c["seconds"] is None else f", {c['seconds']:.0f} s"))
+    for i, seed in enumerate(cfg.seeds):
+        nc = runs["nanochat"][i]
+        for n in names[1:]:
+            o = runs[n][i]
+            rec = dict(seed=seed, ours=n, ours_to_nanochat=compare(o, nc, s.tokens_per_step),
+                       nanochat_to_ours=compare(nc, o, s.tokens_per_step))
+            comparisons.append(rec)
+            rows.append([seed, n, fmt(rec["ours_to_nanochat"]), fmt(rec["nanochat_to_ours"])])
+    print("\nsteps (x the other's steps), time at the run's own tokens/s, to the other's final val bpb")
+    print(format_table(["seed", "ours", "ours to nanochat's final", "nanochat to ours' final"], rows))
+    return dict(config=dataclasses.asdict(cfg), nanochat_commit=nanochat_commit(s.nanochat), **prep,
+                comparisons=comparisons, runs=runs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return harness.main(BenchVsNanochatConfig, bench, argv, quick=QUICK)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""bench/bench_vs_nanochat.py, karpathy/nanochat against ours on the same text.
+
+Checked against: lines nanochat's base_train printed in real runs (its curve and the throughput
+recomputed by hand from the step times); the corpus the bench writes, read back with pyarrow as
+nanochat reads it (sorted shards, the last one validation) and with our own data code (the same
+documents on the same sides), and the split recomputed from our rule; a --quick run's figures
+recomputed from its runs. The --quick run needs a checkout of karpathy/nanochat and a Python
+with its packages: NANOCHAT_DIR (and NANOCHAT_PYTHON, default this one); without them it is
+skipped.
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_vs_nanochat as bvn  # noqa: E402  (a benchmark, outside the package)
+import harness  # noqa: E402
+
+# nanochat 92d63d4, scripts/base_train.py on CPU: --depth 2 --max-seq-len 64 --device-batch-size 4
+# --total-batch-size 256 --num-iterations 6 --eval-every 3 (256 tokens a step).
+TINY_LOG = """\
+Total batch size 256 => gradient accumulation steps: 1
+Step 00000 | Validation bpb: 4.084334
+step 00000/00006 (0.00%) | loss: 6.239316 | lrm: 0.03 | dt: 62807.14ms | tok/sec: 4 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 0 | total time: 0.00m
+step 00001/00006 (16.67%) | loss: 6.239134 | lrm: 0.05 | dt: 42.20ms | tok/sec: 6,065 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 0 | total time: 0.00m
+step 00002/00006 (33.33%) | loss: 6.239064 | lrm: 0.07 | dt: 35.91ms | tok/sec: 7,128 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 0 | total time: 0.00m
+Step 00003 | Validation bpb: 4.083846
+step 00003/00006 (50.00%) | loss: 6.238439 | lrm: 0.10 | dt: 35.34ms | tok/sec: 7,244 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 0 | total time: 0.00m
+step 00004/00006 (66.67%) | loss: 6.238159 | lrm: 0.12 | dt: 65.67ms | tok/sec: 3,898 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 1 | total time: 0.00m
+step 00005/00006 (83.33%) | loss: 6.238063 | lrm: 0.15 | dt: 37.66ms | tok/sec: 6,797 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 1 | total time: 0.00m
+Step 00006 | Validation bpb: 4.082634
+Peak memory usage: 0.00MiB
+Minimum validation bpb: 4.082634
+"""
+
+
+def test_parse_nanochat_log_reads_the_curve_and_the_timed_steps():
+    r = bvn.parse_nanochat_log(TINY_LOG, 256)
+    assert r["val_step"] == [0, 3, 6]
+    assert r["val_bpb_curve"] == [4.084334, 4.083846, 4.082634]
+    assert r["val_bpb"] == 4.082634 and r["steps"] == 6
+    # 10 steps or fewer: every step but the first (compile) is timed
+    assert r["tokens_per_sec"] == pytest.approx(5 * 256 / (0.04220 + 0.03591 + 0.03534 + 0.06567 + 0.03766), rel=1e-9)
+
+
+# The same script's d2 run (16 x 256 tokens a step, 300 steps), lines around its 10th step.
+D2_LOG = """\
+Step 00000 | Validation bpb: 3.041976
+step 00009/00300 (3.00%) | loss: 8.296571 | lrm: 0.25 | dt: 2803.72ms | tok/sec: 1,460 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 1 | total time: 0.00m
+step 00010/00300 (3.33%) | loss: 8.292392 | lrm: 0.28 | dt: 2811.82ms | tok/sec: 1,456 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 1 | total time: 0.00m
+step 00011/00300 (3.67%) | loss: 8.283688 | lrm: 0.30 | dt: 2827.83ms | tok/sec: 1,448 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 1 | total time: 0.05m | eta: 13.6m
+step 00012/00300 (4.00%) | loss: 8.273952 | lrm: 0.33 | dt: 2882.18ms | tok/sec: 1,421 | bf16_mfu: 0.00 | epoch: 1 pq: 0 rg: 1 | total time: 0.10m | eta: 13.7m
+"""
+
+
+def test_parse_nanochat_log_times_the_steps_after_the_tenth_as_nanochat_does():
+    r = bvn.parse_nanochat_log(D2_LOG, 16 * 256)
+    assert r["val_step"] == [0] and r["val_bpb"] == 3.041976
+    assert r["tokens_per_sec"] == pytest.approx(2 * 4096 / (2.82783 + 2.88218), rel=1e-9)
+    assert bvn.parse_nanochat_log("Step 00000 | Validation bpb: 3.0\n", 4096)["tokens_per_sec"] is None
+
+
+def test_corpus_is_split_once_and_both_projects_read_the_same_documents(small_corpus, tmp_path):
+    import pyarrow.parquet as pq
+    from nanochat.data.plan import iter_documents, plan_sources
+    from nanochat.data.sources import list_sources
+    from nanochat.data.split import val_hash
+
+    train, val, note = bvn.split_corpus(str(small_corpus), 700)
+    # these 12 files: none hashes below VAL_FRACTION, so the smallest hash is the validation document
+    docs = [d for _, d in iter_documents(plan_sources(list_sources(str(small_corpus))))]
+    smallest = min(docs, key=lambda d: val_hash(d.id))
+    assert "moved" in note and val == bvn.pieces(smallest.text, 700)
+    assert train == [p for d in docs if d is not smallest for p in bvn.pieces(d.text, 700)]
+
+    info = bvn.write_corpus(train, val, tmp_path, shard_docs=50, row_group=16)
+    shards = sorted(Path(info["nanochat_data"]).glob("*.parquet"))  # nanochat: sorted, the last is val
+    texts = [pq.read_table(p).column("text").to_pylist() for p in shards]
+    assert len(shards) == info["train_shards"] + 1 == -(-len(train) // 50) + 1
+    assert [t for shard in texts[:-1] for t in shard] == train and texts[-1] == val
+
+    plan = plan_sources(list_sources(info["ours_corpus"]))
+    skipped = Counter()
+    ours = [(u.role, d.text) for u, d in iter_documents(plan, skipped)]
+    assert [t for role, t in ours if role == "train"] == train
+    assert [t for role, t in ours if role == "validation"] == val
+    assert not skipped
+
+    again = bvn.write_corpus(train[:10], val, tmp_path)  # a smaller corpus leaves no stale shard behind
+    assert len(list(Path(again["nanochat_data"]).iterdir())) == 2
+
+
+def test_pieces_cut_after_newlines_and_keep_the_text():
+    blank = " " * 9 + "\n"
+    text = "a = 1\n" * 30 + "x" * 25 + "\n" + blank + "b\n"
+    out = bvn.pieces(text, 10)
+    assert all(len(p) <= 10 for p in out)
+    assert blank not in out and "".join(out) == text.replace(blank, "")  # only the blank piece is dropped
+    assert all(p.endswith("\n") for p in out if "x" not in p)  # cut after a newline unless a line is longer
+    assert bvn.pieces(text, 0) == [text] and bvn.pieces(" \n", 0) == []
+
+
+def _main(argv):
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        rc = bvn.main(argv)
+    return rc, printed.getvalue(), errors.getvalue()
+
+
+def test_bad_input_is_one_error_line_before_any_work(tmp_path):
+    rc, _, err = _main(["--work_dir", str(tmp_path / "w")])
+    assert rc == 2 and "--nanochat_dir is missing" in err
+    rc, _, err = _main(["--nanochat_dir", str(tmp_path), "--work_dir", str(tmp_path / "w")])
+    assert rc == 2 and "has no scripts/base_train.py" in err
+    with pytest.raises(SystemExit) as exit_:  # a bad flag: the parser's one line
+        _main(["--nanochat_dir", str(tmp_path), "--eval_tokens", "1000"])
+    assert exit_.value.code == 2
+    with pytest.raises(ValueError, match="not a multiple of batch_size x seq_len"):
+        bvn.BenchVsNanochatConfig(nanochat_dir=str(tmp_path), eval_tokens=1000)
+    assert not (tmp_path / "w").exists()
+
+
+NANOCHAT_DIR = os.environ.get("NANOCHAT_DIR")
+
+
+@pytest.mark.skipif(not NANOCHAT_DIR, reason="set NANOCHAT_DIR to a karpathy/nanochat checkout (and NANOCHAT_PYTHON "
+                                              "to a Python with its packages) to run nanochat")
+def test_quick_run_trains_both_and_recomputes_its_comparison(small_corpus, tmp_path):
+    out = tmp_path / "figures.json"
+    rc, printed, err = _main(["--quick", "--nanochat_dir", NANOCHAT_DIR, "--nanochat_python",
+                              os.environ.get("NANOCHAT_PYTHON", sys.executable), "--dataset_path", str(small_corpus),
+                              "--work_dir", str(tmp_path / "work"), "--out", str(out)])
+    assert rc == 0, printed + err
+    data = json.loads(out.read_text())
+    nc, ours = data["runs"]["nanochat"][0], data["runs"]["ours-muon"][0]
+    assert nc["val_step"] == [0, 3, 6] and ours["val_step"] == [3, 6]  # nanochat also evaluates before step 1
+    assert nc["steps"] == ours["steps"] == 6
+    c = data["comparisons"][0]
+    assert c["ours_to_nanochat"]["steps"] == harness.steps_to(nc["val_bpb"], ours["val_step"], ours["val_bpb_curve"])
+    assert c["nanochat_to_ours"]["steps"] == harness.steps_to(ours["val_bpb"], nc["val_step"], nc["val_bpb_curve"])
+    assert data["corpus"]["val_docs"] > 0 and "val bpb at each evaluation" in printed
