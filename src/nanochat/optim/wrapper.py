@@ -26,14 +26,13 @@ from .backends import Backends
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
-from .muon import MuonAdamW, muon_calls, muon_multi, ns_dtype
+from .muon import muon_calls, muon_multi, ns_dtype
 from .muon_sharded import step_sharded
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
 from .state_bytes import moment_count, optimizer_bytes, optimizer_state_bytes
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.Muon"
-
 
 
 class OptimWrapper(torch.optim.Optimizer):
