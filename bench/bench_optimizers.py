@@ -100,10 +100,15 @@ class Variant:
     optimizer: str
     lr: float
     fp8_momentum: bool = False
+    extra: tuple[tuple[str, Any], ...] = ()
+    """More NanoChatTrainer fields of this variant's runs, as (name, value) pairs."""
+    label: str = ""
+    """The extra fields' short name, in `name` (its run directory)."""
 
     @property
     def name(self) -> str:
-        return f"{self.optimizer}-lr{self.lr:g}" + ("-fp8m" if self.fp8_momentum else "")
+        return f"{self.optimizer}-lr{self.lr:g}" + ("-fp8m" if self.fp8_momentum else "") + \
+            (f"-{self.label}" if self.label else "")
 
 
 def train_kwargs(cfg: BenchOptimizersConfig, v: Variant, seed: int) -> dict[str, Any]:
@@ -119,7 +124,7 @@ def train_kwargs(cfg: BenchOptimizersConfig, v: Variant, seed: int) -> dict[str,
         kw["lr"] = v.lr
     if v.fp8_momentum:
         kw["fp8_opt_level"] = 1
-    return kw
+    return dict(kw, **dict(v.extra))
 
 
 def _train(kw: dict[str, Any]) -> dict[str, Any]:

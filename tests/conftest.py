@@ -86,8 +86,11 @@ def small_corpus(tmp_path_factory) -> Path:
 
 def tiny_train_kwargs(corpus: Path, run_dir: Path, **over) -> dict:
     """A d2 model on the small corpus: a few seconds per run on 2 CPU cores. Eager (compile=False):
-    these runs test the loop's logic; tests named *compile* run the compiled default."""
-    kw = dict(model_name="d2", compile=False, dataset_path=str(corpus), run_dir=str(run_dir), vocab_size=320,
+    these runs test the loop's logic; tests named *compile* run the compiled default. AdamW, not
+    the preset's default Muon: these tests check AdamW's state (its two moments, their FP8 form,
+    their bytes) and its fused step; Muon runs pass optimizer="muon" (tests/test_muon_training.py
+    and the distributed tests' MUON)."""
+    kw = dict(model_name="d2", optimizer="adamw", compile=False, dataset_path=str(corpus), run_dir=str(run_dir), vocab_size=320,
               seq_len=32, batch_size=8, num_iterations=30, warmup_steps=3, lr=1e-2, eval_every=0,
               eval_tokens=2048, save_every=0, num_samples=1, sample_tokens=8, device="cpu")
     kw.update(over)

@@ -84,7 +84,8 @@ CASES = [
     ("bench/bench_fp8_linear", ["--modes", "e4m5"], 2, ["--modes: 'e4m5' is not one of e4m3, e5m2, auto"]),
     # the config dataclasses' own checks (__post_init__)
     ("base_train", ["--lr", "nan"], 2, ["--lr must be a finite number, got nan"]),
-    ("base_train", ["--muon_lr", "0.01"], 2, ["--muon_lr set Muon's hyperparameters", "pass --optimizer muon"]),
+    ("base_train", ["--optimizer", "adamw", "--muon_lr", "0.01"], 2,
+     ["--muon_lr set Muon's hyperparameters", "pass --optimizer muon"]),
     ("tok_train", ["--vocab_size", "10"], 2, ["--vocab_size must be >= 260", "got 10"]),
     ("eval", DATA, 2, ["give exactly one of --run_dir", "--model_name"]),
     ("export_hf", ["--out_dir", "{missing}"], 2, ["give exactly one of --run_dir", "--model_name"]),

@@ -19,6 +19,8 @@
 - state_dict -> torch.load(weights_only=True) -> a fresh FP8Optim resumes bit for bit; a plain
   torch.optim.Muon state loads into FP8Optim as the quantizer's codes of its buffer (torch.equal
   with E4M3Blocks.quantize), and an FP8 state into a level-0 wrapper as its dequantized values.
+- NorMuon (--muon_normuon): after its first step every neuron's update has one RMS and the
+  update its norm (float64 by hand); its EMA is state a checkpoint carries (bit for bit).
 - muon_param_groups on the d2 GPT: the 12 block matrices go to Muon, the embedding and lm_head
   to AdamW (tied: one entry); 1-D parameters to AdamW; each parameter exactly once.
 - MuonAdamW steps as its two optimizers stepped apart (torch.equal, under one LambdaLR), resumes
@@ -48,7 +50,7 @@ from nanochat.model.gpt import GPT, preset_config
 from nanochat.optim import (FP8Optim, FP8Tensor, MuonAdamW, OptimWrapper, muon_param_groups, optimizer_fallbacks,
                             optimizer_state_bytes)
 from nanochat.optim.moments import E4M3Blocks, MomentFormat
-from nanochat.optim.muon import NS_COEFFICIENTS, muon_flags, muon_hypers, muon_step, newton_schulz
+from nanochat.optim.muon import NS_COEFFICIENTS, muon_flags, muon_hypers, muon_step, newton_schulz, normalize_neurons
 from tests.conftest import last_bits
 
 
@@ -258,6 +260,50 @@ def test_state_dict_round_trip_resumes_bit_for_bit():
         assert torch.equal(pa, pb)
     ma, mb = opt_a.state[a[0]]["momentum_buffer"], opt_b.state[b[0]]["momentum_buffer"]
     assert torch.equal(ma.codes.view(torch.uint8), mb.codes.view(torch.uint8)) and torch.equal(ma.scale, mb.scale)
+
+
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12)])
+def test_normuon_evens_the_neurons_and_keeps_the_norm(shape):
+    """NorMuon's first step from a zero EMA: every neuron (a row of a tall matrix, a column of a
+    wide one) ends with the same RMS, the update's Frobenius norm unchanged, and the EMA is
+    (1 - beta2) x each neuron's mean square; float64 by hand, to 1e-6 relative (fp32 rounding of
+    a few dozen products). With ok False the EMA stays as it was."""
+    o = torch.randn(*shape, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.1, 3, shape[0])[:, None]
+    dim = -1 if shape[0] >= shape[1] else -2
+    v = torch.zeros((shape[0], 1) if dim == -1 else (1, shape[1]))
+    out = normalize_neurons(o, v, 0.9)
+    want_v = 0.1 * o.double().square().mean(dim=dim, keepdim=True)
+    assert torch.allclose(v.double(), want_v, rtol=1e-6)
+    neuron_rms = out.double().square().mean(dim=dim).sqrt()
+    assert torch.allclose(neuron_rms, torch.full_like(neuron_rms, o.double().norm() / o.numel() ** 0.5), rtol=1e-6)
+    before = v.clone()
+    normalize_neurons(o * 2, v, 0.9, ok=torch.tensor(False))
+    assert torch.equal(v, before)
+
+
+def test_a_normuon_fp8_optimizer_resumes_bit_for_bit():
+    """--muon_normuon's EMA is optimizer state: saved, loaded, and the steps after equal."""
+    grads = [[torch.randn(128, 64, generator=torch.Generator().manual_seed(s)),
+              torch.randn(8, 8, generator=torch.Generator().manual_seed(100 + s))] for s in range(6)]
+
+    def make(params):
+        opt = torch.optim.Muon(params, lr=0.02)
+        opt.param_groups[0]["normuon"] = 0.9
+        return FP8Optim(opt, opt_level=1, compile=False)
+
+    a = _pair()
+    opt_a = make(a)
+    _run(opt_a, a, grads[:3])
+    assert opt_a.state[a[0]]["neuron_variance"].shape == (128, 1)
+    blob = io.BytesIO()
+    torch.save(opt_a.state_dict(), blob)
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    opt_b = make(b)
+    opt_b.load_state_dict(torch.load(io.BytesIO(blob.getvalue()), weights_only=True))
+    _run(opt_a, a, grads[3:])
+    _run(opt_b, b, grads[3:])
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a, b))
+    assert torch.equal(opt_a.state[a[0]]["neuron_variance"], opt_b.state[b[0]]["neuron_variance"])
 
 
 def test_fp32_muon_state_converts_to_fp8_and_back():

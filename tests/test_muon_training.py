@@ -8,7 +8,8 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   plan's optimizer part and the sum optimizer_bytes gives per tensor (1 + 4/256 bytes a Muon
   parameter).
 - Each param group follows its own peak through the schedule: Muon's --muon_lr, AdamW's --lr,
-  times lr_multiplier at the last step (both to fp64 rounding of one product).
+  times lr_multiplier at the last step (both to fp64 rounding of one product); with
+  --muon_momentum_warmup, Muon's momentum follows its ramp from 0.85.
 - A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
   compared exactly, as test_trainer.py's AdamW resume is).
 - FP8 momentum against fp32 momentum (level 0; both with Newton-Schulz in fp32, the CPU's): the
@@ -20,7 +21,8 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   optimizer state and gradients held are the plan's, byte for byte (in the backward: the largest
   gradient, a Muon matrix's, is the plan's gradient part); a resumed run is the uninterrupted one,
   every loss and the final weights equal.
-- Bad input, before any work: Muon's flags without --optimizer muon, a --muon_lr or
+- --optimizer auto: Muon for a preset, AdamW for a Hugging Face model, recorded as it ran.
+- Bad input, before any work: Muon's flags without --optimizer muon (or auto's muon), a --muon_lr or
   --muon_momentum out of range; and under torchrun with --fsdp or --tp, bf16 master weights
   (the layout check; fp32 masters pass it there).
 
@@ -39,6 +41,7 @@ from nanochat.common import DistEnv, UsageError
 from nanochat.config import TrainConfig
 from nanochat.optim import FP8Tensor, MuonAdamW, optimizer_bytes, optimizer_state_bytes
 from nanochat.train import memory, preflight
+from nanochat.optim.schedule import muon_momentum
 from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
 
@@ -91,6 +94,20 @@ def test_each_group_follows_its_own_peak(fp8_run):
         assert g["lr"] == pytest.approx(0.02 * last, rel=1e-12)
     for g in trainer.optimizer.adamw.param_groups:
         assert g["lr"] == pytest.approx(1e-2 * last, rel=1e-12)
+
+
+def test_momentum_warms_up_from_085_to_its_target():
+    assert [muon_momentum(s, 4, 0.95) for s in range(6)] == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert muon_momentum(0, 0, 0.9) == 0.9
+
+
+def test_the_trainer_sets_muon_s_momentum_each_step(small_corpus, tmp_path):
+    """3 steps with a 10-step warmup: the last step ran at 0.85 + 0.1 x 2/10; AdamW's betas unchanged."""
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=3, num_samples=0,
+                                                  muon_momentum_warmup=10, **MUON))
+    trainer.train()
+    assert [g["momentum"] for g in trainer.optimizer.muon.param_groups] == pytest.approx([0.87])
+    assert all(g["betas"] == (0.9, 0.95) for g in trainer.optimizer.adamw.param_groups)
 
 
 def test_a_resumed_muon_run_is_the_uninterrupted_one(small_corpus, tmp_path, monkeypatch):
@@ -151,8 +168,9 @@ def test_a_resumed_bf16_master_muon_run_is_the_uninterrupted_one(small_corpus, t
 
 
 @pytest.mark.parametrize("over, fragment", [
-    (dict(muon_lr=0.01), "--muon_lr set Muon's hyperparameters, but --optimizer is adamw"),
-    (dict(muon_momentum=0.9), "pass --optimizer muon, or drop --muon_momentum"),
+    (dict(optimizer="adamw", muon_lr=0.01), "--muon_lr set Muon's hyperparameters, but --optimizer is adamw"),
+    (dict(optimizer="adamw", muon_momentum=0.9), "pass --optimizer muon, or drop --muon_momentum"),
+    (dict(model_name="some-org/some-llama", muon_lr=0.01), "but --optimizer is adamw"),  # auto: adamw for HF
     (dict(optimizer="muon", muon_lr=1.5), "--muon_lr must be in (0, 1)"),
     (dict(optimizer="muon", muon_momentum=1.0), "--muon_momentum must be in [0, 1)"),
     (dict(optimizer="muon", muon_lr=math.nan), "--muon_lr must be in (0, 1)"),
@@ -161,6 +179,13 @@ def test_bad_muon_settings_are_one_line_errors(over, fragment):
     with pytest.raises(ValueError) as e:
         TrainConfig(**over)
     assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_auto_picks_muon_for_a_preset_and_adamw_for_a_hugging_face_model():
+    assert TrainConfig().optimizer == "muon" and TrainConfig(model_name="d2").optimizer == "muon"
+    assert TrainConfig(model_name="meta-llama/Meta-Llama-3-8B").optimizer == "adamw"
+    assert TrainConfig(model_name="d2", optimizer="adamw").optimizer == "adamw"
+    assert TrainConfig(**TrainConfig().to_dict()).optimizer == "muon"  # config.json reads back as it ran
 
 
 @pytest.mark.parametrize("over, layout", [(dict(fsdp=True), "fsdp x2"), (dict(tp=2), "tp 2")])

@@ -1,7 +1,8 @@
 """The resume policy (nanochat.checkpoint.resume), checked against checkpoint metadata built the
 way Checkpointer.save writes it (config.to_dict(), resolved_paths, world size, fingerprint):
 
-- the same settings resume; every kept flag that differs is named, all in one error;
+- the same settings resume; every kept flag that differs is named, all in one error; a flag the
+  checkpoint predates counts as its default;
 - paths compare resolved (`tok/`, relative, resumes a run saved with the absolute path); the
   batch compares globally (8 x 2 ranks resumes as 16 x 1, not as 8 x 1); FP8 settings count
   (--fp8_layers); another tokenizer is refused;
@@ -45,6 +46,18 @@ def test_the_same_settings_resume_and_every_difference_is_named(tmp_path):
         assert part in msg, msg
     with pytest.raises(UsageError, match="to change the level, start a new run from these weights with --init_from"):
         _check(_meta(saved), TrainConfig(run_dir=str(tmp_path), seq_len=64, seed=1, fp8_opt_level=2))
+
+
+def test_a_checkpoint_older_than_a_kept_flag_ran_at_its_default(tmp_path):
+    """A checkpoint written before a kept flag existed holds no value for it: it ran at the
+    flag's default (and before --optimizer, with AdamW), so it resumes where this run's value is
+    that, and is refused where it is not."""
+    meta = _meta(TrainConfig(run_dir=str(tmp_path), optimizer="adamw"))
+    for newer in ("muon_orthogonalizer", "muon_normuon", "muon_cautious_wd", "optimizer"):
+        del meta["config"][newer]
+    _check(meta, TrainConfig(run_dir=str(tmp_path), optimizer="adamw"))
+    with pytest.raises(UsageError, match="--optimizer: checkpoint 'adamw' vs now 'muon'"):
+        _check(meta, TrainConfig(run_dir=str(tmp_path)))  # auto: muon for the d4 preset
 
 
 def test_paths_resolved_the_batch_global_and_fp8_layers_kept(tmp_path, monkeypatch):

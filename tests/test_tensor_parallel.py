@@ -12,9 +12,9 @@ so the embedding and the head split too):
 - --tp 2 with --optimizer muon --fp8_opt_level 1: within TP_MUON_LOSS_TOL of one process (argued
   below); each rank keeps its shard of every momentum (FP8 where the shard's rows are whole
   blocks), the update matrices gathered whole for Newton-Schulz.
-- --resume across layouts: a checkpoint written by --tp 2 (DCP) resumes in one process and as
-  DDP on 2 ranks, with the uninterrupted --tp 2 run's later losses (FP8_LOSS_TOL), and with
-  --tp 2 again bit for bit.
+- --resume across layouts: a checkpoint written by --tp 2 (DCP), FP8 moments or Muon's FP8
+  momentum, resumes in one process and as DDP on 2 ranks, with the uninterrupted --tp 2 run's
+  later losses (FP8_LOSS_TOL, TP_MUON_LOSS_TOL), and with --tp 2 again bit for bit.
 - With `-m slow`: --fsdp --tp 2 on 4 ranks (a 2 x 2 mesh) against one process, fp32 within
   LOSS_TOL and FP8 within FSDP_TP_FP8_LOSS_TOL, its FP8 moments on 2-D shards, and its checkpoint
   resumed in one process; the 2-rank cases run the same tensor-parallel code.
@@ -124,12 +124,14 @@ def single(small_corpus, tmp_path_factory, cache, hf_models) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def tp2(small_corpus, tmp_path_factory, cache, single, hf_models) -> dict[str, Path]:
-    """--tp 2 on 2 ranks, batch 8 on both (one replica): the same runs, and `cut`: the FP8 run
-    stopped right after its step-4 checkpoint."""
+    """--tp 2 on 2 ranks, batch 8 on both (one replica): the same runs, and `cut` and `muon_cut`:
+    the FP8 and the Muon run stopped right after their step-4 checkpoints."""
     out = tmp_path_factory.mktemp("tp2")
     runs = [dict(name=name, kwargs=kw) for name, kw in _runs(small_corpus, out, hf_models, tp=2).items()]
     runs.append(dict(name="cut", crash_after_first_save=True,
                      kwargs=_d4(small_corpus, out / "cut", tp=2, save_every=4, **FP8)))
+    runs.append(dict(name="muon_cut", crash_after_first_save=True,
+                     kwargs=_d4(small_corpus, out / "muon_cut", tp=2, save_every=4, **MUON)))
     _torchrun(2, runs, cache)
     return {r["name"]: out / r["name"] for r in runs}
 
@@ -196,27 +198,36 @@ def test_tp2_muon_matches_one_process_with_its_shards_of_the_momentum(tp2, singl
 
 
 def test_tp2_checkpoint_resumes_exactly_and_in_one_process_and_as_ddp(tp2, cache):
+    """The FP8 (AdamW, FP8 moments) and the Muon (FP8 momentum) cuts, each resumed in one process,
+    as DDP x2 and as --tp 2 again; the Muon bound is TP_MUON_LOSS_TOL's: the resumed run in
+    another layout differs from the --tp 2 run as those layouts do from the start."""
     from nanochat.train.trainer import NanoChatTrainer
 
-    cut = tp2["cut"]
-    cfg = json.loads((cut / "config.json").read_text())
-    full = _losses(tp2["fp8"])
     later = lambda losses: {s: losses[s] for s in range(5, 9)}  # noqa: E731
-    one, ddp, same = (Path(f"{cut}_{name}") for name in ("one", "ddp", "same"))
-    for target in (one, ddp, same):
-        shutil.copytree(cut, target)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOCHAT_CACHE", str(cache))
-        NanoChatTrainer(**{**cfg, "tp": 1, "run_dir": str(one), "resume": True}).train()
-    _assert_close(later(_losses(one)), later(full), TP_FP8_LOSS_TOL, "tp 2 -> one process")
-    # DDP on 2 ranks: batch 4 each, the same global batch of 8; and --tp 2 again, which reads
-    # every shard (FP8 codes and scales included) as it was written: the same steps, bit for bit
-    _torchrun(2, [dict(name="ddp", kwargs={**cfg, "tp": 1, "batch_size": 4, "run_dir": str(ddp), "resume": True}),
-                  dict(name="same", kwargs={**cfg, "run_dir": str(same), "resume": True})], cache)
-    _assert_close(later(_losses(ddp)), later(full), TP_FP8_LOSS_TOL, "tp 2 -> ddp x2")
-    assert later(_losses(same)) == later(full)
-    starts = [r for r in run_records(ddp) if r.get("event") == "start"]
-    assert starts[-1]["from_step"] == 4 and starts[-1]["world_size"] == 2, starts
+    cases = {"cut": (tp2["fp8"], TP_FP8_LOSS_TOL), "muon_cut": (tp2["muon"], TP_MUON_LOSS_TOL)}
+    resumed = []
+    for name, (full, tol) in cases.items():
+        cut = tp2[name]
+        cfg = json.loads((cut / "config.json").read_text())
+        one, ddp, same = (Path(f"{cut}_{layout}") for layout in ("one", "ddp", "same"))
+        for target in (one, ddp, same):
+            shutil.copytree(cut, target)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NANOCHAT_CACHE", str(cache))
+            NanoChatTrainer(**{**cfg, "tp": 1, "run_dir": str(one), "resume": True}).train()
+        _assert_close(later(_losses(one)), later(_losses(full)), tol, f"{name}: tp 2 -> one process")
+        # DDP on 2 ranks: batch 4 each, the same global batch of 8; and --tp 2 again, which reads
+        # every shard (FP8 codes and scales included) as it was written: the same steps, bit for bit
+        resumed += [dict(name=f"{name}_ddp", kwargs={**cfg, "tp": 1, "batch_size": 4, "run_dir": str(ddp),
+                                                      "resume": True}),
+                    dict(name=f"{name}_same", kwargs={**cfg, "run_dir": str(same), "resume": True})]
+    _torchrun(2, resumed, cache)
+    for name, (full, tol) in cases.items():
+        ddp, same = Path(f"{tp2[name]}_ddp"), Path(f"{tp2[name]}_same")
+        _assert_close(later(_losses(ddp)), later(_losses(full)), tol, f"{name}: tp 2 -> ddp x2")
+        assert later(_losses(same)) == later(_losses(full)), name
+        starts = [r for r in run_records(ddp) if r.get("event") == "start"]
+        assert starts[-1]["from_step"] == 4 and starts[-1]["world_size"] == 2, starts
 
 
 def test_a_tp2_run_exports_to_transformers_from_its_shards(tp2, tmp_path):

@@ -59,7 +59,7 @@ from wandb.proto import wandb_internal_pb2  # noqa: E402
 NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
          "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "val_loss": "val/loss", "val_bpb": "val/bpb",
          "val_accuracy": "val/accuracy", "clip_factor": "events/clip_factor",
-         "update_rms_adamw": "train/update_rms_adamw", "update_rms_adamw_no_decay": "train/update_rms_adamw_no_decay"}
+         "update_rms_muon": "train/update_rms_muon", "update_rms_adamw": "train/update_rms_adamw", "update_rms_adamw_no_decay": "train/update_rms_adamw_no_decay"}
 FLAGS = {"skipped": "events/skipped", "calibrating": "fp8/calibrating"}  # true -> 1
 ROLES = ("input", "weight", "grad_output")
 STATS = {"underflow_pct": np.max, "saturation_pct": np.max, "sqnr_db": np.min}

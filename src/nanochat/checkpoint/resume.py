@@ -22,6 +22,7 @@ fingerprint before any weight is read). A Hugging Face model continues from its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -101,7 +102,12 @@ def kept_differences(saved: Mapping[str, Any], saved_paths: Mapping[str, Any],
     """{flag: (saved, now)} for each kept flag on which `saved` (a checkpoint's config, or a start
     record's settings) differs from `config`; paths compare resolved (`saved_paths`)."""
     paths_now = resolved_paths(config)
-    diff = setting_differences(saved, config.to_dict(), RESUME_MUST_MATCH)
+    # a kept flag added after the checkpoint was written: it ran at that flag's default
+    # (AdamW was the only optimizer before --optimizer)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name not in saved}
+    if defaults.get("optimizer") == "auto":
+        defaults["optimizer"] = "adamw"
+    diff = setting_differences({**defaults, **saved}, config.to_dict(), RESUME_MUST_MATCH)
     for k in PATH_FIELDS:
         if k in diff and saved_paths.get(k, saved.get(k)) == paths_now[k]:
             del diff[k]

@@ -138,6 +138,15 @@ def _fp8_fields() -> type:
 FP8Fields = _fp8_fields()
 
 
+PRESET_DEPTHS = (2, 4, 6, 8, 12, 20, 24, 26)
+"""The size presets' depths: `--model_name d<depth>` (nanochat.model.gpt.PRESETS: width 64 x depth)."""
+
+
+def is_preset(model_name: str) -> bool:
+    """Whether `model_name` names one of our size presets (else a Hugging Face model)."""
+    return model_name in {f"d{depth}" for depth in PRESET_DEPTHS}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFields(Checked):
     """Which model trains, and from which weights (base_train, fp8_parity)."""

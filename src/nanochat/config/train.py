@@ -20,7 +20,7 @@ from typing import Literal
 
 from nanochat.config.checks import RESUME, finite, kept, non_negative, positive
 from nanochat.config.fields import (
-    BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, ScriptFields, flag_text,
+    BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, ScriptFields, flag_text, is_preset,
 )
 
 MUON_LR = 0.02
@@ -28,6 +28,9 @@ MUON_LR = 0.02
 with torch.optim.Muon's per-shape factor sqrt(max(1, rows / columns))."""
 MUON_MOMENTUM = 0.95
 """Muon's default momentum: torch.optim.Muon's and karpathy/nanochat's."""
+
+MUON_ADDITIONS = ("muon_momentum_warmup", "muon_orthogonalizer", "muon_normuon", "muon_cautious_wd")
+"""Muon's settings beyond torch.optim.Muon's constructor (off by default)."""
 
 LogChoice = Literal["jsonl", "tensorboard", "wandb"]
 """A `--log` choice (TrainConfig.log): metrics.jsonl, always written, and the trackers
@@ -54,11 +57,12 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     final_lr_frac: float = 0.1
     """The learning rate decays (cosine) from --lr to this fraction of it at the last step."""
 
-    optimizer: Literal["adamw", "muon"] = kept("adamw")
-    """adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon: momentum orthogonalized by
-    Newton-Schulz) for the hidden matrices, the attention and MLP projections, at --muon_lr; AdamW
-    at --lr for the embeddings, the output head, norms and biases (the run's header lists where
-    each tensor went). --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter
+    optimizer: Literal["auto", "adamw", "muon"] = kept("auto")
+    """auto: muon for a size preset (d2 ... d26), adamw for a Hugging Face model (the run records
+    which). adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon: momentum orthogonalized
+    by Newton-Schulz) for the hidden matrices, the attention and MLP projections, at --muon_lr;
+    AdamW at --lr for the embeddings, the output head, norms and biases (the run's header lists where
+    each tensor went); at d4 it reaches AdamW's loss in half the steps (BENCHMARKS.md). --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter
     instead of 4). One process, DDP, --fsdp or --tp (a split matrix is all-gathered whole for
     Newton-Schulz, its momentum stays split). bf16 --master_weights
     and --optimizer_in_backward work as with AdamW (a matrix steps in its hook once its gradient
@@ -70,6 +74,22 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
 
     muon_momentum: float | None = None
     """Muon's momentum (Nesterov), --optimizer muon. None means 0.95."""
+
+    muon_momentum_warmup: int = 0
+    """Muon's momentum rises linearly from 0.85 to --muon_momentum over the first N steps
+    (karpathy/nanochat's schedule, over 400 steps); 0: constant."""
+
+    muon_orthogonalizer: Literal["newton_schulz", "polar_express"] = kept("newton_schulz")
+    """newton_schulz: torch.optim.Muon's quintic, the same (a, b, c) each of 5 steps. polar_express:
+    one optimal quintic per step (arXiv 2505.16932, karpathy/nanochat's)."""
+
+    muon_normuon: bool = kept(False)
+    """NorMuon (arXiv 2510.05491): each neuron's orthogonalized update divided by the root of an
+    EMA of its mean square (beta2 0.9), rescaled to the update's norm. One fp32 vector per matrix
+    of state; one process or DDP."""
+
+    muon_cautious_wd: bool = kept(False)
+    """Cautious weight decay: Muon decays only the elements its update moves towards zero too."""
 
     weight_decay: float = 0.1
     """Decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and embeddings get none)."""
@@ -247,7 +267,7 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
                              "tensor-parallel styles (their block scales would span the split); use --fp8_recipe "
                              "tensorwise or rowwise with --tp, or mxfp8 with --fsdp alone")
         non_negative(self, "save_every", "grad_clip", "num_samples", "sample_tokens", "top_k", "weight_decay",
-                      "temperature", "update_rms_every")
+                      "temperature", "update_rms_every", "muon_momentum_warmup")
         if self.num_iterations == -1 and self.num_epochs < 1:
             raise ValueError(f"--num_epochs must be >= 1, got {self.num_epochs}")
         if not 0 <= self.final_lr_frac <= 1:
@@ -261,7 +281,11 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
                 MUON_MOMENTUM if self.muon_momentum is None else self.muon_momentum)
 
     def _check_optimizer(self) -> None:
+        if self.optimizer == "auto":  # the field holds what runs, so config.json and --resume see it
+            object.__setattr__(self, "optimizer", "muon" if is_preset(self.model_name) else "adamw")
         muon_flags = [f"--{name}" for name in ("muon_lr", "muon_momentum") if getattr(self, name) is not None]
+        muon_flags += [f"--{f.name}" for f in dataclasses.fields(self) if f.name in MUON_ADDITIONS
+                       and getattr(self, f.name) != f.default]
         if self.optimizer != "muon" and muon_flags:
             raise ValueError(f"{' and '.join(muon_flags)} set Muon's hyperparameters, but --optimizer is "
                              f"{self.optimizer}: pass --optimizer muon, or drop {' and '.join(muon_flags)}")

@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from nanochat.config.fields import PRESET_DEPTHS
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -143,7 +145,7 @@ class GPTConfig:
 PRESETS: dict[str, dict[str, int]] = {
     f"d{depth}": dict(n_layer=depth, n_embd=64 * depth, n_head=max(1, 64 * depth // 128),
                       n_kv_head=max(1, 64 * depth // 128))
-    for depth in (2, 4, 6, 8, 12, 20, 24, 26)
+    for depth in PRESET_DEPTHS
 }
 
 

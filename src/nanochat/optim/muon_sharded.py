@@ -74,6 +74,9 @@ def step_sharded(opt, mine: list[tuple[torch.Tensor, dict]]) -> list[tuple[torch
                                            fp32_buffer=opt.steps_every_parameter, salt=opt._salts.get(p, 0))
         pl, g = local(p), local_grad(p)
         flags = muon_flags(group, pl.device, opt.muon_ns_dtype)
+        if flags["normuon"]:
+            raise ValueError("NorMuon normalizes each neuron over the whole matrix, which a sharded step does not "
+                             "hold: train it in one process or under DDP, or drop --muon_normuon")
         ns = {k: flags.pop(k) for k in ("coefficients", "ns_steps", "eps", "dtype")}
         muon_step(pl, g.reshape(pl.shape), buf, *muon_hypers(group), **flags, **ns, m_format=type(fmt),
                   lo=lo, step=step, salt=salt, master=opt.master_weights, emulate=opt.emulate,

@@ -6,7 +6,8 @@ a checkpoint loads into the wrapped optimizer alone and a plain torch state load
     Adam   step, exp_avg, and exp_avg_sq (v) or exp_avg_sq_sqrt (sqrt(v), what a quantized format
            stores); master_lo under bf16_split (master.py)
     SGD    momentum_buffer
-    Muon   momentum_buffer; master_lo under bf16_split, step under bf16_sr (its bits' counter)
+    Muon   momentum_buffer; master_lo under bf16_split, step under bf16_sr (its bits' counter),
+           neuron_variance under NorMuon (muon.neuron_variance: one fp32 value per neuron)
 
 A moment is a plain tensor or a quantized one, recognized by the `QuantizedState` members
 (moments.FP8Tensor has them), so this code serves any format and imports none. Loading checks
@@ -25,7 +26,7 @@ from .shards import local
 
 ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq", "exp_avg_sq_sqrt", "master_lo")
 SGD_KEYS = ("momentum_buffer",)
-MUON_KEYS = ("momentum_buffer", "step", "master_lo")
+MUON_KEYS = ("momentum_buffer", "step", "master_lo", "neuron_variance")
 
 
 @runtime_checkable
@@ -66,6 +67,8 @@ def _convert_one(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict, quant
         if buf is not None:
             state["momentum_buffer"] = opt.moments.quantize(buf.to(p.device)) if quantized else _high(opt, buf, p)
         if opt.is_muon:
+            if state.get("neuron_variance") is not None:
+                state["neuron_variance"] = state["neuron_variance"].to(device=p.device, dtype=torch.float32)
             _convert_master(opt, p, state)
         return
     m = state["exp_avg"]
@@ -161,6 +164,12 @@ def _state_problem(key: str, value: Any, like_p: torch.Tensor) -> str | None:
             return None
         return f"step must be a number or a 0-dim tensor, got {_describe(value)}"
     if key == "momentum_buffer" and value is None:  # SGD before its first step
+        return None
+    if key == "neuron_variance":
+        rows, cols = like_p.shape
+        want_shape = (rows, 1) if rows >= cols else (1, cols)
+        if not (torch.is_tensor(value) and value.dtype == torch.float32 and tuple(value.shape) == want_shape):
+            return f"neuron_variance must be an fp32 tensor of shape {want_shape}, got {_describe(value)}"
         return None
     if not torch.is_tensor(value):
         return f"{key} must be a tensor, got {_describe(value)}"

@@ -18,4 +18,12 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, final_lr_frac:
     return final_lr_frac + (1 - final_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-__all__ = ["lr_multiplier"]
+def muon_momentum(step: int, warmup_steps: int, target: float, start: float = 0.85) -> float:
+    """Muon's momentum at 0-based `step`: linear from `start` to `target` over `warmup_steps`
+    (karpathy/nanochat's warmup, from 0.85), then `target`; `target` throughout for 0 steps."""
+    if step >= warmup_steps:
+        return target
+    return start + (target - start) * step / warmup_steps
+
+
+__all__ = ["lr_multiplier", "muon_momentum"]

@@ -26,7 +26,7 @@ from .backends import Backends
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
-from .muon import muon_calls, muon_multi, ns_dtype
+from .muon import muon_additions, muon_calls, muon_multi, ns_dtype
 from .muon_sharded import step_sharded
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
@@ -143,7 +143,7 @@ class OptimWrapper(torch.optim.Optimizer):
             self._step_all([(p, group) for group in self.param_groups for p in group["params"] if p.grad is not None])
             return loss
         mine = [(p, group) for group in self.param_groups for p in group["params"]
-                if p.grad is not None and (self.stores(p, group) or self._muon_here(p))]
+                if p.grad is not None and (self.stores(p, group) or self._muon_here(p, group))]
         if mine:
             self._step_muon(mine) if self.is_muon else self._step_sgd(mine) if self.is_sgd else self._step_adam(mine)
         # the fp32-state parameters: the wrapped optimizer steps them, with the format's hidden
@@ -286,12 +286,13 @@ class OptimWrapper(torch.optim.Optimizer):
             self.backends.run("sgd", sgd_multi, ps, gs, bufs, hyp, first=first, nesterov=nesterov,
                               m_format=type(fmt))
 
-    def _muon_here(self, p: torch.Tensor) -> bool:
+    def _muon_here(self, p: torch.Tensor, group: dict) -> bool:
         """A Muon parameter with fp32 momentum is stepped here, not by torch.optim.Muon, where its
         Newton-Schulz dtype is not torch's bf16 (fp32 on a CPU: muon.py says why), where it is an
-        FSDP/TP shard (torch's would orthogonalize the shard: muon_sharded.py gathers it), or where
-        every parameter is (bf16 masters, in the backward: torch's step would not honour them)."""
-        return self.is_muon and (self.steps_every_parameter or isinstance(p, DTensor)
+        FSDP/TP shard (torch's would orthogonalize the shard: muon_sharded.py gathers it), where
+        its group asks for more than torch's step does (muon.muon_additions), or where every
+        parameter is (bf16 masters, in the backward: torch's step would not honour them)."""
+        return self.is_muon and (self.steps_every_parameter or isinstance(p, DTensor) or bool(muon_additions(group))
                                  or (self.muon_ns_dtype or ns_dtype(p.device)) != torch.bfloat16)
 
     def _step_muon(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
@@ -405,7 +406,7 @@ class OptimWrapper(torch.optim.Optimizer):
         if type(fmt) is MomentFormat:
             n = sum(1 for g in self.param_groups for _ in g["params"])
             numel = sum(p.numel() for g in self.param_groups for p in g["params"])
-            here = self.steps_every_parameter or any(self._muon_here(p) for g in self.param_groups for p in g["params"])
+            here = self.steps_every_parameter or any(self._muon_here(p, g) for g in self.param_groups for p in g["params"])
             who = "stepped here" if here else "stepped by the wrapped optimizer"
             return (f"{type(self).__name__}({kind}, master_weights={self.master_weights}): {n} tensors / {numel:,} "
                     f"params with fp32 moments, {who}; {format_bytes(self.state_bytes())} of state")

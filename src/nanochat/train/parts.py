@@ -22,6 +22,7 @@ from nanochat.fp8.all_gather import fp8_all_gather_problem
 from nanochat.model.gpt import GPT
 from nanochat.model.parallelize import tp_plan
 from nanochat.optim import MuonAdamW, muon_param_groups
+from nanochat.optim.muon import NORMUON_BETA2
 from nanochat.parallel.layout import Layout
 from nanochat.parallel.wrap import wrap_model
 
@@ -77,9 +78,12 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
             raise UsageError(f"--optimizer muon: {cfg.model_name} has no hidden nn.Linear matrix for Muon to train "
                              "(every parameter would go to AdamW); use --optimizer adamw")
         muon_lr, momentum = cfg.muon_settings
-        optimizer = MuonAdamW(
-            torch.optim.Muon(split.muon, lr=muon_lr, momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay),
-            torch.optim.AdamW(split.adamw, weight_decay=cfg.weight_decay, **adam), placements=split.placements)
+        muon = torch.optim.Muon(split.muon, lr=muon_lr, momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay)
+        for group in muon.param_groups:  # what torch's step lacks; the wrapper steps such groups (muon.muon_flags)
+            group.update(orthogonalizer=cfg.muon_orthogonalizer, cautious_wd=cfg.muon_cautious_wd,
+                         normuon=NORMUON_BETA2 if cfg.muon_normuon else 0.0)
+        optimizer = MuonAdamW(muon, torch.optim.AdamW(split.adamw, weight_decay=cfg.weight_decay, **adam),
+                              placements=split.placements)
         peaks = [muon_lr] * len(optimizer.muon.param_groups) + [cfg.lr] * len(optimizer.adamw.param_groups)
     else:
         optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), **adam)

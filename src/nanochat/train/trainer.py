@@ -49,7 +49,7 @@ from nanochat.fp8 import FP8Training
 from nanochat.model.gpt import GPT
 from nanochat.model.hub import ResolvedModel
 from nanochat.optim import FP8Optim, MuonAdamW, optimizer_state_bytes, param_dtype
-from nanochat.optim.schedule import lr_multiplier
+from nanochat.optim.schedule import lr_multiplier, muon_momentum
 from nanochat.parallel.layout import Layout
 from nanochat.parallel.process_group import (
     broadcast_object, destroy_distributed, init_distributed, lost_peer, release_wrapper,
@@ -280,6 +280,9 @@ class NanoChatTrainer:
         lr = cfg.lr * multiplier  # AdamW's; each group scales its own peak (Muon's: --muon_lr)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
             group["lr"] = peak * multiplier
+        if cfg.muon_momentum_warmup:
+            for group in self.optimizer.muon.param_groups:
+                group["momentum"] = muon_momentum(step, cfg.muon_momentum_warmup, cfg.muon_settings[1])
         fp8_step = self.fp8.begin_step(step)  # calibration and statistics run eagerly: their hooks would recompile
         eager = fp8_step.eager or self.compiled.failed
         module = self.dist_model if eager else self.compiled.module
