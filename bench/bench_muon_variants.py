@@ -1,19 +1,20 @@
 """What torch.optim.Muon lacks, each tried alone against plain Muon at equal steps, over seeds.
 
-    .venv/bin/python bench/bench_muon_variants.py               # d4, 250 steps, 3 seeds: 15 runs
+    .venv/bin/python bench/bench_muon_variants.py               # d4, 250 steps, 3 seeds: 12 runs
     .venv/bin/python bench/bench_muon_variants.py --reuse       # after an interruption: train what is missing
     .venv/bin/python bench/bench_muon_variants.py --quick --no_compile   # seconds: a dry run (tests)
 
 Every run is --optimizer muon at --muon_lr (bench_optimizers' best at d4) with base_train's
-other defaults; a variant adds one setting:
+other defaults; plain Muon is torch.optim.Muon's step with a constant momentum
+(--muon_momentum_warmup 0), and a variant adds:
 
-- momentum_warmup: --muon_momentum_warmup (momentum from 0.85 to 0.95 over that many steps)
-- polar_express: --muon_orthogonalizer polar_express (one optimal quintic per iteration)
+- momentum_warmup: --muon_momentum_warmup 100 (momentum from 0.85 to 0.95 over 100 steps)
 - normuon: --muon_normuon (each neuron's update normalized by an EMA of its mean square)
-- cautious_wd: --muon_cautious_wd (decay only what the update also moves towards zero)
+- momentum_warmup+normuon: both
 
-Within a seed every run starts from the same weights and sees the same batches, so a seed's
-difference is the variant's alone. Per seed: each run's final val bpb, its difference to plain
+Polar Express coefficients and cautious weight decay were measured the same way and did not help
+(BENCHMARKS.md 12(f)). Within a seed every run starts from the same weights and sees the same
+batches, so a seed's difference is the variant's alone. Per seed: each run's final val bpb, its difference to plain
 Muon's in percent, and the steps plain Muon needs to reach the variant's final bpb (`steps_to`;
 "never" when the variant ends lower than plain Muon ever gets). A variant *helps* when its
 final bpb is below plain Muon's on every seed; the verdicts are printed, the ones that do not
@@ -33,15 +34,17 @@ from bench_optimizers import Variant, run
 from nanochat.common import format_table
 from nanochat.config.fields import BatchFields, DataFields, DeviceFields, ModelFields, ScheduleFields, ScriptFields
 
+PLAIN = (("muon_momentum_warmup", 0),)
+"""The baseline's fields: torch.optim.Muon's step, no momentum warmup (base_train's default has one)."""
+
 ADDITIONS: dict[str, tuple[tuple[str, Any], ...]] = {
     "momentum_warmup": (("muon_momentum_warmup", 100),),
-    "polar_express": (("muon_orthogonalizer", "polar_express"),),
-    "normuon": (("muon_normuon", True),),
-    "cautious_wd": (("muon_cautious_wd", True),),
+    "normuon": (("muon_momentum_warmup", 0), ("muon_normuon", True)),
+    "momentum_warmup+normuon": (("muon_momentum_warmup", 100), ("muon_normuon", True)),
 }
-"""Each variant's NanoChatTrainer fields. momentum_warmup's 100 steps are 40% of a 250-step run
-(karpathy/nanochat's 400 are a few percent of its runs; at 250 steps the warmup must end early
-enough for the target momentum to matter)."""
+"""Each variant's NanoChatTrainer fields. momentum_warmup's 100 steps are 40% of a 250-step
+run (karpathy/nanochat's 400 are a few percent of its runs; at 250 steps the warmup must end
+early enough for the target momentum to matter)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,8 +62,7 @@ class BenchMuonVariantsConfig(ScriptFields, DeviceFields, ScheduleFields, BatchF
     muon_lr: float = 0.02
     """Muon's peak learning rate of every run (bench_optimizers' best at d4); the AdamW group at --lr."""
     variants: tuple[str, ...] = tuple(ADDITIONS)
-    """Which additions to try, each alone: momentum_warmup, polar_express, normuon, cautious_wd;
-    joined by + to try them together (momentum_warmup+normuon)."""
+    """Which additions to try: momentum_warmup, normuon, and the two together."""
     seeds: tuple[int, ...] = (1, 2, 3)
     """Seeds; every variant and plain Muon train once per seed."""
     compile: bool = True
@@ -76,7 +78,7 @@ class BenchMuonVariantsConfig(ScriptFields, DeviceFields, ScheduleFields, BatchF
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        unknown = [part for v in self.variants for part in v.split("+") if part not in ADDITIONS]
+        unknown = [v for v in self.variants if v not in ADDITIONS]
         if unknown:
             raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(ADDITIONS)}")
         if not self.seeds or self.eval_every < 1:
@@ -90,9 +92,8 @@ QUICK = dict(model_name="d2", num_iterations=6, eval_every=3, eval_tokens=256, s
 
 def bench(cfg: BenchMuonVariantsConfig) -> dict:
     done: dict = {}
-    plain = Variant("muon", cfg.muon_lr)
-    tried = {name: Variant("muon", cfg.muon_lr, extra=sum((ADDITIONS[part] for part in name.split("+")), ()),
-                           label=name) for name in cfg.variants}
+    plain = Variant("muon", cfg.muon_lr, extra=PLAIN)
+    tried = {name: Variant("muon", cfg.muon_lr, extra=ADDITIONS[name], label=name) for name in cfg.variants}
     runs = {s: {"plain": run(cfg, plain, s, done), **{n: run(cfg, v, s, done) for n, v in tried.items()}}
             for s in cfg.seeds}
     rows, per_variant = [], {}

@@ -1,4 +1,5 @@
-"""bench/bench_optimizers.py, AdamW against Muon at equal steps, on a `--quick` run.
+"""bench/bench_optimizers.py, AdamW against Muon at equal steps, on a `--quick` run; and
+bench/bench_muon_variants.py, Muon with and without its additions.
 
 Checked against: hand-made curves for `steps_to` (the interpolation, the first evaluation, never),
 and the runs' own records, recomputed here: the sweep's best rate is the one with the lowest
@@ -79,3 +80,25 @@ def test_reuse_trains_nothing_again(quick_run):
     rc2, printed = _run([*argv, "--reuse"])
     assert rc2 == 0, printed
     assert printed.count(": reused (") == 4 and " ..." not in printed
+
+
+def test_muon_variants_quick_run_recomputes_its_gaps_from_its_runs(small_corpus, tmp_path):
+    """bench_muon_variants: each variant's gap and verdict follow from its runs' own records
+    (to 1e-9), and each run was given its setting (the trainer's fields in bench_run.json)."""
+    import bench_muon_variants as bmv
+
+    out = tmp_path / "runs"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rc = bmv.main(["--quick", "--no_compile", "--dataset_path", str(small_corpus), "--out_dir", str(out),
+                       "--device", "cpu", "--variants", "momentum_warmup", "--out", str(tmp_path / "f.json")])
+    assert rc == 0, printed.getvalue()
+    data = json.loads((tmp_path / "f.json").read_text())["variants"]["momentum_warmup"]
+    base, var = (json.loads((out / name / "seed-1" / "bench_run.json").read_text())
+                 for name in ("muon-lr0.02", "muon-lr0.02-momentum_warmup"))
+    gap = 100 * (var["record"]["val_bpb"] - base["record"]["val_bpb"]) / base["record"]["val_bpb"]
+    assert data["gap_pct"] == [pytest.approx(gap, abs=1e-9)] and data["helps"] == (gap < 0)
+    assert base["settings"]["muon_momentum_warmup"] == 0 and var["settings"]["muon_momentum_warmup"] == 100
+    with pytest.raises(SystemExit) as e:  # removed: a one-line error, nothing trained
+        bmv.main(["--variants", "polar_express", "--out_dir", str(tmp_path / "none")])
+    assert e.value.code == 2 and not (tmp_path / "none").exists()

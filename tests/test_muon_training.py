@@ -24,7 +24,7 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
 - --optimizer auto: Muon for a preset, AdamW for a Hugging Face model, recorded as it ran.
 - Bad input, before any work: Muon's flags without --optimizer muon (or auto's muon), a --muon_lr or
   --muon_momentum out of range; and under torchrun with --fsdp or --tp, bf16 master weights
-  (the layout check; fp32 masters pass it there).
+  (the layout check; fp32 masters pass it there); NorMuon with --fsdp or --tp is refused.
 
 Modules: nanochat.train.parts, nanochat.config.train, nanochat.train.memory (moment_bytes),
 nanochat.train.preflight (check_layout), nanochat.checkpoint.nonfinite (a container's state).
@@ -196,6 +196,10 @@ def test_muon_under_torchrun_takes_every_layout_and_master_setting(over, layout)
         assert preflight.check_layout(cfg, env).name.startswith(layout)
     with pytest.raises(UsageError, match="--optimizer_in_backward"):  # as for AdamW: hooks run before reduction
         preflight.check_layout(TrainConfig(optimizer="muon", optimizer_in_backward=True, grad_clip=0, **over), env)
+    with pytest.raises(UsageError, match="--muon_normuon with --(fsdp|tp 2): NorMuon normalizes each neuron") as e:
+        preflight.check_layout(TrainConfig(optimizer="muon", muon_normuon=True, **over), env)
+    assert "\n" not in str(e.value)
+    preflight.check_layout(TrainConfig(optimizer="muon", muon_normuon=True), env)  # DDP: whole matrices
 
 
 def test_the_plan_counts_one_moment_per_muon_matrix():

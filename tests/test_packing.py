@@ -223,7 +223,8 @@ def test_errors_and_warning_name_the_flag(nanochat_log):
 
 
 def test_d2_run_trains_and_evaluates_on_bestfit_rows(small_corpus, tmp_path, capsys, monkeypatch):
-    """A run's loader and validation read rows that begin with BOS; scripts/eval.py with
+    """A run's loader and validation read rows that begin with BOS, its result.json holds the
+    layout's cropped share; scripts/eval.py with
     --packing bestfit reproduces the run's val_loss (rel 1e-5, as tests/test_eval.py), and
     without it says which packing the run used."""
     from nanochat.common import logger
@@ -239,6 +240,8 @@ def test_d2_run_trains_and_evaluates_on_bestfit_rows(small_corpus, tmp_path, cap
     assert math.isfinite(result.val_loss) and result.steps == 6
     loader, bos = trainer.data.loader, trainer.data.tokenizer.bos_id
     assert loader.packing == "bestfit" and 0 < loader.bestfit.cropped_share < 1
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["cropped_share"] == result.cropped_share == loader.bestfit.cropped_share
     assert trainer.data.val.row_len == 33
     x, _ = loader.next_batch()
     assert (x[:, 0] == bos).all()

@@ -53,7 +53,7 @@ def test_a_checkpoint_older_than_a_kept_flag_ran_at_its_default(tmp_path):
     flag's default (and before --optimizer, with AdamW), so it resumes where this run's value is
     that, and is refused where it is not."""
     meta = _meta(TrainConfig(run_dir=str(tmp_path), optimizer="adamw"))
-    for newer in ("muon_orthogonalizer", "muon_normuon", "muon_cautious_wd", "optimizer"):
+    for newer in ("muon_normuon", "optimizer"):
         del meta["config"][newer]
     _check(meta, TrainConfig(run_dir=str(tmp_path), optimizer="adamw"))
     with pytest.raises(UsageError, match="--optimizer: checkpoint 'adamw' vs now 'muon'"):

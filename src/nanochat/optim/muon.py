@@ -55,21 +55,6 @@ the steepest slope at zero, so 5 steps suffice, at the price of singular values 
 [0.5, 1.5] rather than at one (which, per torch's docstring, does not hurt training)."""
 
 
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-"""Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932; karpathy/nanochat's): one
-(a, b, c) per iteration, each the minimax-optimal quintic for the singular values that survive
-the step before, for 5 iterations from singular values >= 1e-3 (safety factor 2e-2, cushion 2).
-The input is scaled by 1.01 x its norm, as the coefficients assume."""
-
-ORTHOGONALIZERS = {"newton_schulz": NS_COEFFICIENTS, "polar_express": POLAR_EXPRESS}
-"""--muon_orthogonalizer's choices: a fixed quintic, or one per iteration."""
-
 NORMUON_BETA2 = 0.9
 """NorMuon's EMA of each neuron's mean squared update (arXiv 2510.05491; karpathy/nanochat's beta2)."""
 
@@ -83,20 +68,14 @@ def ns_dtype(device: torch.device) -> torch.dtype:
 def newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> torch.Tensor:
     """The approximately orthogonal matrix of x (2-D), computed in `dtype`: torch.optim.Muon's
-    _zeropower_via_newtonschulz with the working dtype a choice (bf16 there). `coefficients`:
-    one (a, b, c) for every step (torch's), or a sequence of them, one per step (POLAR_EXPRESS;
-    its last repeats past its end)."""
-    per_step = isinstance(coefficients[0], (tuple, list))
+    _zeropower_via_newtonschulz with the working dtype a choice (bf16 there)."""
+    a, b, c = coefficients
     o = x.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:  # iterate on the wide side: the Gram matrix o @ o.T is then the smaller one
         o = o.T
-    if per_step:  # Polar Express's coefficients assume singular values <= 1/1.01
-        o = o / (o.norm() * 1.01 + eps)
-    else:
-        o = o / o.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the basin
-    for i in range(steps):
-        a, b, c = coefficients[min(i, len(coefficients) - 1)] if per_step else coefficients
+    o = o / o.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1: inside the basin
+    for _ in range(steps):
         gram = o @ o.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G^2
         o = torch.addmm(o, poly, o, beta=a)  # a o + (b G + c G^2) o
@@ -130,7 +109,7 @@ def normalize_neurons(o: torch.Tensor, v: torch.Tensor, beta2: float, ok=None) -
 def muon_step(p, g, buf, lr, momentum, wd, *, nesterov: bool, coefficients: tuple, ns_steps: int, eps: float,
               adjust_lr_fn: str | None, dtype: torch.dtype, m_format: type, lo=None, step=None, salt=None, ok=None,
               master: str = "fp32", emulate: bool = False, orthogonalize=None, shape: torch.Size | None = None,
-              v=None, normuon: float = 0.0, cautious_wd: bool = False):
+              v=None, normuon: float = 0.0):
     """Muon on one 2-D parameter, its momentum buffer as `m_format` stores it (read into fp32 in
     the format's layout, e.g. [n_blocks, B] of the flattened matrix). Each line is torch's, and
     eager with dtype bf16 and fp32 masters it computes the same floats (lerp and addcmul as
@@ -141,8 +120,7 @@ def muon_step(p, g, buf, lr, momentum, wd, *, nesterov: bool, coefficients: tupl
     leaves p, lo and the buffer as they were. A matrix split across ranks (muon_sharded.py) is
     stepped as its shard p with `orthogonalize` (the shard's update -> its part of the whole
     matrix's Newton-Schulz) and `shape`, the whole matrix's, for the lr factor. normuon (beta2,
-    0 off) with `v`: NorMuon's per-neuron normalization (normalize_neurons); cautious_wd: decay
-    only the elements whose update also moves them towards zero (sign(o) == sign(p))."""
+    0 off) with `v`: NorMuon's per-neuron normalization (normalize_neurons)."""
     b_old = m_format.read(buf)
     gf = round_rne(g.float()) if emulate else g.float()
     b = b_old.lerp(gf.reshape(b_old.shape), 1 - momentum)  # torch: buf.lerp_(grad, 1 - momentum)
@@ -153,10 +131,7 @@ def muon_step(p, g, buf, lr, momentum, wd, *, nesterov: bool, coefficients: tupl
     if normuon:
         o = normalize_neurons(o.float(), v, normuon, ok)
     master_old = read_master(p, lo)
-    if cautious_wd:
-        pf = master_old - (lr * wd) * master_old * ((o * master_old) >= 0)
-    else:
-        pf = master_old * (1 - lr * wd)  # torch: param.mul_(1 - lr * weight_decay)
+    pf = master_old * (1 - lr * wd)  # torch: param.mul_(1 - lr * weight_decay)
     new = torch.addcmul(pf, o, -(lr * lr_ratio(adjust_lr_fn, shape or p.shape)))  # torch: param.add_(o, alpha=-adjusted_lr)
     if torch.is_tensor(tie):  # a block format's zero tie, in its layout (E4M3Blocks.write)
         new = (new.reshape(b_old.shape) + tie).reshape(p.shape)
@@ -167,15 +142,14 @@ def muon_step(p, g, buf, lr, momentum, wd, *, nesterov: bool, coefficients: tupl
 
 def muon_multi(ps, gs, bufs, hypers, los=None, steps=None, salts=None, oks=None, vs=None, *, nesterov: bool,
                coefficients: tuple, ns_steps: int, eps: float, adjust_lr_fn: str | None, dtype: torch.dtype,
-               m_format: type, master: str = "fp32", emulate: bool = False, normuon: float = 0.0,
-               cautious_wd: bool = False):
+               m_format: type, master: str = "fp32", emulate: bool = False, normuon: float = 0.0):
     """muon_step over lists of same-shape tensors; hypers[i] = (lr, momentum, weight_decay); los,
     steps, salts, oks, vs: None, or a list with tensor i's (muon_tensors), None where unused."""
     for i in range(len(ps)):
         extra = {k: x[i] for k, x in dict(lo=los, step=steps, salt=salts, ok=oks, v=vs).items() if x is not None}
         muon_step(ps[i], gs[i], bufs[i], *hypers[i], nesterov=nesterov, coefficients=coefficients,
                   ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn, dtype=dtype, m_format=m_format,
-                  master=master, emulate=emulate, normuon=normuon, cautious_wd=cautious_wd, **extra)
+                  master=master, emulate=emulate, normuon=normuon, **extra)
 
 
 def muon_tensors(state: dict, p: torch.Tensor, fmt: MomentFormat, *, master: str, fp32_buffer: bool, salt: int,
@@ -252,23 +226,17 @@ def muon_hypers(group: dict) -> tuple[torch.Tensor, ...]:
 
 def muon_flags(group: dict, device: torch.device, ns: torch.dtype | None = None) -> dict:
     """The constants of a group's compiled step (a graph per distinct set): Nesterov, the
-    Newton-Schulz settings and its dtype (`ns`, default `ns_dtype(device)`), the lr rule, and the
-    additions to torch's Muon a group may carry (`muon_additions`)."""
-    orthogonalizer = group.get("orthogonalizer", "newton_schulz")
-    coefficients = tuple(group["ns_coefficients"]) if orthogonalizer == "newton_schulz" \
-        else ORTHOGONALIZERS[orthogonalizer]
-    return dict(nesterov=bool(group["nesterov"]), coefficients=coefficients, normuon=float(group.get("normuon", 0.0)),
-                cautious_wd=bool(group.get("cautious_wd", False)),
-                ns_steps=int(group["ns_steps"]), eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
+    Newton-Schulz settings and its dtype (`ns`, default `ns_dtype(device)`), the lr rule, and
+    NorMuon's beta2 (a group's "normuon", 0 off: `muon_additions`)."""
+    return dict(nesterov=bool(group["nesterov"]), coefficients=tuple(group["ns_coefficients"]),
+                normuon=float(group.get("normuon", 0.0)), ns_steps=int(group["ns_steps"]), eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
                 dtype=ns or ns_dtype(device))
 
 
 def muon_additions(group: dict) -> list[str]:
     """What a Muon param group asks for beyond torch.optim.Muon's step (which would ignore it):
-    --muon_orthogonalizer polar_express, NorMuon, cautious weight decay."""
-    return [name for name, on in (("polar_express", group.get("orthogonalizer", "newton_schulz") != "newton_schulz"),
-                                  ("normuon", bool(group.get("normuon"))),
-                                  ("cautious_wd", bool(group.get("cautious_wd")))) if on]
+    NorMuon (--muon_normuon)."""
+    return ["normuon"] if group.get("normuon") else []
 
 
 # ------------------------------------------------------------------------------ a whole model
@@ -474,5 +442,5 @@ class MuonAdamW(torch.optim.Optimizer):
                          "then build a new MuonAdamW around them")
 
 
-__all__ = ["NORMUON_BETA2", "NS_COEFFICIENTS", "ORTHOGONALIZERS", "POLAR_EXPRESS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "members", "moments", "muon_flags",
+__all__ = ["NORMUON_BETA2", "NS_COEFFICIENTS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "members", "moments", "muon_flags",
            "muon_additions", "muon_hypers", "muon_multi", "muon_param_groups", "muon_step", "newton_schulz", "neuron_variance", "normalize_neurons", "ns_dtype"]

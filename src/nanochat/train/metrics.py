@@ -248,6 +248,9 @@ class TrainResult:
     restarts: int = 0
     """Starts after the first: restarts by torchrun or slurm, and resumes by hand (`starts` says
     which: their counters)."""
+    cropped_share: float | None = None
+    """--packing bestfit: the share of the training tokens the last epoch's layout dropped (the
+    tails of documents cropped to fill a row: nanochat.data.packing); None with stream packing."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

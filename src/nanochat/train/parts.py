@@ -80,8 +80,7 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
         muon_lr, momentum = cfg.muon_settings
         muon = torch.optim.Muon(split.muon, lr=muon_lr, momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay)
         for group in muon.param_groups:  # what torch's step lacks; the wrapper steps such groups (muon.muon_flags)
-            group.update(orthogonalizer=cfg.muon_orthogonalizer, cautious_wd=cfg.muon_cautious_wd,
-                         normuon=NORMUON_BETA2 if cfg.muon_normuon else 0.0)
+            group["normuon"] = NORMUON_BETA2 if cfg.muon_normuon else 0.0
         optimizer = MuonAdamW(muon, torch.optim.AdamW(split.adamw, weight_decay=cfg.weight_decay, **adam),
                               placements=split.placements)
         peaks = [muon_lr] * len(optimizer.muon.param_groups) + [cfg.lr] * len(optimizer.adamw.param_groups)

@@ -36,13 +36,17 @@ from nanochat.report.trackers import check_trackers
 
 def check_layout(cfg: TrainConfig, env: DistEnv) -> Layout:
     """The run's process layout: --fsdp and --tp on the ranks torchrun started (`env`), decided
-    here once (nanochat.parallel.layout); a world that cannot form it, or --optimizer_in_backward
-    under torchrun, is refused."""
+    here once (nanochat.parallel.layout); a world that cannot form it, --optimizer_in_backward
+    under torchrun, or NorMuon on shards is refused."""
     layout = plan_layout(env, fsdp=cfg.fsdp, tp=cfg.tp)
     torchrun = layout.name if layout.distributed else None
     problem = cfg.in_backward_problem(torchrun=torchrun)
     if problem is not None:
         raise UsageError(problem)
+    if cfg.optimizer == "muon" and cfg.muon_normuon and (cfg.fsdp or cfg.tp > 1):
+        raise UsageError(f"--muon_normuon with {'--fsdp' if cfg.fsdp else f'--tp {cfg.tp}'}: NorMuon normalizes each "
+                         "neuron over its whole row or column, which a shard does not hold; drop --muon_normuon, "
+                         "or train in one process or under DDP")
     return layout
 
 

@@ -134,8 +134,12 @@ class RunReport:
             peak_memory_bytes=torch.cuda.max_memory_allocated(f.device) if f.device.type == "cuda" else None,
             flops_per_token=f.flops_per_token, peak_tflops=None if f.peak is None else f.peak.bf16_tflops,
             mfu=self.mfu(meter.tokens_per_sec), mfu_fp8=self.mfu(meter.tokens_per_sec, fp8=True),
-            starts=starts, restarts=len(starts) - 1,
+            starts=starts, restarts=len(starts) - 1, cropped_share=self._cropped_share(),
         )
+
+    def _cropped_share(self) -> float | None:
+        layout = getattr(self.facts.data.loader, "bestfit", None)  # instruction data packs whole records
+        return None if layout is None else layout.cropped_share
 
 
 __all__ = ["RunFacts", "RunReport"]

@@ -280,7 +280,7 @@ class NanoChatTrainer:
         lr = cfg.lr * multiplier  # AdamW's; each group scales its own peak (Muon's: --muon_lr)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
             group["lr"] = peak * multiplier
-        if cfg.muon_momentum_warmup:
+        if cfg.optimizer == "muon" and cfg.muon_momentum_warmup:
             for group in self.optimizer.muon.param_groups:
                 group["momentum"] = muon_momentum(step, cfg.muon_momentum_warmup, cfg.muon_settings[1])
         fp8_step = self.fp8.begin_step(step)  # calibration and statistics run eagerly: their hooks would recompile
