@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import harness
-from bench_optimizers import Variant, run
+from bench_optimizers import EqualStepsRuns, Variant, run
 from nanochat.common import format_table
-from nanochat.config.fields import BatchFields, DataFields, DeviceFields, ModelFields, ScheduleFields, ScriptFields
 
 PLAIN = (("muon_momentum_warmup", 0),)
 """The baseline's fields: torch.optim.Muon's step, no momentum warmup (base_train's default has one)."""
@@ -48,16 +47,8 @@ early enough for the target momentum to matter)."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchMuonVariantsConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields):
-    """Plain Muon against Muon with one addition at a time, at equal steps, over seeds.
-
-    The model, data, batch, schedule and device flags are base_train's, given to every run; the
-    defaults are bench_optimizers' d4 runs (250 steps of 8 x 256 tokens)."""
-
-    num_iterations: int = 250
-    """Optimizer steps of every run."""
-    batch_size: int = 8
-    eval_every: int = 50
+class BenchMuonVariantsConfig(EqualStepsRuns):
+    """Plain Muon against Muon with its additions, at equal steps, over seeds."""
 
     muon_lr: float = 0.02
     """Muon's peak learning rate of every run (bench_optimizers' best at d4); the AdamW group at --lr."""
@@ -65,25 +56,16 @@ class BenchMuonVariantsConfig(ScriptFields, DeviceFields, ScheduleFields, BatchF
     """Which additions to try: momentum_warmup, normuon, and the two together."""
     seeds: tuple[int, ...] = (1, 2, 3)
     """Seeds; every variant and plain Muon train once per seed."""
-    compile: bool = True
-    """torch.compile every run (base_train's default)."""
     out_dir: str = "runs/bench_muon_variants"
     """Where the runs go."""
-    reuse: bool = False
-    """Take finished runs from --out_dir whose recorded settings equal this invocation's."""
-    quick: bool = False
-    """Tiny sizes: a dry run in seconds (tests); its figures mean nothing."""
-    out: str | None = None
-    """Write the figures as JSON here."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         unknown = [v for v in self.variants if v not in ADDITIONS]
         if unknown:
             raise ValueError(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(ADDITIONS)}")
-        if not self.seeds or self.eval_every < 1:
-            raise ValueError("--seeds needs a value and --eval_every must be >= 1 (steps to a loss are read off "
-                             "the evaluations)")
+        if not self.seeds:
+            raise ValueError("--seeds is empty; give at least one value")
 
 
 QUICK = dict(model_name="d2", num_iterations=6, eval_every=3, eval_tokens=256, seq_len=32, batch_size=4,

@@ -43,35 +43,17 @@ from nanochat.config.fields import BatchFields, DataFields, DeviceFields, ModelF
 
 
 @dataclass(frozen=True, kw_only=True)
-class BenchOptimizersConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields):
-    """AdamW vs Muon at equal steps: a learning-rate sweep, then seeds at each one's best rate.
-
-    The model, data, batch, schedule and device flags are base_train's, given to every run; the
-    defaults are `make train`'s d4 run (250 steps of 8 x 256 tokens)."""
+class EqualStepsRuns(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataFields, ModelFields):
+    """Training runs compared at equal steps, each in a fresh process (`run`). The model, data,
+    batch, schedule and device flags are base_train's, given to every run; the defaults are
+    `make train`'s d4 run (250 steps of 8 x 256 tokens)."""
 
     num_iterations: int = 250
     """Optimizer steps of every run."""
     batch_size: int = 8
     eval_every: int = 50
-
-    adamw_lrs: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2, 2.4e-2)
-    """AdamW's peak learning rates to sweep (--lr of an --optimizer adamw run)."""
-    muon_lrs: tuple[float, ...] = (0.01, 0.02, 0.04)
-    """Muon's peak learning rates to sweep (--muon_lr; its AdamW group at --lr)."""
-    sweep_seeds: tuple[int, ...] = (1,)
-    """Seeds of the sweep; the best rate has the lowest mean final val bpb over them."""
-    seeds: tuple[int, ...] = (1, 2, 3, 4, 5)
-    """Seeds of the comparison at each optimizer's best rate."""
-    fp8_momentum: bool = True
-    """Also train Muon at its best rate with --fp8_opt_level 1 on every seed."""
     compile: bool = True
     """torch.compile every run (base_train's default)."""
-    steps_target: float = 0.8
-    """Target: Muon reaches AdamW's final val bpb within this fraction of AdamW's steps, every seed."""
-    fp8_mean_target_pct: float = 0.25
-    """Target: FP8 momentum's final val bpb above fp32 momentum's by at most this (percent, mean)."""
-    fp8_seed_target_pct: float = 0.5
-    """Target: every seed's FP8 momentum gap within +-this (percent)."""
     out_dir: str = "runs/bench_optimizers"
     """Where the runs go."""
     reuse: bool = False
@@ -83,12 +65,37 @@ class BenchOptimizersConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFie
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("adamw_lrs", "muon_lrs", "sweep_seeds", "seeds"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is empty; give at least one value")
         if self.eval_every < 1:
             raise ValueError(f"--eval_every must be >= 1 (steps to a loss are read off the evaluations), "
                              f"got {self.eval_every}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchOptimizersConfig(EqualStepsRuns):
+    """AdamW vs Muon at equal steps: a learning-rate sweep, then seeds at each one's best rate."""
+
+    adamw_lrs: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2, 2.4e-2)
+    """AdamW's peak learning rates to sweep (--lr of an --optimizer adamw run)."""
+    muon_lrs: tuple[float, ...] = (0.01, 0.02, 0.04)
+    """Muon's peak learning rates to sweep (--muon_lr; its AdamW group at --lr)."""
+    sweep_seeds: tuple[int, ...] = (1,)
+    """Seeds of the sweep; the best rate has the lowest mean final val bpb over them."""
+    seeds: tuple[int, ...] = (1, 2, 3, 4, 5)
+    """Seeds of the comparison at each optimizer's best rate."""
+    fp8_momentum: bool = True
+    """Also train Muon at its best rate with --fp8_opt_level 1 on every seed."""
+    steps_target: float = 0.8
+    """Target: Muon reaches AdamW's final val bpb within this fraction of AdamW's steps, every seed."""
+    fp8_mean_target_pct: float = 0.25
+    """Target: FP8 momentum's final val bpb above fp32 momentum's by at most this (percent, mean)."""
+    fp8_seed_target_pct: float = 0.5
+    """Target: every seed's FP8 momentum gap within +-this (percent)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("adamw_lrs", "muon_lrs", "sweep_seeds", "seeds"):
+            if not getattr(self, name):
+                raise ValueError(f"--{name} is empty; give at least one value")
 
 
 QUICK = dict(model_name="d2", num_iterations=6, eval_every=3, eval_tokens=256, seq_len=32, batch_size=4,

@@ -104,7 +104,8 @@ def kept_differences(saved: Mapping[str, Any], saved_paths: Mapping[str, Any],
     paths_now = resolved_paths(config)
     # a kept flag added after the checkpoint was written: it ran at that flag's default
     # (AdamW was the only optimizer before --optimizer)
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name not in saved}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)
+                if f.name not in saved and f.default is not dataclasses.MISSING}
     if defaults.get("optimizer") == "auto":
         defaults["optimizer"] = "adamw"
     diff = setting_differences({**defaults, **saved}, config.to_dict(), RESUME_MUST_MATCH)

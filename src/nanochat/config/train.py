@@ -62,11 +62,11 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     which). adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon: momentum orthogonalized
     by Newton-Schulz) for the hidden matrices, the attention and MLP projections, at --muon_lr;
     AdamW at --lr for the embeddings, the output head, norms and biases (the run's header lists where
-    each tensor went); at d4 it reaches AdamW's loss in half the steps (BENCHMARKS.md). --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter
-    instead of 4). One process, DDP, --fsdp or --tp (a split matrix is all-gathered whole for
-    Newton-Schulz, its momentum stays split). bf16 --master_weights
-    and --optimizer_in_backward work as with AdamW (a matrix steps in its hook once its gradient
-    is whole). docs/muon.md"""
+    each tensor went); at d4 it reaches AdamW's loss in half the steps (BENCHMARKS.md).
+    --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter instead of 4).
+    One process, DDP, --fsdp or --tp (a split matrix is all-gathered whole for Newton-Schulz, its
+    momentum stays split). bf16 --master_weights and --optimizer_in_backward work as with AdamW (a
+    matrix steps in its hook once its gradient is whole). docs/muon.md"""
 
     muon_lr: float | None = None
     """Peak learning rate of Muon's matrices (--optimizer muon), on the same warmup and decay as

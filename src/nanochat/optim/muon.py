@@ -227,16 +227,10 @@ def muon_hypers(group: dict) -> tuple[torch.Tensor, ...]:
 def muon_flags(group: dict, device: torch.device, ns: torch.dtype | None = None) -> dict:
     """The constants of a group's compiled step (a graph per distinct set): Nesterov, the
     Newton-Schulz settings and its dtype (`ns`, default `ns_dtype(device)`), the lr rule, and
-    NorMuon's beta2 (a group's "normuon", 0 off: `muon_additions`)."""
+    NorMuon's beta2 (a group's "normuon", which torch.optim.Muon lacks; 0: off)."""
     return dict(nesterov=bool(group["nesterov"]), coefficients=tuple(group["ns_coefficients"]),
-                normuon=float(group.get("normuon", 0.0)), ns_steps=int(group["ns_steps"]), eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
-                dtype=ns or ns_dtype(device))
-
-
-def muon_additions(group: dict) -> list[str]:
-    """What a Muon param group asks for beyond torch.optim.Muon's step (which would ignore it):
-    NorMuon (--muon_normuon)."""
-    return ["normuon"] if group.get("normuon") else []
+                ns_steps=int(group["ns_steps"]), eps=float(group["eps"]), adjust_lr_fn=group["adjust_lr_fn"],
+                dtype=ns or ns_dtype(device), normuon=float(group.get("normuon", 0.0)))
 
 
 # ------------------------------------------------------------------------------ a whole model
@@ -442,5 +436,6 @@ class MuonAdamW(torch.optim.Optimizer):
                          "then build a new MuonAdamW around them")
 
 
-__all__ = ["NORMUON_BETA2", "NS_COEFFICIENTS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "members", "moments", "muon_flags",
-           "muon_additions", "muon_hypers", "muon_multi", "muon_param_groups", "muon_step", "newton_schulz", "neuron_variance", "normalize_neurons", "ns_dtype"]
+__all__ = ["NORMUON_BETA2", "NS_COEFFICIENTS", "MuonAdamW", "MuonSplit", "Placement", "lr_ratio", "members", "moments",
+           "muon_flags", "muon_hypers", "muon_multi", "muon_param_groups", "muon_step", "newton_schulz",
+           "neuron_variance", "normalize_neurons", "ns_dtype"]

@@ -26,7 +26,7 @@ from .backends import Backends
 from .in_backward import InBackward
 from .master import MASTER_WEIGHTS, bytes_per_param, sr_salt
 from .moments import DEFAULT_BLOCK_SIZE, MIN_NUMEL, E4M3Blocks, MomentFormat
-from .muon import muon_additions, muon_calls, muon_multi, ns_dtype
+from .muon import muon_calls, muon_multi, ns_dtype
 from .muon_sharded import step_sharded
 from .sgd import sgd_hypers, sgd_multi
 from .shards import DTensor, like, local, local_grad
@@ -290,9 +290,9 @@ class OptimWrapper(torch.optim.Optimizer):
         """A Muon parameter with fp32 momentum is stepped here, not by torch.optim.Muon, where its
         Newton-Schulz dtype is not torch's bf16 (fp32 on a CPU: muon.py says why), where it is an
         FSDP/TP shard (torch's would orthogonalize the shard: muon_sharded.py gathers it), where
-        its group asks for more than torch's step does (muon.muon_additions), or where every
-        parameter is (bf16 masters, in the backward: torch's step would not honour them)."""
-        return self.is_muon and (self.steps_every_parameter or isinstance(p, DTensor) or bool(muon_additions(group))
+        its group asks for NorMuon (which torch's step lacks), or where every parameter is (bf16
+        masters, in the backward: torch's step would not honour them)."""
+        return self.is_muon and (self.steps_every_parameter or isinstance(p, DTensor) or bool(group.get("normuon"))
                                  or (self.muon_ns_dtype or ns_dtype(p.device)) != torch.bfloat16)
 
     def _step_muon(self, mine: list[tuple[torch.Tensor, dict]], oks: dict | None = None) -> None:
