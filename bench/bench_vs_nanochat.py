@@ -5,57 +5,43 @@ evaluation, tokens/s, wall time, and the steps and time each needs to reach the 
     .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir D --optimizer muon adamw --out f.json
     .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir D --quick             # a dry run, ~1 min
 
-nanochat is driven as a subprocess from the checkout --nanochat_dir (its commit is recorded), with
---nanochat_python (default: this Python). It needs torch, pyarrow, rustbpe, tiktoken, wandb,
-kernels, psutil and filelock; the bench checks for them before any work. Our .venv with the dev
-extras holds them all (the checkout's own `nanochat` package wins over ours: nanochat runs from
-its directory, which comes first on sys.path). Where this Python lacks some, give nanochat a
-virtual environment of its own, e.g. from its pyproject (`uv sync --extra cpu` in the checkout,
-then --nanochat_python <checkout>/.venv/bin/python), or by hand:
-
-    python -m venv /tmp/nanochat-venv
-    /tmp/nanochat-venv/bin/pip install torch pyarrow rustbpe tiktoken wandb kernels psutil filelock
-    ... --nanochat_python /tmp/nanochat-venv/bin/python
+nanochat runs as a subprocess from the checkout --nanochat_dir (its commit is recorded) with
+--nanochat_python (default: this Python), which needs torch, pyarrow, rustbpe, tiktoken, wandb,
+kernels, psutil and filelock (checked before any work; our .venv with the dev extras has them,
+and the checkout's `nanochat` package wins over ours there). Otherwise give it a venv of its own
+(`uv sync --extra cpu` in the checkout, or `python -m venv V && V/bin/pip install <those>`) and
+pass its python.
 
 Protocol.
 1. One corpus, split once (`split_corpus`): the documents of --dataset_path (default: this
-   Python's standard library, read by nanochat.data), on the sides our own rule puts them
-   (split files' roles, else sha1(id) < nanochat.data.split.VAL_FRACTION). Each document is cut
-   after a newline into pieces of at most --doc_chars characters, the documents both projects
-   see: nanochat's rows start at a document's start and drop what does not fit, so whole source
-   files would train it on their first --seq_len tokens only (0 keeps them whole).
-2. `write_corpus` writes the train pieces as parquet shards (a `text` column) and the
-   validation pieces as the last shard, nanochat's layout (nanochat/dataset.py: the last shard
-   is its validation split) in <work_dir>/nanochat_base/base_data_climbmix/; ours reads the same
-   files through links named train-*.parquet / validation-00000.parquet (split files: our
-   validation split is exactly that shard).
-3. Each project trains its own BPE tokenizer, --vocab_size, on the first --tokenizer_chars
-   characters of the train shards (nanochat: scripts.tok_train, which also caps a document at
-   10,000 characters; ours: scripts/tok_train.py), and ours builds its token store
-   (scripts/tokenize_corpus.py); nanochat tokenizes inside its training loop. These steps are
-   timed apart and not in a run's wall time.
-4. The same model: depth --depth, width 64 x depth, one head per 128 channels (ours: the d<depth>
-   preset; nanochat: --aspect-ratio 64 --head-dim 128 --window-pattern L); --batch_size sequences
-   of --seq_len tokens a step (nanochat: --total-batch-size batch x seq, no accumulation),
-   --num_iterations steps, an evaluation every --eval_every steps over --eval_tokens tokens.
-   Everything else is each project's default: nanochat's Muon + AdamW with its learning rates
-   scaled to the batch (sqrt(batch / 524288)), its warmup and warmdown, its value embeddings;
-   ours with --optimizer, --lr, --muon_lr, --packing, --fp8_opt_level (more with --ours_args;
-   nanochat's flags with --nanochat_args).
-5. bpb on one protocol: each project's own evaluator over the same validation documents, in
-   bits per byte of the text (independent of the tokenizer). The layouts differ: nanochat's
-   rows each begin with BOS at a document's start (best-fit, the rest cropped); ours cuts the
-   token stream every seq_len tokens (--packing stream) or packs best-fit (--packing bestfit).
-6. Runs alternate (nanochat, ours, nanochat, ours, ... over --seeds), each a fresh process that
-   a timeout (--timeout_s) ends with its whole process group. nanochat has no seed flag (it
-   seeds 42): its repeats differ in timing only. Both run torch.compile unless --no_compile
-   (nanochat's through TORCHDYNAMO_DISABLE=1).
+   Python's standard library), on the sides our rule puts them (split files' roles, else
+   sha1(id) < nanochat.data.split.VAL_FRACTION), each cut after a newline into pieces of at most
+   --doc_chars characters: nanochat's rows start at a document's start and drop what does not
+   fit, so whole source files would train it on their first --seq_len tokens only.
+2. `write_corpus` writes them as nanochat's parquet shards, the validation split last (its
+   layout) in <work_dir>/nanochat_base/base_data_climbmix/; ours reads the same files through
+   links named train-*.parquet / validation-00000.parquet.
+3. Each project trains its own BPE tokenizer (--vocab_size, the first --tokenizer_chars of the
+   train shards); ours builds its token store; nanochat tokenizes in its loop. Timed apart.
+4. The same model: depth --depth, width 64 x depth, one head per 128 channels (ours: the
+   d<depth> preset; nanochat: --aspect-ratio 64 --head-dim 128 --window-pattern L); --batch_size
+   x --seq_len tokens a step, no accumulation; --num_iterations steps; an evaluation and a
+   checkpoint every --eval_every steps. Everything else is each project's default (nanochat's
+   Muon + AdamW at rates scaled to the batch, its warmup, warmdown and value embeddings; ours
+   with --optimizer, --lr, --muon_lr, --packing, --fp8_opt_level, --ours_args; --nanochat_args).
+5. bpb on one protocol: after each run, its checkpoints are scored by bench/common_bpb.py (every
+   token of every validation document, rows starting at a document's start; its docstring says
+   why each project's own evaluator cannot compare the two), ours in this process, nanochat's
+   by bench/score_nanochat.py in its Python. Each project's own figure is kept (own_*).
+6. Runs alternate (nanochat, ours, ... over --seeds), each a fresh process that --timeout_s ends
+   with its process group. nanochat seeds itself (42): its repeats differ in time only. Both
+   compile unless --no_compile (nanochat's through TORCHDYNAMO_DISABLE=1).
 
-Figures: val bpb from nanochat's stdout (`Step 00050 | Validation bpb: ...`) and our
-metrics.jsonl; tokens/s from nanochat's step lines after its first 10 steps (as its own total
-time counts; with 10 steps or fewer, all but the first) and from our result.json (steps that
-did not compile); wall time: the training process's, start to exit. The steps to the other's
-final bpb are `harness.steps_to` on the curve; the time is those steps at the run's tokens/s.
+Figures: the common evaluator's curves; tokens/s from nanochat's step lines after its first 10
+steps (as its own total time counts) and from our result.json (steps that did not compile);
+wall time: the training process's, start to exit, checkpoint writes included (both write one at
+each evaluation), scoring not. The steps to the other's final bpb are `harness.steps_to` on the
+curve; the time is those steps at the run's tokens/s.
 """
 
 from __future__ import annotations
@@ -73,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import common_bpb
 import harness
 from nanochat.common import NanoChatError, format_table
 
@@ -128,7 +115,11 @@ class BenchVsNanochatConfig:
     device: Literal["cpu", "cuda"] = "cpu"
     """Where both train (nanochat's --device-type)."""
     seeds: tuple[int, ...] = (1,)
-    """Our seeds; nanochat runs as often (it seeds 42 itself)."""
+    """Our seeds; nanochat runs as often unless --nanochat_runs says fewer."""
+    nanochat_runs: int | None = None
+    """nanochat's runs, alternating with ours; default one per seed. It seeds itself (42), so its
+    repeats differ in time only: 1 halves a quality sweep's cost. Our seed i is compared with
+    nanochat's run i, or its last."""
     timeout_s: float = 3600.0
     """A training process still running after this is killed with its process group."""
     work_dir: str = "runs/bench_vs_nanochat"
@@ -153,6 +144,9 @@ class BenchVsNanochatConfig:
             raise ValueError(f"--doc_chars must be >= 0 (0 keeps documents whole), got {self.doc_chars}")
         if not self.seeds or not self.optimizer:
             raise ValueError("--seeds and --optimizer need at least one value")
+        if self.nanochat_runs is not None and not 1 <= self.nanochat_runs <= len(self.seeds):
+            raise ValueError(f"--nanochat_runs must be between 1 and the number of --seeds ({len(self.seeds)}), "
+                             f"got {self.nanochat_runs}")
 
 
 QUICK = dict(vocab_size=512, tokenizer_chars=400_000, seq_len=64, batch_size=4, num_iterations=6, eval_every=3,
@@ -226,33 +220,7 @@ def write_corpus(train: list[str], val: list[str], work: Path, *, shard_docs: in
                 train_chars=sum(map(len, train)), val_chars=sum(map(len, val)), train_shards=len(shards))
 
 
-# --------------------------------------------------------------------------------- processes
-def run_process(cmd: list[str], *, cwd: Path, env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any]:
-    """`cmd` in a new session, stdout and stderr to `log`; killed with its process group after
-    `timeout_s`. Returns the exit status (None: timed out), the wall time and the log's text."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc: int | None = p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            rc = None
-    return dict(rc=rc, wall_time_s=time.perf_counter() - t0, log=str(log), text=log.read_text(errors="replace"))
-
-
-def checked(r: dict[str, Any], what: str, timeout_s: float) -> dict[str, Any]:
-    if r["rc"] != 0:
-        tail = [line for line in r["text"].splitlines() if line.strip()][-1:] or ["(no output)"]
-        why = f"timed out after {timeout_s:g} s" if r["rc"] is None else f"exit {r['rc']}"
-        raise NanoChatError(f"{what} failed ({why}): {tail[0].strip()[:300]}; full log: {r['log']}")
-    return r
-
-
+# ------------------------------------------------------------------------------ nanochat
 VAL_LINE = re.compile(r"^Step (\d+) \| Validation bpb: (\S+)", re.M)
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) .*?\| dt: ([0-9.]+)ms \| tok/sec: ([0-9,]+)", re.M)
 
@@ -314,6 +282,11 @@ class Setup:
     def tokens_per_step(self) -> int:
         return self.cfg.batch_size * self.cfg.seq_len
 
+    @property
+    def val_docs(self) -> Path:
+        """The validation documents as a JSON list of strings: what common_bpb scores."""
+        return self.work / "val_docs.json"
+
     def nanochat_env(self) -> dict[str, str]:
         env = {**os.environ, "NANOCHAT_BASE_DIR": str(self.work / "nanochat_base")}
         if not self.cfg.compile:
@@ -323,6 +296,12 @@ class Setup:
     def ours_env(self) -> dict[str, str]:
         return {**os.environ, "NANOCHAT_CACHE": str(self.work / "ours_cache")}
 
+    def run(self, cmd: list[str], cwd: Path, env: dict[str, str], log: str, what: str) -> dict[str, Any]:
+        """`cmd` to its end (or --timeout_s), its output in logs/<log>.log; one error unless it exits 0."""
+        path = self.work / "logs" / f"{log}.log"
+        r = harness.run_logged(cmd, cwd=cwd, env=env, log=path, timeout_s=self.cfg.timeout_s)
+        return harness.checked(r, what, self.cfg.timeout_s)
+
 
 def prepare(s: Setup) -> dict[str, Any]:
     """The corpus written once, each project's tokenizer trained on it, our token store built."""
@@ -330,11 +309,11 @@ def prepare(s: Setup) -> dict[str, Any]:
     t0 = time.perf_counter()
     train, val, note = split_corpus(cfg.dataset_path, cfg.doc_chars)
     corpus = write_corpus(train, val, work)
+    s.val_docs.write_text(json.dumps(val))
     corpus.update(split=note, write_s=time.perf_counter() - t0)
     print(f"bench_vs_nanochat: corpus: train {corpus['train_docs']:,} docs / {corpus['train_chars']:,} chars, "
           f"val {corpus['val_docs']:,} docs / {corpus['val_chars']:,} chars ({note}; pieces of <= {cfg.doc_chars} "
           f"chars), {corpus['write_s']:.1f} s", flush=True)
-    logs, timeout = work / "logs", cfg.timeout_s
     tok = str(work / "ours_tokenizer")
     steps = {
         "nanochat tokenizer": ([cfg.nanochat_python, "-m", "scripts.tok_train", "--vocab-size", str(cfg.vocab_size),
@@ -347,8 +326,7 @@ def prepare(s: Setup) -> dict[str, Any]:
     }
     times = {}
     for what, (cmd, cwd, env) in steps.items():
-        r = checked(run_process(cmd, cwd=cwd, env=env, log=logs / f"{what.replace(' ', '_')}.log", timeout_s=timeout),
-                    what, timeout)
+        r = s.run(cmd, cwd, env, what.replace(" ", "_"), what)
         times[what] = r["wall_time_s"]
         print(f"bench_vs_nanochat: {what}: {r['wall_time_s']:.1f} s", flush=True)
     return dict(corpus=corpus, prep_s=times)
@@ -361,13 +339,20 @@ def run_nanochat(s: Setup, seed: int) -> dict[str, Any]:
            "--device-batch-size", str(cfg.batch_size), "--total-batch-size", str(s.tokens_per_step),
            "--num-iterations", str(cfg.num_iterations), "--eval-every", str(cfg.eval_every),
            "--eval-tokens", str(cfg.eval_tokens), "--core-metric-every", "-1", "--sample-every", "-1",
-           "--run", "dummy", "--model-tag", f"bench-{seed}", *cfg.nanochat_args]
-    r = checked(run_process(cmd, cwd=s.nanochat, env=s.nanochat_env(), log=s.work / "logs" / f"nanochat-{seed}.log",
-                            timeout_s=cfg.timeout_s), f"nanochat run {seed}", cfg.timeout_s)
+           "--save-every", str(cfg.eval_every), "--run", "dummy", "--model-tag", f"bench-{seed}",
+           *cfg.nanochat_args]
+    r = s.run(cmd, s.nanochat, s.nanochat_env(), f"nanochat-{seed}", f"nanochat run {seed}")
     record = parse_nanochat_log(r["text"], s.tokens_per_step)
     if record["val_bpb"] is None:
         raise NanoChatError(f"nanochat run {seed} printed no validation bpb; its log: {r['log']}")
-    return finished("nanochat", seed, dict(record, wall_time_s=r["wall_time_s"], log=r["log"], loadavg=harness.load()))
+    record = own_curve(dict(record, wall_time_s=r["wall_time_s"], log=r["log"], loadavg=harness.load()))
+    steps = [st for st in record["own_val_step"] if st > 0]
+    cmd = [cfg.nanochat_python, str(ROOT / "bench/score_nanochat.py"), "--checkout", str(s.nanochat), "--base_dir",
+           str(s.work / "nanochat_base"), "--model_tag", f"bench-{seed}", "--docs", str(s.val_docs),
+           "--seq_len", str(cfg.seq_len), "--device", cfg.device, "--steps", *map(str, steps)]
+    scored = s.run(cmd, s.nanochat, s.nanochat_env(), f"nanochat-{seed}-scores", f"scoring nanochat run {seed}")
+    figures = json.loads(scored["text"].strip().splitlines()[-1])
+    return finished("nanochat", seed, with_common(record, figures["steps"], figures["bpb"]))
 
 
 def run_ours(s: Setup, optimizer: str, seed: int) -> dict[str, Any]:
@@ -379,19 +364,33 @@ def run_ours(s: Setup, optimizer: str, seed: int) -> dict[str, Any]:
            str(cfg.num_iterations), "--eval_every", str(cfg.eval_every), "--eval_tokens", str(cfg.eval_tokens),
            "--seed", str(seed), "--device", cfg.device, "--optimizer", optimizer, "--packing", cfg.packing,
            "--fp8_opt_level", str(cfg.fp8_opt_level), "--compile" if cfg.compile else "--no_compile",
-           "--save_every", "0", "--num_samples", "0", "--no_plot", "--run_dir", str(run_dir), "--overwrite",
+           "--save_every", str(cfg.eval_every), "--keep_checkpoints", str(cfg.num_iterations // cfg.eval_every + 1),
+           "--num_samples", "0", "--no_plot", "--run_dir", str(run_dir), "--overwrite",
            *(["--lr", str(cfg.lr)] if cfg.lr is not None else []),
            *(["--muon_lr", str(cfg.muon_lr)] if cfg.muon_lr is not None else []), *cfg.ours_args]
     name = f"ours-{optimizer}"
-    r = checked(run_process(cmd, cwd=Path.cwd(), env=s.ours_env(), log=s.work / "logs" / f"{name}-{seed}.log",
-                            timeout_s=cfg.timeout_s), f"our run ({optimizer}, seed {seed})", cfg.timeout_s)
+    r = s.run(cmd, Path.cwd(), s.ours_env(), f"{name}-{seed}", f"our run ({optimizer}, seed {seed})")
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [e for e in evals if isinstance(e.get("val_bpb"), (int, float))]
     result = json.loads((run_dir / "result.json").read_text())
-    return finished(name, seed, dict(val_step=[e["step"] for e in evals], val_bpb_curve=[e["val_bpb"] for e in evals],
-                                     val_bpb=result["val_bpb"], steps=result["steps"],
-                                     tokens_per_sec=result["tokens_per_sec"], wall_time_s=r["wall_time_s"],
-                                     log=r["log"], run_dir=str(run_dir), loadavg=harness.load()))
+    record = own_curve(dict(val_step=[e["step"] for e in evals], val_bpb_curve=[e["val_bpb"] for e in evals],
+                            val_bpb=result["val_bpb"], steps=result["steps"], tokens_per_sec=result["tokens_per_sec"],
+                            wall_time_s=r["wall_time_s"], log=r["log"], run_dir=str(run_dir), loadavg=harness.load()))
+    steps = record["own_val_step"]
+    bpb = common_bpb.score_run(run_dir, steps, json.loads(s.val_docs.read_text()), cfg.seq_len, cfg.device)
+    return finished(name, seed, with_common(record, steps, bpb))
+
+
+def own_curve(record: dict[str, Any]) -> dict[str, Any]:
+    """The run's figures with its own evaluator's curve renamed own_* (the common one takes val_*)."""
+    record = dict(record)
+    for k in ("val_step", "val_bpb_curve", "val_bpb"):
+        record["own_" + k] = record.pop(k)
+    return record
+
+
+def with_common(record: dict[str, Any], steps: list[int], bpb: list[float]) -> dict[str, Any]:
+    return dict(record, val_step=list(steps), val_bpb_curve=list(bpb), val_bpb=bpb[-1])
 
 
 def finished(name: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
@@ -413,36 +412,50 @@ def compare(a: dict[str, Any], b: dict[str, Any], tokens_per_step: int) -> dict[
 def bench(cfg: BenchVsNanochatConfig) -> dict:
     s = Setup(cfg, check_nanochat(cfg), Path(cfg.work_dir).resolve())
     prep = prepare(s)
-    variants = {"nanochat": lambda i: run_nanochat(s, cfg.seeds[i])}
+    k = cfg.nanochat_runs or len(cfg.seeds)
+    variants = {"nanochat": lambda i: run_nanochat(s, cfg.seeds[i]) if i < k else None}
     variants.update({f"ours-{o}": (lambda i, o=o: run_ours(s, o, cfg.seeds[i])) for o in cfg.optimizer})
     runs = harness.interleave(variants, len(cfg.seeds))
+    runs["nanochat"] = runs["nanochat"][:k]
+    run = lambda n, i: runs[n][min(i, len(runs[n]) - 1)]  # noqa: E731  (nanochat's last for later seeds)
     names = list(variants)
     print(f"\nd{cfg.depth}, {cfg.num_iterations} steps of {cfg.batch_size} x {cfg.seq_len}, vocab {cfg.vocab_size}, "
           f"packing {cfg.packing} (ours); nanochat {nanochat_commit(s.nanochat)[:12]} ({harness.load()})")
     for i, seed in enumerate(cfg.seeds):
-        curves = {n: dict(zip(runs[n][i]["val_step"], runs[n][i]["val_bpb_curve"])) for n in names}
+        curves = {n: dict(zip(run(n, i)["val_step"], run(n, i)["val_bpb_curve"])) for n in names}
+        own = {n: dict(zip(run(n, i)["own_val_step"], run(n, i)["own_val_bpb_curve"])) for n in names}
         steps = sorted(set().union(*curves.values()))
-        print(f"\nval bpb at each evaluation (seed {seed})")
-        print(format_table(["step", *names], [[st, *(f"{curves[n][st]:.4f}" if st in curves[n] else "-"
-                                                     for n in names)] for st in steps]))
+        print(f"\nval bpb at each evaluation (seed {seed}): common_bpb over every validation document "
+              "(each project's own evaluator in brackets)")
+        cell = lambda n, st: "-" if st not in curves[n] else (  # noqa: E731
+            f"{curves[n][st]:.4f}" + (f" ({own[n][st]:.4f})" if st in own[n] else ""))
+        print(format_table(["step", *names], [[st, *(cell(n, st) for n in names)] for st in steps]))
     rows = [[n, f"{statistics.fmean(r['val_bpb'] for r in runs[n]):.4f}",
+             f"{statistics.fmean(r['own_val_bpb'] for r in runs[n]):.4f}",
              f"{statistics.median(r['tokens_per_sec'] or 0 for r in runs[n]):,.0f}",
              f"{statistics.median(r['wall_time_s'] for r in runs[n]):.0f}"] for n in names]
     print(f"\nfinal (mean over {len(cfg.seeds)} run(s); tokens/s and wall time: medians)")
-    print(format_table(["run", "final val bpb", "tokens/s", "wall s"], rows))
+    print(format_table(["run", "final val bpb", "its own evaluator's", "tokens/s", "wall s"], rows))
     comparisons, rows = [], []
     fmt = lambda c: "never" if c["steps"] is None else (  # noqa: E731
         f"{c['steps']:.0f} ({c['steps_ratio']:.2f}x)" + ("" if c["seconds"] is None else f", {c['seconds']:.0f} s"))
     for i, seed in enumerate(cfg.seeds):
-        nc = runs["nanochat"][i]
+        nc = run("nanochat", i)
         for n in names[1:]:
             o = runs[n][i]
+            mine, theirs = dict(zip(o["val_step"], o["val_bpb_curve"])), dict(zip(nc["val_step"], nc["val_bpb_curve"]))
             rec = dict(seed=seed, ours=n, ours_to_nanochat=compare(o, nc, s.tokens_per_step),
-                       nanochat_to_ours=compare(nc, o, s.tokens_per_step))
+                       nanochat_to_ours=compare(nc, o, s.tokens_per_step),
+                       ours_above_at=[st for st in sorted(mine.keys() & theirs.keys()) if mine[st] > theirs[st]])
+            to, theirs_s = rec["ours_to_nanochat"]["seconds"], compare(nc, nc, s.tokens_per_step)["seconds"]
+            rec["time_ratio"] = None if to is None or not theirs_s else to / theirs_s
             comparisons.append(rec)
-            rows.append([seed, n, fmt(rec["ours_to_nanochat"]), fmt(rec["nanochat_to_ours"])])
+            rows.append([seed, n, fmt(rec["ours_to_nanochat"]), fmt(rec["nanochat_to_ours"]),
+                         "-" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}x",
+                         " ".join(map(str, rec["ours_above_at"])) or "none"])
     print("\nsteps (x the other's steps), time at the run's own tokens/s, to the other's final val bpb")
-    print(format_table(["seed", "ours", "ours to nanochat's final", "nanochat to ours' final"], rows))
+    print(format_table(["seed", "ours", "ours to nanochat's final", "nanochat to ours' final",
+                        "our time / nanochat's, to its final", "evaluations where ours is above"], rows))
     return dict(config=dataclasses.asdict(cfg), nanochat_commit=nanochat_commit(s.nanochat), **prep,
                 comparisons=comparisons, runs=runs)
 

@@ -12,6 +12,11 @@ mode starts from the same weights and sees the same batches, so a seed's gap is 
 
     gap[seed, mode] = (val_loss[seed, mode] - val_loss[seed, baseline]) / val_loss[seed, baseline]
 
+Beside the gap, each mode's steps per baseline step at matched val loss
+(`harness.matched_steps_ratio`: below 1 when it reaches the baseline's final loss before the last
+step, above 1 when the baseline reaches the mode's final loss first): the factor a device's
+tokens/s ratio of FP8 over high precision is divided by to give FP8's time to the same loss.
+
 Targets: every FP8 mode within +-`--gap_target_pct` of the baseline for every seed, and each
 auto mode no worse than the best fixed mode on the mean over seeds (`--auto_tolerance_pct`).
 Why several seeds, what is held equal between runs, where FP8 runs natively or emulated, and
@@ -365,10 +370,16 @@ def final(results: dict[str, dict], mode: str, key: str = "val_loss") -> float:
 
 
 def add_gaps(results: dict[str, dict]) -> None:
-    """Each mode's relative gap (val loss and val bpb) to the seed's baseline, in percent, in place."""
+    """Each mode's relative gap (val loss and val bpb) to the seed's baseline, in percent, and its
+    steps per baseline step at matched val loss (harness.matched_steps_ratio), in place."""
+    base = (results.get("baseline") or {}).get("curves") or {}
     for mode, r in results.items():
         r["gap_pct"] = rel_gap_pct(final(results, mode), final(results, "baseline"))
         r["bpb_gap_pct"] = rel_gap_pct(final(results, mode, "val_bpb"), final(results, "baseline", "val_bpb"))
+        c = r.get("curves") or {}
+        ok = not r.get("error") and base.get("val_loss")
+        r["matched_steps"] = harness.matched_steps_ratio(c.get("val_step", []), c.get("val_loss", []),
+                                                         base["val_step"], base["val_loss"]) if ok else None
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:
@@ -385,9 +396,12 @@ def summarize(cfg: ParityConfig, runs: dict[str, dict[str, dict]]) -> dict[str, 
         losses = [final(runs.get(str(s), {}), mode) for s in cfg.seeds]
         gaps = [runs.get(str(s), {}).get(mode, {}).get("gap_pct", float("nan")) for s in cfg.seeds]
         bpb = [final(runs.get(str(s), {}), mode, "val_bpb") for s in cfg.seeds]
+        matched = [runs.get(str(s), {}).get(mode, {}).get("matched_steps") for s in cfg.seeds]
+        matched = [float("nan") if m is None else m for m in matched]
         (lm, ls), (gm, gs), (bm, _) = _mean_sd(losses), _mean_sd(gaps), _mean_sd(bpb)
         out[mode] = dict(val_losses=losses, gaps_pct=gaps, val_loss_mean=lm, val_loss_sd=ls,
-                         gap_mean_pct=gm, gap_sd_pct=gs, val_bpb_mean=bm,
+                         gap_mean_pct=gm, gap_sd_pct=gs, val_bpb_mean=bm, matched_steps=matched,
+                         matched_steps_mean=_mean_sd(matched)[0],
                          runs=sum(1 for s in cfg.seeds if mode in runs.get(str(s), {})))
     return out
 
@@ -459,11 +473,15 @@ def report(cfg: ParityConfig, runs: dict[str, dict[str, dict]], summary: dict[st
         verdict = "(reference)" if mode == "baseline" else ("met" if targets["within_gap"][mode] else "MISSED")
         gaps = [g for g in s["gaps_pct"] if math.isfinite(g)]
         rng = f"{min(gaps):+.3f}% .. {max(gaps):+.3f}%" if gaps and mode != "baseline" else "-"
+        ms = [m for m in s["matched_steps"] if math.isfinite(m)]
+        matched = "-" if mode == "baseline" or not ms else (
+            f"{_fmt(s['matched_steps_mean'], '.3f')}x ({min(ms):.3f} .. {max(ms):.3f})")
         mrows.append([mode, f"{s['runs']}/{n}", _fmt(s["val_loss_mean"], ".4f"), _fmt(s["val_loss_sd"], ".4f"),
                       "-" if mode == "baseline" else _fmt(s["gap_mean_pct"], "+.3f") + "%",
-                      "-" if mode == "baseline" else _fmt(s["gap_sd_pct"], ".3f") + "%", rng, verdict])
+                      "-" if mode == "baseline" else _fmt(s["gap_sd_pct"], ".3f") + "%", rng, matched, verdict])
     lines.append(format_table(["mode", "runs", "mean val loss", "sd", "mean gap", "gap sd", "gap range (seeds)",
-                               f"every |gap| <= {cfg.gap_target_pct:g}%"], mrows))
+                               "steps at matched loss (x baseline)", f"every |gap| <= {cfg.gap_target_pct:g}%"],
+                              mrows))
     for seed in cfg.seeds:
         for mode in cfg.modes:
             r = runs.get(str(seed), {}).get(mode) or {}

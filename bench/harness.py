@@ -19,7 +19,8 @@ Measuring: a baseline and its candidates run in one process, `interleave`d (roun
 a change in the machine's load hits every variant alike); each is reported as the median of its
 runs (`medians`, `median_of`) and as its ratio to the baseline's (`ratios`), with the load average
 beside them (`load`): most figures here come from a shared 2-core machine. Two training runs are
-compared by their validation curves: `steps_to` is the step at which one reaches a loss. `peak_rss_mb` is a
+compared by their validation curves: `steps_to` is the step at which one reaches a loss,
+`matched_steps_ratio` the steps one needs per step of the other at matched loss. `peak_rss_mb` is a
 process's host memory high-water mark; a training run's CUDA peak is nanochat.train.measure's,
 which scripts/gpu_check.py reports too.
 
@@ -34,6 +35,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import time
@@ -41,7 +43,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nanochat.common import run_main
+from nanochat.common import NanoChatError, run_main
 from nanochat.fs import write_atomic
 
 C = TypeVar("C")
@@ -124,6 +126,49 @@ def steps_to(target: float, steps: list[int], values: list[float]) -> float | No
             s0, v0 = steps[i - 1], values[i - 1]
             return s0 + (s - s0) * (v0 - target) / (v0 - v)
     return None
+
+
+def run_logged(cmd: list[str], *, cwd: Path, env: dict[str, str], log: Path, timeout_s: float) -> dict[str, Any]:
+    """`cmd` in a new session, stdout and stderr to `log`; killed with its process group after
+    `timeout_s`. Returns the exit status (None: timed out), the wall time and the log's text."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc: int | None = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = None
+    return dict(rc=rc, wall_time_s=time.perf_counter() - t0, log=str(log), text=log.read_text(errors="replace"))
+
+
+def checked(r: dict[str, Any], what: str, timeout_s: float) -> dict[str, Any]:
+    """`run_logged`'s record `r`; one error naming `what`, why and the log unless it exited 0."""
+    if r["rc"] != 0:
+        tail = [line for line in r["text"].splitlines() if line.strip()][-1:] or ["(no output)"]
+        why = f"timed out after {timeout_s:g} s" if r["rc"] is None else f"exit {r['rc']}"
+        raise NanoChatError(f"{what} failed ({why}): {tail[0].strip()[:300]}; full log: {r['log']}")
+    return r
+
+
+def matched_steps_ratio(steps: list[int], values: list[float], ref_steps: list[int],
+                        ref_values: list[float]) -> float | None:
+    """A run's steps per reference step at matched loss, from the two validation curves: when it
+    ends at or below the reference's final loss, the steps it takes to reach that loss over the
+    reference's steps (<= 1); when it ends above, its steps over the steps the reference takes to
+    reach its final loss (> 1). A run at this ratio times the reference's tokens/s ratio reaches
+    the same loss that much sooner or later. None: no curve, or a reference that never gets there."""
+    if not values or not ref_values:
+        return None
+    if values[-1] <= ref_values[-1]:
+        to = steps_to(ref_values[-1], steps, values)
+        return None if to is None else to / ref_steps[-1]
+    to = steps_to(values[-1], ref_steps, ref_values)
+    return None if not to else steps[-1] / to
 
 
 def ratios(figures: Mapping[str, float], baseline: str) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """bench/bench_optimizers.py, AdamW against Muon at equal steps, on a `--quick` run; and
 bench/bench_muon_variants.py, Muon with and without its additions.
 
-Checked against: hand-made curves for `steps_to` (the interpolation, the first evaluation, never),
-and the runs' own records, recomputed here: the sweep's best rate is the one with the lowest
+Checked against: hand-made curves for `steps_to` (the interpolation, the first evaluation, never)
+and `matched_steps_ratio` (either run ahead, equal curves), and the runs' own records, recomputed here: the sweep's best rate is the one with the lowest
 final val bpb of the runs it trained; the per-seed steps and time ratios and FP8 momentum's gap
 follow from those runs' curves and tokens/s (to 1e-9); --reuse trains nothing again. The quick
 runs' figures say nothing about the optimizers (d2, 6 steps): that is the default run's job.
@@ -36,6 +36,18 @@ def test_steps_to_interpolates_between_evaluations():
     assert harness.steps_to(3.5, steps, values) == 50.0  # reached by the first evaluation: its step bounds it
     assert harness.steps_to(0.5, steps, values) is None
     assert harness.steps_to(2.5, [50, 100, 150], [3.0, 3.0, 2.0]) == pytest.approx(125.0)  # a flat stretch first
+
+
+def test_matched_steps_ratio_is_steps_per_reference_step_at_the_lower_final_loss():
+    ref_steps, ref = [100, 200, 300], [3.0, 2.0, 1.0]
+    # ends below the reference: reaches its final 1.0 at step 250 of 300
+    assert harness.matched_steps_ratio([100, 200, 300], [2.0, 1.5, 0.5], ref_steps, ref) == pytest.approx(250 / 300)
+    # ends above, at 1.5: the reference gets there at step 250, this run needed 300
+    assert harness.matched_steps_ratio([100, 200, 300], [3.0, 2.5, 1.5], ref_steps, ref) == pytest.approx(300 / 250)
+    assert harness.matched_steps_ratio(ref_steps, ref, ref_steps, ref) == pytest.approx(1.0)
+    # ends above everything the reference measured before its first evaluation: that step bounds it
+    assert harness.matched_steps_ratio([100, 200, 300], [9.0, 8.0, 4.0], ref_steps, ref) == pytest.approx(3.0)
+    assert harness.matched_steps_ratio([], [], ref_steps, ref) is None
 
 
 @pytest.fixture(scope="module")

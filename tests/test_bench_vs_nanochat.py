@@ -4,7 +4,7 @@ Checked against: lines nanochat's base_train printed in real runs (its curve and
 recomputed by hand from the step times); the corpus the bench writes, read back with pyarrow as
 nanochat reads it (sorted shards, the last one validation) and with our own data code (the same
 documents on the same sides), and the split recomputed from our rule; a --quick run's figures
-recomputed from its runs. The --quick run needs a checkout of karpathy/nanochat and a Python
+recomputed from its runs (common_bpb's own checks: tests/test_common_bpb.py). The --quick run needs a checkout of karpathy/nanochat and a Python
 with its packages: NANOCHAT_DIR (and NANOCHAT_PYTHON, default this one); without them it is
 skipped.
 """
@@ -125,6 +125,8 @@ def test_bad_input_is_one_error_line_before_any_work(tmp_path):
     assert exit_.value.code == 2
     with pytest.raises(ValueError, match="not a multiple of batch_size x seq_len"):
         bvn.BenchVsNanochatConfig(nanochat_dir=str(tmp_path), eval_tokens=1000)
+    with pytest.raises(ValueError, match="--nanochat_runs must be between 1 and the number of --seeds"):
+        bvn.BenchVsNanochatConfig(nanochat_dir=str(tmp_path), seeds=(1, 2), nanochat_runs=3)
     assert not (tmp_path / "w").exists()
 
 
@@ -137,13 +139,28 @@ def test_quick_run_trains_both_and_recomputes_its_comparison(small_corpus, tmp_p
     out = tmp_path / "figures.json"
     rc, printed, err = _main(["--quick", "--nanochat_dir", NANOCHAT_DIR, "--nanochat_python",
                               os.environ.get("NANOCHAT_PYTHON", sys.executable), "--dataset_path", str(small_corpus),
-                              "--work_dir", str(tmp_path / "work"), "--out", str(out)])
+                              "--work_dir", str(tmp_path / "work"), "--out", str(out), "--seeds", "1", "2",
+                              "--nanochat_runs", "1"])
     assert rc == 0, printed + err
     data = json.loads(out.read_text())
+    assert len(data["runs"]["nanochat"]) == 1 and len(data["runs"]["ours-muon"]) == 2
     nc, ours = data["runs"]["nanochat"][0], data["runs"]["ours-muon"][0]
-    assert nc["val_step"] == [0, 3, 6] and ours["val_step"] == [3, 6]  # nanochat also evaluates before step 1
+    assert nc["own_val_step"] == [0, 3, 6] and ours["own_val_step"] == [3, 6]  # nanochat also evaluates at 0
+    # the common evaluator scored both projects' checkpoints at the same steps (nanochat saves none at 0)
+    assert nc["val_step"] == ours["val_step"] == [3, 6]
+    assert nc["val_bpb"] == nc["val_bpb_curve"][-1] and ours["val_bpb"] == ours["val_bpb_curve"][-1]
     assert nc["steps"] == ours["steps"] == 6
     c = data["comparisons"][0]
     assert c["ours_to_nanochat"]["steps"] == harness.steps_to(nc["val_bpb"], ours["val_step"], ours["val_bpb_curve"])
     assert c["nanochat_to_ours"]["steps"] == harness.steps_to(ours["val_bpb"], nc["val_step"], nc["val_bpb_curve"])
+    mine, theirs = dict(zip(ours["val_step"], ours["val_bpb_curve"])), dict(zip(nc["val_step"], nc["val_bpb_curve"]))
+    assert c["ours_above_at"] == [st for st in (3, 6) if mine[st] > theirs[st]]
+    if c["ours_to_nanochat"]["seconds"] is not None:
+        theirs_s = harness.steps_to(nc["val_bpb"], nc["val_step"], nc["val_bpb_curve"]) * 256 / nc["tokens_per_sec"]
+        assert c["time_ratio"] == pytest.approx(c["ours_to_nanochat"]["seconds"] / theirs_s, rel=1e-9)
+    # the second seed is compared with nanochat's one run
+    assert [c["seed"] for c in data["comparisons"]] == [1, 2]
+    second = data["runs"]["ours-muon"][1]
+    assert data["comparisons"][1]["nanochat_to_ours"]["steps"] == harness.steps_to(
+        second["val_bpb"], nc["val_step"], nc["val_bpb_curve"])
     assert data["corpus"]["val_docs"] > 0 and "val bpb at each evaluation" in printed

@@ -273,6 +273,27 @@ def test_eval_script_reproduces_a_text_runs_loss_and_bpb(small_corpus, tmp_path,
     assert "the run evaluated with --eval_tokens 2048" in err
 
 
+def test_read_run_loads_the_checkpoint_of_a_given_step(small_corpus, tmp_path):
+    """read_run(step=k) is the checkpoint file of step k (its weights, tensor for tensor), not the
+    newest; a step without one is one error naming the steps saved."""
+    from nanochat.checkpoint import load_model, read_run
+    from nanochat.common import UsageError
+    from nanochat.train.trainer import NanoChatTrainer
+
+    run = tmp_path / "run"
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus, run, num_iterations=4, save_every=2, num_samples=0)).train()
+    for step in (2, 4):
+        model, _ = load_model(read_run(run, step=step))
+        saved = torch.load(run / f"checkpoint-{step:06d}.pt", weights_only=True)["model"]
+        state = model.state_dict()
+        assert saved.keys() <= state.keys() and all(torch.equal(state[k], v) for k, v in saved.items())
+        assert read_run(run, step=step).step == step
+    newest, _ = load_model(read_run(run))
+    assert torch.equal(newest.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(UsageError, match=r"no checkpoint of step 3 \(steps saved: 2, 4\)"):
+        read_run(run, step=3)
+
+
 def test_single_token_letters_score_as_their_logits(tmp_path):
     """A vocabulary with ` A` ... ` D` as single tokens: every prediction is the old rule's (the
     largest of the letters' logits after the prompt), and so is the accuracy. Exact: with

@@ -4,7 +4,9 @@ Checked against: the harness's own raw outputs, recomputed here. Every seed x mo
 e4m3, e5m2, auto) finished with a finite final val loss; each FP8 mode really ran FP8 (emulated
 on CPU, layers converted, a val loss that differs from the baseline's -- otherwise parity would
 hold trivially); each gap in parity.json equals (mode - baseline) / baseline of the same seed,
-recomputed from the final val losses (and bpb) in the same file, to 1e-9; the means, standard
+recomputed from the final val losses (and bpb) in the same file, to 1e-9, and each mode's steps at
+matched loss from the two curves there (harness.matched_steps_ratio, checked on hand-made curves in
+test_bench_optimizers.py); the means, standard
 deviations and the paired auto-vs-best difference equal statistics.fmean/stdev of those figures;
 the target verdicts follow from them and the stated tolerances (also on hand-made numbers either
 side of each threshold); runs in parallel processes give the same figures as in-process runs
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import fp8_parity as parity  # noqa: E402  (a benchmark, outside the package)
 from fp8_parity import QUICK, ParityConfig  # noqa: E402
+import harness  # noqa: E402
 
 MODES = ("baseline", "e4m3", "e5m2", "auto", "auto-recheck")
 SEEDS = (1, 2)
@@ -77,6 +80,9 @@ def test_quick_run_records_every_seed_and_mode_with_gaps_recomputed(quick_run):
             assert r["gap_pct"] == pytest.approx(want, rel=1e-9, abs=1e-12)
             want_bpb = 100 * (r["val_bpb"] - base["val_bpb"]) / base["val_bpb"]
             assert r["bpb_gap_pct"] == pytest.approx(want_bpb, rel=1e-9, abs=1e-12)
+            c, b = r["curves"], base["curves"]
+            assert r["matched_steps"] == harness.matched_steps_ratio(c["val_step"], c["val_loss"], b["val_step"],
+                                                                     b["val_loss"])
     assert runs["1"]["baseline"]["val_loss"] != runs["2"]["baseline"]["val_loss"]  # seeds differ
 
     summary, targets = data["summary"], data["targets"]
@@ -86,6 +92,9 @@ def test_quick_run_records_every_seed_and_mode_with_gaps_recomputed(quick_run):
         assert summary[mode]["val_loss_mean"] == pytest.approx(statistics.fmean(losses), rel=1e-12)
         assert summary[mode]["val_loss_sd"] == pytest.approx(statistics.stdev(losses), rel=1e-9)
         assert summary[mode]["gap_mean_pct"] == pytest.approx(statistics.fmean(gaps), rel=1e-9, abs=1e-12)
+        matched = [runs[s][mode]["matched_steps"] for s in map(str, SEEDS)]
+        if mode != "baseline" and None not in matched:
+            assert summary[mode]["matched_steps_mean"] == pytest.approx(statistics.fmean(matched), rel=1e-12)
         if mode != "baseline":
             limit = data["config"]["gap_target_pct"]
             assert targets["within_gap"][mode] == all(abs(g) <= limit for g in gaps)

@@ -4,6 +4,7 @@ scripts/eval.py and scripts/export_hf.py.
     load_model(resolve_model("d4"), vocab_size=4096, seq_len=256)   # a preset, freshly initialized
     load_model(resolve_model("org/name"), device="cuda")            # a Hugging Face directory's weights
     load_model(read_run("runs/sft"))                                # a run's newest checkpoint
+    load_model(read_run("runs/base", step=200))                     # the one saved at step 200
     load_model(checkpointer.read_init_source(), ...)                # --init_from's checkpoint (.pt or DCP)
 
 A source is what --model_name names (nanochat.model.hub.resolve_model: a preset, or a Hugging
@@ -27,6 +28,7 @@ import torch
 from nanochat.checkpoint import dcp, store
 from nanochat.checkpoint.checkpointer import Saved
 from nanochat.checkpoint.pt import PT, checkpoint_name
+from nanochat.checkpoint.storage import Checkpoint
 from nanochat.common import NanoChatError, UsageError
 from nanochat.model.gpt import GPT, GPTConfig, preset_config
 from nanochat.model.hf import gpt_config_from_hf, load_hf_model
@@ -39,21 +41,35 @@ RUN_KEYS = ("config.model_name", "step", "model")
 """What a run's checkpoint must hold to be loaded as a model (`read_run`)."""
 
 
-def read_run(run_dir: str | os.PathLike, flag: str = "--run_dir") -> Saved:
-    """The newest checkpoint of `run_dir` with the tokenizer the run trained with (checked against
-    the checkpoint: run_tokenizer), verified, errors naming `flag`: a .pt (store.load_checkpoint),
-    its weights memory-mapped until `load_model` reads them, or a distributed run's DCP step
-    (any layout: DDP, FSDP, TP), whose weights `load_model` reads whole from its shards."""
-    c = store.newest(run_dir, flag) if Path(run_dir).is_dir() else None
+def read_run(run_dir: str | os.PathLike, flag: str = "--run_dir", *, step: int | None = None) -> Saved:
+    """The newest checkpoint of `run_dir` (`step`: the one written at that step) with the tokenizer
+    the run trained with (checked against the checkpoint: run_tokenizer), verified, errors naming
+    `flag`: a .pt (store.load_checkpoint), its weights memory-mapped until `load_model` reads them,
+    or a distributed run's DCP step (any layout: DDP, FSDP, TP), whose weights `load_model` reads
+    whole from its shards."""
+    if step is None:
+        c = store.newest(run_dir, flag) if Path(run_dir).is_dir() else None
+    else:
+        c = _at_step(run_dir, step, flag)
     if c is not None and c.kind == "dcp":
         meta = store.read(c, flag, RUN_KEYS[:-1])
         tokenizer = run_tokenizer(run_dir, meta.get("tokenizer_fingerprint"), flag)
         return Saved(c, meta, tokenizer=tokenizer, weights=None, origin=f"{flag} {run_dir}")
-    payload = store.load_checkpoint(run_dir, keys=RUN_KEYS, mmap=True, flag=flag)
+    payload = store.load_checkpoint(run_dir if step is None else c.path, keys=RUN_KEYS, mmap=True, flag=flag)
     tokenizer = run_tokenizer(run_dir, payload.get("tokenizer_fingerprint"), flag)
     weights = payload.pop("model")
     return Saved(PT.at(Path(run_dir) / checkpoint_name(payload["step"])), payload, tokenizer=tokenizer,
                  weights=weights, origin=f"{flag} {run_dir}")
+
+
+def _at_step(run_dir: str | os.PathLike, step: int, flag: str) -> Checkpoint:
+    every = store.committed(run_dir) if Path(run_dir).is_dir() else []
+    at = [c for c in every if c.step == step]
+    if at:
+        return at[-1]  # a step saved again after a resume: its newest save
+    have = ", ".join(str(c.step) for c in every) or "none"
+    raise UsageError(f"{flag} {run_dir} has no checkpoint of step {step} (steps saved: {have}); pick one of "
+                     "those, or train with a --save_every that divides the step")
 
 
 def gpt_config(source: Source, *, vocab_size: int | None = None, seq_len: int | None = None) -> GPTConfig:
