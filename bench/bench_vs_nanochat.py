@@ -50,7 +50,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -214,7 +213,7 @@ def write_corpus(train: list[str], val: list[str], work: Path, *, shard_docs: in
     for i, docs in enumerate([*shards, val]):
         path = data / f"shard_{i:05d}.parquet"
         pq.write_table(pa.table({"text": docs}), path, row_group_size=row_group)
-        name = f"validation-00000.parquet" if i == len(shards) else f"train-{i:05d}.parquet"
+        name = "validation-00000.parquet" if i == len(shards) else f"train-{i:05d}.parquet"
         (ours / name).symlink_to(path.resolve())
     return dict(nanochat_data=str(data), ours_corpus=str(ours), train_docs=len(train), val_docs=len(val),
                 train_chars=sum(map(len, train)), val_chars=sum(map(len, val)), train_shards=len(shards))
