@@ -394,7 +394,8 @@ def with_common(record: dict[str, Any], steps: list[int], bpb: list[float]) -> d
 
 def finished(name: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
     tps = record["tokens_per_sec"]
-    print(f"bench_vs_nanochat: {name} {seed}: val bpb {record['val_bpb']:.4f}, "
+    print(f"bench_vs_nanochat: {name} {seed}: val bpb {record['val_bpb']:.4f} (its own evaluator's "
+          f"{record['own_val_bpb']:.4f}), "
           f"{'-' if tps is None else f'{tps:,.0f}'} tok/s, {record['wall_time_s']:.0f} s ({record['loadavg']})",
           flush=True)
     return record
