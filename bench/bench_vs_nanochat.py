@@ -58,7 +58,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import common_bpb
 import harness
 from nanochat.common import NanoChatError, format_table
 
@@ -376,6 +375,8 @@ def run_ours(s: Setup, optimizer: str, seed: int) -> dict[str, Any]:
                             val_bpb=result["val_bpb"], steps=result["steps"], tokens_per_sec=result["tokens_per_sec"],
                             wall_time_s=r["wall_time_s"], log=r["log"], run_dir=str(run_dir), loadavg=harness.load()))
     steps = record["own_val_step"]
+    import common_bpb  # torch: not imported for --help
+
     bpb = common_bpb.score_run(run_dir, steps, json.loads(s.val_docs.read_text()), cfg.seq_len, cfg.device)
     return finished(name, seed, with_common(record, steps, bpb))
 
