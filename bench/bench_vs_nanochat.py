@@ -435,7 +435,7 @@ def bench(cfg: BenchVsNanochatConfig) -> dict:
              f"{statistics.fmean(r['own_val_bpb'] for r in runs[n]):.4f}",
              f"{statistics.median(r['tokens_per_sec'] or 0 for r in runs[n]):,.0f}",
              f"{statistics.median(r['wall_time_s'] for r in runs[n]):.0f}"] for n in names]
-    print(f"\nfinal (mean over {len(cfg.seeds)} run(s); tokens/s and wall time: medians)")
+    print(f"\nfinal (mean over each one's runs: ours {len(cfg.seeds)}, nanochat {k}; tokens/s and wall time: medians)")
     print(format_table(["run", "final val bpb", "its own evaluator's", "tokens/s", "wall s"], rows))
     comparisons, rows = [], []
     fmt = lambda c: "never" if c["steps"] is None else (  # noqa: E731
