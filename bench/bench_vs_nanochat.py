@@ -4,6 +4,7 @@ evaluation, tokens/s, wall time, and the steps and time each needs to reach the 
     .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir /path/to/nanochat      # d2, 300 steps
     .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir D --optimizer muon adamw --out f.json
     .venv/bin/python bench/bench_vs_nanochat.py --nanochat_dir D --quick             # a dry run, ~1 min
+    .venv/bin/python bench/bench_vs_nanochat.py --merge a.json b.json --out f.json   # parts as one run
 
 nanochat runs as a subprocess from the checkout --nanochat_dir (its commit is recorded) with
 --nanochat_python (default: this Python), which needs torch, pyarrow, rustbpe, tiktoken, wandb,
@@ -41,16 +42,17 @@ Figures: the common evaluator's curves; tokens/s from nanochat's step lines afte
 steps (as its own total time counts) and from our result.json (steps that did not compile);
 wall time: the training process's, start to exit, checkpoint writes included (both write one at
 each evaluation), scoring not. The steps to the other's final bpb are `harness.steps_to` on the
-curve; the time is those steps at the run's tokens/s.
+curve; the time is those steps at the run's tokens/s (bench/vs_nanochat_report.py, which also
+joins parts of a long sweep run apart: --nanochat_runs 0 and --merge).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
@@ -59,7 +61,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import harness
-from nanochat.common import NanoChatError, format_table
+import vs_nanochat_report
+from nanochat.common import NanoChatError
 
 ROOT = Path(__file__).resolve().parents[1]
 NANOCHAT_MODULES = ("torch", "pyarrow", "rustbpe", "tiktoken", "wandb", "kernels", "psutil", "filelock")
@@ -117,7 +120,7 @@ class BenchVsNanochatConfig:
     nanochat_runs: int | None = None
     """nanochat's runs, alternating with ours; default one per seed. It seeds itself (42), so its
     repeats differ in time only: 1 halves a quality sweep's cost. Our seed i is compared with
-    nanochat's run i, or its last."""
+    nanochat's run i, or its last. 0: ours only, a part for --merge."""
     timeout_s: float = 3600.0
     """A training process still running after this is killed with its process group."""
     work_dir: str = "runs/bench_vs_nanochat"
@@ -126,6 +129,9 @@ class BenchVsNanochatConfig:
     """Tiny sizes, no compile: a dry run (tests); its figures mean nothing."""
     out: str | None = None
     """Write the figures as JSON here."""
+    merge: tuple[str, ...] = ()
+    """Run nothing: report these --out files of the same settings (seeds aside) as one run, e.g. a
+    part with --nanochat_runs 1 and parts of other seeds with --nanochat_runs 0."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "vocab_size", "tokenizer_chars", "seq_len", "batch_size", "num_iterations",
@@ -142,8 +148,8 @@ class BenchVsNanochatConfig:
             raise ValueError(f"--doc_chars must be >= 0 (0 keeps documents whole), got {self.doc_chars}")
         if not self.seeds or not self.optimizer:
             raise ValueError("--seeds and --optimizer need at least one value")
-        if self.nanochat_runs is not None and not 1 <= self.nanochat_runs <= len(self.seeds):
-            raise ValueError(f"--nanochat_runs must be between 1 and the number of --seeds ({len(self.seeds)}), "
+        if self.nanochat_runs is not None and not 0 <= self.nanochat_runs <= len(self.seeds):
+            raise ValueError(f"--nanochat_runs must be between 0 and the number of --seeds ({len(self.seeds)}), "
                              f"got {self.nanochat_runs}")
 
 
@@ -327,7 +333,23 @@ def prepare(s: Setup) -> dict[str, Any]:
         r = s.run(cmd, cwd, env, what.replace(" ", "_"), what)
         times[what] = r["wall_time_s"]
         print(f"bench_vs_nanochat: {what}: {r['wall_time_s']:.1f} s", flush=True)
-    return dict(corpus=corpus, prep_s=times)
+    fingerprints = dict(train=digest(json.dumps(train).encode()), val=digest(s.val_docs.read_bytes()),
+                        nanochat_tokenizer=digest(*tree_bytes(work / "nanochat_base" / "tokenizer")),
+                        our_tokenizer=digest(*tree_bytes(Path(tok))))
+    return dict(corpus=corpus, prep_s=times, fingerprints=fingerprints)
+
+
+def digest(*chunks: bytes) -> str:
+    h = hashlib.sha1()
+    for c in chunks:
+        h.update(len(c).to_bytes(8, "little") + c)
+    return h.hexdigest()[:16]
+
+
+def tree_bytes(d: Path) -> list[bytes]:
+    """Each file's name and bytes under `d`, in name order: what a tokenizer directory holds."""
+    return [x for f in sorted(p for p in d.rglob("*") if p.is_file()) for x in (str(f.relative_to(d)).encode(),
+                                                                               f.read_bytes())]
 
 
 def run_nanochat(s: Setup, seed: int) -> dict[str, Any]:
@@ -402,63 +424,20 @@ def finished(name: str, seed: int, record: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-# ------------------------------------------------------------------------------------ report
-def compare(a: dict[str, Any], b: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
-    """How soon run `a` reaches `b`'s final val bpb: steps on a's curve, seconds at a's tokens/s."""
-    to = harness.steps_to(b["val_bpb"], a["val_step"], a["val_bpb_curve"])
-    seconds = None if to is None or not a["tokens_per_sec"] else to * tokens_per_step / a["tokens_per_sec"]
-    return dict(steps=to, seconds=seconds, steps_ratio=None if to is None else to / b["steps"])
-
-
+# ------------------------------------------------------------------------------------- bench
 def bench(cfg: BenchVsNanochatConfig) -> dict:
+    if cfg.merge:
+        return vs_nanochat_report.merge(cfg.merge)
     s = Setup(cfg, check_nanochat(cfg), Path(cfg.work_dir).resolve())
     prep = prepare(s)
-    k = cfg.nanochat_runs or len(cfg.seeds)
+    k = len(cfg.seeds) if cfg.nanochat_runs is None else cfg.nanochat_runs
     variants = {"nanochat": lambda i: run_nanochat(s, cfg.seeds[i]) if i < k else None}
     variants.update({f"ours-{o}": (lambda i, o=o: run_ours(s, o, cfg.seeds[i])) for o in cfg.optimizer})
     runs = harness.interleave(variants, len(cfg.seeds))
     runs["nanochat"] = runs["nanochat"][:k]
-    run = lambda n, i: runs[n][min(i, len(runs[n]) - 1)]  # noqa: E731  (nanochat's last for later seeds)
-    names = list(variants)
-    print(f"\nd{cfg.depth}, {cfg.num_iterations} steps of {cfg.batch_size} x {cfg.seq_len}, vocab {cfg.vocab_size}, "
-          f"packing {cfg.packing} (ours); nanochat {nanochat_commit(s.nanochat)[:12]} ({harness.load()})")
-    for i, seed in enumerate(cfg.seeds):
-        curves = {n: dict(zip(run(n, i)["val_step"], run(n, i)["val_bpb_curve"])) for n in names}
-        own = {n: dict(zip(run(n, i)["own_val_step"], run(n, i)["own_val_bpb_curve"])) for n in names}
-        steps = sorted(set().union(*curves.values()))
-        print(f"\nval bpb at each evaluation (seed {seed}): common_bpb over every validation document "
-              "(each project's own evaluator in brackets)")
-        cell = lambda n, st: "-" if st not in curves[n] else (  # noqa: E731
-            f"{curves[n][st]:.4f}" + (f" ({own[n][st]:.4f})" if st in own[n] else ""))
-        print(format_table(["step", *names], [[st, *(cell(n, st) for n in names)] for st in steps]))
-    rows = [[n, f"{statistics.fmean(r['val_bpb'] for r in runs[n]):.4f}",
-             f"{statistics.fmean(r['own_val_bpb'] for r in runs[n]):.4f}",
-             f"{statistics.median(r['tokens_per_sec'] or 0 for r in runs[n]):,.0f}",
-             f"{statistics.median(r['wall_time_s'] for r in runs[n]):.0f}"] for n in names]
-    print(f"\nfinal (mean over each one's runs: ours {len(cfg.seeds)}, nanochat {k}; tokens/s and wall time: medians)")
-    print(format_table(["run", "final val bpb", "its own evaluator's", "tokens/s", "wall s"], rows))
-    comparisons, rows = [], []
-    fmt = lambda c: "never" if c["steps"] is None else (  # noqa: E731
-        f"{c['steps']:.0f} ({c['steps_ratio']:.2f}x)" + ("" if c["seconds"] is None else f", {c['seconds']:.0f} s"))
-    for i, seed in enumerate(cfg.seeds):
-        nc = run("nanochat", i)
-        for n in names[1:]:
-            o = runs[n][i]
-            mine, theirs = dict(zip(o["val_step"], o["val_bpb_curve"])), dict(zip(nc["val_step"], nc["val_bpb_curve"]))
-            rec = dict(seed=seed, ours=n, ours_to_nanochat=compare(o, nc, s.tokens_per_step),
-                       nanochat_to_ours=compare(nc, o, s.tokens_per_step),
-                       ours_above_at=[st for st in sorted(mine.keys() & theirs.keys()) if mine[st] > theirs[st]])
-            to, theirs_s = rec["ours_to_nanochat"]["seconds"], compare(nc, nc, s.tokens_per_step)["seconds"]
-            rec["time_ratio"] = None if to is None or not theirs_s else to / theirs_s
-            comparisons.append(rec)
-            rows.append([seed, n, fmt(rec["ours_to_nanochat"]), fmt(rec["nanochat_to_ours"]),
-                         "-" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}x",
-                         " ".join(map(str, rec["ours_above_at"])) or "none"])
-    print("\nsteps (x the other's steps), time at the run's own tokens/s, to the other's final val bpb")
-    print(format_table(["seed", "ours", "ours to nanochat's final", "nanochat to ours' final",
-                        "our time / nanochat's, to its final", "evaluations where ours is above"], rows))
-    return dict(config=dataclasses.asdict(cfg), nanochat_commit=nanochat_commit(s.nanochat), **prep,
-                comparisons=comparisons, runs=runs)
+    config, commit = dataclasses.asdict(cfg), nanochat_commit(s.nanochat)
+    comparisons = vs_nanochat_report.report(config, runs, commit)
+    return dict(config=config, nanochat_commit=commit, **prep, comparisons=comparisons, runs=runs)
 
 
 def main(argv: list[str] | None = None) -> int:

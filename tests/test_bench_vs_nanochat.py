@@ -10,6 +10,7 @@ skipped.
 """
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -125,9 +126,80 @@ def test_bad_input_is_one_error_line_before_any_work(tmp_path):
     assert exit_.value.code == 2
     with pytest.raises(ValueError, match="not a multiple of batch_size x seq_len"):
         bvn.BenchVsNanochatConfig(nanochat_dir=str(tmp_path), eval_tokens=1000)
-    with pytest.raises(ValueError, match="--nanochat_runs must be between 1 and the number of --seeds"):
+    with pytest.raises(ValueError, match="--nanochat_runs must be between 0 and the number of --seeds"):
         bvn.BenchVsNanochatConfig(nanochat_dir=str(tmp_path), seeds=(1, 2), nanochat_runs=3)
     assert not (tmp_path / "w").exists()
+
+
+def _run(curve, steps=(100, 200, 300), tokens_per_sec=1000.0):
+    """A run's record as the bench writes it (the common curve and its own beside it)."""
+    return dict(val_step=list(steps), val_bpb_curve=list(curve), val_bpb=curve[-1], own_val_step=list(steps),
+                own_val_bpb_curve=[v + 0.1 for v in curve], own_val_bpb=curve[-1] + 0.1, steps=steps[-1],
+                tokens_per_sec=tokens_per_sec, wall_time_s=60.0)
+
+
+def _part(path, seeds, nanochat, ours, **config):
+    fingerprints = dict(train="t", val="v", nanochat_tokenizer="n", our_tokenizer="o")
+    cfg = dict(dataclasses.asdict(bvn.BenchVsNanochatConfig(nanochat_dir="nc", seeds=seeds)),
+               nanochat_runs=len(nanochat), work_dir=f"w{seeds[0]}", **config)
+    path.write_text(json.dumps(dict(machine=dict(host="h"), config=cfg, nanochat_commit="abc", corpus=dict(val_docs=3),
+                                    fingerprints=fingerprints, runs={"nanochat": nanochat, "ours-muon": ours})))
+    return str(path)
+
+
+def test_merge_joins_parts_as_one_run_of_every_seed(tmp_path):
+    nc = _run([2.0, 1.8, 1.7], tokens_per_sec=800.0)
+    ours = [_run([1.9, 1.6, 1.5]), _run([2.1, 1.75, 1.6]), _run([2.2, 1.9, 1.72])]
+    a = _part(tmp_path / "a.json", [1], [nc], ours[:1])
+    b = _part(tmp_path / "b.json", [2, 3], [], ours[1:])
+    rc, printed, err = _main(["--merge", a, b, "--out", str(tmp_path / "f.json")])
+    assert rc == 0, err
+    data = json.loads((tmp_path / "f.json").read_text())
+    assert data["config"]["seeds"] == [1, 2, 3] and data["config"]["nanochat_runs"] == 1
+    assert [m["path"] for m in data["merged_from"]] == [a, b] and data["runs"]["ours-muon"] == ours
+    assert [c["seed"] for c in data["comparisons"]] == [1, 2, 3]
+    for c, o in zip(data["comparisons"], ours):  # each seed against nanochat's one run, by hand
+        to = harness.steps_to(1.7, o["val_step"], o["val_bpb_curve"])
+        assert c["ours_to_nanochat"]["steps"] == to
+        assert c["nanochat_to_ours"]["steps"] == harness.steps_to(o["val_bpb"], nc["val_step"], nc["val_bpb_curve"])
+        assert c["time_ratio"] == (None if to is None else pytest.approx((to * 4096 / 1000) / (300 * 4096 / 800)))
+        assert c["ours_above_at"] == [st for st, v, w in zip((100, 200, 300), o["val_bpb_curve"],
+                                                             nc["val_bpb_curve"]) if v > w]
+    assert data["comparisons"][2]["ours_to_nanochat"]["steps"] is None  # seed 3 ends above nanochat's final
+    assert data["comparisons"][0]["ours_to_nanochat"]["steps"] == pytest.approx(100 + 100 * (1.9 - 1.7) / 0.3)
+    assert "joined 2 files" in printed and "never" in printed
+
+
+def test_a_part_without_nanochat_reports_ours_and_compares_nothing(capsys):
+    import vs_nanochat_report
+
+    config = dataclasses.asdict(bvn.BenchVsNanochatConfig(nanochat_dir="nc", seeds=(2, 3), nanochat_runs=0))
+    runs = {"nanochat": [], "ours-muon": [_run([1.9, 1.6, 1.5]), _run([2.0, 1.7, 1.55])]}
+    assert vs_nanochat_report.report(config, runs, "abc") == []
+    printed = capsys.readouterr().out
+    assert "no nanochat run here" in printed and "ours-muon 2" in printed and "1.5250" in printed  # mean final
+
+
+def test_merge_refuses_parts_that_measured_different_things(tmp_path):
+    nc, o = _run([2.0, 1.8, 1.7]), _run([1.9, 1.6, 1.5])
+    a = _part(tmp_path / "a.json", [1], [nc], [o])
+    cases = {"ran --depth 4": _part(tmp_path / "b.json", [2], [], [o], depth=4),
+             "a seed appears twice": _part(tmp_path / "c.json", [1], [], [o]),
+             "none of the files holds a nanochat run": None}
+    for message, b in cases.items():
+        files = [a, b] if b else [_part(tmp_path / "d.json", [2], [], [o]), _part(tmp_path / "e.json", [3], [], [o])]
+        rc, _, err = _main(["--merge", *files, "--out", str(tmp_path / "f.json")])
+        assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    other = json.loads(Path(a).read_text())
+    other["fingerprints"]["our_tokenizer"] = "x"
+    other["config"]["seeds"] = [5]
+    (tmp_path / "g.json").write_text(json.dumps(other))
+    rc, _, err = _main(["--merge", a, str(tmp_path / "g.json")])
+    assert rc == 2 and "another our_tokenizer fingerprint" in err
+    (tmp_path / "h.json").write_text("{")
+    rc, _, err = _main(["--merge", a, str(tmp_path / "h.json")])
+    assert rc == 2 and "cannot read it as JSON" in err
+    assert not (tmp_path / "f.json").exists()
 
 
 NANOCHAT_DIR = os.environ.get("NANOCHAT_DIR")
@@ -164,3 +236,4 @@ def test_quick_run_trains_both_and_recomputes_its_comparison(small_corpus, tmp_p
     assert data["comparisons"][1]["nanochat_to_ours"]["steps"] == harness.steps_to(
         second["val_bpb"], nc["val_step"], nc["val_bpb_curve"])
     assert data["corpus"]["val_docs"] > 0 and "val bpb at each evaluation" in printed
+    assert set(data["fingerprints"]) == {"train", "val", "nanochat_tokenizer", "our_tokenizer"}
