@@ -131,7 +131,8 @@ class BenchVsNanochatConfig:
     """Write the figures as JSON here."""
     merge: tuple[str, ...] = ()
     """Run nothing: report these --out files of the same settings (seeds aside) as one run, e.g. a
-    part with --nanochat_runs 1 and parts of other seeds with --nanochat_runs 0."""
+    part with --nanochat_runs 1 and parts of other seeds with --nanochat_runs 0 (one file: its
+    report again)."""
 
     def __post_init__(self) -> None:
         for name in ("depth", "vocab_size", "tokenizer_chars", "seq_len", "batch_size", "num_iterations",

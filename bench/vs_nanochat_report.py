@@ -24,10 +24,15 @@ PER_INVOCATION = ("seeds", "nanochat_runs", "out", "work_dir", "timeout_s", "mer
 """Settings that may differ between the joined files: where and how often, not what was run."""
 
 
+def reach(run: dict[str, Any], target: float, tokens_per_step: int) -> tuple[float | None, float | None]:
+    """Steps until `run`'s curve first reaches `target`, and their seconds at its tokens/s."""
+    to = harness.steps_to(target, run["val_step"], run["val_bpb_curve"])
+    return to, None if to is None or not run["tokens_per_sec"] else to * tokens_per_step / run["tokens_per_sec"]
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
     """How soon run `a` reaches `b`'s final val bpb: steps on a's curve, seconds at a's tokens/s."""
-    to = harness.steps_to(b["val_bpb"], a["val_step"], a["val_bpb_curve"])
-    seconds = None if to is None or not a["tokens_per_sec"] else to * tokens_per_step / a["tokens_per_sec"]
+    to, seconds = reach(a, b["val_bpb"], tokens_per_step)
     return dict(steps=to, seconds=seconds, steps_ratio=None if to is None else to / b["steps"])
 
 
@@ -49,12 +54,13 @@ def report(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]], commit
             f"{curves[n][st]:.4f}" + (f" ({own[n][st]:.4f})" if st in own[n] else ""))
         print(format_table(["step", *names], [[st, *(cell(n, st) for n in names)] for st in steps]))
     rows = [[n, f"{statistics.fmean(r['val_bpb'] for r in runs[n]):.4f}",
+             f"{statistics.fmean(min(r['val_bpb_curve']) for r in runs[n]):.4f}",
              f"{statistics.fmean(r['own_val_bpb'] for r in runs[n]):.4f}",
              f"{statistics.median(r['tokens_per_sec'] or 0 for r in runs[n]):,.0f}",
              f"{statistics.median(r['wall_time_s'] for r in runs[n]):.0f}"] for n in names]
     counts = ", ".join(f"{n} {len(runs[n])}" for n in names)
     print(f"\nfinal (mean over each one's runs: {counts}; tokens/s and wall time: medians)")
-    print(format_table(["run", "final val bpb", "its own evaluator's", "tokens/s", "wall s"], rows))
+    print(format_table(["run", "final val bpb", "best", "its own evaluator's final", "tokens/s", "wall s"], rows))
     if not runs.get("nanochat"):
         print("\nno nanochat run here: join this file with one that has one (--merge) to compare")
         return []
@@ -62,8 +68,10 @@ def report(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]], commit
 
 
 def comparisons(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Per seed and our optimizer: steps and time to the other's final, the time ratio, and the
-    evaluations where ours is above nanochat's (our seed i against nanochat's run i, or its last)."""
+    """Per seed and our optimizer: steps and time to the other's final, the time ratio, the same
+    to nanochat's best evaluation (where its curve rises before the end, its final is reached at
+    the first evaluation and that ratio is only one of tokens/s), and the evaluations where ours
+    is above nanochat's (our seed i against nanochat's run i, or its last)."""
     tokens_per_step = config["batch_size"] * config["seq_len"]
     out, rows = [], []
     fmt = lambda c: "never" if c["steps"] is None else (  # noqa: E731
@@ -78,23 +86,32 @@ def comparisons(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -
                        ours_above_at=[st for st in sorted(mine.keys() & theirs.keys()) if mine[st] > theirs[st]])
             to, theirs_s = rec["ours_to_nanochat"]["seconds"], compare(nc, nc, tokens_per_step)["seconds"]
             rec["time_ratio"] = None if to is None or not theirs_s else to / theirs_s
+            best = min(nc["val_bpb_curve"])
+            (steps, seconds), (_, theirs_s) = reach(o, best, tokens_per_step), reach(nc, best, tokens_per_step)
+            rec.update(nanochat_best=best, ours_to_nanochat_best=dict(steps=steps, seconds=seconds),
+                       best_time_ratio=None if seconds is None or not theirs_s else seconds / theirs_s)
             out.append(rec)
             rows.append([seed, n, fmt(rec["ours_to_nanochat"]), fmt(rec["nanochat_to_ours"]),
                          "-" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}x",
+                         "never" if steps is None else f"{steps:.0f}" + (
+                             "" if rec["best_time_ratio"] is None else f", {rec['best_time_ratio']:.2f}x"),
                          " ".join(map(str, rec["ours_above_at"])) or "none"])
     print("\nsteps (x the other's steps), time at the run's own tokens/s, to the other's final val bpb")
     print(format_table(["seed", "ours", "ours to nanochat's final", "nanochat to ours' final",
-                        "our time / nanochat's, to its final", "evaluations where ours is above"], rows))
+                        "our time / nanochat's, to its final", "to nanochat's best: our steps, time ratio",
+                        "evaluations where ours is above"], rows))
     return out
 
 
-def read_part(path: str) -> dict[str, Any]:
+def read_part(path: str, *, joined: bool) -> dict[str, Any]:
+    """A --out file; one joined with others must carry the fingerprints that show they match."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"--merge {path}: cannot read it as JSON ({e}); pass files bench_vs_nanochat wrote "
                          "with --out") from None
-    if not isinstance(data, dict) or not {"config", "runs", "fingerprints", "nanochat_commit"} <= data.keys():
+    need = {"config", "runs", "nanochat_commit"} | ({"fingerprints"} if joined else set())
+    if not isinstance(data, dict) or not need <= data.keys():
         raise ValueError(f"--merge {path}: not a bench_vs_nanochat --out file with fingerprints; rerun that part "
                          "with this version of the bench")
     return data
@@ -102,7 +119,7 @@ def read_part(path: str) -> dict[str, Any]:
 
 def merge(paths: tuple[str, ...]) -> dict[str, Any]:
     """The report of several --out files as one run, after checking they measured the same thing."""
-    parts = [read_part(p) for p in paths]
+    parts = [read_part(p, joined=len(paths) > 1) for p in paths]
     first = parts[0]
     for p, d in zip(paths[1:], parts[1:]):
         for k in sorted(first["config"].keys() | d["config"].keys()):
@@ -125,6 +142,6 @@ def merge(paths: tuple[str, ...]) -> dict[str, Any]:
     config = dict(first["config"], seeds=seeds, nanochat_runs=len(runs["nanochat"]), merge=list(paths))
     print(f"bench_vs_nanochat: joined {len(parts)} files: seeds {seeds}, nanochat runs {len(runs['nanochat'])}")
     return dict(config=config, nanochat_commit=first["nanochat_commit"], corpus=first["corpus"],
-                fingerprints=first["fingerprints"], merged_from=[dict(path=p, machine=d.get("machine"))
+                fingerprints=first.get("fingerprints"), merged_from=[dict(path=p, machine=d.get("machine"))
                                                                  for p, d in zip(paths, parts)],
                 comparisons=report(config, runs, first["nanochat_commit"]), runs=runs)

@@ -148,8 +148,8 @@ def _part(path, seeds, nanochat, ours, **config):
 
 
 def test_merge_joins_parts_as_one_run_of_every_seed(tmp_path):
-    nc = _run([2.0, 1.8, 1.7], tokens_per_sec=800.0)
-    ours = [_run([1.9, 1.6, 1.5]), _run([2.1, 1.75, 1.6]), _run([2.2, 1.9, 1.72])]
+    nc = _run([2.0, 1.7, 1.8], tokens_per_sec=800.0)  # lowest at step 200, then rising
+    ours = [_run([1.9, 1.6, 1.5]), _run([2.1, 1.75, 1.6]), _run([2.2, 1.9, 1.82])]
     a = _part(tmp_path / "a.json", [1], [nc], ours[:1])
     b = _part(tmp_path / "b.json", [2, 3], [], ours[1:])
     rc, printed, err = _main(["--merge", a, b, "--out", str(tmp_path / "f.json")])
@@ -158,16 +158,25 @@ def test_merge_joins_parts_as_one_run_of_every_seed(tmp_path):
     assert data["config"]["seeds"] == [1, 2, 3] and data["config"]["nanochat_runs"] == 1
     assert [m["path"] for m in data["merged_from"]] == [a, b] and data["runs"]["ours-muon"] == ours
     assert [c["seed"] for c in data["comparisons"]] == [1, 2, 3]
+    nc_s = lambda steps: steps * 4096 / 800  # noqa: E731  (nanochat's seconds at its tokens/s)
     for c, o in zip(data["comparisons"], ours):  # each seed against nanochat's one run, by hand
-        to = harness.steps_to(1.7, o["val_step"], o["val_bpb_curve"])
+        to = harness.steps_to(1.8, o["val_step"], o["val_bpb_curve"])
         assert c["ours_to_nanochat"]["steps"] == to
         assert c["nanochat_to_ours"]["steps"] == harness.steps_to(o["val_bpb"], nc["val_step"], nc["val_bpb_curve"])
-        assert c["time_ratio"] == (None if to is None else pytest.approx((to * 4096 / 1000) / (300 * 4096 / 800)))
+        theirs = harness.steps_to(1.8, nc["val_step"], nc["val_bpb_curve"])
+        assert c["time_ratio"] == (None if to is None else pytest.approx((to * 4096 / 1000) / nc_s(theirs)))
+        best = harness.steps_to(1.7, o["val_step"], o["val_bpb_curve"])  # nanochat's best, reached at 200
+        assert c["nanochat_best"] == 1.7 and c["ours_to_nanochat_best"]["steps"] == best
+        assert c["best_time_ratio"] == (None if best is None else pytest.approx((best * 4096 / 1000) / nc_s(200)))
         assert c["ours_above_at"] == [st for st, v, w in zip((100, 200, 300), o["val_bpb_curve"],
                                                              nc["val_bpb_curve"]) if v > w]
+    assert data["comparisons"][0]["ours_to_nanochat"]["steps"] == pytest.approx(100 + 100 * (1.9 - 1.8) / 0.3)
+    assert data["comparisons"][0]["ours_to_nanochat_best"]["steps"] == pytest.approx(100 + 100 * (1.9 - 1.7) / 0.3)
     assert data["comparisons"][2]["ours_to_nanochat"]["steps"] is None  # seed 3 ends above nanochat's final
-    assert data["comparisons"][0]["ours_to_nanochat"]["steps"] == pytest.approx(100 + 100 * (1.9 - 1.7) / 0.3)
+    assert data["comparisons"][2]["ours_above_at"] == [100, 200, 300]
     assert "joined 2 files" in printed and "never" in printed
+    rc, again, err = _main(["--merge", str(tmp_path / "f.json")])  # one file: its report again
+    assert rc == 0 and "ours-muon 3" in again, err
 
 
 def test_a_part_without_nanochat_reports_ours_and_compares_nothing(capsys):
