@@ -41,9 +41,11 @@ Protocol.
 Figures: the common evaluator's curves; tokens/s from nanochat's step lines after its first 10
 steps (as its own total time counts) and from our result.json (steps that did not compile);
 wall time: the training process's, start to exit, checkpoint writes included (both write one at
-each evaluation), scoring not. The steps to the other's final bpb are `harness.steps_to` on the
-curve; the time is those steps at the run's tokens/s (bench/vs_nanochat_report.py, which also
-joins parts of a long sweep run apart: --nanochat_runs 0 and --merge).
+each evaluation), scoring not. The steps to the other's final bpb, and to nanochat's best
+evaluation (its curve can rise before the end: a small corpus trained for many epochs), are
+`harness.steps_to` on the curve; the time is those steps at the run's tokens/s
+(bench/vs_nanochat_report.py, which also joins parts of a long sweep run apart: --nanochat_runs 0
+and --merge).
 """
 
 from __future__ import annotations

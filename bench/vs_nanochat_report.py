@@ -1,6 +1,6 @@
 """The figures of bench/bench_vs_nanochat.py's runs: per-seed curves, finals, and the steps and time
-each project needs to reach the other's final bpb; and `merge`, which joins the --out files of
-several invocations of the same settings into one report.
+each project needs to reach the other's final bpb (and ours to nanochat's best); and `merge`, which
+joins the --out files of several invocations of the same settings into one report.
 
 Why join: a sweep of three seeds at 1,000 steps of d4 takes hours of a 2-core machine, so it is
 run in parts (in parallel, or one part at a time): one part with nanochat's run and others with
