@@ -43,7 +43,8 @@ steps (as its own total time counts) and from our result.json (steps that did no
 wall time: the training process's, start to exit, checkpoint writes included (both write one at
 each evaluation), scoring not. The steps to the other's final bpb, and to nanochat's best
 evaluation (its curve can rise before the end: a small corpus trained for many epochs), are
-`harness.steps_to` on the curve; the time is those steps at the run's tokens/s
+`harness.steps_to` on the curve (a target the run is past at its first evaluation is marked as an
+upper bound: measure it with a smaller --eval_every); the time is those steps at the run's tokens/s
 (bench/vs_nanochat_report.py, which also joins parts of a long sweep run apart: --nanochat_runs 0
 and --merge).
 """

@@ -30,10 +30,25 @@ def reach(run: dict[str, Any], target: float, tokens_per_step: int) -> tuple[flo
     return to, None if to is None or not run["tokens_per_sec"] else to * tokens_per_step / run["tokens_per_sec"]
 
 
+def at_first_evaluation(run: dict[str, Any], target: float) -> bool:
+    """Whether `run` is at `target` already at its first evaluation: its steps to it are then an
+    upper bound (nothing is measured before), not a crossing read between two evaluations."""
+    return bool(run["val_bpb_curve"]) and run["val_bpb_curve"][0] <= target
+
+
 def compare(a: dict[str, Any], b: dict[str, Any], tokens_per_step: int) -> dict[str, Any]:
     """How soon run `a` reaches `b`'s final val bpb: steps on a's curve, seconds at a's tokens/s."""
     to, seconds = reach(a, b["val_bpb"], tokens_per_step)
-    return dict(steps=to, seconds=seconds, steps_ratio=None if to is None else to / b["steps"])
+    return dict(steps=to, seconds=seconds, steps_ratio=None if to is None else to / b["steps"],
+                upper_bound=at_first_evaluation(a, b["val_bpb"]))
+
+
+def ratio_cell(ratio: float | None, ours_bound: bool, theirs_bound: bool) -> str:
+    """A time ratio as printed: "<=" where only ours is an upper bound, "*" where nanochat's is
+    (then the ratio bounds nothing: both may be far earlier than their first evaluations)."""
+    if ratio is None:
+        return "-"
+    return ("<= " if ours_bound and not theirs_bound else "") + f"{ratio:.2f}x" + ("*" if theirs_bound else "")
 
 
 def report(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]], commit: str) -> list[dict[str, Any]]:
@@ -71,10 +86,11 @@ def comparisons(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -
     """Per seed and our optimizer: steps and time to the other's final, the time ratio, the same
     to nanochat's best evaluation (where its curve rises before the end, its final is reached at
     the first evaluation and that ratio is only one of tokens/s), and the evaluations where ours
-    is above nanochat's (our seed i against nanochat's run i, or its last)."""
+    is above nanochat's (our seed i against nanochat's run i, or its last). A target a run is past
+    at its first evaluation is flagged `upper_bound` (nanochat's: `nanochat_upper_bound`)."""
     tokens_per_step = config["batch_size"] * config["seq_len"]
-    out, rows = [], []
-    fmt = lambda c: "never" if c["steps"] is None else (  # noqa: E731
+    out, rows, bounded = [], [], False
+    fmt = lambda c: "never" if c["steps"] is None else ("<= " if c["upper_bound"] else "") + (  # noqa: E731
         f"{c['steps']:.0f} ({c['steps_ratio']:.2f}x)" + ("" if c["seconds"] is None else f", {c['seconds']:.0f} s"))
     for i, seed in enumerate(config["seeds"]):
         nc = runs["nanochat"][min(i, len(runs["nanochat"]) - 1)]
@@ -88,18 +104,28 @@ def comparisons(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -
             rec["time_ratio"] = None if to is None or not theirs_s else to / theirs_s
             best = min(nc["val_bpb_curve"])
             (steps, seconds), (_, theirs_s) = reach(o, best, tokens_per_step), reach(nc, best, tokens_per_step)
-            rec.update(nanochat_best=best, ours_to_nanochat_best=dict(steps=steps, seconds=seconds),
-                       best_time_ratio=None if seconds is None or not theirs_s else seconds / theirs_s)
+            rec.update(nanochat_best=best, ours_to_nanochat_best=dict(steps=steps, seconds=seconds,
+                                                                      upper_bound=at_first_evaluation(o, best)),
+                       best_time_ratio=None if seconds is None or not theirs_s else seconds / theirs_s,
+                       nanochat_upper_bound=dict(final=at_first_evaluation(nc, nc["val_bpb"]),
+                                                 best=at_first_evaluation(nc, best)))
             out.append(rec)
+            ob, nb = rec["ours_to_nanochat_best"]["upper_bound"], rec["nanochat_upper_bound"]
+            bounded |= ob or nb["final"] or nb["best"] or any(rec[k]["upper_bound"] for k in ("ours_to_nanochat",
+                                                                                          "nanochat_to_ours"))
             rows.append([seed, n, fmt(rec["ours_to_nanochat"]), fmt(rec["nanochat_to_ours"]),
-                         "-" if rec["time_ratio"] is None else f"{rec['time_ratio']:.2f}x",
-                         "never" if steps is None else f"{steps:.0f}" + (
-                             "" if rec["best_time_ratio"] is None else f", {rec['best_time_ratio']:.2f}x"),
+                         ratio_cell(rec["time_ratio"], rec["ours_to_nanochat"]["upper_bound"], nb["final"]),
+                         "never" if steps is None else ("<= " if ob else "") + f"{steps:.0f}" + (
+                             "" if rec["best_time_ratio"] is None else
+                             ", " + ratio_cell(rec["best_time_ratio"], ob, nb["best"])),
                          " ".join(map(str, rec["ours_above_at"])) or "none"])
     print("\nsteps (x the other's steps), time at the run's own tokens/s, to the other's final val bpb")
     print(format_table(["seed", "ours", "ours to nanochat's final", "nanochat to ours' final",
                         "our time / nanochat's, to its final", "to nanochat's best: our steps, time ratio",
                         "evaluations where ours is above"], rows))
+    if bounded:
+        print("<=: the run is there at its first evaluation, so its steps are an upper bound; *: nanochat is, so "
+              "the ratio bounds nothing; a smaller --eval_every measures both")
     return out
 
 

@@ -4,9 +4,11 @@ Checked against: lines nanochat's base_train printed in real runs (its curve and
 recomputed by hand from the step times); the corpus the bench writes, read back with pyarrow as
 nanochat reads it (sorted shards, the last one validation) and with our own data code (the same
 documents on the same sides), and the split recomputed from our rule; a --quick run's figures
-recomputed from its runs (common_bpb's own checks: tests/test_common_bpb.py). The --quick run needs a checkout of karpathy/nanochat and a Python
-with its packages: NANOCHAT_DIR (and NANOCHAT_PYTHON, default this one); without them it is
-skipped.
+recomputed from its runs (common_bpb's own checks: tests/test_common_bpb.py); joined parts'
+comparisons recomputed by hand from `harness.steps_to`, a target a run is past at its first
+evaluation marked as an upper bound. The --quick run needs a checkout of karpathy/nanochat and a
+Python with its packages: NANOCHAT_DIR (and NANOCHAT_PYTHON, default this one); without them it
+is skipped.
 """
 
 import contextlib
@@ -175,8 +177,35 @@ def test_merge_joins_parts_as_one_run_of_every_seed(tmp_path):
     assert data["comparisons"][2]["ours_to_nanochat"]["steps"] is None  # seed 3 ends above nanochat's final
     assert data["comparisons"][2]["ours_above_at"] == [100, 200, 300]
     assert "joined 2 files" in printed and "never" in printed
+    # every crossing here lies between two evaluations: no figure is only bounded by the first
+    assert not any(c[k]["upper_bound"] for c in data["comparisons"]
+                   for k in ("ours_to_nanochat", "nanochat_to_ours", "ours_to_nanochat_best"))
+    assert not any(v for c in data["comparisons"] for v in c["nanochat_upper_bound"].values())
+    assert "<=" not in printed and "upper bound" not in printed
     rc, again, err = _main(["--merge", str(tmp_path / "f.json")])  # one file: its report again
     assert rc == 0 and "ours-muon 3" in again, err
+
+
+def test_a_target_already_reached_at_the_first_evaluation_is_marked_as_an_upper_bound(capsys):
+    import vs_nanochat_report
+
+    config = dataclasses.asdict(bvn.BenchVsNanochatConfig(nanochat_dir="nc", seeds=(1, 2)))
+    # nanochat overfits: its final (2.1) is above its first evaluation, so its time to it is bounded
+    nc = _run([1.9, 1.7, 2.1], tokens_per_sec=800.0)
+    ours = [_run([1.8, 1.6, 1.65]), _run([1.65, 1.5, 1.55])]
+    out = vs_nanochat_report.report(config, {"nanochat": [nc], "ours-muon": ours}, "abc")
+    printed = capsys.readouterr().out
+    for c in out:  # both at the final's level at step 100: the ratio is one of tokens/s only
+        assert c["ours_to_nanochat"] == dict(steps=100.0, seconds=pytest.approx(409.6),
+                                             steps_ratio=pytest.approx(1 / 3), upper_bound=True)
+        assert c["nanochat_upper_bound"] == dict(final=True, best=False)
+        assert c["time_ratio"] == pytest.approx(800 / 1000)
+    # to nanochat's best (1.7, at step 200): seed 1 crosses between evaluations, seed 2 is past it at 100
+    assert out[0]["ours_to_nanochat_best"]["upper_bound"] is False
+    assert out[0]["ours_to_nanochat_best"]["steps"] == pytest.approx(100 + 100 * (1.8 - 1.7) / 0.2)
+    assert out[1]["ours_to_nanochat_best"] == dict(steps=100.0, seconds=pytest.approx(409.6), upper_bound=True)
+    assert out[1]["best_time_ratio"] == pytest.approx(409.6 / (200 * 4096 / 800))
+    assert printed.count("0.80x*") == 2 and "<= 100, <= 0.40x" in printed and "upper bound" in printed
 
 
 def test_a_part_without_nanochat_reports_ours_and_compares_nothing(capsys):
