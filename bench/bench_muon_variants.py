@@ -51,7 +51,8 @@ class BenchMuonVariantsConfig(EqualStepsRuns):
     """Plain Muon against Muon with its additions, at equal steps, over seeds."""
 
     muon_lr: float = 0.02
-    """Muon's peak learning rate of every run (bench_optimizers' best at d4); the AdamW group at --lr."""
+    """Muon's peak learning rate of every run (bench_optimizers' best at d4); the AdamW groups at the
+    recipe's rates (nanochat.optim.recipe)."""
     variants: tuple[str, ...] = tuple(ADDITIONS)
     """Which additions to try: momentum_warmup, normuon, and the two together."""
     seeds: tuple[int, ...] = (1, 2, 3)

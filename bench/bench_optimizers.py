@@ -5,7 +5,8 @@
     .venv/bin/python bench/bench_optimizers.py --quick --no_compile   # seconds: a dry run (tests)
 
 1. Sweep: AdamW at each --adamw_lrs (every parameter at that --lr) and Muon at each --muon_lrs
-   (its matrices at that --muon_lr, the embedding, head and norms with AdamW at --lr), on
+   (its matrices at that --muon_lr; the embedding and head with AdamW at the recipe's rates,
+   nanochat.optim.recipe; norms and biases at --lr), on
    --sweep_seeds. Each optimizer's best rate is the one with the lowest mean final val bpb; a
    best rate at the edge of its grid is flagged (the optimum may lie outside it).
 2. Seeds: both at their best rate on every --seeds (runs of the sweep are reused), and with
@@ -77,7 +78,7 @@ class BenchOptimizersConfig(EqualStepsRuns):
     adamw_lrs: tuple[float, ...] = (3e-3, 6e-3, 1.2e-2, 2.4e-2)
     """AdamW's peak learning rates to sweep (--lr of an --optimizer adamw run)."""
     muon_lrs: tuple[float, ...] = (0.01, 0.02, 0.04)
-    """Muon's peak learning rates to sweep (--muon_lr; its AdamW group at --lr)."""
+    """Muon's peak learning rates to sweep (--muon_lr; its AdamW groups at the recipe's rates)."""
     sweep_seeds: tuple[int, ...] = (1,)
     """Seeds of the sweep; the best rate has the lowest mean final val bpb over them."""
     seeds: tuple[int, ...] = (1, 2, 3, 4, 5)

@@ -22,7 +22,8 @@
 - NorMuon (--muon_normuon): after its first step every neuron's update has one RMS and the
   update its norm (float64 by hand); its EMA is state a checkpoint carries (bit for bit).
 - muon_param_groups on the d2 GPT: the 12 block matrices go to Muon, the embedding and lm_head
-  to AdamW (tied: one entry); 1-D parameters to AdamW; each parameter exactly once.
+  to AdamW (tied: one entry); 1-D parameters to AdamW; each parameter exactly once; each group
+  named by its role (matrix, head, embedding, vector), the embedding and vectors undecayed.
 - MuonAdamW steps as its two optimizers stepped apart (torch.equal, under one LambdaLR), resumes
   from its state_dict bit for bit (an lr set through it after the load reaches both), reports its members' fallbacks, refuses a parameter in both
   and a foreign state dict.
@@ -358,7 +359,14 @@ def test_param_split_on_the_d2_gpt():
     assert reasons["transformer.wte.weight"] == "nn.Embedding (tied with the output head)"
     assert "lm_head.weight" not in reasons  # the tied weight is listed once, as the embedding
     assert reasons["transformer.h.0.attn.c_q.bias"].startswith("1-D")
-    assert split.adamw[-1]["weight_decay"] == 0.0 and tied.transformer.wte.weight in split.adamw[-1]["params"]
+    roles = {g["role"]: g for g in split.muon + split.adamw}
+    assert list(roles) == ["matrix", "embedding", "vector"]  # tied: no head of its own
+    assert roles["embedding"]["weight_decay"] == roles["vector"]["weight_decay"] == 0.0
+    assert [p is tied.transformer.wte.weight for p in roles["embedding"]["params"]] == [True]
+    assert all(p.ndim == 1 for p in roles["vector"]["params"])
+    untied = muon_param_groups(_d2())
+    assert [g["role"] for g in untied.adamw] == ["head", "embedding"]  # no norm weights or biases at d2
+    assert "weight_decay" not in untied.adamw[0]  # the head decays at AdamW's rate
 
 
 class _Tiny(nn.Module):

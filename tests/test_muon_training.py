@@ -7,9 +7,11 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   Muon tensor's momentum is an FP8Tensor; the state the run holds after its steps is the memory
   plan's optimizer part and the sum optimizer_bytes gives per tensor (1 + 4/256 bytes a Muon
   parameter).
-- Each param group follows its own peak through the schedule: Muon's --muon_lr, AdamW's --lr,
-  times lr_multiplier at the last step (both to fp64 rounding of one product); with
-  --muon_momentum_warmup, Muon's momentum follows its ramp from 0.85.
+- Each param group follows its own peak through the schedule: Muon's --muon_lr, AdamW's
+  --embedding_lr / --head_lr, times lr_multiplier at the last step (both to fp64 rounding of one
+  product); with --muon_momentum_warmup, Muon's momentum follows its ramp from 0.85. Rates not
+  given are nanochat.optim.recipe's for the model's width and the tokens a step (grad
+  accumulation counted), and the result records each group's.
 - A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
   compared exactly, as test_trainer.py's AdamW resume is).
 - FP8 momentum against fp32 momentum (level 0; both with Newton-Schulz in fp32, the CPU's): the
@@ -22,8 +24,8 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   gradient, a Muon matrix's, is the plan's gradient part); a resumed run is the uninterrupted one,
   every loss and the final weights equal.
 - --optimizer auto: Muon for a preset, AdamW for a Hugging Face model, recorded as it ran.
-- Bad input, before any work: Muon's flags without --optimizer muon (or auto's muon), a --muon_lr or
-  --muon_momentum out of range; and under torchrun with --fsdp or --tp, bf16 master weights
+- Bad input, before any work: Muon's flags without --optimizer muon (or auto's muon), a --muon_lr,
+  --head_lr or --muon_momentum out of range; and under torchrun with --fsdp or --tp, bf16 master weights
   (the layout check; fp32 masters pass it there); NorMuon with --fsdp or --tp is refused.
 
 Modules: nanochat.train.parts, nanochat.config.train, nanochat.train.memory (moment_bytes),
@@ -41,11 +43,12 @@ from nanochat.common import DistEnv, UsageError
 from nanochat.config import TrainConfig
 from nanochat.optim import FP8Tensor, MuonAdamW, optimizer_bytes, optimizer_state_bytes
 from nanochat.train import memory, preflight
+from nanochat.optim.recipe import recipe_rates
 from nanochat.optim.schedule import muon_momentum
 from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
 from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
 
-MUON = dict(optimizer="muon", muon_lr=0.02, lr=1e-2)
+MUON = dict(optimizer="muon", muon_lr=0.02, embedding_lr=1e-2, head_lr=1e-2, lr=1e-2)
 
 
 def _losses(run_dir) -> dict[int, float]:
@@ -94,6 +97,21 @@ def test_each_group_follows_its_own_peak(fp8_run):
         assert g["lr"] == pytest.approx(0.02 * last, rel=1e-12)
     for g in trainer.optimizer.adamw.param_groups:
         assert g["lr"] == pytest.approx(1e-2 * last, rel=1e-12)
+    assert trainer.facts.rates.rules["embedding"] == "--embedding_lr, as given"
+
+
+def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus, tmp_path):
+    """No --muon_lr / --embedding_lr / --head_lr: each group's peak is recipe_rates' for the
+    model's width and the tokens a step (batch x seq_len x grad_accum); the result records them."""
+    kwargs = tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=2, num_samples=0, optimizer="muon",
+                               grad_accum_steps=2)
+    trainer = NanoChatTrainer(**kwargs)
+    result = trainer.train()
+    cfg = trainer.config
+    want = recipe_rates(width=trainer.model.config.n_embd, tokens_per_step=cfg.batch_size * cfg.seq_len * 2, lr=cfg.lr)
+    peaks = {g["role"]: g["initial_lr"] for g in trainer.optimizer.param_groups}
+    assert peaks == {"matrix": want.matrix, "head": want.head, "embedding": want.embedding}  # d2: no vectors
+    assert result.learning_rates == want.as_dict() and want.embedding != cfg.lr
 
 
 def test_momentum_warms_up_from_085_to_its_target():
@@ -174,6 +192,8 @@ def test_a_resumed_bf16_master_muon_run_is_the_uninterrupted_one(small_corpus, t
     (dict(optimizer="muon", muon_lr=1.5), "--muon_lr must be in (0, 1)"),
     (dict(optimizer="muon", muon_momentum=1.0), "--muon_momentum must be in [0, 1)"),
     (dict(optimizer="muon", muon_lr=math.nan), "--muon_lr must be in (0, 1)"),
+    (dict(optimizer="adamw", embedding_lr=0.01), "pass --optimizer muon, or drop --embedding_lr"),
+    (dict(optimizer="muon", head_lr=0.0), "--head_lr must be in (0, 1)"),
 ])
 def test_bad_muon_settings_are_one_line_errors(over, fragment):
     with pytest.raises(ValueError) as e:

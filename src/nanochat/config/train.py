@@ -23,12 +23,12 @@ from nanochat.config.fields import (
     BatchFields, DataFields, DeviceFields, FP8Fields, ModelFields, ScheduleFields, ScriptFields, flag_text, is_preset,
 )
 
-MUON_LR = 0.02
-"""Muon's default peak learning rate: Keller Jordan's and karpathy/nanochat's (their matrix_lr),
-with torch.optim.Muon's per-shape factor sqrt(max(1, rows / columns))."""
 MUON_MOMENTUM = 0.95
 """Muon's default momentum: torch.optim.Muon's and karpathy/nanochat's."""
 
+MUON_RATES = ("muon_lr", "embedding_lr", "head_lr")
+"""The Muon recipe's per-group peak rates: None derives each from the run's width and batch
+(nanochat.optim.recipe)."""
 MUON_ADDITIONS = ("muon_momentum_warmup", "muon_normuon")
 """Muon's settings beyond torch.optim.Muon's constructor: set away from their defaults, they need Muon."""
 
@@ -70,7 +70,16 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
 
     muon_lr: float | None = None
     """Peak learning rate of Muon's matrices (--optimizer muon), on the same warmup and decay as
-    --lr; scaled per matrix by sqrt(max(1, rows / columns)) as torch.optim.Muon does. None means 0.02."""
+    --lr; scaled per matrix by sqrt(max(1, rows / columns)) as torch.optim.Muon does. None: the
+    recipe's, from the tokens a step (nanochat.optim.recipe; docs/muon.md)."""
+
+    embedding_lr: float | None = None
+    """--optimizer muon: peak AdamW rate of the token embedding. None: the recipe's, from the
+    width and the tokens a step (nanochat.optim.recipe; docs/muon.md)."""
+
+    head_lr: float | None = None
+    """--optimizer muon: peak AdamW rate of the output head. None: the recipe's, from the width and
+    the tokens a step (nanochat.optim.recipe; docs/muon.md). Norms and biases train at --lr."""
 
     muon_momentum: float | None = None
     """Muon's momentum (Nesterov), --optimizer muon. None means 0.95."""
@@ -271,24 +280,25 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
         self._check_optimizer()
 
     @property
-    def muon_settings(self) -> tuple[float, float]:
-        """(--muon_lr, --muon_momentum) with their defaults filled in."""
-        return (MUON_LR if self.muon_lr is None else self.muon_lr,
-                MUON_MOMENTUM if self.muon_momentum is None else self.muon_momentum)
+    def muon_beta(self) -> float:
+        """--muon_momentum with its default filled in."""
+        return MUON_MOMENTUM if self.muon_momentum is None else self.muon_momentum
 
     def _check_optimizer(self) -> None:
         if self.optimizer == "auto":  # the field holds what runs, so config.json and --resume see it
             object.__setattr__(self, "optimizer", "muon" if is_preset(self.model_name) else "adamw")
-        muon_flags = [f"--{name}" for name in ("muon_lr", "muon_momentum") if getattr(self, name) is not None]
+        muon_flags = [f"--{name}" for name in (*MUON_RATES, "muon_momentum") if getattr(self, name) is not None]
         muon_flags += [f"--{f.name}" for f in dataclasses.fields(self) if f.name in MUON_ADDITIONS
                        and getattr(self, f.name) != f.default]
         if self.optimizer != "muon" and muon_flags:
             raise ValueError(f"{' and '.join(muon_flags)} set Muon's hyperparameters, but --optimizer is "
                              f"{self.optimizer}: pass --optimizer muon, or drop {' and '.join(muon_flags)}")
         if self.optimizer == "muon":
-            lr, momentum = self.muon_settings
-            if not (math.isfinite(lr) and 0 < lr < 1):
-                raise ValueError(f"--muon_lr must be in (0, 1), got {lr}")
+            for name in MUON_RATES:
+                lr = getattr(self, name)
+                if lr is not None and not (math.isfinite(lr) and 0 < lr < 1):
+                    raise ValueError(f"--{name} must be in (0, 1), got {lr}")
+            momentum = self.muon_beta
             if not (math.isfinite(momentum) and 0 <= momentum < 1):
                 raise ValueError(f"--muon_momentum must be in [0, 1), got {momentum}")
         if self.master_weights_emulate and self.master_weights == "fp32":

@@ -246,10 +246,12 @@ class Placement(NamedTuple):
 class MuonSplit(NamedTuple):
     """A model's parameters as torch.optim.Muon and torch.optim.AdamW param groups."""
     muon: list[dict]
-    """Hidden matrices, one group (Muon's hyperparameters from its constructor)."""
+    """Hidden matrices, one group of role "matrix" (Muon's hyperparameters from its constructor)."""
     adamw: list[dict]
-    """The output head and other matrices (AdamW's weight decay), then embeddings and vectors
-    (weight_decay 0: decaying them only pulls scales and offsets to zero); empty groups left out."""
+    """The output head and other matrices (AdamW's weight decay), the embeddings, then the vectors
+    (weight_decay 0 for both: decaying them only pulls a table's rows, scales and offsets to zero);
+    empty groups left out. Each group's "role" ("head", "embedding", "vector") is what a recipe
+    gives its own rate (nanochat.optim.recipe)."""
     placements: list[Placement]
 
     def summary(self) -> str:
@@ -280,13 +282,13 @@ def muon_param_groups(model: nn.Module) -> MuonSplit:
         vocab = {m.num_embeddings for m in embeddings.values()}
         head = next((m for m in reversed(list(model.modules()))
                      if isinstance(m, nn.Linear) and m.out_features in vocab), None)
-    hidden, matrices, vectors, placements = [], [], [], []
+    hidden, matrices, tables, vectors, placements = [], [], [], [], []
     for name, p in model.named_parameters():
         key = id(p)
         if not p.requires_grad:
             where, reason = None, "requires_grad=False"
         elif key in embeddings:
-            where, reason = vectors, "nn.Embedding" + (" (tied with the output head)" if head is not None
+            where, reason = tables, "nn.Embedding" + (" (tied with the output head)" if head is not None
                                                        and head.weight is p else "")
         elif head is not None and p is head.weight:
             where, reason = matrices, "output head"
@@ -302,8 +304,9 @@ def muon_param_groups(model: nn.Module) -> MuonSplit:
             where.append(p)
         kind = "frozen" if where is None else "muon" if where is hidden else "adamw"
         placements.append(Placement(name, tuple(p.shape), kind, reason))
-    adamw = [g for g in (dict(params=matrices), dict(params=vectors, weight_decay=0.0)) if g["params"]]
-    return MuonSplit([dict(params=hidden)] if hidden else [], adamw, placements)
+    adamw = [g for g in (dict(params=matrices, role="head"), dict(params=tables, weight_decay=0.0, role="embedding"),
+                         dict(params=vectors, weight_decay=0.0, role="vector")) if g["params"]]
+    return MuonSplit([dict(params=hidden, role="matrix")] if hidden else [], adamw, placements)
 
 
 def members(optimizer: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, ...]:

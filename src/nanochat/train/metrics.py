@@ -248,6 +248,9 @@ class TrainResult:
     restarts: int = 0
     """Starts after the first: restarts by torchrun or slurm, and resumes by hand (`starts` says
     which: their counters)."""
+    learning_rates: dict[str, float] = field(default_factory=dict)
+    """--optimizer muon: each parameter group's peak rate (matrix, embedding, head, vector), as
+    given or derived by the recipe's rules (nanochat.optim.recipe); empty for AdamW (--lr)."""
     cropped_share: float | None = None
     """--packing bestfit: the share of the training tokens the last epoch's layout dropped (the
     tails of documents cropped to fill a row: nanochat.data.packing); None with stream packing."""

@@ -22,6 +22,7 @@ from nanochat.fp8.all_gather import fp8_all_gather_problem
 from nanochat.model.gpt import GPT
 from nanochat.model.parallelize import tp_plan
 from nanochat.optim import MuonAdamW, muon_param_groups
+from nanochat.optim.recipe import RecipeRates, recipe_rates
 from nanochat.optim.muon import NORMUON_BETA2
 from nanochat.parallel.layout import Layout
 from nanochat.parallel.wrap import wrap_model
@@ -63,12 +64,15 @@ def parallelize(cfg: TrainConfig, model: GPT, fp8: FP8Training, layout: Layout, 
     return wrap_model(model, layout, device=device, blocks=model.transformer.h, plan=plan), parallel
 
 
-def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device,
+                    tokens_per_step: int) -> tuple[torch.optim.Optimizer, RecipeRates | None]:
     """--optimizer as FP8Training wraps it (FP8 moments: --fp8_opt_level; bf16 --master_weights;
     --optimizer_in_backward), built on the parameters a step trains: after FSDP has replaced
-    them. adamw: AdamW, no weight decay on embeddings / norms / biases. muon: MuonAdamW, Muon for
-    the hidden matrices and that AdamW for the rest (nanochat.optim.muon_param_groups). Each group's
-    `initial_lr` is its peak rate, which the schedule scales."""
+    them. adamw: AdamW at --lr, no weight decay on embeddings / norms / biases. muon: MuonAdamW,
+    Muon for the hidden matrices and that AdamW for the rest (nanochat.optim.muon_param_groups),
+    each group at the recipe's rate for this width and `tokens_per_step` (nanochat.optim.recipe),
+    which the rates come back with. Each group's `initial_lr` is its peak rate, which the
+    schedule scales."""
     # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
     # parameters itself and hands the rest to this same optimizer, so baselines match.
     adam = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type in ("cpu", "cuda"))
@@ -77,20 +81,23 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
         if not split.muon:
             raise UsageError(f"--optimizer muon: {cfg.model_name} has no hidden nn.Linear matrix for Muon to train "
                              "(every parameter would go to AdamW); use --optimizer adamw")
-        muon_lr, momentum = cfg.muon_settings
-        muon = torch.optim.Muon(split.muon, lr=muon_lr, momentum=momentum, nesterov=True, weight_decay=cfg.weight_decay)
+        rates = recipe_rates(width=model.config.n_embd, tokens_per_step=tokens_per_step, lr=cfg.lr,
+                             muon_lr=cfg.muon_lr, embedding_lr=cfg.embedding_lr, head_lr=cfg.head_lr)
+        momentum = cfg.muon_beta
+        muon = torch.optim.Muon(split.muon, lr=rates.matrix, momentum=momentum, nesterov=True,
+                                weight_decay=cfg.weight_decay)
         for group in muon.param_groups:  # what torch's step lacks; the wrapper steps such groups (muon.muon_flags)
             group["normuon"] = NORMUON_BETA2 if cfg.muon_normuon else 0.0
         optimizer = MuonAdamW(muon, torch.optim.AdamW(split.adamw, weight_decay=cfg.weight_decay, **adam),
                               placements=split.placements)
-        peaks = [muon_lr] * len(optimizer.muon.param_groups) + [cfg.lr] * len(optimizer.adamw.param_groups)
+        peaks = [rates.for_role(group["role"]) for group in optimizer.param_groups]
     else:
-        optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), **adam)
+        optimizer, rates = torch.optim.AdamW(model.param_groups(cfg.weight_decay), **adam), None
         peaks = [cfg.lr] * len(optimizer.param_groups)
     for group, peak in zip(optimizer.param_groups, peaks):
         group["initial_lr"] = peak
     return fp8.wrap_optimizer(optimizer, master_weights=cfg.master_weights, seed=cfg.seed,
-                              emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward)
+                              emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward), rates
 
 
 __all__ = ["build_optimizer", "fp8_config", "parallelize"]

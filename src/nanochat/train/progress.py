@@ -89,8 +89,8 @@ def header(facts: RunFacts) -> str:
     """What a run prints before its first step: the run's table (model, data, schedule, device,
     parallelism, optimizer, FP8, MFU) and, with FP8, the conversion report and FP8Optim's layout."""
     f, cfg, m, data = facts, facts.config, facts.model, facts.data
-    optimizer = (f"Muon for hidden matrices (lr {cfg.muon_settings[0]:g}) and AdamW (lr {cfg.lr:g})"
-                 if cfg.optimizer == "muon" else "AdamW")
+    optimizer = (f"Muon for hidden matrices (lr {f.rates.matrix:.4g}) and AdamW (embedding {f.rates.embedding:.4g}, "
+                 f"head {f.rates.head:.4g}, vectors {f.rates.vector:.4g})" if f.rates is not None else "AdamW")
     rows = [
         ["model", f"{cfg.model_name}: {m.n_layer} layers, width {m.n_embd}, "
                   f"{m.n_head} heads ({m.n_kv_head} kv), {f.num_params / 1e6:.2f}M params"],
@@ -118,6 +118,8 @@ def header(facts: RunFacts) -> str:
         parts.append(report.table(flag_text))
     if f.optimizer_summary is not None:
         parts.append(f.optimizer_summary)
+    if f.rates is not None:
+        parts.append("peak learning rates (nanochat.optim.recipe):\n" + f.rates.describe())
     if report is not None:
         parts.append("fp8: evaluation and sampling run in high precision ("
                      + ("an unsharded copy of the shards)" if f.layout.sharded else "fp8_disabled)"))

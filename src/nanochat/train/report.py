@@ -27,6 +27,7 @@ from nanochat.config.fields import Fallbacks
 from nanochat.fp8 import FP8Training
 from nanochat.fp8.conversion import ConversionReport
 from nanochat.model.gpt import GPTConfig
+from nanochat.optim.recipe import RecipeRates
 from nanochat.parallel.layout import Layout
 from nanochat.train import mfu
 from nanochat.train.evaluation import Evaluator
@@ -64,6 +65,8 @@ class RunFacts:
     peak: mfu.Peak | None
     """The device's dense peaks (nanochat.train.mfu); None where none is listed."""
     planned_memory_bytes: int
+    rates: RecipeRates | None = None
+    """--optimizer muon: each group's peak rate and its rule; None for AdamW."""
 
 
 class RunReport:
@@ -135,6 +138,7 @@ class RunReport:
             flops_per_token=f.flops_per_token, peak_tflops=None if f.peak is None else f.peak.bf16_tflops,
             mfu=self.mfu(meter.tokens_per_sec), mfu_fp8=self.mfu(meter.tokens_per_sec, fp8=True),
             starts=starts, restarts=len(starts) - 1, cropped_share=self._cropped_share(),
+            learning_rates=f.rates.as_dict() if f.rates is not None else {},
         )
 
     def _cropped_share(self) -> float | None:

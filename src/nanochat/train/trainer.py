@@ -214,7 +214,8 @@ class NanoChatTrainer:
         self.dist_model, parallel = parts.parallelize(cfg, self.model, self.fp8, self.layout, device=self.device,
                                                       all_gather_problem=all_gather_problem, fallbacks=self.fallbacks)
         self.closing.callback(self._unwrap)
-        self.optimizer = parts.build_optimizer(cfg, self.model, self.fp8, self.device)
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.layout.dp_size
+        self.optimizer, rates = parts.build_optimizer(cfg, self.model, self.fp8, self.device, tokens_per_step)
         # this run's flags, read before a checkpoint's param groups replace the groups' own copies
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         self.update_rms = UpdateRMS(self.optimizer, every=cfg.update_rms_every, total_steps=self.total_steps)
@@ -228,7 +229,7 @@ class NanoChatTrainer:
             device=self.device, dtype=self.dtype, parallel=parallel, optimizer_state_bytes=state_bytes,
             optimizer_summary=self.optimizer.summary() if isinstance(self.optimizer, (FP8Optim, MuonAdamW)) else None,
             fp8=self.fp8.report, flops_per_token=self.model.flops_per_token(cfg.seq_len),
-            peak=mfu.device_peak(self.device), planned_memory_bytes=self.memory_plan.total)
+            peak=mfu.device_peak(self.device), planned_memory_bytes=self.memory_plan.total, rates=rates)
 
     def _build_loop_parts(self) -> None:
         """What the loop runs the model with (compile, the step guard, autocast, the evaluator),
@@ -277,12 +278,12 @@ class NanoChatTrainer:
         number of reads."""
         cfg = self.config
         multiplier = lr_multiplier(step, self.total_steps, cfg.warmup_steps, cfg.final_lr_frac)
-        lr = cfg.lr * multiplier  # AdamW's; each group scales its own peak (Muon's: --muon_lr)
+        lr = cfg.lr * multiplier  # --lr's; each group scales its own peak (Muon's: the recipe's rates)
         for group, peak in zip(self.optimizer.param_groups, self.peak_lrs):
             group["lr"] = peak * multiplier
         if cfg.optimizer == "muon" and cfg.muon_momentum_warmup:
             for group in self.optimizer.muon.param_groups:
-                group["momentum"] = muon_momentum(step, cfg.muon_momentum_warmup, cfg.muon_settings[1])
+                group["momentum"] = muon_momentum(step, cfg.muon_momentum_warmup, cfg.muon_beta)
         fp8_step = self.fp8.begin_step(step)  # calibration and statistics run eagerly: their hooks would recompile
         eager = fp8_step.eager or self.compiled.failed
         module = self.dist_model if eager else self.compiled.module

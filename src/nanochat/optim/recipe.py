@@ -1,0 +1,95 @@
+"""The recipe's rates: each parameter group's peak learning rate for a Muon run trained from
+scratch, derived from the run's width and tokens a step, as karpathy/nanochat derives its rates
+from `--depth` and the batch.
+
+A rate is tuned at one reference run and carried to others by a scaling rule. karpathy/nanochat
+tunes at d12 (width 768) and 2**19 tokens a step and scales every rate by sqrt(B / 2**19); at
+4,096 tokens a step that gives Muon 0.0018, which at d2 and d4 ends far above what 0.02 reaches
+(BENCHMARKS.md 13). Our reference is a run we can sweep on a CPU, d4 at 4,096 tokens a step, each
+group's rate there the best of a sweep (BENCHMARKS.md 14), carried by these rules:
+
+- batch, every group: `sqrt(min(B, B_MAX) / B_REF)`. The square-root rule for Adam-like updates
+  (Malladi et al., "On the SDEs and scaling rules for adaptive gradient algorithms", NeurIPS
+  2022), which karpathy/nanochat applies to every group; Muon's measured optimum follows it from
+  2,048 to 8,192 tokens a step (BENCHMARKS.md 14). Past B_MAX, the largest batch measured, the
+  rates hold: the best rate stops rising once the batch passes the critical batch size
+  (McCandlish et al., "An empirical model of large-batch training", 2018), and held there the
+  rates land within 2x of karpathy/nanochat's, tuned at 2**19 (docs/muon.md).
+- width, Muon's matrices: none. An orthogonalized update has spectral norm ~1 at any width, and
+  `sqrt(max(1, rows / columns))` per matrix (torch.optim.Muon's factor) keeps the step's size per
+  unit of the matrix's scale (Bernstein and Newhouse, "Modular duality in deep learning", 2024);
+  karpathy/nanochat keeps its matrix rate across depths alike.
+- width, the embedding and the output head (AdamW): `(width / WIDTH_REF) ** -0.5`,
+  karpathy/nanochat's rule for its AdamW groups; our d2 and d4 optima agree with it to within
+  the sweep's grid (BENCHMARKS.md 14).
+- norm weights and biases: `--lr`, unscaled (the presets have none).
+
+A rate the user gives (--muon_lr, --embedding_lr, --head_lr) is taken as given, never scaled.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+B_REF = 4096
+"""Tokens a step of the reference run (16 x 256), that of every goal run of BENCHMARKS.md 13."""
+B_MAX = 8192
+"""The largest batch the rates were measured at (BENCHMARKS.md 14): past it they hold."""
+WIDTH_REF = 256
+"""Width of the reference run (d4)."""
+MUON_REF = 0.03
+"""Muon's rate at the reference (BENCHMARKS.md 14)."""
+EMBEDDING_REF = 0.2
+"""The embedding's AdamW rate at the reference (BENCHMARKS.md 14)."""
+HEAD_REF = 0.01
+"""The output head's AdamW rate at the reference (BENCHMARKS.md 14)."""
+
+
+@dataclass(frozen=True)
+class RecipeRates:
+    """Each role's peak rate (MuonSplit's group roles) and, per role, the rule that gave it."""
+
+    matrix: float
+    embedding: float
+    head: float
+    vector: float
+    rules: dict[str, str]
+
+    def for_role(self, role: str) -> float:
+        return getattr(self, role)
+
+    def describe(self) -> str:
+        """One line per role: its rate and where it came from, for a run's header."""
+        return "\n".join(f"{role}: {self.for_role(role):.4g} ({rule})" for role, rule in self.rules.items())
+
+    def as_dict(self) -> dict[str, float]:
+        return {role: self.for_role(role) for role in self.rules}
+
+
+def recipe_rates(*, width: int, tokens_per_step: int, lr: float, muon_lr: float | None = None,
+                 embedding_lr: float | None = None, head_lr: float | None = None) -> RecipeRates:
+    """Each group's peak rate for a run of `width` (the model's hidden size) and `tokens_per_step`
+    (all ranks and micro-batches together); a rate given is kept, the others follow the rules."""
+    if width < 1 or tokens_per_step < 1:
+        raise ValueError(f"width and tokens_per_step must be positive, got {width} and {tokens_per_step}")
+    batch = math.sqrt(min(tokens_per_step, B_MAX) / B_REF)
+    held = f", held at B = {B_MAX:,}" if tokens_per_step > B_MAX else ""
+    shape = f"width {width}, {tokens_per_step:,} tokens a step"
+
+    def pick(given: float | None, flag: str, ref: float, *, by_width: bool, note: str = "") -> tuple[float, str]:
+        if given is not None:
+            return given, f"{flag}, as given"
+        width_rule = f" x (width / {WIDTH_REF}) ** -0.5" if by_width else ""
+        scale = batch * ((width / WIDTH_REF) ** -0.5 if by_width else 1.0)
+        return ref * scale, f"{ref:g}{width_rule} x sqrt(B / {B_REF}){held}{note}; {shape}"
+
+    matrix = pick(muon_lr, "--muon_lr", MUON_REF, by_width=False, note=", x sqrt(max(1, rows / columns)) per matrix")
+    embedding = pick(embedding_lr, "--embedding_lr", EMBEDDING_REF, by_width=True)
+    head = pick(head_lr, "--head_lr", HEAD_REF, by_width=True)
+    roles = dict(matrix=matrix, embedding=embedding, head=head, vector=(lr, "--lr, unscaled"))
+    return RecipeRates(**{role: rate for role, (rate, _) in roles.items()},
+                       rules={role: rule for role, (_, rule) in roles.items()})
+
+
+__all__ = ["B_MAX", "B_REF", "EMBEDDING_REF", "HEAD_REF", "MUON_REF", "RecipeRates", "WIDTH_REF", "recipe_rates"]
