@@ -267,8 +267,18 @@ class NanoChatTrainer:
         return model
 
     def _resume(self) -> int:
-        """The checkpoint read at setup into the built parts (`stateful`); its step."""
-        return self.checkpoints.restore(self.resumed, self.stateful, self.device)
+        """The checkpoint read at setup into the built parts (`stateful`); its step. The groups
+        keep this run's peak rates; one that differs from the checkpoint's (a rate flag changed,
+        or the recipe derives another) is said, one warning line each."""
+        roles = [group.get("role") for group in self.optimizer.param_groups]  # a checkpoint's groups replace these
+        step = self.checkpoints.restore(self.resumed, self.stateful, self.device)
+        for group, peak, role in zip(self.optimizer.param_groups, self.peak_lrs, roles):
+            saved = group.get("initial_lr", peak)
+            if not math.isclose(saved, peak, rel_tol=1e-9) and self.layout.rank == 0:
+                logger.warning("resumed with the %s group's peak learning rate changed from the checkpoint's %.4g to "
+                               "%.4g", role or "AdamW", saved, peak)
+            group.update(initial_lr=peak, **({"role": role} if role else {}))
+        return step
 
     # ------------------------------------------------------------------- step
     def train_step(self, step: int) -> dict[str, Any]:
