@@ -23,11 +23,14 @@ import statistics
 import sys
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import harness
 from bench_optimizers import EqualStepsRuns, Variant, run
 from nanochat.common import format_table
-from nanochat.model.gpt import preset_config
-from nanochat.optim.recipe import RecipeRates, recipe_rates
+
+if TYPE_CHECKING:
+    from nanochat.optim.recipe import RecipeRates
 
 GROUPS = {"matrix": "muon_lr", "embedding": "embedding_lr", "head": "head_lr"}
 """Each group the recipe derives a rate for, and the NanoChatTrainer field that sets it."""
@@ -67,6 +70,9 @@ QUICK = dict(model_name="d2", num_iterations=6, eval_every=3, eval_tokens=256, s
 
 def rates_for(cfg: BenchRecipeConfig) -> RecipeRates:
     """The recipe's rates for this run's width and tokens a step (one process: batch x seq_len)."""
+    from nanochat.model.gpt import preset_config  # torch: not for --help
+    from nanochat.optim.recipe import recipe_rates
+
     width = preset_config(cfg.model_name, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len).n_embd
     return recipe_rates(width=width, tokens_per_step=cfg.batch_size * cfg.seq_len, lr=cfg.lr)
 

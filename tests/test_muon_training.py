@@ -13,8 +13,9 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   given are nanochat.optim.recipe's for the model's width and the tokens a step (grad
   accumulation counted), and the result records each group's.
 - A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
-  compared exactly, as test_trainer.py's AdamW resume is). Resumed with another --embedding_lr,
-  one warning names the group and both rates, and the group trains at the new one.
+  compared exactly, as test_trainer.py's AdamW resume is). Resumed where a derived rate differs
+  from the checkpoint's, one warning names the group, both rates and the rule, and the group
+  trains at the new one.
 - FP8 momentum against fp32 momentum (level 0; both with Newton-Schulz in fp32, the CPU's): the
   two runs' losses over the last five steps within 1% (FP8 rounds the buffer by up to 2^-4
   relative each write, noise the orthogonalization mostly absorbs: measured 0.04%); a run whose
@@ -285,18 +286,22 @@ def test_a_muon_checkpoint_round_trips_through_dcp(tmp_path):
         assert torch.equal(p, q), name
 
 
-def test_a_resume_at_another_rate_says_which_group_changed_and_trains_at_the_new_one(small_corpus, tmp_path,
-                                                                                       monkeypatch, caplog):
+def test_a_resume_whose_derived_rate_differs_says_which_group_and_trains_at_the_new_one(small_corpus, tmp_path,
+                                                                                        monkeypatch, caplog):
+    """The checkpoint's embedding trained at 1e-2 (given); resumed without --embedding_lr its rate
+    is the recipe's: one warning names the group, both rates and the rule; the others are quiet."""
     kw = dict(num_iterations=6, save_every=3, num_samples=0, **MUON)
     train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "run", **kw), monkeypatch)  # dies at step 3
-    kw["embedding_lr"] = 2e-2
+    del kw["embedding_lr"]
     with caplog.at_level("WARNING", logger="nanochat"):
         trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw))
         trainer.train()
+    rates = trainer.facts.rates
     said = [r.getMessage() for r in caplog.records if "peak learning rate changed" in r.getMessage()]
-    assert said == ["resumed with the embedding group's peak learning rate changed from the checkpoint's 0.01 to 0.02"]
+    assert said == [f"resumed with the embedding group's peak learning rate changed from the checkpoint's 0.01 to "
+                    f"{rates.embedding:.4g} ({rates.rules['embedding']})"]
     groups = {g["role"]: g for g in trainer.optimizer.param_groups}  # the checkpoint's groups, roles kept
     last = lr_multiplier(5, 6, trainer.config.warmup_steps, trainer.config.final_lr_frac)
-    assert groups["embedding"]["initial_lr"] == 2e-2
-    assert groups["embedding"]["lr"] == pytest.approx(2e-2 * last, rel=1e-12)
+    assert groups["embedding"]["initial_lr"] == rates.embedding != 1e-2
+    assert groups["embedding"]["lr"] == pytest.approx(rates.embedding * last, rel=1e-12)
     assert groups["head"]["lr"] == pytest.approx(1e-2 * last, rel=1e-12)

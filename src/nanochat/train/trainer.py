@@ -268,15 +268,18 @@ class NanoChatTrainer:
 
     def _resume(self) -> int:
         """The checkpoint read at setup into the built parts (`stateful`); its step. The groups
-        keep this run's peak rates; one that differs from the checkpoint's (a rate flag changed,
-        or the recipe derives another) is said, one warning line each."""
+        keep this run's peak rates. A derived rate that differs from the checkpoint's (the recipe
+        changed since it was written) is said, one warning line a group; a changed rate flag is
+        said with the other flags (nanochat.checkpoint.resume.changed_settings)."""
         roles = [group.get("role") for group in self.optimizer.param_groups]  # a checkpoint's groups replace these
+        rates = self.facts.rates
         step = self.checkpoints.restore(self.resumed, self.stateful, self.device)
         for group, peak, role in zip(self.optimizer.param_groups, self.peak_lrs, roles):
             saved = group.get("initial_lr", peak)
-            if not math.isclose(saved, peak, rel_tol=1e-9) and self.layout.rank == 0:
+            derived = role is not None and rates is not None and not rates.rules[role].endswith(", as given")
+            if derived and not math.isclose(saved, peak, rel_tol=1e-9) and self.layout.rank == 0:
                 logger.warning("resumed with the %s group's peak learning rate changed from the checkpoint's %.4g to "
-                               "%.4g", role or "AdamW", saved, peak)
+                               "%.4g (%s)", role, saved, peak, rates.rules[role])
             group.update(initial_lr=peak, **({"role": role} if role else {}))
         return step
 
