@@ -92,7 +92,8 @@ class NanoChatTrainer:
     fp8: FP8Training
     dist_model: torch.nn.Module        # `model` wrapped for the world size (DDP), or `model`; eager steps call it
     optimizer: torch.optim.Optimizer
-    peak_lrs: list[float]              # each param group's peak rate (AdamW's --lr, Muon's --muon_lr)
+    tokens_per_step: int               # all ranks and micro-batches: the recipe's batch and the throughput's
+    peak_lrs: list[float]              # each param group's peak rate (--lr, or the recipe's per group)
     params: list[torch.Tensor]
     compiled: Compiled
     guard: StepGuard
@@ -214,8 +215,8 @@ class NanoChatTrainer:
         self.dist_model, parallel = parts.parallelize(cfg, self.model, self.fp8, self.layout, device=self.device,
                                                       all_gather_problem=all_gather_problem, fallbacks=self.fallbacks)
         self.closing.callback(self._unwrap)
-        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.layout.dp_size
-        self.optimizer, rates = parts.build_optimizer(cfg, self.model, self.fp8, self.device, tokens_per_step)
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.layout.dp_size
+        self.optimizer, rates = parts.build_optimizer(cfg, self.model, self.fp8, self.device, self.tokens_per_step)
         # this run's flags, read before a checkpoint's param groups replace the groups' own copies
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
         self.update_rms = UpdateRMS(self.optimizer, every=cfg.update_rms_every, total_steps=self.total_steps)
@@ -361,8 +362,7 @@ class NanoChatTrainer:
             return TrainResult.read(self.run_dir)
         start_step = self._resume() if self.checkpoints.resuming else 0
         rank0 = self.layout.rank == 0
-        meter = Throughput(cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.layout.dp_size,
-                           history=self._start_files())
+        meter = Throughput(self.tokens_per_step, history=self._start_files())
         print0(header(self.facts))
         if start_step == 0 and (self.data.num_choice_items or cfg.init_from):
             self.report.evaluate(start := {"step": 0})  # the starting point fine-tuning improves on
