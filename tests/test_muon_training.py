@@ -11,7 +11,8 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
   --embedding_lr / --head_lr, times lr_multiplier at the last step (both to fp64 rounding of one
   product); with --muon_momentum_warmup, Muon's momentum follows its ramp from 0.85. Rates not
   given are nanochat.optim.recipe's for the model's width and the tokens a step (grad
-  accumulation counted), and the result records each group's.
+  accumulation counted), and the result records each group's; the header says the optimizer's
+  layout once (the first step does not repeat it).
 - A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
   compared exactly, as test_trainer.py's AdamW resume is). Resumed where a derived rate differs
   from the checkpoint's, one warning names the group, both rates and the rule, and the group
@@ -100,15 +101,20 @@ def test_each_group_follows_its_own_peak(fp8_run):
     for g in trainer.optimizer.adamw.param_groups:
         assert g["lr"] == pytest.approx(1e-2 * last, rel=1e-12)
     assert trainer.facts.rates.rules["embedding"] == "--embedding_lr, as given"
+    records = [r for r in run_records(trainer.run_dir) if "lrm" in r]
+    assert records[-1]["lrm"] == pytest.approx(last, rel=1e-12) and len(records) == cfg.num_iterations
 
 
-def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus, tmp_path):
+def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus, tmp_path, nanochat_log, capsys):
     """No --muon_lr / --embedding_lr / --head_lr: each group's peak is recipe_rates' for the
-    model's width and the tokens a step (batch x seq_len x grad_accum); the result records them."""
+    model's width and the tokens a step (batch x seq_len x grad_accum); the result records them.
+    The optimizer's layout is said once, in the header (not again at the first step)."""
     kwargs = tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=2, num_samples=0, optimizer="muon",
                                grad_accum_steps=2)
     trainer = NanoChatTrainer(**kwargs)
     result = trainer.train()
+    said = capsys.readouterr().out + "".join(r.getMessage() for r in nanochat_log.records)  # the header is printed
+    assert said.count("OptimWrapper(Muon") == 1 and "peak learning rates" in said
     cfg = trainer.config
     want = recipe_rates(width=trainer.model.config.n_embd, tokens_per_step=cfg.batch_size * cfg.seq_len * 2, lr=cfg.lr)
     peaks = {g["role"]: g["initial_lr"] for g in trainer.optimizer.param_groups}

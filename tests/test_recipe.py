@@ -6,7 +6,8 @@
   B_MAX, the largest batch measured, every rate holds at its value there. Width: 4x the width halves the embedding's and
   the head's rates and leaves Muon's (its per-shape factor carries it). Compared to fp64 rounding
   of a few products (rel 1e-12).
-- A rate given is kept as given and its rule says so; --lr is the vectors' rate whatever the shape.
+- A rate given is kept as given, its rule says so and it is not counted derived (a resume warns only of
+  derived rates); --lr is the vectors' rate whatever the shape, and a flag's.
 - A width or batch that is not positive is refused with one line.
 - The rates a 48-GPU d26 run would get (width 1664, 2**20 tokens a step) are finite and inside the
   range the documents cite (docs/muon.md): Muon 0.02-0.05, embedding below 1, head below 0.1.
@@ -49,6 +50,7 @@ def test_width_scales_the_adamw_groups_by_its_inverse_square_root_and_leaves_muo
     assert wide.embedding == pytest.approx(EMBEDDING_REF / 2, rel=1e-12)
     assert wide.head == pytest.approx(HEAD_REF / 2, rel=1e-12)
     assert wide.vector == 1e-3
+    assert [role for role in wide.rules if wide.derived(role)] == ["matrix", "embedding", "head"]
 
 
 def test_a_rate_given_is_kept_and_said_to_be():
@@ -57,6 +59,7 @@ def test_a_rate_given_is_kept_and_said_to_be():
     assert (r.matrix, r.embedding, r.head, r.vector) == (0.011, 0.05, 0.004, 2e-3)
     assert r.rules == {"matrix": "--muon_lr, as given", "embedding": "--embedding_lr, as given",
                        "head": "--head_lr, as given", "vector": "--lr, unscaled"}
+    assert not any(r.derived(role) for role in r.rules)
     lines = r.describe().splitlines()
     assert len(lines) == 4 and lines[0].startswith("matrix: 0.011 (")
 

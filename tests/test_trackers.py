@@ -56,7 +56,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2  # noqa: E402
 
 # metrics.jsonl's step fields and the names the trackers give them (module docstring)
-NAMES = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+NAMES = {"loss": "train/loss", "lr": "train/lr", "lrm": "train/lrm", "grad_norm": "train/grad_norm",
          "tokens_per_sec": "train/tokens_per_sec", "mfu": "train/mfu", "val_loss": "val/loss", "val_bpb": "val/bpb",
          "val_accuracy": "val/accuracy", "clip_factor": "events/clip_factor",
          "update_rms_muon": "train/update_rms_muon", "update_rms_adamw": "train/update_rms_adamw", "update_rms_adamw_no_decay": "train/update_rms_adamw_no_decay"}

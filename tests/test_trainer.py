@@ -164,7 +164,8 @@ def test_cli_log_in_a_file_is_one_plain_line_per_log_every(small_corpus, tmp_pat
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
     """Progress, both ways, against the lines written out here: on a terminal a bar redrawn on
     stderr (`\r`) and nothing on stdout; elsewhere one line every `every` steps and the last,
-    nothing on stderr; a skipped step (no tokens/s) prints no line."""
+    nothing on stderr; a skipped step (no tokens/s) prints no line. A run whose groups have peaks
+    of their own (Muon's) shows the multiplier `lrm` for `lr`."""
     record = {"loss": 1.5, "lr": 1e-3, "tokens_per_sec": 1000.0}
     bar = Progress(22, 0, every=5, tokens_per_step=100, terminal=True)
     for done in range(1, 23):
@@ -183,6 +184,10 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(capsys):
         "step 20/22 (90.9%) | loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | mfu - | eta 0s",
         "step 22/22 (100.0%) | loss 1.5000 | lr 1.00e-03 | 1,000 tok/s | mfu - | eta 0s",
         "step 22: val loss 1.0000, val bpb 2.0000"]
+    per_group = Progress(5, 0, every=5, tokens_per_step=100, terminal=False, per_group=True)
+    for done in range(1, 6):
+        per_group.update(done, dict(record, lrm=0.5), None)
+    assert capsys.readouterr().out == "step 5/5 (100.0%) | loss 1.5000 | lrm 0.50 | 1,000 tok/s | mfu - | eta 0s\n"
     assert [format_eta(s) for s in (7.4, 185, 3725, float("nan"))] == ["7s", "3m05s", "1h02m", "?"]
 
 

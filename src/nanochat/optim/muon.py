@@ -364,14 +364,14 @@ class MuonAdamW(torch.optim.Optimizer):
     def adamw(self) -> torch.optim.Optimizer:
         return self.optimizers[1]
 
-    def summary(self) -> str:
+    def summary(self, *, logged: bool = False) -> str:
         """Where the parameters went, then each optimizer's own summary where it has one (a
-        wrapper's moment layout); logged in a run's header."""
+        wrapper's moment layout); `logged` as FP8Optim.summary's."""
         lines = [MuonSplit([], [], self.placements).summary()] if self.placements else []
         for opt in self.optimizers:
             own = getattr(opt, "summary", None)
             tensors = sum(len(g["params"]) for g in opt.param_groups)
-            lines.append(own() if callable(own) else f"{type(opt).__name__}: {tensors} tensors, fp32 state")
+            lines.append(own(logged=logged) if callable(own) else f"{type(opt).__name__}: {tensors} tensors, fp32 state")
         return "\n".join(lines)
 
     @torch.no_grad()

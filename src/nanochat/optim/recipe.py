@@ -50,16 +50,22 @@ HEAD_REF = 0.01
 
 @dataclass(frozen=True)
 class RecipeRates:
-    """Each role's peak rate (MuonSplit's group roles) and, per role, the rule that gave it."""
+    """Each role's peak rate (MuonSplit's group roles), per role the rule that gave it, and the
+    roles whose rate is a flag's value (`given`) rather than derived from the run's shape."""
 
     matrix: float
     embedding: float
     head: float
     vector: float
     rules: dict[str, str]
+    given: frozenset[str] = frozenset()
 
     def for_role(self, role: str) -> float:
         return getattr(self, role)
+
+    def derived(self, role: str) -> bool:
+        """Whether the role's rate follows from the width and the batch (so may change with the recipe)."""
+        return role not in self.given
 
     def describe(self) -> str:
         """One line per role: its rate and where it came from, for a run's header."""
@@ -90,8 +96,10 @@ def recipe_rates(*, width: int, tokens_per_step: int, lr: float, muon_lr: float 
     embedding = pick(embedding_lr, "--embedding_lr", EMBEDDING_REF, by_width=True)
     head = pick(head_lr, "--head_lr", HEAD_REF, by_width=True)
     roles = dict(matrix=matrix, embedding=embedding, head=head, vector=(lr, "--lr, unscaled"))
+    given = {"vector"} | {role for role, flag in (("matrix", muon_lr), ("embedding", embedding_lr),
+                                                  ("head", head_lr)) if flag is not None}
     return RecipeRates(**{role: rate for role, (rate, _) in roles.items()},
-                       rules={role: rule for role, (_, rule) in roles.items()})
+                       rules={role: rule for role, (_, rule) in roles.items()}, given=frozenset(given))
 
 
 __all__ = ["B_MAX", "B_REF", "EMBEDDING_REF", "HEAD_REF", "MUON_REF", "RecipeRates", "WIDTH_REF", "recipe_rates"]

@@ -399,8 +399,10 @@ class OptimWrapper(torch.optim.Optimizer):
         n = sum(local(p).numel() for g in self.param_groups for p in g["params"])
         return self.state_bytes() / n if n else 0.0
 
-    def summary(self) -> str:
-        """One line of layout (and one per reason some moments stay fp32), logged at the first step."""
+    def summary(self, *, logged: bool = False) -> str:
+        """One line of layout (and one per reason some moments stay fp32), logged at the first step
+        unless a caller says it logs it itself (`logged`: a run's header)."""
+        self._summary_logged |= logged
         kind, fmt = type(self.optimizer).__name__, self.moments
         n_moments = 1 if self.is_sgd or self.is_muon else 2
         if type(fmt) is MomentFormat:

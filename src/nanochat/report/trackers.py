@@ -7,7 +7,7 @@
 
 metrics.jsonl stays the run's own record (resume and plot_run read it); a tracker is a view of
 the same records, so nothing is measured twice. Names group by their first path component, as
-both TensorBoard and W&B lay out their panels: train/loss, train/lr, train/grad_norm,
+both TensorBoard and W&B lay out their panels: train/loss, train/lr, train/lrm, train/grad_norm,
 train/tokens_per_sec, train/mfu, val/loss, val/bpb, val/accuracy, events/..., final/... and
 memory/peak_gib. A statistics step (--fp8_stats_every) adds FP8 health under the names
 nanochat.fp8.health gives every consumer: fp8/<role>_<stat>_worst and _mean over all layers,

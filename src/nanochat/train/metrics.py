@@ -1,7 +1,7 @@
 """What a training run records: metrics.jsonl, one JSON object per line, and TrainResult.
 
 Every record a run logs goes through `MetricsLog.log`, the one place to hook another sink (a
-tracker) into: the step records ({"step", "loss", "lr", "grad_norm", "tokens_per_sec", ...},
+tracker) into: the step records ({"step", "loss", "lr", "lrm", "grad_norm", "tokens_per_sec", ...},
 with `val_loss`/`val_bpb`/`val_accuracy` on evaluation steps, `fp8_stats` on sampled steps,
 `skipped`/`nonfinite_at` on a skipped step), the step-0 evaluation of a fine-tune, and events
 ({"event": "fp8_auto_choices" | "fp8_auto_switch" | "fp8_summary" | "guard_summary", ...}). Only

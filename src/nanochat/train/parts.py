@@ -3,13 +3,15 @@
 Three decisions the trainer makes once, in this order, between building the model and the first
 step: FP8's config (the flags plus what only the run knows: its micro-batch, the layers a resumed
 run converted, FSDP's FP8 all-gather), the module a step calls (DDP, FSDP or TP, or the model
-itself) and the optimizer (AdamW, or Muon with AdamW, as FP8Training wraps it). Functions of
-values, so each can be read, and called, without a trainer.
+itself) and the optimizer (AdamW, or Muon with AdamW, as FP8Training wraps it), whose groups keep
+their peak rates through a resume (keep_peaks). Functions of values, so each can be read, and
+called, without a trainer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -100,4 +102,21 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
                               emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward), rates
 
 
-__all__ = ["build_optimizer", "fp8_config", "parallelize"]
+def keep_peaks(optimizer: torch.optim.Optimizer, peaks: list[float], roles: list[str | None],
+               rates: RecipeRates | None) -> list[str]:
+    """After a resume replaced the groups with the checkpoint's: each takes this run's peak
+    (`peaks`, as build_optimizer set them) and keeps its role. Returns one line per group whose
+    derived rate differs from the checkpoint's (the recipe changed since it was written); a
+    changed rate flag is said with the other flags (nanochat.checkpoint.resume.changed_settings)."""
+    changed = []
+    for group, peak, role in zip(optimizer.param_groups, peaks, roles):
+        saved = group.get("initial_lr", peak)
+        derived = role is not None and rates is not None and rates.derived(role)
+        if derived and not math.isclose(saved, peak, rel_tol=1e-9):
+            changed.append(f"resumed with the {role} group's peak learning rate changed from the checkpoint's "
+                           f"{saved:.4g} to {peak:.4g} ({rates.rules[role]})")
+        group.update(initial_lr=peak, **({"role": role} if role else {}))
+    return changed
+
+
+__all__ = ["build_optimizer", "fp8_config", "keep_peaks", "parallelize"]

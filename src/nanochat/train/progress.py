@@ -7,6 +7,10 @@ plain line every `--log_every` steps and at the last, as karpathy's nanochat pri
 
     step 120/250 (48.0%) | loss 4.2214 | lr 2.52e-03 | 6,120 tok/s | mfu 41.2% | eta 21s
 
+A run whose groups have peak rates of their own (Muon's recipe) shows the schedule's multiplier
+instead, `lrm 0.84` (each group is at its peak, in the header, times it), as karpathy's nanochat
+does: `--lr` alone would name a rate no matrix trains at.
+
 ETA: the steps left at the steady-state tokens/s (evaluations and saves not counted). Evaluation
 lines go above the bar, or between the plain lines. The other progress in a run (the tokenizer's
 training, the token store's build) draws its bar only on a terminal too, so a log file holds no
@@ -45,23 +49,26 @@ def format_eta(seconds: float) -> str:
 class Progress:
     """The loop's progress from step `start` to `total`: `update` after each step, `write` for a
     line of its own (an evaluation), `close` at the end. `enabled`: this process prints (rank 0);
-    `terminal`: a bar (default: `on_terminal()`), else a line every `every` steps."""
+    `terminal`: a bar (default: `on_terminal()`), else a line every `every` steps. `per_group`:
+    the groups have peaks of their own, so the record's `lrm` is shown rather than its `lr`."""
 
     def __init__(self, total: int, start: int, *, every: int, tokens_per_step: int, enabled: bool = True,
-                 terminal: bool | None = None):
+                 terminal: bool | None = None, per_group: bool = False):
         self.total, self.every, self.tokens_per_step = total, every, tokens_per_step
+        self.rate = ("lrm", ".2f") if per_group else ("lr", ".2e")
         terminal = on_terminal() if terminal is None else terminal
         self.bar = tqdm(total=total, initial=start, dynamic_ncols=True, desc="train") if enabled and terminal else None
         self.lines = enabled and not terminal
 
     def update(self, done: int, record: dict[str, Any], mfu: float | None) -> None:
-        """Step `done` (1-based) finished with `record` (loss, lr, tokens_per_sec; a skipped step
-        has no tokens_per_sec and shows in the guard's own warning instead)."""
+        """Step `done` (1-based) finished with `record` (loss, lr and lrm, tokens_per_sec; a skipped
+        step has no tokens_per_sec and shows in the guard's own warning instead)."""
         if self.bar is not None:
             self.bar.update(1)
             if "tokens_per_sec" in record:
-                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:,.0f}",
-                                     lr=f"{record['lr']:.2e}", **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+                key, fmt = self.rate
+                shown = {key: f"{record[key]:{fmt}}", **({"mfu": f"{mfu:.1%}"} if mfu is not None else {})}
+                self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:,.0f}", **shown)
         elif self.lines and "tokens_per_sec" in record and (done % self.every == 0 or done == self.total):
             print(self.line(done, record, mfu), flush=True)
 
@@ -69,8 +76,9 @@ class Progress:
         """The plain line of step `done` (module docstring)."""
         tok_s = record["tokens_per_sec"]
         eta = (self.total - done) * self.tokens_per_step / tok_s if tok_s > 0 else math.nan
+        key, fmt = self.rate
         return (f"step {done}/{self.total} ({100 * done / self.total:.1f}%) | loss {record['loss']:.4f} | "
-                f"lr {record['lr']:.2e} | {tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{mfu:.1%}'} | "
+                f"{key} {record[key]:{fmt}} | {tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{mfu:.1%}'} | "
                 f"eta {format_eta(eta)}")
 
     def write(self, text: str) -> None:

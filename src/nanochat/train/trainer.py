@@ -228,7 +228,8 @@ class NanoChatTrainer:
             config=cfg, model=self.model.config, num_params=self.model.num_params(), local_params=local_params,
             init_source=self.init_source, data=self.data, total_steps=self.total_steps, layout=self.layout,
             device=self.device, dtype=self.dtype, parallel=parallel, optimizer_state_bytes=state_bytes,
-            optimizer_summary=self.optimizer.summary() if isinstance(self.optimizer, (FP8Optim, MuonAdamW)) else None,
+            optimizer_summary=(self.optimizer.summary(logged=True)  # the header says it: the first step does not
+                               if isinstance(self.optimizer, (FP8Optim, MuonAdamW)) else None),
             fp8=self.fp8.report, flops_per_token=self.model.flops_per_token(cfg.seq_len),
             peak=mfu.device_peak(self.device), planned_memory_bytes=self.memory_plan.total, rates=rates)
 
@@ -269,19 +270,12 @@ class NanoChatTrainer:
 
     def _resume(self) -> int:
         """The checkpoint read at setup into the built parts (`stateful`); its step. The groups
-        keep this run's peak rates. A derived rate that differs from the checkpoint's (the recipe
-        changed since it was written) is said, one warning line a group; a changed rate flag is
-        said with the other flags (nanochat.checkpoint.resume.changed_settings)."""
+        keep this run's peak rates; a derived one that changed is said (parts.keep_peaks)."""
         roles = [group.get("role") for group in self.optimizer.param_groups]  # a checkpoint's groups replace these
-        rates = self.facts.rates
         step = self.checkpoints.restore(self.resumed, self.stateful, self.device)
-        for group, peak, role in zip(self.optimizer.param_groups, self.peak_lrs, roles):
-            saved = group.get("initial_lr", peak)
-            derived = role is not None and rates is not None and not rates.rules[role].endswith(", as given")
-            if derived and not math.isclose(saved, peak, rel_tol=1e-9) and self.layout.rank == 0:
-                logger.warning("resumed with the %s group's peak learning rate changed from the checkpoint's %.4g to "
-                               "%.4g (%s)", role, saved, peak, rates.rules[role])
-            group.update(initial_lr=peak, **({"role": role} if role else {}))
+        for changed in parts.keep_peaks(self.optimizer, self.peak_lrs, roles, self.facts.rates):
+            if self.layout.rank == 0:
+                logger.warning("%s", changed)
         return step
 
     # ------------------------------------------------------------------- step
@@ -313,7 +307,7 @@ class NanoChatTrainer:
         # the loss averaged over micro-batches and ranks, and every rank's stop request, in one all-reduce
         loss, votes = self.stop.vote(loss_sum / cfg.grad_accum_steps)
         verdict = self._verdict(step, loss, votes, (x, y))  # the one device read; a non-finite step is skipped
-        record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "grad_norm": verdict.grad_norm,
+        record = {"step": step + 1, "loss": verdict.loss, "lr": lr, "lrm": multiplier, "grad_norm": verdict.grad_norm,
                   **fp8_step.record(), **verdict.flags}
         if verdict.skipped and not cfg.optimizer_in_backward:  # its gradients are dropped: the weights stay
             self.update_rms.drop()
@@ -370,7 +364,7 @@ class NanoChatTrainer:
         final = None  # the last evaluation: (val_loss, val_bpb, val_accuracy)
         self.model.train()
         progress = Progress(self.total_steps, start_step, every=cfg.log_every, tokens_per_step=meter.tokens_per_step,
-                            enabled=rank0)
+                            enabled=rank0, per_group=self.facts.rates is not None)
         for step in self.stop.steps(start_step, self.total_steps, on_stop=self._stop):  # until a signal
             t0, epoch, compiles = time.perf_counter(), int(self.data.loader.epoch), self.compiled.pending
             record = self.train_step(step)
