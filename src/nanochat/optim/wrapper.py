@@ -400,8 +400,7 @@ class OptimWrapper(torch.optim.Optimizer):
         return self.state_bytes() / n if n else 0.0
 
     def summary(self, *, logged: bool = False) -> str:
-        """One line of layout (and one per reason some moments stay fp32), logged at the first step
-        unless a caller says it logs it itself (`logged`: a run's header)."""
+        """One line of layout (and one per reason some moments stay fp32); the first step logs it unless `logged`."""
         self._summary_logged |= logged
         kind, fmt = type(self.optimizer).__name__, self.moments
         n_moments = 1 if self.is_sgd or self.is_muon else 2
