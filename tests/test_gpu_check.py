@@ -8,8 +8,9 @@ against what the GPU run must produce:
 - tests: every test marked `gpu` in the suite reported from the junit XML (all skipped on a CPU),
   those of test_fp8_policy.py (which times layers through `time_fwd_bwd`) and test_fp8_optim.py
   included, the log kept; GPU_TEST_FILES names exactly the files holding such tests;
-- shapes: the first shape timed (bf16, tensorwise, rowwise, positive), the others listed as not
-  timed once --shapes_budget_s ran out;
+- shapes: the first shape timed (bf16, tensorwise, rowwise, positive) whatever the budget, the
+  others listed as not timed (the dry run's --shapes_budget_s is 0, so the outcome does not
+  depend on the machine's speed);
 - train and all: bf16 and FP8 runs with positive, finite figures, no checkpoint in their run
   directories, no MFU on a CPU; the profiled FP8 step read the device once (the trainer's read);
 - optim: every level against fused AdamW with FP8Optim's state bytes (8, 1 + 4/256 + 4,

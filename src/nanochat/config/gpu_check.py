@@ -45,7 +45,8 @@ class GPUCheckConfig:
     shape_tokens: tuple[int, ...] = (8192, 32768)
     """Rows of each shape's GEMMs."""
     shapes_budget_s: float = 40.0
-    """The shapes job starts no new shape after this many seconds (the rest are listed)."""
+    """The shapes job starts no new shape after this many seconds (the rest are listed); the first
+    is always timed."""
     opt_tensors: int = 32
     """Parameter tensors of the optim job."""
     opt_dim: int = 4096
@@ -70,7 +71,7 @@ class GPUCheckConfig:
 
 
 DRY_RUN = dict(model="d2", big_model="d2", batch_size=2, big_batch_size=2, seq_len=32, vocab_size=320,
-               steps=3, shape_models=("d2",), shape_tokens=(64,), shapes_budget_s=1.0, opt_tensors=2,
+               steps=3, shape_models=("d2",), shape_tokens=(64,), shapes_budget_s=0.0, opt_tensors=2,
                opt_dim=256, opt_steps=2)
 
 

@@ -124,8 +124,9 @@ def time_shapes(models: tuple[str, ...], device: torch.device, *, tokens: tuple[
                 repeats: int, emulate: bool, deadline: float | None = None,
                 on_result: Callable[[str, dict], None] | None = None) -> dict:
     """time_shape for every distinct Linear shape of `models`, with the layers that have it.
-    `on_result(key, figures)` after each shape; shapes not started by `deadline`
-    (time.perf_counter()) are listed as not timed, a shape that fails under errors."""
+    `on_result(key, figures)` after each shape; the first shape is always timed (a budget too
+    short still gives one figure), later ones not started by `deadline` (time.perf_counter())
+    are listed as not timed, a shape that fails under errors."""
     shapes: dict[tuple[int, int], dict[str, list[str]]] = {}
     for model in models:
         for shape, layers in linear_shapes(model).items():
@@ -133,7 +134,8 @@ def time_shapes(models: tuple[str, ...], device: torch.device, *, tokens: tuple[
     out: dict = {"shapes": {}, "not_timed": [], "errors": {}}
     for (k, n), owners in shapes.items():
         key = f"{k}x{n}"
-        if deadline is not None and time.perf_counter() > deadline:
+        started = bool(out["shapes"] or out["errors"])
+        if started and deadline is not None and time.perf_counter() > deadline:
             out["not_timed"].append(key)
             continue
         torch._dynamo.reset()  # 3 compiled modules per shape; older ones would fill dynamo's cache
