@@ -16,7 +16,11 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
 - A resumed run is the uninterrupted one: every step's loss equal (the same computation, so
   compared exactly, as test_trainer.py's AdamW resume is). Resumed where a derived rate differs
   from the checkpoint's, one warning names the group, both rates and the rule, and the group
-  trains at the new one.
+  trains at the new one. A resume with another --weight_decay trains at it (the checkpoint's
+  groups take this run's decay), said once per decayed group.
+- A run that repeats its data (two epochs) decays its matrices and head by the recipe's
+  1 / (Muon's rate x steps an epoch), to fp64 rounding of one product, the embedding by none,
+  and the result records it; an AdamW run records its --weight_decay default, 0.1.
 - FP8 momentum against fp32 momentum (level 0; both with Newton-Schulz in fp32, the CPU's): the
   two runs' losses over the last five steps within 1% (FP8 rounds the buffer by up to 2^-4
   relative each write, noise the orthogonalization mostly absorbs: measured 0.04%); a run whose
@@ -120,6 +124,24 @@ def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus,
     peaks = {g["role"]: g["initial_lr"] for g in trainer.optimizer.param_groups}
     assert peaks == {"matrix": want.matrix, "head": want.head, "embedding": want.embedding}  # d2: no vectors
     assert result.learning_rates == want.as_dict() and want.embedding != cfg.lr
+
+
+def test_a_run_that_repeats_its_data_decays_its_matrices_within_an_epoch(small_corpus, tmp_path):
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=-1, num_epochs=2,
+                                                  batch_size=32, seq_len=64, num_samples=0, optimizer="muon"))
+    result = trainer.train()
+    rates, epoch = trainer.facts.rates, trainer.data.steps_per_epoch
+    assert trainer.total_steps == 2 * epoch and rates.derived("weight_decay")
+    assert rates.weight_decay == pytest.approx(1 / (rates.matrix * epoch), rel=1e-12) and rates.weight_decay > 0.1
+    decays = {g["role"]: g["weight_decay"] for g in trainer.optimizer.param_groups}
+    assert decays == {"matrix": rates.weight_decay, "head": rates.weight_decay, "embedding": 0.0}
+    assert result.weight_decay == rates.weight_decay and "the run repeats its data" in rates.describe()
+
+
+def test_an_adamw_run_records_the_default_weight_decay(small_corpus, tmp_path):
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=1, num_samples=0))
+    assert trainer.train().weight_decay == 0.1
+    assert sorted(g["weight_decay"] for g in trainer.optimizer.param_groups) == [0.0, 0.1]
 
 
 def test_momentum_warms_up_from_085_to_its_target():
@@ -311,3 +333,16 @@ def test_a_resume_whose_derived_rate_differs_says_which_group_and_trains_at_the_
     assert groups["embedding"]["initial_lr"] == rates.embedding != 1e-2
     assert groups["embedding"]["lr"] == pytest.approx(rates.embedding * last, rel=1e-12)
     assert groups["head"]["lr"] == pytest.approx(1e-2 * last, rel=1e-12)
+
+
+def test_a_resume_with_another_weight_decay_trains_at_it(small_corpus, tmp_path, monkeypatch, caplog):
+    kw = dict(num_iterations=6, save_every=3, num_samples=0, weight_decay=0.3, **MUON)
+    train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "run", **kw), monkeypatch)  # dies at step 3
+    kw["weight_decay"] = 0.05
+    with caplog.at_level("WARNING", logger="nanochat"):
+        trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw))
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "weight_decay" in r.getMessage()]
+    assert said == ["resumed with --weight_decay changed from the checkpoint's 0.3 to 0.05"]
+    decays = {g["role"]: g["weight_decay"] for g in trainer.optimizer.param_groups}
+    assert decays == {"matrix": 0.05, "head": 0.05, "embedding": 0.0}

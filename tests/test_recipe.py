@@ -8,6 +8,12 @@
   of a few products (rel 1e-12).
 - A rate given is kept as given, its rule says so and it is not counted derived (a resume warns only of
   derived rates); --lr is the vectors' rate whatever the shape, and a flag's.
+- Weight decay: WEIGHT_DECAY_REF for a run that sees its data once (or whose epochs are not
+  known), and for one that repeats a corpus whose epoch is long enough that 1 / (Muon's rate x
+  steps an epoch) is below it (the standard library's 840 steps); 1 / (Muon's rate x steps an
+  epoch) for one that repeats a small corpus (tiny Shakespeare's 72 steps: 0.463), at any
+  number of epochs past one; a --weight_decay given is kept and not derived. Each rule's text
+  says which branch it took.
 - A width or batch that is not positive is refused with one line.
 - The rates a 48-GPU d26 run would get (width 1664, 2**20 tokens a step) are finite and inside the
   range the documents cite (docs/muon.md): Muon 0.02-0.05, embedding below 1, head below 0.1.
@@ -20,7 +26,7 @@ import math
 import pytest
 
 from nanochat.optim.recipe import (
-    B_MAX, B_REF, EMBEDDING_REF, HEAD_REF, MUON_REF, WIDTH_REF, recipe_rates,
+    B_MAX, B_REF, EMBEDDING_REF, HEAD_REF, MUON_REF, WEIGHT_DECAY_REF, WIDTH_REF, recipe_rates, recipe_weight_decay,
 )
 
 
@@ -61,7 +67,23 @@ def test_a_rate_given_is_kept_and_said_to_be():
                        "head": "--head_lr, as given", "vector": "--lr, unscaled"}
     assert not any(r.derived(role) for role in r.rules)
     lines = r.describe().splitlines()
-    assert len(lines) == 4 and lines[0].startswith("matrix: 0.011 (")
+    assert len(lines) == 5 and lines[0].startswith("matrix: 0.011 (") and lines[-1].startswith("weight decay: 0.1 (")
+
+
+def test_weight_decay_keeps_the_matrices_average_within_an_epoch_once_a_run_repeats_its_data():
+    for steps_per_epoch, total_steps in ((None, None), (72, 72), (840, 300), (840, 1000)):
+        decay, rule = recipe_weight_decay(matrix_lr=MUON_REF, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+        assert decay == WEIGHT_DECAY_REF and rule.startswith(f"{WEIGHT_DECAY_REF:g}: "), (steps_per_epoch, total_steps)
+    assert "0.0397 is below it" in recipe_weight_decay(matrix_lr=MUON_REF, steps_per_epoch=840, total_steps=1000)[1]
+    for total_steps in (73, 300, 1000):
+        decay, rule = recipe_weight_decay(matrix_lr=MUON_REF, steps_per_epoch=72, total_steps=total_steps)
+        assert decay == pytest.approx(1 / (MUON_REF * 72), rel=1e-12) and "the run repeats its data" in rule
+    r = recipe_rates(width=WIDTH_REF, tokens_per_step=B_REF, lr=1e-3, steps_per_epoch=72, total_steps=1000)
+    assert round(r.weight_decay, 3) == 0.463 and r.derived("weight_decay")
+    given = recipe_rates(width=WIDTH_REF, tokens_per_step=B_REF, lr=1e-3, weight_decay=0.2, steps_per_epoch=72,
+                         total_steps=1000)
+    assert given.weight_decay == 0.2 and not given.derived("weight_decay")
+    assert given.weight_decay_rule == "--weight_decay, as given"
 
 
 @pytest.mark.parametrize("width, tokens", [(0, B_REF), (WIDTH_REF, 0), (-1, B_REF)])

@@ -98,7 +98,7 @@ def check_types(cfg) -> None:
 
 def finite(cfg, *names: str) -> None:
     for n in names:
-        if not math.isfinite(getattr(cfg, n)):
+        if getattr(cfg, n) is not None and not math.isfinite(getattr(cfg, n)):
             raise ValueError(f"--{n} must be a finite number, got {getattr(cfg, n)}")
 
 
@@ -115,5 +115,5 @@ def positive(cfg, *names: str) -> None:
 
 def non_negative(cfg, *names: str) -> None:
     for n in names:
-        if getattr(cfg, n) < 0:
+        if getattr(cfg, n) is not None and getattr(cfg, n) < 0:
             raise ValueError(f"--{n} must be >= 0, got {getattr(cfg, n)}")

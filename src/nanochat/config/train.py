@@ -96,8 +96,10 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     warmup: 0.86-1.01%; BENCHMARKS.md). One process and DDP; not with --fsdp or --tp (a shard
     holds part of a neuron's row or column)."""
 
-    weight_decay: float = 0.1
-    """Decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and embeddings get none)."""
+    weight_decay: float | None = None
+    """Decoupled weight decay for matrices, AdamW's and Muon's (norms, biases and embeddings get
+    none). None: 0.1, and for a Muon run that repeats its data enough to memorize it the recipe's,
+    1 / (Muon's rate x steps an epoch) (nanochat.optim.recipe; docs/muon.md)."""
 
     beta1: float = 0.9
     """Adam beta1."""

@@ -27,6 +27,18 @@ group's rate there the best of a sweep (BENCHMARKS.md 14), carried by these rule
 - norm weights and biases: `--lr`, unscaled (the presets have none).
 
 A rate the user gives (--muon_lr, --embedding_lr, --head_lr) is taken as given, never scaled.
+
+Weight decay (Muon's matrices and the output head; the embedding and vectors get none). Decoupled
+decay makes the weights an exponential average of their recent updates over about 1 / (lr x
+decay) steps (Wang and Aitchison, "How to set AdamW's weight decay as you scale model and dataset
+size", arXiv 2405.13698). A run that sees each token once keeps WEIGHT_DECAY_REF: the matrices average
+over 1 / (0.03 x 0.1) = 333 steps. Once a run repeats its data, an average longer than an epoch
+sums several passes over the same text, and a small corpus gets memorized: on tiny Shakespeare
+(72 steps an epoch, 1,000 steps) the validation loss rose from its best 2.31 to 3.42 bpb, a
+training loss of 0.12 (BENCHMARKS.md 13). So a run that repeats its data keeps the matrices'
+average within one epoch: `max(WEIGHT_DECAY_REF, 1 / (Muon's rate x steps an epoch))`. A corpus
+whose epoch is longer than 333 steps at the reference rate is unchanged (the standard-library
+corpus: 840 steps an epoch). A --weight_decay given is taken as given.
 """
 
 from __future__ import annotations
@@ -46,6 +58,8 @@ EMBEDDING_REF = 0.2
 """The embedding's AdamW rate at the reference (BENCHMARKS.md 14)."""
 HEAD_REF = 0.01
 """The output head's AdamW rate at the reference (BENCHMARKS.md 14)."""
+WEIGHT_DECAY_REF = 0.1
+"""Decoupled weight decay of Muon's matrices and the output head while a run sees its data once."""
 
 
 @dataclass(frozen=True)
@@ -59,26 +73,45 @@ class RecipeRates:
     vector: float
     rules: dict[str, str]
     given: frozenset[str] = frozenset()
+    weight_decay: float = WEIGHT_DECAY_REF
+    weight_decay_rule: str = f"{WEIGHT_DECAY_REF:g}"
 
     def for_role(self, role: str) -> float:
         return getattr(self, role)
 
     def derived(self, role: str) -> bool:
-        """Whether the role's rate follows from the width and the batch (so may change with the recipe)."""
+        """Whether the role's rate (or "weight_decay") follows from the run's shape, so may change
+        with the recipe."""
         return role not in self.given
 
     def describe(self) -> str:
-        """One line per role: its rate and where it came from, for a run's header."""
-        return "\n".join(f"{role}: {self.for_role(role):.4g} ({rule})" for role, rule in self.rules.items())
+        """One line per role: its rate and where it came from, then the weight decay, for a run's header."""
+        return "\n".join([*(f"{role}: {self.for_role(role):.4g} ({rule})" for role, rule in self.rules.items()),
+                          f"weight decay: {self.weight_decay:.4g} ({self.weight_decay_rule})"])
 
     def as_dict(self) -> dict[str, float]:
         return {role: self.for_role(role) for role in self.rules}
 
 
+def recipe_weight_decay(*, matrix_lr: float, steps_per_epoch: int | None, total_steps: int | None) -> tuple[float, str]:
+    """The decay of a run whose matrices train at `matrix_lr` for `total_steps` steps of
+    `steps_per_epoch` each (None: not known, taken as seen once), and the rule that gave it."""
+    if steps_per_epoch is None or total_steps is None or total_steps <= steps_per_epoch:
+        return WEIGHT_DECAY_REF, f"{WEIGHT_DECAY_REF:g}: the run sees its data once"
+    epochs = f"{total_steps / steps_per_epoch:.3g} epochs of {steps_per_epoch} steps"
+    within = 1.0 / (matrix_lr * steps_per_epoch)
+    if within <= WEIGHT_DECAY_REF:
+        return WEIGHT_DECAY_REF, f"{WEIGHT_DECAY_REF:g}: {epochs}, 1 / (Muon's rate x steps an epoch) = {within:.3g} is below it"
+    return within, (f"1 / (Muon's rate {matrix_lr:.4g} x {steps_per_epoch} steps an epoch): the run repeats its "
+                    f"data ({epochs}), the matrices' average is kept within one")
+
+
 def recipe_rates(*, width: int, tokens_per_step: int, lr: float, muon_lr: float | None = None,
-                 embedding_lr: float | None = None, head_lr: float | None = None) -> RecipeRates:
+                 embedding_lr: float | None = None, head_lr: float | None = None, weight_decay: float | None = None,
+                 steps_per_epoch: int | None = None, total_steps: int | None = None) -> RecipeRates:
     """Each group's peak rate for a run of `width` (the model's hidden size) and `tokens_per_step`
-    (all ranks and micro-batches together); a rate given is kept, the others follow the rules."""
+    (all ranks and micro-batches together), and the weight decay for `total_steps` steps of
+    `steps_per_epoch` each; a value given is kept, the others follow the rules."""
     if width < 1 or tokens_per_step < 1:
         raise ValueError(f"width and tokens_per_step must be positive, got {width} and {tokens_per_step}")
     batch = math.sqrt(min(tokens_per_step, B_MAX) / B_REF)
@@ -97,9 +130,13 @@ def recipe_rates(*, width: int, tokens_per_step: int, lr: float, muon_lr: float 
     head = pick(head_lr, "--head_lr", HEAD_REF, by_width=True)
     roles = dict(matrix=matrix, embedding=embedding, head=head, vector=(lr, "--lr, unscaled"))
     given = {"vector"} | {role for role, flag in (("matrix", muon_lr), ("embedding", embedding_lr),
-                                                  ("head", head_lr)) if flag is not None}
+                                                  ("head", head_lr), ("weight_decay", weight_decay)) if flag is not None}
+    decay = ((weight_decay, "--weight_decay, as given") if weight_decay is not None else
+             recipe_weight_decay(matrix_lr=matrix[0], steps_per_epoch=steps_per_epoch, total_steps=total_steps))
     return RecipeRates(**{role: rate for role, (rate, _) in roles.items()},
-                       rules={role: rule for role, (_, rule) in roles.items()}, given=frozenset(given))
+                       rules={role: rule for role, (_, rule) in roles.items()}, given=frozenset(given),
+                       weight_decay=decay[0], weight_decay_rule=decay[1])
 
 
-__all__ = ["B_MAX", "B_REF", "EMBEDDING_REF", "HEAD_REF", "MUON_REF", "RecipeRates", "WIDTH_REF", "recipe_rates"]
+__all__ = ["B_MAX", "B_REF", "EMBEDDING_REF", "HEAD_REF", "MUON_REF", "RecipeRates", "WEIGHT_DECAY_REF", "WIDTH_REF",
+           "recipe_rates", "recipe_weight_decay"]

@@ -251,6 +251,9 @@ class TrainResult:
     learning_rates: dict[str, float] = field(default_factory=dict)
     """--optimizer muon: each parameter group's peak rate (matrix, embedding, head, vector), as
     given or derived by the recipe's rules (nanochat.optim.recipe); empty for AdamW (--lr)."""
+    weight_decay: float = 0.1
+    """The decoupled weight decay of the decayed groups (hidden matrices, AdamW's too): --weight_decay,
+    or the recipe's for a Muon run that repeats its data (nanochat.optim.recipe)."""
     cropped_share: float | None = None
     """--packing bestfit: the share of the training tokens the last epoch's layout dropped (the
     tails of documents cropped to fill a row: nanochat.data.packing); None with stream packing."""

@@ -24,7 +24,7 @@ from nanochat.fp8.all_gather import fp8_all_gather_problem
 from nanochat.model.gpt import GPT
 from nanochat.model.parallelize import tp_plan
 from nanochat.optim import MuonAdamW, muon_param_groups
-from nanochat.optim.recipe import RecipeRates, recipe_rates
+from nanochat.optim.recipe import WEIGHT_DECAY_REF, RecipeRates, recipe_rates
 from nanochat.optim.muon import NORMUON_BETA2
 from nanochat.parallel.layout import Layout
 from nanochat.parallel.wrap import wrap_model
@@ -66,15 +66,16 @@ def parallelize(cfg: TrainConfig, model: GPT, fp8: FP8Training, layout: Layout, 
     return wrap_model(model, layout, device=device, blocks=model.transformer.h, plan=plan), parallel
 
 
-def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device,
-                    tokens_per_step: int) -> tuple[torch.optim.Optimizer, RecipeRates | None]:
+def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device, tokens_per_step: int,
+                    *, steps_per_epoch: int | None = None,
+                    total_steps: int | None = None) -> tuple[torch.optim.Optimizer, RecipeRates | None]:
     """--optimizer as FP8Training wraps it (FP8 moments: --fp8_opt_level; bf16 --master_weights;
     --optimizer_in_backward), built on the parameters a step trains: after FSDP has replaced
     them. adamw: AdamW at --lr, no weight decay on embeddings / norms / biases. muon: MuonAdamW,
     Muon for the hidden matrices and that AdamW for the rest (nanochat.optim.muon_param_groups),
-    each group at the recipe's rate for this width and `tokens_per_step` (nanochat.optim.recipe),
-    which the rates come back with. Each group's `initial_lr` is its peak rate, which the
-    schedule scales."""
+    each group at the recipe's rate for this width and `tokens_per_step`, and the recipe's
+    weight decay for `total_steps` of `steps_per_epoch` (nanochat.optim.recipe), which the rates
+    come back with. Each group's `initial_lr` is its peak rate, which the schedule scales."""
     # fused: one kernel for all parameters (CPU and CUDA); FP8Optim steps its FP8-state
     # parameters itself and hands the rest to this same optimizer, so baselines match.
     adam = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=device.type in ("cpu", "cuda"))
@@ -84,17 +85,19 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
             raise UsageError(f"--optimizer muon: {cfg.model_name} has no hidden nn.Linear matrix for Muon to train "
                              "(every parameter would go to AdamW); use --optimizer adamw")
         rates = recipe_rates(width=model.config.n_embd, tokens_per_step=tokens_per_step, lr=cfg.lr,
-                             muon_lr=cfg.muon_lr, embedding_lr=cfg.embedding_lr, head_lr=cfg.head_lr)
+                             muon_lr=cfg.muon_lr, embedding_lr=cfg.embedding_lr, head_lr=cfg.head_lr,
+                             weight_decay=cfg.weight_decay, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
         momentum = cfg.muon_beta
         muon = torch.optim.Muon(split.muon, lr=rates.matrix, momentum=momentum, nesterov=True,
-                                weight_decay=cfg.weight_decay)
+                                weight_decay=rates.weight_decay)
         for group in muon.param_groups:  # what torch's step lacks; the wrapper steps such groups (muon.muon_flags)
             group["normuon"] = NORMUON_BETA2 if cfg.muon_normuon else 0.0
-        optimizer = MuonAdamW(muon, torch.optim.AdamW(split.adamw, weight_decay=cfg.weight_decay, **adam),
+        optimizer = MuonAdamW(muon, torch.optim.AdamW(split.adamw, weight_decay=rates.weight_decay, **adam),
                               placements=split.placements)
         peaks = [rates.for_role(group["role"]) for group in optimizer.param_groups]
     else:
-        optimizer, rates = torch.optim.AdamW(model.param_groups(cfg.weight_decay), **adam), None
+        decay = WEIGHT_DECAY_REF if cfg.weight_decay is None else cfg.weight_decay
+        optimizer, rates = torch.optim.AdamW(model.param_groups(decay), **adam), None
         peaks = [cfg.lr] * len(optimizer.param_groups)
     for group, peak in zip(optimizer.param_groups, peaks):
         group["initial_lr"] = peak
@@ -102,20 +105,24 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
                               emulate=cfg.master_weights_emulate, in_backward=cfg.optimizer_in_backward), rates
 
 
-def keep_peaks(optimizer: torch.optim.Optimizer, peaks: list[float], roles: list[str | None],
+def keep_peaks(optimizer: torch.optim.Optimizer, peaks: list[float], decays: list[float], roles: list[str | None],
                rates: RecipeRates | None) -> list[str]:
-    """After a resume replaced the groups with the checkpoint's: each takes this run's peak
-    (`peaks`, as build_optimizer set them) and keeps its role. Returns one line per group whose
-    derived rate differs from the checkpoint's (the recipe changed since it was written); a
-    changed rate flag is said with the other flags (nanochat.checkpoint.resume.changed_settings)."""
+    """After a resume replaced the groups with the checkpoint's: each takes this run's peak and
+    weight decay (`peaks`, `decays`, as build_optimizer set them) and keeps its role. Returns one
+    line per group whose derived rate or decay differs from the checkpoint's (the recipe, or the
+    run's epochs, changed since it was written); a changed flag is said with the other flags
+    (nanochat.checkpoint.resume.changed_settings)."""
     changed = []
-    for group, peak, role in zip(optimizer.param_groups, peaks, roles):
-        saved = group.get("initial_lr", peak)
+    for group, peak, decay, role in zip(optimizer.param_groups, peaks, decays, roles):
+        saved, saved_decay = group.get("initial_lr", peak), group.get("weight_decay", decay)
         derived = role is not None and rates is not None and rates.derived(role)
         if derived and not math.isclose(saved, peak, rel_tol=1e-9):
             changed.append(f"resumed with the {role} group's peak learning rate changed from the checkpoint's "
                            f"{saved:.4g} to {peak:.4g} ({rates.rules[role]})")
-        group.update(initial_lr=peak, **({"role": role} if role else {}))
+        if rates is not None and rates.derived("weight_decay") and not math.isclose(saved_decay, decay, rel_tol=1e-9):
+            changed.append(f"resumed with the {role} group's weight decay changed from the checkpoint's "
+                           f"{saved_decay:.4g} to {decay:.4g} ({rates.weight_decay_rule})")
+        group.update(initial_lr=peak, weight_decay=decay, **({"role": role} if role else {}))
     return changed
 
 

@@ -67,6 +67,8 @@ class RunFacts:
     planned_memory_bytes: int
     rates: RecipeRates | None = None
     """--optimizer muon: each group's peak rate and its rule; None for AdamW."""
+    weight_decay: float = 0.0
+    """The decayed groups' weight decay, as build_optimizer set it."""
 
 
 class RunReport:
@@ -139,6 +141,7 @@ class RunReport:
             mfu=self.mfu(meter.tokens_per_sec), mfu_fp8=self.mfu(meter.tokens_per_sec, fp8=True),
             starts=starts, restarts=len(starts) - 1, cropped_share=self._cropped_share(),
             learning_rates=f.rates.as_dict() if f.rates is not None else {},
+            weight_decay=f.weight_decay,
         )
 
     def _cropped_share(self) -> float | None:

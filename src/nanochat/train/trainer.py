@@ -216,9 +216,12 @@ class NanoChatTrainer:
                                                       all_gather_problem=all_gather_problem, fallbacks=self.fallbacks)
         self.closing.callback(self._unwrap)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum_steps * self.layout.dp_size
-        self.optimizer, rates = parts.build_optimizer(cfg, self.model, self.fp8, self.device, self.tokens_per_step)
+        self.optimizer, rates = parts.build_optimizer(cfg, self.model, self.fp8, self.device, self.tokens_per_step,
+                                                      steps_per_epoch=self.data.steps_per_epoch,
+                                                      total_steps=self.total_steps)
         # this run's flags, read before a checkpoint's param groups replace the groups' own copies
         self.peak_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        self.weight_decays = [group["weight_decay"] for group in self.optimizer.param_groups]
         self.update_rms = UpdateRMS(self.optimizer, every=cfg.update_rms_every, total_steps=self.total_steps)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         local_params, weight_bytes = held(self.model.parameters())
@@ -231,7 +234,8 @@ class NanoChatTrainer:
             optimizer_summary=(self.optimizer.summary(logged=True)  # the header says it: the first step does not
                                if isinstance(self.optimizer, (FP8Optim, MuonAdamW)) else None),
             fp8=self.fp8.report, flops_per_token=self.model.flops_per_token(cfg.seq_len),
-            peak=mfu.device_peak(self.device), planned_memory_bytes=self.memory_plan.total, rates=rates)
+            peak=mfu.device_peak(self.device), planned_memory_bytes=self.memory_plan.total, rates=rates,
+            weight_decay=max(self.weight_decays))
 
     def _build_loop_parts(self) -> None:
         """What the loop runs the model with (compile, the step guard, autocast, the evaluator),
@@ -270,10 +274,10 @@ class NanoChatTrainer:
 
     def _resume(self) -> int:
         """The checkpoint read at setup into the built parts (`stateful`); its step. The groups
-        keep this run's peak rates; a derived one that changed is said (parts.keep_peaks)."""
+        keep this run's peak rates and weight decays; a derived one that changed is said (parts.keep_peaks)."""
         roles = [group.get("role") for group in self.optimizer.param_groups]  # a checkpoint's groups replace these
         step = self.checkpoints.restore(self.resumed, self.stateful, self.device)
-        for changed in parts.keep_peaks(self.optimizer, self.peak_lrs, roles, self.facts.rates):
+        for changed in parts.keep_peaks(self.optimizer, self.peak_lrs, self.weight_decays, roles, self.facts.rates):
             if self.layout.rank == 0:
                 logger.warning("%s", changed)
         return step
