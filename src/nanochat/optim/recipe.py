@@ -101,7 +101,8 @@ def recipe_weight_decay(*, matrix_lr: float, steps_per_epoch: int | None, total_
     epochs = f"{total_steps / steps_per_epoch:.3g} epochs of {steps_per_epoch} steps"
     within = 1.0 / (matrix_lr * steps_per_epoch)
     if within <= WEIGHT_DECAY_REF:
-        return WEIGHT_DECAY_REF, f"{WEIGHT_DECAY_REF:g}: {epochs}, 1 / (Muon's rate x steps an epoch) = {within:.3g} is below it"
+        return WEIGHT_DECAY_REF, (f"{WEIGHT_DECAY_REF:g}: {epochs}, 1 / (Muon's rate x steps an epoch) = "
+                                  f"{within:.3g} is below it")
     return within, (f"1 / (Muon's rate {matrix_lr:.4g} x {steps_per_epoch} steps an epoch): the run repeats its "
                     f"data ({epochs}), the matrices' average is kept within one")
 
@@ -129,8 +130,8 @@ def recipe_rates(*, width: int, tokens_per_step: int, lr: float, muon_lr: float 
     embedding = pick(embedding_lr, "--embedding_lr", EMBEDDING_REF, by_width=True)
     head = pick(head_lr, "--head_lr", HEAD_REF, by_width=True)
     roles = dict(matrix=matrix, embedding=embedding, head=head, vector=(lr, "--lr, unscaled"))
-    given = {"vector"} | {role for role, flag in (("matrix", muon_lr), ("embedding", embedding_lr),
-                                                  ("head", head_lr), ("weight_decay", weight_decay)) if flag is not None}
+    flags = (("matrix", muon_lr), ("embedding", embedding_lr), ("head", head_lr), ("weight_decay", weight_decay))
+    given = {"vector"} | {role for role, flag in flags if flag is not None}
     decay = ((weight_decay, "--weight_decay, as given") if weight_decay is not None else
              recipe_weight_decay(matrix_lr=matrix[0], steps_per_epoch=steps_per_epoch, total_steps=total_steps))
     return RecipeRates(**{role: rate for role, (rate, _) in roles.items()},
