@@ -132,6 +132,11 @@ class ParityConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, Data
     """--fp8_opt_level of every run: the baseline's, the FP8 modes' and the master-weight modes'
     Adam moments in FP8 (it needs no FP8 matmuls), so that only the mode differs. 0: fp32 moments."""
 
+    optimizer: Literal["auto", "adamw", "muon"] = "auto"
+    """--optimizer of every run. auto: Muon with AdamW for a preset, at the recipe's rates (base_train's
+    default); adamw: every parameter at --lr, which a fine-tune from --init_from at a lower rate needs
+    (under Muon, --lr sets only norm weights and biases, which the presets have none of)."""
+
     compile: bool = True
     """torch.compile every run, base_train's default. --no_compile: eager runs, which on a CPU train
     emulated FP8 faster than compiled ones."""
@@ -157,7 +162,7 @@ class ParityConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, Data
 
 
 QUICK = dict(model_name="d2", num_iterations=8, eval_every=4, eval_tokens=512, seq_len=32,
-             batch_size=4, vocab_size=320, warmup_steps=2, lr=1e-2, recheck_every=2)
+             batch_size=4, vocab_size=320, warmup_steps=2, recheck_every=2)
 """--quick: d2 (width 128, the smallest preset with FP8-eligible layers), 8 steps: more than
 auto's 4 calibration steps (--fp8_auto_steps), so auto trains with its calibrated formats, and
 auto-recheck re-checks at steps 6 and 8."""
@@ -180,7 +185,7 @@ def train_kwargs(cfg: ParityConfig, mode: str, seed: int, *, emulate: bool) -> d
               eval_tokens=cfg.eval_tokens, seed=seed, device=cfg.device,
               run_dir=str(run_dir_of(cfg, seed, mode)),
               save_every=0, num_samples=0, dtype=cfg.dtype,  # one checkpoint at the end, no sampling
-              init_from=cfg.init_from, compile=cfg.compile)
+              init_from=cfg.init_from, compile=cfg.compile, optimizer=cfg.optimizer)
     if cfg.fp8_opt_level:  # FP8 moments in every mode (they need no FP8 layers): the same optimizer
         kw.update(fp8_opt_level=cfg.fp8_opt_level)
     if mode in MASTER_MODES:

@@ -33,7 +33,8 @@ per-group schedule, checkpoints and the memory plan, each against a reference.
 - --optimizer auto: Muon for a preset, AdamW for a Hugging Face model, recorded as it ran.
 - Bad input, before any work: Muon's flags without --optimizer muon (or auto's muon), a --muon_lr,
   --head_lr or --muon_momentum out of range; and under torchrun with --fsdp or --tp, bf16 master weights
-  (the layout check; fp32 masters pass it there); NorMuon with --fsdp or --tp is refused.
+  (the layout check; fp32 masters pass it there); NorMuon with --fsdp or --tp is refused. A --lr
+  other than its default for a model with no norm weight or bias (it trains nothing): one warning.
 
 Modules: nanochat.train.parts, nanochat.config.train, nanochat.train.memory (moment_bytes),
 nanochat.train.preflight (check_layout), nanochat.checkpoint.nonfinite (a container's state).
@@ -41,19 +42,21 @@ nanochat.train.preflight (check_layout), nanochat.checkpoint.nonfinite (a contai
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
+from nanochat import common
 from nanochat.common import DistEnv, UsageError
 from nanochat.config import TrainConfig
 from nanochat.optim import FP8Tensor, MuonAdamW, optimizer_bytes, optimizer_state_bytes
-from nanochat.train import memory, preflight
+from nanochat.train import memory, parts, preflight
 from nanochat.optim.recipe import recipe_rates
 from nanochat.optim.schedule import muon_momentum
 from nanochat.train.trainer import NanoChatTrainer, lr_multiplier
-from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save
+from tests.conftest import run_records, tiny_train_kwargs, train_until_first_save, warnings_in
 
 MUON = dict(optimizer="muon", muon_lr=0.02, embedding_lr=1e-2, head_lr=1e-2, lr=1e-2)
 
@@ -109,10 +112,14 @@ def test_each_group_follows_its_own_peak(fp8_run):
     assert records[-1]["lrm"] == pytest.approx(last, rel=1e-12) and len(records) == cfg.num_iterations
 
 
-def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus, tmp_path, nanochat_log, capsys):
+def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus, tmp_path, nanochat_log, capsys,
+                                                                   monkeypatch):
     """No --muon_lr / --embedding_lr / --head_lr: each group's peak is recipe_rates' for the
     model's width and the tokens a step (batch x seq_len x grad_accum); the result records them.
-    The optimizer's layout is said once, in the header (not again at the first step)."""
+    The optimizer's layout is said once, in the header (not again at the first step). The run's
+    --lr (1e-2) trains nothing in d2, which has no norm weight or bias: one warning says so and
+    names the flags that do; at --lr's default the same optimizer is built without it."""
+    monkeypatch.setattr(common, "_warned", set())  # warned once per process: maybe by an earlier test
     kwargs = tiny_train_kwargs(small_corpus, tmp_path / "run", num_iterations=2, num_samples=0, optimizer="muon",
                                grad_accum_steps=2)
     trainer = NanoChatTrainer(**kwargs)
@@ -124,6 +131,14 @@ def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus,
     peaks = {g["role"]: g["initial_lr"] for g in trainer.optimizer.param_groups}
     assert peaks == {"matrix": want.matrix, "head": want.head, "embedding": want.embedding}  # d2: no vectors
     assert result.learning_rates == want.as_dict() and want.embedding != cfg.lr
+    unused = [w for w in warnings_in(nanochat_log) if w.startswith("WARNING: --lr ")]
+    assert unused == ["WARNING: --lr 0.01 trains no parameter of d2 under --optimizer muon: it sets the norms' and "
+                      "biases' rate, and this model has none; the matrices, the embedding and the head train at the "
+                      "recipe's rates: give --muon_lr, --embedding_lr or --head_lr, or --optimizer adamw"]
+    monkeypatch.setattr(common, "_warned", set())
+    parts.build_optimizer(dataclasses.replace(cfg, lr=parts.LR_DEFAULT), trainer.model, trainer.fp8, trainer.device,
+                          trainer.tokens_per_step)
+    assert [w for w in warnings_in(nanochat_log) if w.startswith("WARNING: --lr ")] == unused
 
 
 def test_a_run_that_repeats_its_data_decays_its_matrices_within_an_epoch(small_corpus, tmp_path):

@@ -157,7 +157,8 @@ class ModelFields(Checked):
 
     init_from: str | None = kept(None)
     """Start from the weights of another run of a preset model: the newest verified checkpoint in
-    that run directory (fine-tuning a model pretrained with nanochat, e.g. at a lower --lr on other data).
+    that run directory (fine-tuning a model pretrained with nanochat on other data, e.g. with
+    --optimizer adamw at a lower --lr: under Muon, --lr sets only norm weights and biases).
     Its model and tokenizer are used (--model_name must name the same preset; the run's tokenizer
     replaces --tokenizer_dir and --vocab_size); the optimizer, step count, learning-rate schedule
     and data order start fresh. A run of a Hugging Face model is continued from its export
@@ -220,10 +221,11 @@ class ScheduleFields(Checked):
     """Optimizer steps to run; -1 means as many as --num_epochs needs."""
 
     lr: float = 3e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate of AdamW: of every parameter with --optimizer adamw; with muon, of norm
+    weights and biases only (the presets have none; the recipe sets the other groups' rates)."""
 
     warmup_steps: int = 20
-    """Linear warmup steps from 0 to --lr (then cosine decay)."""
+    """Linear warmup steps from 0 to each group's peak rate (then cosine decay)."""
 
     eval_every: int = 100
     """Measure validation loss and bits per byte every N steps (and at the end); 0: only at the end."""

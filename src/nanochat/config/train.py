@@ -55,14 +55,14 @@ class TrainConfig(ScriptFields, DeviceFields, ScheduleFields, BatchFields, DataF
     """Full passes over the training tokens (ignored when --num_iterations is set)."""
 
     final_lr_frac: float = 0.1
-    """The learning rate decays (cosine) from --lr to this fraction of it at the last step."""
+    """Each group's learning rate decays (cosine) from its peak to this fraction of it at the last step."""
 
     optimizer: Literal["auto", "adamw", "muon"] = kept("auto")
     """auto: muon for a size preset (d2 ... d26), adamw for a Hugging Face model (the run records
     which). adamw: AdamW for every parameter. muon: Muon (torch.optim.Muon: momentum orthogonalized
     by Newton-Schulz) for the hidden matrices, the attention and MLP projections, at --muon_lr;
-    AdamW at --lr for the embeddings, the output head, norms and biases (the run's header lists where
-    each tensor went); at d4 it reaches AdamW's loss in half the steps (BENCHMARKS.md).
+    AdamW for the embeddings (--embedding_lr), the output head (--head_lr), norms and biases (--lr)
+    (the run's header lists where each tensor went); at d4 it reaches AdamW's loss in half the steps (BENCHMARKS.md).
     --fp8_opt_level 1 or 2 keeps Muon's momentum in FP8 (~1.02 bytes a parameter instead of 4).
     One process, DDP, --fsdp or --tp (a split matrix is all-gathered whole for Newton-Schulz, its
     momentum stays split). bf16 --master_weights and --optimizer_in_backward work as with AdamW (a

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from nanochat.common import UsageError
+from nanochat.common import UsageError, warn_once
 from nanochat.config import TrainConfig
-from nanochat.config.fields import Fallbacks
+from nanochat.config.fields import Fallbacks, ScheduleFields
 from nanochat.fp8 import FP8Config, FP8Training
 from nanochat.fp8.all_gather import fp8_all_gather_problem
 from nanochat.model.gpt import GPT
@@ -66,6 +66,11 @@ def parallelize(cfg: TrainConfig, model: GPT, fp8: FP8Training, layout: Layout, 
     return wrap_model(model, layout, device=device, blocks=model.transformer.h, plan=plan), parallel
 
 
+LR_DEFAULT = ScheduleFields.lr
+"""--lr's default: a Muon run given another rate for a model with no norm weight or bias is told
+that the flag trains nothing."""
+
+
 def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torch.device, tokens_per_step: int,
                     *, steps_per_epoch: int | None = None,
                     total_steps: int | None = None) -> tuple[torch.optim.Optimizer, RecipeRates | None]:
@@ -84,6 +89,11 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
         if not split.muon:
             raise UsageError(f"--optimizer muon: {cfg.model_name} has no hidden nn.Linear matrix for Muon to train "
                              "(every parameter would go to AdamW); use --optimizer adamw")
+        if cfg.lr != LR_DEFAULT and not any(group["role"] == "vector" for group in split.adamw):
+            warn_once("lr-trains-nothing", f"--lr {cfg.lr:g} trains no parameter of {cfg.model_name} under --optimizer "
+                      "muon: it sets the norms' and biases' rate, and this model has none; the matrices, the "
+                      "embedding and the head train at the recipe's rates: give --muon_lr, --embedding_lr or "
+                      "--head_lr, or --optimizer adamw")
         rates = recipe_rates(width=model.config.n_embd, tokens_per_step=tokens_per_step, lr=cfg.lr,
                              muon_lr=cfg.muon_lr, embedding_lr=cfg.embedding_lr, head_lr=cfg.head_lr,
                              weight_decay=cfg.weight_decay, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
