@@ -343,7 +343,7 @@ def test_fp8_checkpoints_nanochat_cannot_read_are_refused(exports, tmp_path, mon
     assert not (tmp_path / "x").exists()
 
 
-def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus, tmp_path, caplog, monkeypatch):
+def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus, tmp_path, nanochat_log, monkeypatch):
     """NanoChatTrainer(model_name=<FP8 export>): the weights it starts from are the export's codes x
     scales (nanochat's own dequantization against the codes and scales in the file, exact: one fp32
     product each), said in one log line; the loss falls."""
@@ -367,9 +367,8 @@ def test_fine_tune_starts_from_the_dequantized_fp8_export(exports, small_corpus,
         return model, tok
 
     monkeypatch.setattr(nanochat.train.trainer, "load_model", load)
-    with caplog.at_level("INFO", logger="nanochat"):
-        result = NanoChatTrainer(**kw).train()
-    said = [r.getMessage() for r in caplog.records if "holds FP8 weights" in r.getMessage()]
+    result = NanoChatTrainer(**kw).train()
+    said = [r.getMessage() for r in nanochat_log.records if "holds FP8 weights" in r.getMessage()]
     assert len(said) == 1 and "14 Linear layers dequantized to float32" in said[0], said
     codes, scale = stored["model.layers.0.mlp.down_proj.weight"], stored["model.layers.0.mlp.down_proj.weight_scale"]
     assert torch.equal(start["w"], codes.float() * scale)

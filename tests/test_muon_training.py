@@ -126,6 +126,7 @@ def test_rates_not_given_are_the_recipe_s_for_this_width_and_batch(small_corpus,
     result = trainer.train()
     said = capsys.readouterr().out + "".join(r.getMessage() for r in nanochat_log.records)  # the header is printed
     assert said.count("OptimWrapper(Muon") == 1 and "peak learning rates" in said
+    assert "vector: 0.01 (--lr; unused: d2 has no norm weight or bias)" in said
     cfg = trainer.config
     want = recipe_rates(width=trainer.model.config.n_embd, tokens_per_step=cfg.batch_size * cfg.seq_len * 2, lr=cfg.lr)
     peaks = {g["role"]: g["initial_lr"] for g in trainer.optimizer.param_groups}
@@ -330,17 +331,16 @@ def test_a_muon_checkpoint_round_trips_through_dcp(tmp_path):
 
 
 def test_a_resume_whose_derived_rate_differs_says_which_group_and_trains_at_the_new_one(small_corpus, tmp_path,
-                                                                                        monkeypatch, caplog):
+                                                                                        monkeypatch, nanochat_log):
     """The checkpoint's embedding trained at 1e-2 (given); resumed without --embedding_lr its rate
     is the recipe's: one warning names the group, both rates and the rule; the others are quiet."""
     kw = dict(num_iterations=6, save_every=3, num_samples=0, **MUON)
     train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "run", **kw), monkeypatch)  # dies at step 3
     del kw["embedding_lr"]
-    with caplog.at_level("WARNING", logger="nanochat"):
-        trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw))
-        trainer.train()
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw))
+    trainer.train()
     rates = trainer.facts.rates
-    said = [r.getMessage() for r in caplog.records if "peak learning rate changed" in r.getMessage()]
+    said = [w for w in warnings_in(nanochat_log) if "peak learning rate changed" in w]
     assert said == [f"resumed with the embedding group's peak learning rate changed from the checkpoint's 0.01 to "
                     f"{rates.embedding:.4g} ({rates.rules['embedding']})"]
     groups = {g["role"]: g for g in trainer.optimizer.param_groups}  # the checkpoint's groups, roles kept
@@ -350,14 +350,13 @@ def test_a_resume_whose_derived_rate_differs_says_which_group_and_trains_at_the_
     assert groups["head"]["lr"] == pytest.approx(1e-2 * last, rel=1e-12)
 
 
-def test_a_resume_with_another_weight_decay_trains_at_it(small_corpus, tmp_path, monkeypatch, caplog):
+def test_a_resume_with_another_weight_decay_trains_at_it(small_corpus, tmp_path, monkeypatch, nanochat_log):
     kw = dict(num_iterations=6, save_every=3, num_samples=0, weight_decay=0.3, **MUON)
     train_until_first_save(tiny_train_kwargs(small_corpus, tmp_path / "run", **kw), monkeypatch)  # dies at step 3
     kw["weight_decay"] = 0.05
-    with caplog.at_level("WARNING", logger="nanochat"):
-        trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw))
-        trainer.train()
-    said = [r.getMessage() for r in caplog.records if "weight_decay" in r.getMessage()]
+    trainer = NanoChatTrainer(**tiny_train_kwargs(small_corpus, tmp_path / "run", resume=True, **kw))
+    trainer.train()
+    said = [w for w in warnings_in(nanochat_log) if "weight_decay" in w]
     assert said == ["resumed with --weight_decay changed from the checkpoint's 0.3 to 0.05"]
     decays = {g["role"]: g["weight_decay"] for g in trainer.optimizer.param_groups}
     assert decays == {"matrix": 0.05, "head": 0.05, "embedding": 0.0}

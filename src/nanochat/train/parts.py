@@ -89,7 +89,8 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
         if not split.muon:
             raise UsageError(f"--optimizer muon: {cfg.model_name} has no hidden nn.Linear matrix for Muon to train "
                              "(every parameter would go to AdamW); use --optimizer adamw")
-        if cfg.lr != LR_DEFAULT and not any(group["role"] == "vector" for group in split.adamw):
+        vectors = any(group["role"] == "vector" for group in split.adamw)
+        if cfg.lr != LR_DEFAULT and not vectors:
             warn_once("lr-trains-nothing", f"--lr {cfg.lr:g} trains no parameter of {cfg.model_name} under --optimizer "
                       "muon: it sets the norms' and biases' rate, and this model has none; the matrices, the "
                       "embedding and the head train at the recipe's rates: give --muon_lr, --embedding_lr or "
@@ -97,6 +98,9 @@ def build_optimizer(cfg: TrainConfig, model: GPT, fp8: FP8Training, device: torc
         rates = recipe_rates(width=model.config.n_embd, tokens_per_step=tokens_per_step, lr=cfg.lr,
                              muon_lr=cfg.muon_lr, embedding_lr=cfg.embedding_lr, head_lr=cfg.head_lr,
                              weight_decay=cfg.weight_decay, steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+        if not vectors:  # the header's line for --lr says that it trains nothing here
+            rates = dataclasses.replace(rates, rules={**rates.rules, "vector": f"--lr; unused: {cfg.model_name} "
+                                                                                "has no norm weight or bias"})
         momentum = cfg.muon_beta
         muon = torch.optim.Muon(split.muon, lr=rates.matrix, momentum=momentum, nesterov=True,
                                 weight_decay=rates.weight_decay)
