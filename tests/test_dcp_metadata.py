@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanochat.checkpoint import dcp as dcp_storage
+from nanochat.checkpoint.dcp_index import read_index
 from nanochat.checkpoint import loader
 from nanochat.checkpoint import DCP, load_dcp, problem, save_dcp
 from nanochat.common import NanoChatError
@@ -76,7 +77,7 @@ def test_a_payload_passes_byte_verification_yet_no_reader_runs_it(tmp_path):
     _assert_refused(e, c.path, marker)
     assert DCP.nonfinite(c) is None  # the finite check: not a good checkpoint either
     with pytest.raises(NanoChatError) as e:
-        dcp_storage.read_index(c.path)
+        read_index(c.path)
     _assert_refused(e, c.path, marker)
 
 

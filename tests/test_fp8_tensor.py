@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat.optim.moments.fp8 import FP8Tensor, decode, encode, implements
+from nanochat.optim.moments.codec import decode, encode
+from nanochat.optim.moments.fp8 import FP8Tensor, implements
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

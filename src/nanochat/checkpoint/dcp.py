@@ -14,20 +14,15 @@ saved again gets `step-000200-2`). LATEST is replaced afterwards. Quantized opti
 (FP8) reshard on whole blocks without requantization; where shards would cut blocks they load
 through fp32 templates (`_fp32_templates`). docs/distributed.md has the measurements.
 
-DCP keeps its index (`.metadata`) as a pickle and torch reads it with plain `pickle.load`, which
-runs whatever code the file names; the shards themselves load with `weights_only`. Every read
-here goes through `_SafeReader`, whose unpickler admits only the classes DCP's index is made of
-(`_INDEX_GLOBALS`), so a crafted `.metadata` is refused before it can run anything.
+DCP keeps its index (`.metadata`) as a pickle, which plain `pickle.load` would let run code: every
+read here goes through dcp_index.py's `SafeReader`, which refuses any class an index is not made of.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import io
 import os
-import pathlib
-import pickle
 import re
 import secrets
 import shutil
@@ -37,12 +32,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from nanochat import rundir
+from nanochat.checkpoint.dcp_index import SafeReader, read_index
 from nanochat.checkpoint.pt import missing_keys
 from nanochat.checkpoint.storage import Checkpoint, Storage
 from nanochat.common import NanoChatError, dist_env
@@ -257,68 +250,6 @@ def _commit(tmp: Path, final: Path, *, step: int, meta: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------- reading
-# What a DCP index holds, found by recording the globals of indexes this module writes: its
-# dataclasses and enums, _StorageInfo (where each chunk lies), torch.Size, dtypes, layouts
-# (rebuilt by torch.serialization._get_layout from their names) and the checkpoint_id path.
-_INDEX_GLOBALS = {
-    **{(dcp_metadata.__name__, n): c for n, c in vars(dcp_metadata).items()
-       if isinstance(c, type) and c.__module__ == dcp_metadata.__name__},
-    (_StorageInfo.__module__, _StorageInfo.__name__): _StorageInfo,
-    ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    **{("pathlib", c.__name__): c for c in (pathlib.PosixPath, pathlib.PurePosixPath, pathlib.WindowsPath,
-                                            pathlib.PureWindowsPath)},
-    **{("torch", n): d for n, d in vars(torch).items() if isinstance(d, torch.dtype)},
-}
-
-
-class _Refused(pickle.UnpicklingError):
-    """A global outside `_INDEX_GLOBALS`; its message is the global's dotted name."""
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        found = _INDEX_GLOBALS.get((module, name))
-        if found is None:
-            raise _Refused(f"{module}.{name}")
-        return found
-
-
-def read_index(path: str | os.PathLike) -> dcp_metadata.Metadata:
-    """The DCP index (`.metadata`) of step directory `path`, unpickled with only the classes an
-    index is made of; anything else (a payload that would run code) is refused in one line."""
-    index = Path(path) / ".metadata"
-    fix = f"move {Path(path)} away and resume from a checkpoint this run saved"
-    try:
-        data = index.read_bytes()
-    except OSError as e:
-        raise NanoChatError(f"{index}: cannot be read ({e.strerror or e}); {fix}") from None
-    try:
-        md = _IndexUnpickler(io.BytesIO(data)).load()
-    except _Refused as e:
-        raise NanoChatError(f"{index}: refused, it names {e}, which a DCP index never holds (a pickle made to "
-                            f"run code when read); {fix}") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError) as e:
-        raise NanoChatError(f"{index}: not a DCP index ({type(e).__name__}: {e}); {fix}") from None
-    if not isinstance(md, dcp_metadata.Metadata):
-        raise NanoChatError(f"{index}: refused, it holds a {type(md).__name__}, not a DCP index; {fix}")
-    if getattr(md, "storage_meta", None) is None:
-        md.storage_meta = dcp_metadata.StorageMeta()
-    return md
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader with the index read by `read_index` instead of plain pickle.load."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        if kwargs.get("rank") is not None:
-            raise NanoChatError(f"{self.path}: per-rank DCP indexes are not written by nanochat; resume from a "
-                                "checkpoint nanochat saved")
-        md = read_index(self.path)
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer, *,
          tensors: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Load DCP step directory `path` into `model` and `optimizer` (any world size, FSDP, DDP or
@@ -335,7 +266,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     full = _fp32_templates(state["optimizer"]["state"], saved, model, block_size)
     state["extra"] = dict(tensors or {})
     with _single_process_quiet():
-        dcp.load(state, storage_reader=_SafeReader(path), no_dist=not is_distributed())
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=not is_distributed())
     for current, k, p in full:  # every rank holds the whole tensor: keep this rank's rows
         if isinstance(p, DTensor):
             current[k] = distribute_tensor(current[k], p.device_mesh, p.placements, src_data_rank=None)
@@ -355,7 +286,7 @@ def load_weights(path: str | os.PathLike, model: nn.Module) -> None:
     state = {"model": model.state_dict()}
     read_index(path)  # refused here, in one line, before DCP reads it
     with _single_process_quiet():
-        dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
+        dcp.load(state, storage_reader=SafeReader(path), no_dist=True)
     model.load_state_dict(state["model"])
 
 
@@ -438,7 +369,7 @@ def nonfinite(path: str | os.PathLike) -> list[str]:
             continue
         one = {key: torch.empty(md.size, dtype=md.properties.dtype)}
         with _single_process_quiet():
-            dcp.load(one, storage_reader=_SafeReader(path), no_dist=True)
+            dcp.load(one, storage_reader=SafeReader(path), no_dist=True)
         if not torch.isfinite(one[key]).all():
             bad.append(key)
     return bad
@@ -454,6 +385,5 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-__all__ = ["DCP", "DcpStorage", "LATEST", "META_NAME", "MANIFEST_NAME", "dcp_root", "read_index", "read_meta", "save",
-           "load",
-           "load_weights", "nonfinite"]
+__all__ = ["DCP", "DcpStorage", "LATEST", "META_NAME", "MANIFEST_NAME", "dcp_root", "load", "load_weights",
+           "nonfinite", "read_meta", "save"]
