@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 from pathlib import Path
 
 import harness
@@ -132,6 +133,9 @@ class BenchDataConfig:
     """Measurements of each figure per corpus (the sizes alternate); medians are reported."""
     ranks: int = 2
     """Processes of the torchrun on the larger corpus (0: skip it)."""
+    optimizer: Literal["auto", "adamw", "muon"] = "auto"
+    """The trainer's --optimizer (auto: its default, Muon + AdamW for a size preset). The figures
+    BENCHMARKS.md dates before the Muon default trained AdamW: repeat them with adamw."""
     timeout: int = 600
     """Seconds any one measured process may take; a torchrun past it is killed (its ranks by pid)."""
     quick: bool = False
@@ -355,7 +359,7 @@ def bench(cfg: BenchDataConfig) -> dict:
                                    str(tok_dir), "--seq_len", str(cfg.seq_len), "--batch_size", str(cfg.batch_size),
                                    "--num_iterations", str(cfg.steps), "--warmup_steps", "1", "--eval_every", "0",
                                    "--eval_tokens", str(cfg.seq_len * cfg.batch_size), "--num_samples", "0",
-                                   "--no_compile", "--no_save_checkpoints", "--device", "cpu",
+                                   "--no_compile", "--no_save_checkpoints", "--device", "cpu", "--optimizer", cfg.optimizer,
                                    "--run_dir", str(work / f"run-{run}"), "--overwrite"]
 
     def sample(mib: int, path: Path):

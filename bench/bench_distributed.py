@@ -58,6 +58,9 @@ class BenchDistributedConfig:
     """Runs of each layout (medians reported)."""
     threads: int = 1
     """Intra-op threads of each process (OMP_NUM_THREADS)."""
+    optimizer: Literal["auto", "adamw", "muon"] = "auto"
+    """The trainer's --optimizer (auto: its default, Muon + AdamW for a size preset). The figures
+    BENCHMARKS.md dates before the Muon default trained AdamW: repeat them with adamw."""
     quick: bool = False
     """Tiny sizes, one repeat: a dry run in seconds."""
     out: str | None = None
@@ -84,7 +87,8 @@ def run(cfg: BenchDistributedConfig, run_dir: Path, model: str, layout: str) -> 
     replicas = 1 if layout in ("one", "tp") else 2
     flags = dict(model_name=model, seq_len=cfg.seq_len, batch_size=cfg.batch_size * 2 // replicas,
                  num_iterations=cfg.num_iterations, warmup_steps=min(10, cfg.num_iterations), vocab_size=cfg.vocab_size,
-                 eval_every=0, eval_tokens=cfg.seq_len * 8, num_samples=0, device="cpu", run_dir=str(run_dir))
+                 eval_every=0, eval_tokens=cfg.seq_len * 8, num_samples=0, device="cpu", run_dir=str(run_dir),
+                 optimizer=cfg.optimizer)
     if cfg.dataset_path:
         flags["dataset_path"] = cfg.dataset_path
     argv = ["--no_compile", "--no_save_checkpoints", *({"fsdp": ["--fsdp"], "tp": ["--tp", "2"]}.get(layout, []))]

@@ -77,6 +77,9 @@ class BenchTrainConfig:
     """Sequences per step of the `scope` pair."""
     device: str = "auto"
     """cuda, cpu or auto."""
+    optimizer: Literal["auto", "adamw", "muon"] = "auto"
+    """The trainer's --optimizer (auto: its default, Muon + AdamW for a size preset). The figures
+    BENCHMARKS.md dates before the Muon default trained AdamW: repeat them with adamw."""
     stats_period: bool = False
     """After each run of the stats pair's candidate, time one --fp8_stats_every period step by step."""
     profile: bool = False
@@ -112,7 +115,7 @@ def _train(cfg: BenchTrainConfig, root: Path, name: str, over: dict, period: boo
     kw = dict(model_name=cfg.model_name, dataset_path=cfg.dataset_path, vocab_size=cfg.vocab_size,
               seq_len=cfg.seq_len, batch_size=cfg.batch_size, num_iterations=cfg.num_iterations,
               eval_every=0, eval_tokens=cfg.seq_len * 8, save_every=0, num_samples=0, device=cfg.device,
-              run_dir=str(root / name), warmup_steps=min(20, cfg.num_iterations))
+              run_dir=str(root / name), warmup_steps=min(20, cfg.num_iterations), optimizer=cfg.optimizer)
     trainer, figures = train_run(kw, **over)
     if period:
         figures["stats_period"] = stats_cost(trainer, trainer.config.batch_size * trainer.config.seq_len)

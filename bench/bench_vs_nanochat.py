@@ -8,7 +8,7 @@ evaluation, tokens/s, wall time, and the steps and time each needs to reach the 
 
 nanochat runs as a subprocess from the checkout --nanochat_dir (its commit is recorded) with
 --nanochat_python (default: this Python), which needs torch, pyarrow, rustbpe, tiktoken, wandb,
-kernels, psutil and filelock (checked before any work; our .venv with the dev extras has them,
+psutil and filelock (checked before any work; our .venv with the dev extras has them,
 and the checkout's `nanochat` package wins over ours there). Otherwise give it a venv of its own
 (`uv sync --extra cpu` in the checkout, or `python -m venv V && V/bin/pip install <those>`) and
 pass its python.
@@ -68,8 +68,11 @@ import vs_nanochat_report
 from nanochat.common import NanoChatError
 
 ROOT = Path(__file__).resolve().parents[1]
-NANOCHAT_MODULES = ("torch", "pyarrow", "rustbpe", "tiktoken", "wandb", "kernels", "psutil", "filelock")
-"""What nanochat's base_train and tok_train import (its pyproject's dependencies, numpy aside)."""
+NANOCHAT_MODULES = ("torch", "pyarrow", "rustbpe", "tiktoken", "wandb", "psutil", "filelock")
+"""What nanochat's base_train and tok_train import (its pyproject's dependencies, numpy aside).
+`kernels` is not among them: nanochat tries it for Flash Attention 3 on a CUDA GPU (it downloads
+the kernel from the Hugging Face hub) and otherwise attends with PyTorch's SDPA; each run records
+which (`attention`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,18 +234,20 @@ def write_corpus(train: list[str], val: list[str], work: Path, *, shard_docs: in
 # ------------------------------------------------------------------------------ nanochat
 VAL_LINE = re.compile(r"^Step (\d+) \| Validation bpb: (\S+)", re.M)
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) .*?\| dt: ([0-9.]+)ms \| tok/sec: ([0-9,]+)", re.M)
+SDPA_LINE = re.compile(r"^WARNING: .*using PyTorch SDPA fallback", re.M | re.I)
 
 
 def parse_nanochat_log(text: str, tokens_per_step: int) -> dict[str, Any]:
-    """nanochat base_train's stdout: the val bpb curve and the throughput of its timed steps
-    (after the first 10, as its own total time; all but the first when it ran 10 or fewer)."""
+    """nanochat base_train's stdout: the val bpb curve, the throughput of its timed steps (after
+    the first 10, as its own total time; all but the first when it ran 10 or fewer) and its
+    attention: "sdpa" where it says it fell back to PyTorch's SDPA, else "fa3"."""
     val = [(int(s), float(v)) for s, v in VAL_LINE.findall(text)]
     dts = [(int(s), float(dt) / 1000) for s, _, dt, _ in STEP_LINE.findall(text)]
     timed = [dt for s, dt in dts if s > 10] or [dt for s, dt in dts if s > 0]
     return dict(val_step=[s for s, _ in val], val_bpb_curve=[v for _, v in val],
                 val_bpb=val[-1][1] if val else None, steps=len(dts),
                 tokens_per_sec=len(timed) * tokens_per_step / sum(timed) if timed else None,
-                train_time_s=sum(dt for _, dt in dts))
+                train_time_s=sum(dt for _, dt in dts), attention="sdpa" if SDPA_LINE.search(text) else "fa3")
 
 
 def nanochat_commit(path: Path) -> str:

@@ -51,14 +51,21 @@ def ratio_cell(ratio: float | None, ours_bound: bool, theirs_bound: bool) -> str
     return ("<= " if ours_bound and not theirs_bound else "") + f"{ratio:.2f}x" + ("*" if theirs_bound else "")
 
 
+def attention(nanochat_runs: list[dict[str, Any]]) -> str:
+    """", attention sdpa" (or fa3, or both): how nanochat's runs attended; the FA3 kernel is faster
+    on a GPU, so a time ratio against an SDPA run is not against nanochat at its best there."""
+    kinds = sorted({r["attention"] for r in nanochat_runs if r.get("attention")})
+    return f", attention {' and '.join(kinds)}" if kinds else ""
+
+
 def report(config: dict[str, Any], runs: dict[str, list[dict[str, Any]]], commit: str) -> list[dict[str, Any]]:
     """Print the tables of `runs` (name -> runs in seed order; nanochat's may be fewer, or none)
     and return the per-seed comparisons with nanochat (none without a nanochat run)."""
     names = [n for n in runs if runs[n]]
     run = lambda n, i: runs[n][min(i, len(runs[n]) - 1)]  # noqa: E731  (nanochat's last for later seeds)
     print(f"\nd{config['depth']}, {config['num_iterations']} steps of {config['batch_size']} x {config['seq_len']}, "
-          f"vocab {config['vocab_size']}, packing {config['packing']} (ours); nanochat {commit[:12]} "
-          f"({harness.load()})")
+          f"vocab {config['vocab_size']}, packing {config['packing']} (ours); nanochat {commit[:12]}"
+          f"{attention(runs.get('nanochat', []))} ({harness.load()})")
     for i, seed in enumerate(config["seeds"]):
         curves = {n: dict(zip(run(n, i)["val_step"], run(n, i)["val_bpb_curve"])) for n in names}
         own = {n: dict(zip(run(n, i)["own_val_step"], run(n, i)["own_val_bpb_curve"])) for n in names}

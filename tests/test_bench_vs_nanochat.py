@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_vs_nanochat as bvn  # noqa: E402  (a benchmark, outside the package)
 import harness  # noqa: E402
+import vs_nanochat_report as report  # noqa: E402
 
 # nanochat 92d63d4, scripts/base_train.py on CPU: --depth 2 --max-seq-len 64 --device-batch-size 4
 # --total-batch-size 256 --num-iterations 6 --eval-every 3 (256 tokens a step).
@@ -50,6 +51,11 @@ def test_parse_nanochat_log_reads_the_curve_and_the_timed_steps():
     assert r["val_step"] == [0, 3, 6]
     assert r["val_bpb_curve"] == [4.084334, 4.083846, 4.082634]
     assert r["val_bpb"] == 4.082634 and r["steps"] == 6
+    assert r["attention"] == "fa3"  # it said nothing of a fallback
+    fallback = "WARNING: Flash Attention 3 not available, using PyTorch SDPA fallback\n"
+    assert bvn.parse_nanochat_log(fallback + TINY_LOG, 256)["attention"] == "sdpa"
+    assert report.attention([dict(attention="sdpa"), dict(attention="sdpa")]) == ", attention sdpa"
+    assert report.attention([]) == ""
     # 10 steps or fewer: every step but the first (compile) is timed
     assert r["tokens_per_sec"] == pytest.approx(5 * 256 / (0.04220 + 0.03591 + 0.03534 + 0.06567 + 0.03766), rel=1e-9)
 
