@@ -242,6 +242,11 @@ def read_curves(run_dir: Path) -> dict[str, list]:
     return curves
 
 
+EVALUATION = "windows spread over the validation split"
+"""How the trainer's validation loss picks its windows (nanochat.data.batches.val_batches): a run
+recorded under another protocol scored other text and is never reused."""
+
+
 def run_one(kw: dict[str, Any], mode: str, seed: int, *, emulate: bool) -> dict[str, Any]:
     """Train one run; its figures, or the error that stopped it (the other runs still go on).
     Writes `parity_run.json` (settings + figures) into the run directory for `--reuse`."""
@@ -262,7 +267,7 @@ def run_one(kw: dict[str, Any], mode: str, seed: int, *, emulate: bool) -> dict[
                   fp8_backend=r.fp8_backend, fp8_converted=len(r.fp8_converted),
                   fp8_choices=r.fp8_choices, fallbacks=r.fallbacks, fp8_stats=r.fp8_stats,
                   run_dir=r.run_dir, curves=read_curves(Path(r.run_dir)))
-    harness.write_json(Path(kw["run_dir"]) / "parity_run.json", dict(settings=kw, record=record))
+    harness.write_json(Path(kw["run_dir"]) / "parity_run.json", dict(settings=kw, evaluation=EVALUATION, record=record))
     return record
 
 
@@ -273,7 +278,8 @@ def reusable(kw: dict[str, Any]) -> dict[str, Any] | None:
         saved = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if saved.get("settings") != json.loads(json.dumps(kw)) or saved.get("record", {}).get("error"):
+    if (saved.get("settings") != json.loads(json.dumps(kw)) or saved.get("evaluation") != EVALUATION
+            or saved.get("record", {}).get("error")):
         return None
     return dict(saved["record"], reused=True)
 

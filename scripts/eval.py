@@ -1,7 +1,8 @@
 """Evaluate a model on a dataset without training: validation loss, bits per byte and
 multiple-choice accuracy.
 
-    python scripts/eval.py --run_dir runs/arc --dataset_path data/arc            # a trained run
+    python scripts/eval.py --run_dir runs/make_train                             # a run, on its own corpus
+    python scripts/eval.py --run_dir runs/arc --dataset_path data/arc            # a run, on a dataset
     python scripts/eval.py --model_name org/name --dataset_path data/arc         # a model as loaded
 
 The validation split is the one training uses (split files: the validation files); a run is

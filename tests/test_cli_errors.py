@@ -79,7 +79,7 @@ CASES = [
     ("base_train", ["--fp8_mode", "e4m5"], 2, ["--fp8_mode: 'e4m5' is not one of e4m3, e5m2, auto", "give one"]),
     ("base_train", ["--log", "jsonl", "csv"], 2, ["--log", "'csv' is not one of jsonl, tensorboard, wandb"]),
     ("base_train", ["--fp8-mod", "e4m3"], 2, ["unknown flag --fp8-mod", "did you mean --fp8_mode?", "--help"]),
-    ("eval", [], 2, ["--dataset_path is required", "give --dataset_path followed by a str"]),
+    ("eval", ["--run_dir", "{run}", "--eval_tokens", "many"], 2, ["--eval_tokens: invalid literal", "it takes an int"]),
     ("bench/bench_memory", ["--preset", "llama9"], 2, ["--preset: 'llama9' is not one of llama3-8b, llama3-1b"]),
     ("bench/bench_fp8_linear", ["--modes", "e4m5"], 2, ["--modes: 'e4m5' is not one of e4m3, e5m2, auto"]),
     # the config dataclasses' own checks (__post_init__)
@@ -88,6 +88,7 @@ CASES = [
      ["--muon_lr set Muon's hyperparameters", "pass --optimizer muon"]),
     ("tok_train", ["--vocab_size", "10"], 2, ["--vocab_size must be >= 260", "got 10"]),
     ("eval", DATA, 2, ["give exactly one of --run_dir", "--model_name"]),
+    ("eval", ["--model_name", "org/name"], 2, ["--dataset_path is missing", "--model_name org/name has no corpus"]),
     ("export_hf", ["--out_dir", "{missing}"], 2, ["give exactly one of --run_dir", "--model_name"]),
     ("bench/fp8_parity", ["--modes", "e4m3"], 2, ["add baseline to --modes", "--modes baseline e4m3"]),
     ("base_train", ["--fp8", "--fp8_recipe", "mxfp8", "--fp8_mode", "e5m2"], 2,

@@ -336,13 +336,18 @@ def test_stream_too_short_says_what_is_needed():
     assert "--seq_len" in msg and "--batch_size" in msg
 
 
-def test_val_batches_fixed_windows_from_the_start():
-    tokens = torch.arange(1000, dtype=torch.int32)
-    batches = list(val_batches(tokens, 10, 4, max_tokens=100))  # 10 windows: 4 + 4 + 2
+def test_val_batches_fixed_windows_spread_over_the_stream():
+    tokens = torch.arange(1000, dtype=torch.int32)  # 99 windows of 10 (+1) tokens
+    batches = list(val_batches(tokens, 10, 4, max_tokens=100))  # 10 of them: 4 + 4 + 2
     assert [x.shape[0] for x, _ in batches] == [4, 4, 2]
     xs = torch.cat([x for x, _ in batches])
     ys = torch.cat([y for _, y in batches])
-    assert torch.equal(xs[:, 0], torch.arange(0, 100, 10)) and torch.equal(ys, xs + 1)
+    # window i*99//10: one in every tenth of the stream, the first window included
+    assert (xs[:, 0] // 10).tolist() == [0, 9, 19, 29, 39, 49, 59, 69, 79, 89] and torch.equal(ys, xs + 1)
+    # a stream stored in an order (here: values rising along it) is scored as a whole, not by its head:
+    # the spread windows' mean is within one tenth of the stream (100) of the whole's, the first ten's is not
+    assert abs(ys.double().mean().item() - tokens.double().mean().item()) < 100
+    assert abs(torch.arange(1, 101).double().mean().item() - tokens.double().mean().item()) > 400
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(batches, val_batches(tokens, 10, 4, 100)))
     shards = [torch.cat([x for x, _ in val_batches(tokens, 10, 4, 100, rank=r, world_size=2)]) for r in (0, 1)]
     assert sorted(torch.cat(shards)[:, 0].tolist()) == xs[:, 0].tolist()

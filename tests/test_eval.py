@@ -271,6 +271,17 @@ def test_eval_script_reproduces_a_text_runs_loss_and_bpb(small_corpus, tmp_path,
     out, err = capsys.readouterr()
     assert json.loads(out.strip().splitlines()[-1])["tokens"] > report["tokens"]
     assert "the run evaluated with --eval_tokens 2048" in err
+    # without --dataset_path: the run's own corpus, the same figures
+    assert main(["--run_dir", str(run), "--device", "cpu", "--seq_len", "32", "--eval_tokens", "2048"]) == 0
+    own = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert own["val_bpb"] == pytest.approx(result.val_bpb, rel=1e-5) and own["tokens"] == report["tokens"]
+    # a run trained on a relative path, evaluated from elsewhere: one line saying so, before any work
+    monkeypatch.chdir(small_corpus.parent)
+    relative = tmp_path / "relative"
+    NanoChatTrainer(**tiny_train_kwargs(small_corpus.name, relative, num_iterations=2, num_samples=0)).train()
+    monkeypatch.chdir(tmp_path)
+    assert main(["--run_dir", str(relative), "--device", "cpu"]) == 2
+    assert f"the run trained on --dataset_path {small_corpus.name}, which is not there from" in capsys.readouterr().err
 
 
 def test_read_run_loads_the_checkpoint_of_a_given_step(small_corpus, tmp_path):

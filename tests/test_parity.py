@@ -150,6 +150,21 @@ def test_parallel_jobs_and_reuse_give_the_same_figures(quick_run, small_corpus, 
     assert "(reused)" in printed
 
 
+def test_reuse_needs_the_same_settings_and_validation_windows(tmp_path):
+    """A finished run is reused only when its settings and the evaluation protocol it was scored
+    with are this invocation's: a run scored on other validation windows is trained again."""
+    kw = dict(model_name="d2", seed=1, run_dir=str(tmp_path))
+    record = dict(error=None, val_loss=4.0)
+    path = tmp_path / "parity_run.json"
+    path.write_text(json.dumps(dict(settings=kw, evaluation=parity.EVALUATION, record=record)))
+    assert parity.reusable(kw) == dict(record, reused=True)
+    assert parity.reusable(dict(kw, seed=2)) is None
+    path.write_text(json.dumps(dict(settings=kw, record=record)))  # recorded before the protocol was named
+    assert parity.reusable(kw) is None
+    path.write_text(json.dumps(dict(settings=kw, evaluation=parity.EVALUATION, record=dict(record, error="boom"))))
+    assert parity.reusable(kw) is None
+
+
 def _runs(**val_losses_per_seed):
     """{seed: {mode: record}} from mode=[loss per seed] keyword arguments, gaps added."""
     n = len(next(iter(val_losses_per_seed.values())))

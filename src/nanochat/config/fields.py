@@ -204,8 +204,9 @@ class BatchFields(Checked):
     """Sequences per forward pass on each device."""
 
     eval_tokens: int = 32768
-    """Validation tokens per evaluation (the loss; the multiple-choice accuracy scores the records
-    within as many prompt tokens, at least one)."""
+    """Validation tokens per evaluation (the loss, in windows spread evenly over the validation
+    split; the multiple-choice accuracy scores its first records within as many prompt tokens, at
+    least one)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -86,13 +86,21 @@ class EvalConfig(ScriptFields, SourceFields, DeviceFields, BatchFields):
     """Evaluate a model on a dataset without training: validation loss and, for multiple-choice
     records, accuracy. `scripts/eval.py`."""
 
-    dataset_path: str
+    dataset_path: str | None = None
     """The dataset (as base_train's --dataset_path); its validation split is evaluated (split
-    files: the validation files; otherwise the same hash split as training)."""
+    files: the validation files; otherwise the same hash split as training). Default with
+    --run_dir: the run's own (the built-in corpus for a run trained without --dataset_path);
+    required with --model_name."""
 
     chat_template: str | None = None
     """As base_train's --chat_template. Default: the run's saved template, or the model's own, or
     plain when it has none."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dataset_path is None and self.model_name is not None:
+            raise ValueError(f"--dataset_path is missing: --model_name {self.model_name} has no corpus of its own; "
+                             "give the dataset whose validation split to evaluate")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,8 @@ Window k of a stream is tokens[k*seq_len : k*seq_len + seq_len + 1]: x its first
 tokens, y its last seq_len (consecutive windows share one token, so every token is a target
 once). `TokenBatches` visits the windows in an order seeded by (seed, epoch), gives rank r its
 slice of each global batch and resumes from two ints (epoch, step): a resumed run reads exactly
-the batches of an uninterrupted one. `val_batches` reads the first windows of the validation
-stream in order, the same windows for every evaluation and for `scripts/eval.py`.
+the batches of an uninterrupted one. `val_batches` reads windows spread evenly over the
+validation stream, the same windows for every evaluation and for `scripts/eval.py`.
 
 Plain text is cut either as above (`packing="stream"`) or into rows that each begin at a
 document's start (`packing="bestfit"`, nanochat.data.packing): window k is then row k, seq_len+1
@@ -231,16 +231,27 @@ class TokenBatches:
         self._epoch, self._step = int(state["epoch"]), int(state["step"])
 
 
+def spread(n: int, k: int) -> np.ndarray:
+    """k of the indices 0..n-1 (all n when k >= n), evenly spaced and increasing: i*n // k for
+    i < k, so the first is 0 and every stretch of n/k indices holds one."""
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    return np.arange(k, dtype=np.int64) * n // k
+
+
 def val_batches(tokens: TokenStream | torch.Tensor, seq_len: int, batch_size: int, max_tokens: int, *,
                 rank: int = 0, world_size: int = 1,
                 loss_mask: torch.Tensor | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """The first max(1, max_tokens // seq_len) windows of the validation stream, in order (the
-    rows of a best-fit stream, `split_stream`).
+    """max(1, max_tokens // seq_len) windows of the validation stream spread evenly over it, in
+    stream order (`spread`; the rows of a best-fit stream, `split_stream`); every window when the
+    stream holds no more. Spread, not the first ones: a corpus is often stored in an order (files
+    by path, records by source or date), and its first documents can score far from the split as
+    a whole.
 
-    Same windows as TokenBatches (stride seq_len), so every scored token is scored once. Batches
+    Same windows as TokenBatches (stride seq_len), so a scored token is scored once. Batches
     hold up to batch_size windows (the last may be smaller); rank r takes batches r, r+world_size...
-    Fewer windows than asked for are evaluated when the stream is short. With a loss mask, as in
-    TokenBatches: y is -1 at unscored targets and only windows with a scored target count.
+    With a loss mask, as in TokenBatches: y is -1 at unscored targets and only windows with a
+    scored target count (and are spread over).
     """
     stream = TokenStream.of(tokens, loss_mask)
     num_windows = _num_windows(stream, seq_len)
@@ -251,14 +262,15 @@ def val_batches(tokens: TokenStream | torch.Tensor, seq_len: int, batch_size: in
     want = max(1, max_tokens // seq_len)
     kept = stream.scored_windows(seq_len)
     if kept is None:
-        kept = np.arange(min(num_windows, want), dtype=np.int64)
+        windows = spread(num_windows, want)
     elif len(kept) == 0:
         raise DataError("the validation records have no scored (assistant) token in any window of "
                         f"seq_len+1 = {seq_len + 1} tokens; the validation split is too small or its "
                         "records have empty answers")
-    kept = kept[:want]
-    for start in range(rank * batch_size, len(kept), batch_size * world_size):
-        yield _window_batch(stream, kept[start:start + batch_size], seq_len)
+    else:
+        windows = kept[spread(len(kept), want)]
+    for start in range(rank * batch_size, len(windows), batch_size * world_size):
+        yield _window_batch(stream, windows[start:start + batch_size], seq_len)
 
 
-__all__ = ["VAL_SEED", "Packing", "TokenBatches", "split_stream", "val_batches"]
+__all__ = ["VAL_SEED", "Packing", "TokenBatches", "split_stream", "spread", "val_batches"]

@@ -2,12 +2,12 @@
 model evaluated on a dataset without training.
 
 `loss_and_bpb` is the one validation loss: the run (`Evaluator`, at every evaluation) and
-`scripts/eval.py` (`evaluate_saved`) both call it, on the same windows (`val_batches`: the first
---eval_tokens of the validation stream, records packed as training packs them), so eval.py on a
-finished run reproduces its result.json. Bits per byte divide the nats by the UTF-8 bytes the
-scored tokens stand for: comparable across tokenizers. A run measures in high precision on the
-uncompiled model (the figure is the model's quality, not FP8's inference noise); under torchrun
-every rank scores its share and the sums are all-reduced.
+`scripts/eval.py` (`evaluate_saved`) both call it, on the same windows (`val_batches`:
+--eval_tokens in windows spread evenly over the validation stream, records packed as training
+packs them), so eval.py on a finished run reproduces its result.json. Bits per byte divide the
+nats by the UTF-8 bytes the scored tokens stand for: comparable across tokenizers. A run measures
+in high precision on the uncompiled model (the figure is the model's quality, not FP8's inference
+noise); under torchrun every rank scores its share and the sums are all-reduced.
 
 Multiple choice: each option is scored by the log-likelihood of its answer tokens after the shared
 prompt (`instruct.choice_items`) and the best option is the prediction (lm-evaluation-harness's
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from itertools import islice
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -56,8 +57,8 @@ if TYPE_CHECKING:
 def loss_and_bpb(model: torch.nn.Module, val: TokenStream, token_bytes: torch.Tensor, *, seq_len: int,
                  batch_size: int, eval_tokens: int, device: torch.device, autocast: Any = None,
                  layout: Layout = Layout()) -> tuple[float, float, int]:
-    """Validation loss (nats per scored token), bits per byte and the tokens scored, over the
-    first `eval_tokens` of `val` in windows of `seq_len` (`val_batches`); the caller sets eval
+    """Validation loss (nats per scored token), bits per byte and the tokens scored, over
+    `eval_tokens` of `val` in windows of `seq_len` spread over it (`val_batches`); the caller sets eval
     mode and precision (`autocast`). Under a distributed `layout` each data-parallel rank scores
     its batches and the sums are all-reduced. `token_bytes`: each token id's UTF-8 bytes, on
     `device`."""
@@ -241,10 +242,11 @@ class EvalResult:
     """The step of the run's checkpoint that was evaluated; None for a model as loaded."""
 
 
-def load_saved(cfg: EvalConfig, device: torch.device) -> tuple[GPT, Tokenizer, Saved | None]:
-    """(model, tokenizer, checkpoint) of --run_dir's newest checkpoint, with the tokenizer it trained
-    with (checked: `read_run`); or of --model_name's Hugging Face directory as loaded (no
-    checkpoint). nanochat.checkpoint.load_model builds both."""
+def load_saved(cfg: EvalConfig, device: torch.device,
+               saved: Saved | None = None) -> tuple[GPT, Tokenizer, Saved | None]:
+    """(model, tokenizer, checkpoint) of --run_dir's newest checkpoint (`saved` when already
+    read), with the tokenizer it trained with (checked: `read_run`); or of --model_name's Hugging
+    Face directory as loaded (no checkpoint). nanochat.checkpoint.load_model builds both."""
     if cfg.run_dir is None:
         resolved = resolve_model(cfg.model_name)
         if resolved.kind != "hf":
@@ -252,7 +254,7 @@ def load_saved(cfg: EvalConfig, device: torch.device) -> tuple[GPT, Tokenizer, S
                              "run of it instead (--run_dir)")
         model, tok = load_model(resolved, device=device, seq_len=cfg.seq_len)
         return model, tok, None
-    saved = read_run(cfg.run_dir)
+    saved = saved if saved is not None else read_run(cfg.run_dir)
     model, tok = load_model(saved, device=device)
     return model, tok, saved
 
@@ -261,11 +263,19 @@ def load_saved(cfg: EvalConfig, device: torch.device) -> tuple[GPT, Tokenizer, S
 def evaluate_saved(cfg: EvalConfig) -> EvalResult:
     """`scripts/eval.py` with an `EvalConfig`: the validation split's loss, bits per byte and
     accuracy as a run measures them, read from the corpus's token store for the model's
-    tokenizer (built first if missing: EvalData, the run's own data assembly)."""
+    tokenizer (built first if missing: EvalData, the run's own data assembly); the corpus is
+    --dataset_path, or the run's own."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    list_sources(cfg.dataset_path)  # a path that cannot be a corpus: one error before the model loads
-    model, tok, saved = load_saved(cfg, device)
+    saved = read_run(cfg.run_dir) if cfg.run_dir is not None else None
+    dataset_path = cfg.dataset_path
+    if dataset_path is None:  # the run's own corpus
+        dataset_path = saved.meta["config"].get("dataset_path")
+        if dataset_path is not None and not os.path.exists(dataset_path):
+            raise UsageError(f"the run trained on --dataset_path {dataset_path}, which is not there from "
+                             f"{os.getcwd()}; give --dataset_path")
+    list_sources(dataset_path)  # a path that cannot be a corpus: one error before the model loads
+    model, tok, saved = load_saved(cfg, device, saved)
     source = f"{saved.path} (step {saved.step})" if saved is not None else str(cfg.model_name)
     logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
     seq_len = min(cfg.seq_len, model.config.seq_len)
@@ -280,7 +290,7 @@ def evaluate_saved(cfg: EvalConfig) -> EvalResult:
         fallbacks.append(message)
         logger.warning("WARNING: %s", message)
 
-    data = EvalData.load(cfg.dataset_path, tokenizer=tok, seq_len=seq_len, eval_tokens=cfg.eval_tokens, device=device,
+    data = EvalData.load(dataset_path, tokenizer=tok, seq_len=seq_len, eval_tokens=cfg.eval_tokens, device=device,
                          fallback=fallback, chat_template=cfg.chat_template, packing=cfg.packing)
     model.eval()
     context = autocast_context(device, dtype)
