@@ -267,14 +267,17 @@ def evaluate_saved(cfg: EvalConfig) -> EvalResult:
     --dataset_path, or the run's own."""
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    saved = read_run(cfg.run_dir) if cfg.run_dir is not None else None
+    # a path that cannot be a corpus: one error before the checkpoint is read and the model loads
     dataset_path = cfg.dataset_path
+    if dataset_path is not None:
+        list_sources(dataset_path)
+    saved = read_run(cfg.run_dir) if cfg.run_dir is not None else None
     if dataset_path is None:  # the run's own corpus
         dataset_path = saved.meta["config"].get("dataset_path")
         if dataset_path is not None and not os.path.exists(dataset_path):
             raise UsageError(f"the run trained on --dataset_path {dataset_path}, which is not there from "
                              f"{os.getcwd()}; give --dataset_path")
-    list_sources(dataset_path)  # a path that cannot be a corpus: one error before the model loads
+        list_sources(dataset_path)
     model, tok, saved = load_saved(cfg, device, saved)
     source = f"{saved.path} (step {saved.step})" if saved is not None else str(cfg.model_name)
     logger.info("evaluating %s", source)  # once the model loaded: an error is the only line
