@@ -37,6 +37,7 @@ Token bookkeeping is exact (tolerance 0).
 """
 
 import itertools
+from collections import Counter
 import json
 
 import pyarrow as pa
@@ -570,9 +571,44 @@ def test_choice_items_point_at_the_answer_letter(tok):
 
 
 def test_choice_items_stop_at_the_token_budget(tok):
+    """Within a budget the questions are taken spread over the split (records 0, 2, 1 of three),
+    returned in the split's order; at least one question whatever the budget."""
     records = [instruct.to_messages(r, "multiple choice") for r in ARC]
     every = instruct.choice_items(tok, records)
     lengths = [len(it.prompt) for it in every]
-    assert instruct.choice_items(tok, records, lengths[0] + lengths[1]) == every[:2]
-    assert instruct.choice_items(tok, records, lengths[0] + lengths[1] - 1) == every[:1]
+    assert instruct.choice_items(tok, records, sum(lengths)) == every
+    assert instruct.choice_items(tok, records, lengths[0] + lengths[2]) == [every[0], every[2]]
+    assert instruct.choice_items(tok, records, lengths[0] + lengths[2] - 1) == every[:1]
     assert instruct.choice_items(tok, records, 1) == every[:1]  # at least one question
+
+
+def test_choice_items_within_a_budget_sample_a_split_stored_by_subject(tok):
+    """A split stored in blocks (here: 4 subjects of 16 questions, one after the other) and a
+    budget for a quarter of it: the questions scored come from every subject, 4 from each, where
+    the first quarter would be one subject alone."""
+    rows = [dict(ARC[0], id=f"{subject}_{i}", question=f"{subject} question {i}?")
+            for subject in ("algebra", "anatomy", "biology", "chemistry") for i in range(16)]
+    records = [instruct.to_messages(r, "multiple choice") for r in rows]
+    every = instruct.choice_items(tok, records)
+    budget = sum(len(it.prompt) for it in every) // 4
+    picked = instruct.choice_items(tok, records, budget)
+    subjects = Counter(next(w for w in ("algebra", "anatomy", "biology", "chemistry") if w in tok.decode(it.prompt))
+                       for it in picked)
+    assert len(picked) >= 14 and set(subjects) == {"algebra", "anatomy", "biology", "chemistry"}
+    assert max(subjects.values()) - min(subjects.values()) <= 1
+    assert all(it in every for it in picked)
+    assert sorted(instruct.spread_order(8)) == list(range(8)) and instruct.spread_order(8)[:4] == [0, 4, 2, 6]
+
+
+def test_validation_records_are_read_by_index_from_disk(tmp_path):
+    """A store's validation records (JsonLines): by index in any order and by iteration, each the
+    record its line holds, non-ASCII text included; one read from disk at a time."""
+    from nanochat.data.token_store import JsonLines
+
+    rows = [{"i": i, "text": "é" * (i % 7), "choices": ["A", "B"]} for i in range(50)]
+    path = tmp_path / "val.records.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    lines = JsonLines(path)
+    assert len(lines) == 50 and list(lines) == rows
+    assert [lines[i] for i in (49, 0, 17, -1)] == [rows[49], rows[0], rows[17], rows[-1]]
+    assert lines[3:6] == rows[3:6]

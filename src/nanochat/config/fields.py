@@ -204,8 +204,8 @@ class BatchFields(Checked):
     """Sequences per forward pass on each device."""
 
     eval_tokens: int = 32768
-    """Validation tokens per evaluation (the loss, in windows spread evenly over the validation
-    split; the multiple-choice accuracy scores its first records within as many prompt tokens, at
+    """Validation tokens per evaluation: the loss scores windows spread evenly over the validation
+    split, the multiple-choice accuracy questions spread over it within as many prompt tokens (at
     least one)."""
 
     def __post_init__(self) -> None:

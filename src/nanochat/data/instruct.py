@@ -22,6 +22,7 @@ file and line. The formats in full, with the rejected alternatives: docs/instruc
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -373,35 +374,54 @@ class ChoiceItem(NamedTuple):
     """Index of the correct option."""
 
 
-def choice_items(tokenizer: Tokenizer, records: list[list[Message]], max_tokens: int | None = None) -> list[ChoiceItem]:
+def choice_items(tokenizer: Tokenizer, records: Sequence[list[Message]],
+                 max_tokens: int | None = None) -> list[ChoiceItem]:
     """The multiple-choice records among `records` (others are skipped), each rendered once per
-    option letter as the answer. Rendering through `render` keeps the letter's tokens exactly as
-    training scores them (`B` after a chat header, ` B` after `Answer:` in the plain format). The
-    prompt is the tokens all renderings share; each option is what follows, up to the tokens
-    that close the answer in every rendering (EOS, <|end|>), which are the same for all options
-    and left out. `max_tokens`: stop before the prompts would total more (the first question is
-    always kept), so an evaluation costs about what --eval_tokens says however large the split is."""
-    items, total = [], 0
-    for messages in records:
-        asked = next((i for i, m in enumerate(messages) if "choices" in m), None)
-        if asked is None or asked + 1 >= len(messages):
+    option letter as the answer, in the records' order. Rendering through `render` keeps the
+    letter's tokens exactly as training scores them (`B` after a chat header, ` B` after `Answer:`
+    in the plain format). The prompt is the tokens all renderings share; each option is what
+    follows, up to the tokens that close the answer in every rendering (EOS, <|end|>), which are
+    the same for all options and left out. `max_tokens`: stop before the prompts would total more
+    (at least one question), so an evaluation costs about what --eval_tokens says however large
+    the split is; the records are then taken in `spread_order`, so a budget that covers part of
+    a split stored in an order (questions by subject, by difficulty) still samples all of it."""
+    order = range(len(records)) if max_tokens is None else spread_order(len(records))
+    picked, total = [], 0
+    for index in order:
+        item = _choice_item(tokenizer, records[index])
+        if item is None:
             continue
-        letters, key = messages[asked]["choices"], messages[asked + 1]["content"]
-        rendered = []
-        for letter in letters:
-            ids, mask = render(tokenizer, [*messages[:asked + 1], {"role": "assistant", "content": letter}])
-            rendered.append(ids[:len(mask) - mask[::-1].index(True)])  # through the last scored token
-        at = _shared_length(rendered)
-        if len({tuple(r) for r in rendered}) != len(letters) or any(len(r) == at for r in rendered):
-            raise ValueError(f"the option letters {letters} do not render to distinct tokens after a shared "
-                             "prompt, so the options cannot be told apart (check the chat template)")
-        # the closing tokens every rendering ends with, keeping at least one token per option
-        tail = min(_shared_length([r[::-1] for r in rendered]), min(len(r) for r in rendered) - at - 1)
-        total += at
-        if items and max_tokens is not None and total > max_tokens:
+        total += len(item.prompt)
+        if picked and max_tokens is not None and total > max_tokens:
             break
-        items.append(ChoiceItem(rendered[0][:at], [r[at:len(r) - tail] for r in rendered], letters.index(key)))
-    return items
+        picked.append((index, item))
+    return [item for _, item in sorted(picked, key=lambda pair: pair[0])]
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 ordered by their bit-reversed value (0, n/2, n/4, 3n/4, ... when n is a power of
+    two): every prefix of the order lies spread over the whole range, not at its start."""
+    bits = max(1, (n - 1).bit_length())
+    return sorted(range(n), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+
+
+def _choice_item(tokenizer: Tokenizer, messages: list[Message]) -> ChoiceItem | None:
+    """One multiple-choice record as a ChoiceItem (`choice_items`); None when it asks no question."""
+    asked = next((i for i, m in enumerate(messages) if "choices" in m), None)
+    if asked is None or asked + 1 >= len(messages):
+        return None
+    letters, key = messages[asked]["choices"], messages[asked + 1]["content"]
+    rendered = []
+    for letter in letters:
+        ids, mask = render(tokenizer, [*messages[:asked + 1], {"role": "assistant", "content": letter}])
+        rendered.append(ids[:len(mask) - mask[::-1].index(True)])  # through the last scored token
+    at = _shared_length(rendered)
+    if len({tuple(r) for r in rendered}) != len(letters) or any(len(r) == at for r in rendered):
+        raise ValueError(f"the option letters {letters} do not render to distinct tokens after a shared "
+                         "prompt, so the options cannot be told apart (check the chat template)")
+    # the closing tokens every rendering ends with, keeping at least one token per option
+    tail = min(_shared_length([r[::-1] for r in rendered]), min(len(r) for r in rendered) - at - 1)
+    return ChoiceItem(rendered[0][:at], [r[at:len(r) - tail] for r in rendered], letters.index(key))
 
 
 def describe_scoring(items: list[ChoiceItem]) -> str:

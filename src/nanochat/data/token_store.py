@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,12 +76,38 @@ class TokenStore:
         return (f"{self.path} ({format_bytes(size)}, {self.manifest['dtype']}; built in {b['seconds']:.0f} s "
                 f"at {b['text_bytes'] / max(b['seconds'], 1e-9) / 1e6:.1f} MB/s of text)")
 
-    def val_records(self) -> Iterator[list[dict[str, str]]]:
-        """The validation split's instruction records (chat messages), in order, read lazily."""
+    def val_records(self) -> Sequence[list[dict[str, str]]]:
+        """The validation split's instruction records (chat messages), in order, each read from
+        disk when asked for (`JsonLines`); empty for plain text."""
         path = self.path / "val.records.jsonl"
         if self.kind != "instruct" or not path.is_file():
-            return
-        with open(path, encoding="utf-8") as f:
+            return ()
+        return JsonLines(path)
+
+
+class JsonLines(Sequence):
+    """The records of a JSON-lines file by index, one read from disk at a time: the file is
+    scanned once for where each line starts (8 bytes a record), so an evaluation can take records
+    from anywhere in a large split without holding it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            lengths = np.fromiter((len(line) for line in f), dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        with open(self.path, "rb") as f:
+            f.seek(int(self._starts[index]))
+            return json.loads(f.readline())
+
+    def __iter__(self) -> Iterator[Any]:
+        with open(self.path, encoding="utf-8") as f:
             for line in f:
                 yield json.loads(line)
 
