@@ -612,3 +612,5 @@ def test_validation_records_are_read_by_index_from_disk(tmp_path):
     assert len(lines) == 50 and list(lines) == rows
     assert [lines[i] for i in (49, 0, 17, -1)] == [rows[49], rows[0], rows[17], rows[-1]]
     assert lines[3:6] == rows[3:6]
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert len(JsonLines(tmp_path / "empty.jsonl")) == 0 and list(JsonLines(tmp_path / "empty.jsonl")) == []

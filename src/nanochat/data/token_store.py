@@ -94,7 +94,7 @@ class JsonLines(Sequence):
         self.path = path
         with open(path, "rb") as f:
             lengths = np.fromiter((len(line) for line in f), dtype=np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self._starts = np.cumsum(lengths) - lengths  # where each line starts; none for an empty file
 
     def __len__(self) -> int:
         return len(self._starts)
